@@ -1,0 +1,35 @@
+"""scaletrain: scale a plain PyTorch model and training loop to many devices.
+
+    import scaletrain as st
+    rt = st.init(strategy="ddp")
+    model, optimizer = rt.setup(model, optimizer)
+    loader = rt.loader(dataset, batch_size=100)
+"""
+
+from scaletrain.errors import (
+    CheckpointError,
+    ConfigError,
+    DatasetError,
+    EnvironmentDetectionError,
+    LaunchError,
+    ScaletrainError,
+)
+from scaletrain.runtime import Runtime, init
+from scaletrain.strategies import DDP, SingleDevice, Strategy
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DDP",
+    "CheckpointError",
+    "ConfigError",
+    "DatasetError",
+    "EnvironmentDetectionError",
+    "LaunchError",
+    "Runtime",
+    "ScaletrainError",
+    "SingleDevice",
+    "Strategy",
+    "__version__",
+    "init",
+]

@@ -1,0 +1,215 @@
+"""`scaletrain` subcommands; each one a thin call into the library."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+from collections.abc import Sequence
+
+from scaletrain.errors import ScaletrainError
+
+__all__ = ["build_parser", "main"]
+
+
+def _add_train(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "train",
+        help="train a recipe (default: the seeds' ConvNet on Fashion-MNIST) with DDP",
+        description=(
+            "Train a recipe on this machine: one process per GPU, or 2 on CPU. Under "
+            "torchrun, srun or mpirun each process joins the job it was started in."
+        ),
+    )
+    p.add_argument("--recipe", default="convnet", help="model + data recipe (default: convnet)")
+    p.add_argument("--nproc", type=int, default=None, help="processes (default: GPUs, else 2)")
+    p.add_argument("--epochs", type=int, default=2, help="passes over the data (default: 2)")
+    p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
+    p.add_argument("--batch-size", type=int, default=100, help="samples per rank per step")
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: recipe)")
+    p.add_argument("--strategy", default="ddp", help="parallelism strategy (default: ddp)")
+    p.add_argument("--backend", default=None, help="nccl | gloo (default: by device)")
+    p.add_argument("--data-dir", default=None, help="dataset directory (default: search)")
+    p.add_argument("--out", default=None, help="run directory (default: runs/<recipe>-<time>)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    p.add_argument("--log-every", type=int, default=20, help="steps between metric records")
+
+
+def _add_env(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    sub.add_parser(
+        "env",
+        help="show the detected cluster environment, backend, devices and versions",
+        description="Print what scaletrain detects here and why, as a worker would see it.",
+    )
+
+
+def _add_launch(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from scaletrain.launch.cli import add_arguments
+
+    p = sub.add_parser(
+        "launch",
+        help="start a script on N processes per node with torch.distributed.run",
+        description=(
+            "Start SCRIPT on every process of this node through PyTorch's elastic launcher "
+            "(torch.distributed.run), with scaletrain's defaults and checks."
+        ),
+    )
+    add_arguments(p)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="scaletrain",
+        description="Scale PyTorch training from one device to many GPUs and machines.",
+    )
+    parser.add_argument("--version", action="store_true", help="print the version and exit")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_train(sub)
+    _add_launch(sub)
+    _add_env(sub)
+    return parser
+
+
+def _cmd_env() -> int:
+    import torch
+    import torch.distributed as dist
+    from rich.console import Console
+    from rich.table import Table
+
+    import scaletrain
+    from scaletrain.dist import choose_backend
+    from scaletrain.env import detect
+    from scaletrain.env.report import describe
+
+    console = Console()
+    env = detect()
+    table = Table(title="scaletrain env", show_header=False, title_justify="left")
+    table.add_column("what", style="bold")
+    table.add_column("value")
+    for key, value in describe(env):
+        table.add_row(key, value)
+    backend = choose_backend(None)
+    why = "CUDA available" if torch.cuda.is_available() else "no CUDA device: CPUs"
+    table.add_row("backend", f"{backend} ({why})")
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(i)
+            table.add_row(f"cuda:{i}", f"{props.name}, {props.total_memory / 2**30:.1f} GiB")
+    else:
+        table.add_row("devices", f"cpu ({os.cpu_count()} cores)")
+    table.add_row("python", platform.python_version())
+    table.add_row("torch", torch.__version__)
+    table.add_row("scaletrain", scaletrain.__version__)
+    nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else "-"
+    table.add_row(
+        "backends available",
+        f"gloo={dist.is_gloo_available()} nccl={dist.is_nccl_available()} (NCCL {nccl}) "
+        f"mpi={dist.is_mpi_available()}",
+    )
+    console.print(table)
+    return 0
+
+
+def _cmd_train(ns: argparse.Namespace, argv: Sequence[str]) -> int:
+    from scaletrain.env import detect
+    from scaletrain.train import TrainConfig, Trainer
+
+    config = TrainConfig(
+        recipe=ns.recipe,
+        nproc=ns.nproc,
+        epochs=ns.epochs,
+        max_steps=ns.max_steps,
+        batch_size=ns.batch_size,
+        lr=ns.lr,
+        strategy=ns.strategy,
+        backend=ns.backend,
+        data_dir=ns.data_dir,
+        out=ns.out,
+        seed=ns.seed,
+        log_every=ns.log_every,
+    )
+    _preflight(config)
+    env = detect()
+    if env.kind != "local" and not env.per_node:
+        # Already one rank of a launched job (torchrun, srun, mpirun): train here.
+        Trainer(config).run()
+        return 0
+    if config.out is None:
+        # Resolved once, here, so every worker writes to the same directory.
+        config.out = os.path.join("runs", f"{config.recipe}-{time.strftime('%Y%m%d-%H%M%S')}")
+    nproc = config.nproc
+    if nproc is None:
+        import torch
+
+        nproc = torch.cuda.device_count() or 2
+    if nproc == 1 and not env.per_node:
+        Trainer(config).run()
+        return 0
+    from scaletrain.launch import LaunchConfig, launch
+
+    worker_args = [*_strip_out(argv), "--out", config.out]
+    return launch(
+        LaunchConfig(nproc_per_node=nproc, run_as_module=True),
+        "scaletrain",
+        ["train", *worker_args],
+    )
+
+
+def _preflight(config: object) -> None:
+    """Check what can be checked before any process starts: one error, not one per rank."""
+    from scaletrain.data import find_dataset_dir
+    from scaletrain.strategies import resolve_strategy
+    from scaletrain.train import TrainConfig, get_recipe
+
+    assert isinstance(config, TrainConfig)
+    recipe = get_recipe(config.recipe)
+    resolve_strategy(config.strategy)
+    find_dataset_dir(recipe.dataset, config.data_dir)
+
+
+def _strip_out(argv: Sequence[str]) -> list[str]:
+    """The user's train flags minus --out (replaced by the resolved run directory)."""
+    out: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        if arg == "--out":
+            skip = True
+            continue
+        if arg.startswith("--out="):
+            continue
+        out.append(arg)
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    ns = parser.parse_args(args)
+    if ns.version:
+        import scaletrain
+
+        print(scaletrain.__version__)
+        return 0
+    try:
+        if ns.command == "env":
+            return _cmd_env()
+        if ns.command == "train":
+            return _cmd_train(ns, args[args.index("train") + 1 :])
+        if ns.command == "launch":
+            from scaletrain.launch.cli import run
+
+            return run(ns)
+    except ScaletrainError as exc:
+        print(f"scaletrain: error: {exc}", file=sys.stderr)
+        return 2
+    parser.print_help()
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,24 @@
+"""Process groups, backend and device choice, and collectives for metrics."""
+
+from scaletrain.dist.backend import BACKENDS, choose_backend, choose_device
+from scaletrain.dist.collectives import REDUCE_OPS, barrier, rank_first, reduce_values
+from scaletrain.dist.process_group import (
+    DEFAULT_TIMEOUT_S,
+    destroy,
+    init_process_group,
+    is_initialized,
+)
+
+__all__ = [
+    "BACKENDS",
+    "DEFAULT_TIMEOUT_S",
+    "REDUCE_OPS",
+    "barrier",
+    "choose_backend",
+    "choose_device",
+    "destroy",
+    "init_process_group",
+    "is_initialized",
+    "rank_first",
+    "reduce_values",
+]

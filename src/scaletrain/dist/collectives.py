@@ -1,0 +1,122 @@
+"""Collectives for metrics and coordination, cheap at world size 1."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from scaletrain.errors import ConfigError
+
+__all__ = ["REDUCE_OPS", "barrier", "rank_first", "reduce_values"]
+
+REDUCE_OPS = ("sum", "mean", "max", "min")
+
+Number = torch.Tensor | float | int
+
+
+def _active() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def barrier(device: torch.device | None = None) -> None:
+    if not _active():
+        return
+    if device is not None and device.type == "cuda" and dist.get_backend() == "nccl":
+        # Without device_ids NCCL guesses the device and warns; pass ours.
+        dist.barrier(device_ids=[device.index or 0])
+    else:
+        dist.barrier()
+
+
+def reduce_values(
+    values: Mapping[str, Number], op: str = "sum", *, device: torch.device | None = None
+) -> dict[str, Any]:
+    """Reduce every value across ranks in ONE collective.
+
+    Values are packed into a single float64 vector (exact for counts below 2**53),
+    so reducing a dict of metrics costs one all-reduce, not one per key. Tensors
+    come back as tensors of their own dtype and device, numbers as numbers.
+    """
+    if op not in REDUCE_OPS:
+        raise ConfigError(f"op={op!r} is not a reduction; expected one of {', '.join(REDUCE_OPS)}.")
+    if not values:
+        return {}
+    shapes: list[tuple[str, torch.Size, torch.dtype | None, torch.device | None]] = []
+    flat: list[torch.Tensor] = []
+    for key, value in values.items():
+        if isinstance(value, torch.Tensor):
+            t = value.detach()
+            shapes.append((key, t.shape, t.dtype, t.device))
+            flat.append(t.reshape(-1).to(torch.float64).cpu() if device is None else t.reshape(-1))
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            shapes.append((key, torch.Size([]), None, None))
+            flat.append(torch.tensor([float(value)], dtype=torch.float64))
+        else:
+            raise ConfigError(
+                f"reduce() got {key}={value!r} of type {type(value).__name__}; expected tensors "
+                "or numbers (int/float). Convert it, e.g. torch.tensor(x)."
+            )
+    comm_device = device if device is not None else torch.device("cpu")
+    if _active() and dist.get_backend() == "nccl" and comm_device.type != "cuda":
+        comm_device = torch.device("cuda", torch.cuda.current_device())
+    buf = torch.cat([f.to(device=comm_device, dtype=torch.float64) for f in flat])
+    if _active():
+        dist_op = {
+            "sum": dist.ReduceOp.SUM,
+            "mean": dist.ReduceOp.SUM,  # Gloo has no AVG: sum, then divide below.
+            "max": dist.ReduceOp.MAX,
+            "min": dist.ReduceOp.MIN,
+        }[op]
+        dist.all_reduce(buf, op=dist_op)
+        if op == "mean":
+            buf /= dist.get_world_size()
+    out: dict[str, Any] = {}
+    offset = 0
+    for key, shape, dtype, dev in shapes:
+        n = shape.numel()
+        chunk = buf[offset : offset + n]
+        offset += n
+        if dtype is None:
+            number = chunk.item()
+            original = values[key]
+            is_int = isinstance(original, int) and op != "mean"
+            out[key] = round(number) if is_int else float(number)
+        else:
+            out[key] = chunk.reshape(shape).to(device=dev, dtype=dtype)
+    return out
+
+
+@contextlib.contextmanager
+def rank_first(is_first: bool, *, device: torch.device | None = None) -> Iterator[None]:
+    """The `is_first` ranks run the body, then the others do.
+
+    One all-reduce of a failure flag stands in for the usual barrier, so if a first
+    rank fails (a download, a corrupted file), the waiting ranks raise at once
+    instead of hanging until the collective timeout.
+    """
+    if not _active():
+        yield
+        return
+    comm_device = device if (device is not None and dist.get_backend() == "nccl") else None
+    flag = torch.zeros(1, device=comm_device or "cpu")
+    if not is_first:
+        dist.all_reduce(flag)
+        if flag.item() > 0:
+            raise RuntimeError(
+                "the first rank of this node failed inside rank_zero_first(); see its error above"
+            )
+        yield
+        return
+    try:
+        yield
+    except BaseException:
+        flag += 1
+        dist.all_reduce(flag)
+        raise
+    dist.all_reduce(flag)
+    if flag.item() > 0:
+        raise RuntimeError("another node's first rank failed inside rank_zero_first()")

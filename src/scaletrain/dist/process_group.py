@@ -1,0 +1,107 @@
+"""Creating and tearing down the default process group."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import gc
+import ipaddress
+import os
+
+import torch
+import torch.distributed as dist
+
+from scaletrain.env.base import ClusterEnv
+from scaletrain.errors import ConfigError
+
+__all__ = ["DEFAULT_TIMEOUT_S", "destroy", "init_process_group", "is_initialized"]
+
+DEFAULT_TIMEOUT_S = 1800.0
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _export_env(env: ClusterEnv) -> None:
+    # env:// is the one init method that also works under torchrun, whose agent
+    # shares its own TCPStore with the workers through these same variables.
+    os.environ["MASTER_ADDR"] = env.master_addr
+    os.environ["MASTER_PORT"] = str(env.master_port)
+    os.environ["RANK"] = str(env.rank)
+    os.environ["WORLD_SIZE"] = str(env.world_size)
+    os.environ["LOCAL_RANK"] = str(env.local_rank)
+    os.environ["LOCAL_WORLD_SIZE"] = str(env.local_world_size)
+
+
+def init_process_group(
+    env: ClusterEnv,
+    *,
+    backend: str,
+    device: torch.device,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> None:
+    """Join the job described by `env`. A no-op at world size 1: no store, no threads."""
+    if timeout_s <= 0:
+        raise ConfigError(f"timeout={timeout_s!r} s must be positive, e.g. 600 for ten minutes.")
+    if env.world_size == 1:
+        return
+    if is_initialized():
+        if dist.get_world_size() != env.world_size or dist.get_rank() != env.rank:
+            raise ConfigError(
+                "a process group already exists with rank "
+                f"{dist.get_rank()}/{dist.get_world_size()}, but the environment says rank "
+                f"{env.rank}/{env.world_size}. Call scaletrain.init() once per process, or call "
+                "rt.shutdown() before initialising again."
+            )
+        return
+    _export_env(env)
+    # On one node every peer is local: binding to loopback avoids Gloo picking an
+    # interface whose address other ranks cannot reach (containers, VPNs).
+    if (
+        backend == "gloo"
+        and env.num_nodes == 1
+        and "GLOO_SOCKET_IFNAME" not in os.environ
+        and _is_loopback(env.master_addr)
+    ):
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    kwargs: dict[str, object] = {}
+    if backend == "nccl" and device.type == "cuda":
+        # Binding the group to this rank's GPU makes NCCL create its communicator
+        # eagerly on the right device instead of guessing from the current device.
+        kwargs["device_id"] = device
+    dist.init_process_group(
+        backend=backend,
+        init_method="env://",
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=_dt.timedelta(seconds=timeout_s),
+        **kwargs,  # type: ignore[arg-type]
+    )
+
+
+def destroy() -> None:
+    """Tear down in the order that keeps Gloo from aborting at interpreter exit.
+
+    A DDP model alive at exit can race Gloo's worker threads against interpreter
+    shutdown ("terminate called without an active exception", NOTES.md). Collecting
+    garbage first frees the reducers the caller has dropped, and destroying the
+    group before exit joins Gloo's threads while Python is still whole.
+    """
+    if not is_initialized():
+        return
+    gc.collect()
+    try:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    finally:
+        dist.destroy_process_group()
+    gc.collect()

@@ -1,0 +1,15 @@
+"""One module per parallelism; each registers itself under its user-facing name."""
+
+from scaletrain.strategies.base import STRATEGIES, Strategy, register, resolve_strategy
+from scaletrain.strategies.ddp import COMM_HOOKS, DDP
+from scaletrain.strategies.single import SingleDevice
+
+__all__ = [
+    "COMM_HOOKS",
+    "DDP",
+    "STRATEGIES",
+    "SingleDevice",
+    "Strategy",
+    "register",
+    "resolve_strategy",
+]

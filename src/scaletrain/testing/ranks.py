@@ -1,0 +1,142 @@
+"""Start N processes with the variables torchrun gives its workers, run a function, collect results.
+
+Each rank runs with OMP_NUM_THREADS=1 (two ranks x two threads on two cores is
+several times slower than one thread each), Gloo bound to loopback, and a fresh
+free port, so tests can run side by side.
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from typing import Any
+
+__all__ = ["RankFailure", "free_port", "run_ranks"]
+
+
+class RankFailure(RuntimeError):
+    """One or more ranks raised, died or timed out; the message has each rank's story."""
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now (bound to 0, then released)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _child(
+    fn: Callable[..., Any],
+    rank: int,
+    env: dict[str, str],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    results: Any,
+) -> None:
+    os.environ.update(env)
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        value = fn(*args, **kwargs)
+        # Serialised here: tensors put on a Queue are shared through file descriptors
+        # that vanish when this process exits before the parent has read them.
+        buf = io.BytesIO()
+        torch.save(value, buf)
+        results.put((rank, True, buf.getvalue()))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 120.0,
+    nproc_per_node: int | None = None,
+    env: Mapping[str, str] | None = None,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run `fn(*args, **kwargs)` on `world_size` ranks; return the values by rank.
+
+    `fn` must be importable by name (a module-level function): ranks are spawned.
+    `nproc_per_node` splits the ranks into nodes (same host) to exercise node ranks.
+    """
+    import torch
+
+    per_node = nproc_per_node or world_size
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = []
+    for rank in range(world_size):
+        rank_env = {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank % per_node),
+            "LOCAL_WORLD_SIZE": str(per_node),
+            "GROUP_RANK": str(rank // per_node),
+            "GROUP_WORLD_SIZE": str(world_size // per_node),
+            "ROLE_RANK": str(rank),
+            "ROLE_WORLD_SIZE": str(world_size),
+            "TORCHELASTIC_RUN_ID": f"scaletrain-test-{port}",
+            "GLOO_SOCKET_IFNAME": "lo",
+            "OMP_NUM_THREADS": "1",
+            **(env or {}),
+        }
+        p = ctx.Process(
+            target=_child, args=(fn, rank, rank_env, args, kwargs, results), daemon=True
+        )
+        p.start()
+        procs.append(p)
+    values: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(values) + len(errors) < world_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(set(range(world_size)) - set(values) - set(errors))
+                errors.update({r: f"timed out after {timeout:.0f} s" for r in missing})
+                break
+            try:
+                rank, ok, value = results.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                for r, p in enumerate(procs):
+                    if not p.is_alive() and r not in values and r not in errors:
+                        # Give a just-exited rank's queued result a moment to arrive.
+                        time.sleep(0.5)
+                        if results.empty():
+                            errors[r] = f"process died with exit code {p.exitcode}"
+                continue
+            if ok:
+                values[rank] = torch.load(io.BytesIO(value), weights_only=False)
+            else:
+                errors[rank] = value
+            if not ok:
+                # One failure usually strands the peers in a collective: stop waiting soon.
+                deadline = min(deadline, time.monotonic() + 10.0)
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if errors:
+        story = "\n".join(f"--- rank {r} ---\n{errors[r]}" for r in sorted(errors))
+        raise RankFailure(f"{len(errors)} of {world_size} rank(s) failed:\n{story}")
+    return [values[r] for r in range(world_size)]

@@ -1,0 +1,66 @@
+"""Configuration of a `scaletrain train` run."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from scaletrain.errors import ConfigError
+
+__all__ = ["TrainConfig"]
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    """Everything `scaletrain train` needs; each CLI flag maps to one field."""
+
+    recipe: str = "convnet"
+    """Model + dataset + optimiser recipe (see scaletrain.train.recipes)."""
+    nproc: int | None = None
+    """Processes on this node; None: one per GPU, else 2 on CPU."""
+    epochs: int = 2
+    """Passes over the training set."""
+    max_steps: int | None = None
+    """Stop after this many optimiser steps (for smoke tests); None: run all epochs."""
+    batch_size: int = 100
+    """Samples per rank per step; the global batch is batch_size x world size."""
+    lr: float | None = None
+    """Peak learning rate; None: the recipe's, scaled linearly with the global batch."""
+    strategy: str = "ddp"
+    """Parallelism strategy name."""
+    backend: str | None = None
+    """"nccl", "gloo" or None (NCCL on GPUs, Gloo on CPUs)."""
+    data_dir: str | None = None
+    """Directory with the dataset files; None: search the usual places."""
+    out: str | None = None
+    """Run directory for metrics.jsonl and model.pt; None: runs/<recipe>-<time>."""
+    seed: int = 0
+    """Seed for weights, shuffling and augmentation: same seed, same run."""
+    eval_batch_size: int = 1000
+    """Samples per rank per evaluation step."""
+    log_every: int = 20
+    """Steps between metric records (and plain-text progress lines)."""
+    num_workers: int = 0
+    """DataLoader worker processes per rank (0: load in the training process)."""
+
+    def __post_init__(self) -> None:
+        positive = {
+            "epochs": self.epochs,
+            "batch_size": self.batch_size,
+            "eval_batch_size": self.eval_batch_size,
+            "log_every": self.log_every,
+        }
+        for field, value in positive.items():
+            if value < 1:
+                raise ConfigError(f"{field}={value!r} must be a positive integer (>= 1).")
+        if self.nproc is not None and self.nproc < 1:
+            raise ConfigError(f"nproc={self.nproc!r} must be >= 1 (processes on this node).")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ConfigError(f"max_steps={self.max_steps!r} must be >= 1, or unset.")
+        if self.lr is not None and not self.lr > 0:
+            raise ConfigError(f"lr={self.lr!r} must be a positive number, e.g. 0.05.")
+        if self.num_workers < 0:
+            raise ConfigError(f"num_workers={self.num_workers!r} must be >= 0.")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

@@ -1,0 +1,86 @@
+"""What rank 0 shows while training: a live bar in a terminal, plain lines in a log."""
+
+from __future__ import annotations
+
+import sys
+from types import TracebackType
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+__all__ = ["StepProgress"]
+
+
+class StepProgress:
+    """One bar per epoch with live loss and samples/s; silent when `enabled` is False."""
+
+    def __init__(self, *, enabled: bool, console: Console | None = None) -> None:
+        self.enabled = enabled
+        self.console = console or Console(file=sys.stdout)
+        # In a log file (CI, `tee`) a live bar is noise: print a line per update instead.
+        self.live = enabled and self.console.is_terminal
+        self._progress: Progress | None = None
+        self._task: TaskID | None = None
+        self._label = ""
+
+    def __enter__(self) -> StepProgress:
+        if self.live:
+            self._progress = Progress(
+                TextColumn("[bold]{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("loss {task.fields[loss]}"),
+                TextColumn("{task.fields[speed]} samples/s"),
+                TimeElapsedColumn(),
+                TimeRemainingColumn(),
+                console=self.console,
+            )
+            self._progress.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+
+    def start_epoch(self, label: str, total: int, done: int = 0) -> None:
+        self._label = label
+        if self._progress is not None:
+            if self._task is not None:
+                self._progress.update(self._task, visible=True)
+            self._task = self._progress.add_task(
+                label, total=total, completed=done, loss="-", speed="-"
+            )
+
+    def update(self, step_in_epoch: int, total: int, loss: float, samples_per_s: float) -> None:
+        if not self.enabled:
+            return
+        if self._progress is not None and self._task is not None:
+            self._progress.update(
+                self._task,
+                completed=step_in_epoch,
+                loss=f"{loss:.4f}",
+                speed=f"{samples_per_s:,.0f}",
+            )
+        else:
+            self.console.print(
+                f"{self._label} step {step_in_epoch}/{total}  loss {loss:.4f}  "
+                f"{samples_per_s:,.0f} samples/s",
+                highlight=False,
+            )
+
+    def print(self, message: str) -> None:
+        if self.enabled:
+            self.console.print(message, highlight=False)
