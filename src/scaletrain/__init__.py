@@ -1,9 +1,9 @@
 """scaletrain: scale a plain PyTorch model and training loop to many devices.
 
-    import scaletrain as st
-    rt = st.init(strategy="ddp")
-    model, optimizer = rt.setup(model, optimizer)
-    loader = rt.loader(dataset, batch_size=100)
+import scaletrain as st
+rt = st.init(strategy="ddp")
+model, optimizer = rt.setup(model, optimizer)
+loader = rt.loader(dataset, batch_size=100)
 """
 
 from scaletrain.errors import (

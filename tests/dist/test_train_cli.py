@@ -73,16 +73,16 @@ def test_train_single_process_without_launcher(tmp_path: Path) -> None:
     assert "1 process(es)" in done.stdout
 
 
-def test_train_missing_dataset_names_the_files(tmp_path: Path) -> None:
-    empty = tmp_path / "empty"
-    empty.mkdir()
+def test_train_truncated_dataset_names_the_file(tmp_path: Path) -> None:
+    data = write_fake_mnist(tmp_path / "data", n_train=50, n_test=10, seed=2, gz=False)
+    images = data / "train-images-idx3-ubyte"
+    images.write_bytes(images.read_bytes()[:1000])
     done = _scaletrain(
-        "train", "--nproc", "1", "--data-dir", str(empty), "--out", str(tmp_path / "r"),
+        "train", "--nproc", "1", "--data-dir", str(data), "--out", str(tmp_path / "r"),
         cwd=tmp_path,
     )  # fmt: skip
-    assert done.returncode == 2
-    assert "train-images-idx3-ubyte" in done.stderr
-    assert str(empty) in done.stderr
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert str(images) in done.stderr
     assert "Traceback" not in done.stderr
 
 

@@ -1,0 +1,35 @@
+"""Data for distributed training: a resumable sharded sampler, its loader, dataset readers."""
+
+from scaletrain.data.datasets import (
+    CLASSES,
+    DATASETS,
+    NORMALIZATION,
+    SPLITS,
+    ImageClassificationDataset,
+    find_dataset_dir,
+    load_dataset,
+    read_cifar_batch,
+    read_idx,
+    write_cifar,
+    write_fake_mnist,
+    write_idx,
+)
+from scaletrain.data.loader import ShardedLoader
+from scaletrain.data.sampler import ShardedSampler
+
+__all__ = [
+    "CLASSES",
+    "DATASETS",
+    "NORMALIZATION",
+    "SPLITS",
+    "ImageClassificationDataset",
+    "ShardedLoader",
+    "ShardedSampler",
+    "find_dataset_dir",
+    "load_dataset",
+    "read_cifar_batch",
+    "read_idx",
+    "write_cifar",
+    "write_fake_mnist",
+    "write_idx",
+]

@@ -1,0 +1,136 @@
+"""A DataLoader wrapper that keeps its ShardedSampler's position and epoch current.
+
+A plain DataLoader cannot be checkpointed mid-epoch: with workers it has
+already fetched indices ahead of what the training loop has seen, so asking
+the sampler "where are we" gives the wrong answer. This wrapper counts the
+batches it *hands out* instead, and advances the epoch by itself at the end
+of each pass so that forgetting `set_epoch` no longer means training every
+epoch on the same order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from scaletrain.data.sampler import ShardedSampler
+from scaletrain.errors import ConfigError
+
+__all__ = ["ShardedLoader"]
+
+
+class ShardedLoader:
+    """Iterates batches of `dataset` in the order of `sampler`, resumable mid-epoch.
+
+    After each batch is handed out, the sampler's position advances by the
+    number of samples in it; a `state_dict()` taken while the training loop
+    holds batch k therefore resumes at batch k + 1, whatever `num_workers`
+    prefetched. When a pass ends (the iterator is exhausted, not abandoned) it
+    calls `sampler.set_epoch(epoch + 1)`, so the next pass reshuffles.
+
+    Worker random seeds are derived from (`seed`, rank, epoch), so random
+    augmentations in workers differ between ranks and epochs and are the same
+    again after a resume. `seed` defaults to the sampler's seed.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset[Any],
+        *,
+        batch_size: int,
+        sampler: ShardedSampler,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        drop_last: bool = False,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        persistent_workers: bool = False,
+        seed: int | None = None,
+    ) -> None:
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ConfigError(
+                f"ShardedLoader: batch_size must be an int >= 1 (per rank), received {batch_size!r}"
+            )
+        if not isinstance(sampler, ShardedSampler):
+            raise ConfigError(
+                f"ShardedLoader: sampler must be a ShardedSampler, received "
+                f"{type(sampler).__name__}; build one with ShardedSampler(dataset, "
+                "num_replicas=world_size, rank=rank)"
+            )
+        n = len(dataset)  # type: ignore[arg-type]
+        if n != sampler.dataset_len:
+            raise ConfigError(
+                f"ShardedLoader: the dataset has {n} samples but the sampler was built for "
+                f"{sampler.dataset_len}; build the sampler from this dataset"
+            )
+        self._dataset = dataset
+        self._batch_size = batch_size
+        self._sampler = sampler
+        self._drop_last = drop_last
+        self._seed = sampler.seed if seed is None else int(seed)
+        self._generator = torch.Generator()
+        self._loader: DataLoader[Any] = DataLoader(
+            dataset,
+            batch_size=batch_size,
+            sampler=sampler,
+            num_workers=num_workers,
+            pin_memory=pin_memory,
+            drop_last=drop_last,
+            collate_fn=collate_fn,
+            persistent_workers=persistent_workers and num_workers > 0,
+            generator=self._generator,
+        )
+
+    @property
+    def dataset(self) -> Dataset[Any]:
+        return self._dataset
+
+    @property
+    def sampler(self) -> ShardedSampler:
+        return self._sampler
+
+    @property
+    def batch_size(self) -> int:
+        return self._batch_size
+
+    @property
+    def epoch(self) -> int:
+        return self._sampler.epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Same as `sampler.set_epoch`: a different epoch restarts at its first batch."""
+        self._sampler.set_epoch(epoch)
+
+    def _batches(self, samples: int) -> int:
+        return samples // self._batch_size if self._drop_last else -(-samples // self._batch_size)
+
+    def __len__(self) -> int:
+        """Batches in a full epoch on this rank (ignores the position)."""
+        return self._batches(len(self._sampler))
+
+    def remaining(self) -> int:
+        """Batches still to come in the current epoch, from the sampler's position."""
+        return self._batches(self._sampler.remaining())
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._sampler.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._sampler.load_state_dict(state)
+
+    def __iter__(self) -> Iterator[Any]:
+        sampler = self._sampler
+        epoch = sampler.epoch
+        self._generator.manual_seed(
+            int(np.random.SeedSequence([self._seed, sampler.rank, epoch]).generate_state(1)[0])
+        )
+        for batch in self._loader:
+            # Batch sizes follow from the sampler alone (full batches, then a
+            # partial one unless drop_last), so no need to inspect what the
+            # collate_fn returned, which may be any structure.
+            sampler.advance(min(self._batch_size, sampler.remaining()))
+            yield batch
+        sampler.set_epoch(epoch + 1)

@@ -1,0 +1,263 @@
+"""A distributed sampler that shards an index range across ranks and resumes mid-epoch.
+
+It produces the same order as `torch.utils.data.DistributedSampler` for the same
+seed and epoch (so switching to it changes no result), and adds what that
+sampler lacks for long jobs: a consumed-`position` inside the epoch that is
+saved in `state_dict` and honoured by `__iter__`, and an evaluation mode
+(`pad=False`) where every sample is seen exactly once across all ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sized
+from typing import Any
+
+import torch
+from torch.utils.data import Sampler
+
+from scaletrain.errors import ConfigError
+
+__all__ = ["ShardedSampler"]
+
+# Keys a state_dict must hold. Kept as a tuple so the error for a foreign or
+# truncated state can list them.
+_STATE_KEYS = (
+    "epoch",
+    "position",
+    "seed",
+    "num_replicas",
+    "shuffle",
+    "drop_last",
+    "pad",
+    "dataset_len",
+)
+
+
+class ShardedSampler(Sampler[int]):
+    """Yields this rank's share of the indices 0..N-1, in an order fixed by (seed, epoch).
+
+    Each epoch the indices are permuted by a `torch.Generator` seeded with
+    `seed + epoch` (when `shuffle`), then made to divide by `num_replicas`:
+
+    * `drop_last=True`: the tail is dropped (every rank gets N // R indices);
+    * else `pad=True`: indices are repeated from the start, wrapping around as
+      often as needed (also when N < R), so every rank gets ceil(N / R);
+    * else (`pad=False`, evaluation): nothing is added or dropped, every index
+      appears exactly once over all ranks, and shard lengths differ by at most one.
+
+    Rank r takes `indices[r::num_replicas]`, as DistributedSampler does.
+
+    Resuming: `position` counts how many of this rank's indices were consumed in
+    the current epoch; `__iter__` starts there. The consumer (`ShardedLoader`)
+    calls `advance(n)` as batches are handed out. When an epoch is finished the
+    position stays at `len(self)` (so a state saved then says "epoch done")
+    until `set_epoch` is called with a *different* epoch, which resets it to 0.
+    Calling `set_epoch` with the current epoch keeps the position: the usual
+    `for epoch in range(start, n): sampler.set_epoch(epoch)` loop therefore
+    does not throw away a restored mid-epoch position.
+    """
+
+    def __init__(
+        self,
+        dataset_or_len: Sized | int,
+        *,
+        num_replicas: int,
+        rank: int,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        pad: bool = True,
+    ) -> None:
+        n = dataset_or_len if isinstance(dataset_or_len, int) else len(dataset_or_len)
+        if n < 0:
+            raise ConfigError(
+                f"ShardedSampler: dataset length must be >= 0, received {n}; "
+                "pass a dataset or its number of samples"
+            )
+        if not isinstance(num_replicas, int) or num_replicas < 1:
+            raise ConfigError(
+                f"ShardedSampler: num_replicas must be an int >= 1, received {num_replicas!r}; "
+                "pass the world size (dist.get_world_size())"
+            )
+        if not isinstance(rank, int) or not 0 <= rank < num_replicas:
+            raise ConfigError(
+                f"ShardedSampler: rank must be an int in [0, {num_replicas - 1}] "
+                f"(num_replicas={num_replicas}), received {rank!r}; pass dist.get_rank()"
+            )
+        self._n = n
+        self._num_replicas = num_replicas
+        self._rank = rank
+        self._shuffle = bool(shuffle)
+        self._seed = int(seed)
+        self._drop_last = bool(drop_last)
+        self._pad = bool(pad)
+        self._epoch = 0
+        self._position = 0
+
+    # -- read-only settings ------------------------------------------------
+
+    @property
+    def dataset_len(self) -> int:
+        """Number of samples in the dataset (N)."""
+        return self._n
+
+    @property
+    def num_replicas(self) -> int:
+        return self._num_replicas
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def shuffle(self) -> bool:
+        return self._shuffle
+
+    @property
+    def seed(self) -> int:
+        return self._seed
+
+    @property
+    def drop_last(self) -> bool:
+        return self._drop_last
+
+    @property
+    def pad(self) -> bool:
+        return self._pad
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    @property
+    def position(self) -> int:
+        """How many of this rank's indices were consumed in the current epoch."""
+        return self._position
+
+    @property
+    def total_size(self) -> int:
+        """Indices over all ranks in one epoch, after dropping or padding."""
+        n, r = self._n, self._num_replicas
+        if self._drop_last:
+            return n - n % r
+        if self._pad:
+            return -(-n // r) * r
+        return n
+
+    def remaining(self) -> int:
+        """Indices this rank still has to yield in the current epoch."""
+        return len(self) - self._position
+
+    def __len__(self) -> int:
+        """Indices this rank yields in a full epoch (ignores `position`)."""
+        n, r = self._n, self._num_replicas
+        if self._drop_last:
+            return n // r
+        if self._pad:
+            return -(-n // r)
+        # Eval mode: rank r holds positions r, r+R, ... < n.
+        return max(0, -(-(n - self._rank) // r))
+
+    # -- epoch / progress --------------------------------------------------
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the permutation for `epoch`; a new epoch restarts at position 0."""
+        epoch = int(epoch)
+        if epoch < 0:
+            raise ConfigError(f"ShardedSampler.set_epoch: epoch must be >= 0, received {epoch}")
+        if epoch != self._epoch:
+            self._epoch = epoch
+            self._position = 0
+
+    def advance(self, n: int) -> None:
+        """Record that `n` more of this rank's indices were consumed."""
+        if n < 0 or self._position + n > len(self):
+            raise ConfigError(
+                f"ShardedSampler.advance({n}): position would become {self._position + n}, "
+                f"expected 0 <= position <= {len(self)} (indices this rank has per epoch)"
+            )
+        self._position += n
+
+    def indices(self, epoch: int | None = None) -> torch.Tensor:
+        """All of this rank's indices for `epoch` (default: current), ignoring position."""
+        epoch = self._epoch if epoch is None else epoch
+        n, r = self._n, self._num_replicas
+        if self._shuffle:
+            g = torch.Generator()
+            g.manual_seed(self._seed + epoch)
+            order = torch.randperm(n, generator=g)
+        else:
+            order = torch.arange(n)
+        total = self.total_size
+        if total < n:
+            order = order[:total]
+        elif total > n:
+            # Cyclic repetition equals DistributedSampler's padding in both of its
+            # branches (padding shorter or longer than the data).
+            order = order[torch.arange(total) % n]
+        return order[self._rank :: r]
+
+    def __iter__(self) -> Iterator[int]:
+        # Computed eagerly so that the epoch and position are those at the time
+        # iter() is called (DataLoader calls it when its own iterator is made),
+        # not at the first next(), which a prefetching consumer may delay.
+        return iter(self.indices()[self._position :].tolist())
+
+    # -- checkpointing -----------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Progress and the settings that fix the order, for `load_state_dict`."""
+        return {
+            "epoch": self._epoch,
+            "position": self._position,
+            "seed": self._seed,
+            "num_replicas": self._num_replicas,
+            "shuffle": self._shuffle,
+            "drop_last": self._drop_last,
+            "pad": self._pad,
+            "dataset_len": self._n,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore epoch and position saved by `state_dict`.
+
+        A mid-epoch position is only meaningful for the same order, so every
+        setting that fixes the order (dataset length, num_replicas, seed,
+        shuffle, drop_last, pad) must match; a mismatch raises ConfigError
+        naming the saved and the current value. At an epoch boundary
+        (position 0) the order is not yet used, so a change (e.g. resuming at
+        another world size) is accepted and this sampler's settings win.
+        """
+        missing = [k for k in _STATE_KEYS if k not in state]
+        if missing:
+            raise ConfigError(
+                f"ShardedSampler.load_state_dict: state lacks {missing}; expected the keys "
+                f"{list(_STATE_KEYS)} as written by ShardedSampler.state_dict()"
+            )
+        epoch, position = int(state["epoch"]), int(state["position"])
+        if epoch < 0 or position < 0:
+            raise ConfigError(
+                f"ShardedSampler.load_state_dict: epoch and position must be >= 0, "
+                f"received epoch={epoch}, position={position}"
+            )
+        if position > 0:
+            here = self.state_dict()
+            for key in ("dataset_len", "num_replicas", "seed", "shuffle", "drop_last", "pad"):
+                if state[key] != here[key]:
+                    hint = (
+                        " Resuming at another world size is only exact at an epoch "
+                        "boundary: resume from a checkpoint saved at the end of an epoch, "
+                        "or keep the world size."
+                        if key == "num_replicas"
+                        else ""
+                    )
+                    raise ConfigError(
+                        f"ShardedSampler.load_state_dict: saved {key}={state[key]!r} but this "
+                        f"sampler has {key}={here[key]!r}; a mid-epoch position "
+                        f"(position={position}) cannot be resumed with a different order.{hint}"
+                    )
+        self._epoch = epoch
+        # With pad=False shards differ by one, so a state saved on a longer shard
+        # (e.g. rank 0's, shared by all ranks) may say one more than this rank
+        # has; beyond len(self) means "this epoch is finished" either way.
+        self._position = min(position, len(self))

@@ -1,0 +1,20 @@
+"""`python -m scaletrain.launch ...`: the launch subcommand without the top-level CLI."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from scaletrain.launch.cli import DESCRIPTION, add_arguments, run
+
+__all__ = ["main"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m scaletrain.launch", description=DESCRIPTION)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,187 @@
+"""The `scaletrain launch` subcommand: flags -> LaunchConfig -> launch().
+
+The top-level CLI wires it as::
+
+    p = sub.add_parser("launch", help=HELP, description=DESCRIPTION)
+    add_arguments(p)
+    ...
+    return run(ns)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from scaletrain.errors import ConfigError, ScaletrainError
+from scaletrain.launch.config import DEFAULT_RDZV_TIMEOUT_S, LaunchConfig
+from scaletrain.launch.launcher import build_torchrun_args, format_torchrun_command, launch
+
+__all__ = ["DESCRIPTION", "HELP", "add_arguments", "config_from_args", "run"]
+
+HELP = "start SCRIPT on every process of this node with torchrun (one call per node)"
+DESCRIPTION = (
+    "Start SCRIPT on --nproc-per-node worker processes of this node through PyTorch's "
+    "elastic launcher (torch.distributed.run), with RANK, LOCAL_RANK, WORLD_SIZE, "
+    "MASTER_ADDR and MASTER_PORT set for each. On one node no rendezvous flags are "
+    "needed. On several nodes, run the same command on each with the same "
+    "--nnodes/--rdzv-endpoint/--rdzv-id and --node-rank 0 on the node at the endpoint. "
+    "Under SageMaker or Kubeflow the node count, rank and address come from the job. "
+    "Everything after SCRIPT is passed to it."
+)
+
+
+def _env_pair(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    return key, value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the `launch` flags and the SCRIPT [ARGS...] positionals to `parser`."""
+    # argparse sorts every word into option or positional before SCRIPT's REMAINDER
+    # takes its share, and errors on a script flag that abbreviates two of ours
+    # (`--nproc`). With abbreviations off, such words are left for the script.
+    parser.allow_abbrev = False
+    g = parser.add_argument_group("processes and nodes")
+    g.add_argument(
+        "--nproc-per-node",
+        "--nproc_per_node",
+        type=int,
+        default=None,
+        metavar="N",
+        help="worker processes on this node (default: one per GPU, 2 on CPU)",
+    )
+    g.add_argument(
+        "--nnodes",
+        default=None,
+        metavar="N|MIN:MAX",
+        help='number of nodes, or an elastic range such as "1:4" (default: 1)',
+    )
+    g.add_argument(
+        "--node-rank",
+        "--node_rank",
+        type=int,
+        default=None,
+        metavar="R",
+        help="this node's index; node 0 hosts the rendezvous store at --rdzv-endpoint",
+    )
+    r = parser.add_argument_group("rendezvous")
+    r.add_argument(
+        "--rdzv-endpoint",
+        "--rdzv_endpoint",
+        default=None,
+        metavar="HOST:PORT",
+        help="where the nodes meet: node 0's address and a free port (multi-node only)",
+    )
+    r.add_argument(
+        "--rdzv-id",
+        "--rdzv_id",
+        default=None,
+        metavar="ID",
+        help="job id, the same on every node (default: $SCALETRAIN_RDZV_ID, $SLURM_JOB_ID "
+        "or 'scaletrain')",
+    )
+    r.add_argument(
+        "--rdzv-timeout",
+        "--rdzv_timeout",
+        type=int,
+        default=DEFAULT_RDZV_TIMEOUT_S,
+        metavar="S",
+        help=f"seconds to wait for the store and the other nodes (default: {DEFAULT_RDZV_TIMEOUT_S})",
+    )
+    w = parser.add_argument_group("workers")
+    w.add_argument(
+        "--max-restarts",
+        "--max_restarts",
+        type=int,
+        default=0,
+        metavar="K",
+        help="restart the worker group up to K times after a failure (default: 0)",
+    )
+    w.add_argument(
+        "--monitor-interval",
+        "--monitor_interval",
+        type=float,
+        default=0.1,
+        metavar="S",
+        help="seconds between worker health checks (default: 0.1)",
+    )
+    w.add_argument(
+        "--log-dir",
+        "--log_dir",
+        default=None,
+        metavar="DIR",
+        help="directory for worker logs and error files (default: a temporary directory)",
+    )
+    w.add_argument(
+        "--redirects",
+        default="0",
+        metavar="0-3",
+        help="write worker output to files in --log-dir: 1 stdout, 2 stderr, 3 both (default: 0)",
+    )
+    w.add_argument(
+        "--env",
+        dest="extra_env",
+        action="append",
+        type=_env_pair,
+        default=[],
+        metavar="NAME=VALUE",
+        help="set an environment variable for the workers (repeatable)",
+    )
+    w.add_argument(
+        "-m",
+        "--module",
+        dest="run_as_module",
+        action="store_true",
+        help="run SCRIPT as a module, like python -m",
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the equivalent torchrun command and exit",
+    )
+    parser.add_argument("script", metavar="SCRIPT", help="training script path (or module with -m)")
+    # REMAINDER, as torchrun does, so flags after SCRIPT go to the script, not to us.
+    parser.add_argument(
+        "script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments passed to SCRIPT"
+    )
+
+
+def config_from_args(ns: argparse.Namespace) -> LaunchConfig:
+    """Build the LaunchConfig the parsed flags describe (raises ConfigError)."""
+    return LaunchConfig(
+        nproc_per_node=ns.nproc_per_node,
+        nnodes=ns.nnodes,
+        node_rank=ns.node_rank,
+        rdzv_endpoint=ns.rdzv_endpoint,
+        rdzv_id=ns.rdzv_id,
+        max_restarts=ns.max_restarts,
+        rdzv_timeout=ns.rdzv_timeout,
+        monitor_interval=ns.monitor_interval,
+        run_as_module=ns.run_as_module,
+        log_dir=ns.log_dir,
+        redirects=ns.redirects,
+        extra_env=dict(ns.extra_env),
+    )
+
+
+def run(ns: argparse.Namespace) -> int:
+    """Run the subcommand; return the process exit code (2 bad flags, 1 cannot start,
+    else the workers' code)."""
+    script_args = list(ns.script_args)
+    if script_args[:1] == ["--"]:
+        script_args = script_args[1:]  # `launch SCRIPT -- ARGS` is accepted too
+    try:
+        cfg = config_from_args(ns)
+        if ns.dry_run:
+            print(format_torchrun_command(build_torchrun_args(cfg, ns.script, script_args)))
+            return 0
+        return launch(cfg, ns.script, script_args)
+    except ConfigError as exc:
+        print(f"scaletrain launch: error: {exc}", file=sys.stderr)
+        return 2
+    except ScaletrainError as exc:
+        print(f"scaletrain launch: error: {exc}", file=sys.stderr)
+        return 1

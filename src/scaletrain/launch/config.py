@@ -1,0 +1,164 @@
+"""What `scaletrain launch` needs to know: how many processes, on how many nodes, met where.
+
+Validation happens here, before torch is imported, so a typo in a flag is reported in
+one sentence instead of as an AssertionError from deep inside `torch.distributed.run`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from scaletrain.errors import ConfigError
+
+__all__ = [
+    "DEFAULT_RDZV_ID",
+    "DEFAULT_RDZV_TIMEOUT_S",
+    "LaunchConfig",
+    "parse_endpoint",
+    "parse_nnodes",
+]
+
+DEFAULT_RDZV_ID = "scaletrain"
+DEFAULT_RDZV_TIMEOUT_S = 600
+"""torch's own default join timeout for the c10d and static rendezvous."""
+
+# torchrun's --redirects/--tee syntax: one digit for all local ranks (0 none, 1 stdout,
+# 2 stderr, 3 both) or a per-local-rank map like "0:3,1:0".
+_STD_RE = re.compile(r"^(?:[0-3]|\d+:[0-3](?:,\d+:[0-3])*)$")
+_ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def parse_nnodes(nnodes: str) -> tuple[int, int]:
+    """Parse "N" or "MIN:MAX" into (min_nodes, max_nodes), raising ConfigError if invalid."""
+    text = str(nnodes).strip()
+    parts = text.split(":")
+    try:
+        if len(parts) == 1:
+            lo = hi = int(parts[0])
+        elif len(parts) == 2:
+            lo, hi = int(parts[0]), int(parts[1])
+        else:
+            raise ValueError(text)
+    except ValueError:
+        raise ConfigError(
+            f"--nnodes {nnodes!r} is not a node count. Expected a positive integer such as "
+            f'"2", or an elastic range "MIN:MAX" such as "1:4". Fix: pass e.g. --nnodes 2.'
+        ) from None
+    if not 0 < lo <= hi:
+        raise ConfigError(
+            f"--nnodes {nnodes!r} gives min_nodes={lo}, max_nodes={hi}; expected a count "
+            f"N >= 1 or a range MIN:MAX with 1 <= MIN <= MAX. Fix: pass a positive count such as --nnodes 2, or a range "
+            f"with the smaller number first such as --nnodes 1:4."
+        )
+    return lo, hi
+
+
+def parse_endpoint(endpoint: str) -> tuple[str, int]:
+    """Split "HOST:PORT" (or "[IPv6]:PORT") into (host, port), raising ConfigError if invalid."""
+    text = endpoint.strip()
+    host, sep, port_text = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        host = ""  # a bare IPv6 address is ambiguous with its port
+    port = int(port_text) if port_text.isdigit() else -1
+    if not sep or not host or not 0 < port < 65536:
+        raise ConfigError(
+            f"--rdzv-endpoint {endpoint!r} is not HOST:PORT. Expected the address of node 0 "
+            f"and a TCP port in 1..65535 that every node can reach, e.g. "
+            f'"10.0.0.1:29500", "node0.cluster:29500" or "[fd00::1]:29500". '
+            f"Fix: pass the same --rdzv-endpoint HOST:PORT on every node."
+        )
+    return host, port
+
+
+@dataclass(kw_only=True, slots=True)
+class LaunchConfig:
+    """Options of `scaletrain launch`; each maps onto one torchrun flag (see launcher.py)."""
+
+    nproc_per_node: int | None = None
+    """Worker processes per node; None: the scheduler's hint, else the CUDA device count, else 2."""
+    nnodes: str | None = None
+    """Node count "N" or elastic range "MIN:MAX"; None: 1, or the per-node scheduler's count."""
+    node_rank: int | None = None
+    """This node's index; 0 hosts the rendezvous store. None: let torch's rendezvous decide."""
+    rdzv_endpoint: str | None = None
+    """HOST:PORT of the rendezvous store on node 0; None on one node: a free local port."""
+    rdzv_id: str | None = None
+    """Job id shared by all nodes; None: $SCALETRAIN_RDZV_ID, else $SLURM_JOB_ID, else "scaletrain"."""
+    max_restarts: int = 0
+    """How many times the worker group is restarted after a worker fails before giving up."""
+    rdzv_timeout: int = DEFAULT_RDZV_TIMEOUT_S
+    """Seconds to wait for the rendezvous store to be reachable and for all nodes to join."""
+    monitor_interval: float = 0.1
+    """Seconds between the agent's checks of its workers' health."""
+    run_as_module: bool = False
+    """Run SCRIPT as a module, like `python -m SCRIPT`."""
+    log_dir: str | None = None
+    """Directory for the workers' log and error files; None: a temporary directory."""
+    redirects: str = "0"
+    """Send worker output to files in log_dir: 0 none, 1 stdout, 2 stderr, 3 both, or "0:3,1:0"."""
+    extra_env: Mapping[str, str] = field(default_factory=dict)
+    """Environment variables set for every worker process, on top of the launcher's own."""
+
+    def __post_init__(self) -> None:
+        if self.nproc_per_node is not None and (
+            isinstance(self.nproc_per_node, bool)
+            or not isinstance(self.nproc_per_node, int)
+            or self.nproc_per_node < 1
+        ):
+            raise ConfigError(
+                f"--nproc-per-node {self.nproc_per_node!r} is not a process count. Expected an "
+                f"integer >= 1 (usually the number of GPUs per node). Fix: pass e.g. "
+                f"--nproc-per-node 2, or leave it out to use one process per GPU (2 on CPU)."
+            )
+        max_nodes = 1
+        if self.nnodes is not None:
+            _, max_nodes = parse_nnodes(self.nnodes)
+        if self.node_rank is not None and not 0 <= self.node_rank < max_nodes:
+            raise ConfigError(
+                f"--node-rank {self.node_rank} is outside the job: with --nnodes "
+                f"{self.nnodes or '1'} it must be in 0..{max_nodes - 1}. Fix: give node 0 "
+                f"(the one that hosts the rendezvous store) --node-rank 0 and the others "
+                f"1, 2, ..., or raise --nnodes."
+            )
+        if self.rdzv_endpoint is not None:
+            parse_endpoint(self.rdzv_endpoint)
+        if self.rdzv_id is not None and (
+            not self.rdzv_id or any(c.isspace() for c in self.rdzv_id)
+        ):
+            raise ConfigError(
+                f"--rdzv-id {self.rdzv_id!r} is not usable. Expected a non-empty string without "
+                f"spaces, the same on every node (e.g. the scheduler's job id). Fix: pass e.g. "
+                f"--rdzv-id job42."
+            )
+        if isinstance(self.max_restarts, bool) or self.max_restarts < 0:
+            raise ConfigError(
+                f"--max-restarts {self.max_restarts!r} is negative. Expected an integer >= 0 "
+                f"(0 means a failed worker ends the job). Fix: pass e.g. --max-restarts 3."
+            )
+        if isinstance(self.rdzv_timeout, bool) or self.rdzv_timeout < 1:
+            raise ConfigError(
+                f"--rdzv-timeout {self.rdzv_timeout!r} is too small. Expected whole seconds "
+                f">= 1 to wait for the other nodes. Fix: pass e.g. --rdzv-timeout 600."
+            )
+        if not self.monitor_interval > 0:
+            raise ConfigError(
+                f"--monitor-interval {self.monitor_interval!r} must be a positive number of "
+                f"seconds. Fix: leave it out (0.1) or pass e.g. --monitor-interval 1."
+            )
+        if not _STD_RE.match(self.redirects):
+            raise ConfigError(
+                f"--redirects {self.redirects!r} is not understood. Expected 0 (none), "
+                f'1 (stdout), 2 (stderr), 3 (both), or a per-local-rank map like "0:3,1:0". '
+                f"Fix: pass e.g. --redirects 3 --log-dir logs."
+            )
+        for key, value in self.extra_env.items():
+            if not isinstance(key, str) or not _ENV_KEY_RE.match(key) or not isinstance(value, str):
+                raise ConfigError(
+                    f"extra_env entry {key!r}={value!r} is not an environment variable. "
+                    f"Expected a NAME made of letters, digits and '_' mapped to a string. "
+                    f"Fix: pass e.g. --env NCCL_DEBUG=INFO."
+                )

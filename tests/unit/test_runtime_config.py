@@ -1,0 +1,113 @@
+"""Logic with no process group: strategy names, backends, configs, CLI surface, messages."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import scaletrain as st
+from scaletrain.cli import build_parser
+from scaletrain.dist import choose_backend, choose_device, reduce_values
+from scaletrain.env.base import ClusterEnv
+from scaletrain.strategies import DDP, STRATEGIES, SingleDevice, resolve_strategy
+from scaletrain.train import TrainConfig
+
+
+def _local_env() -> ClusterEnv:
+    return ClusterEnv(
+        kind="local", rank=0, local_rank=0, world_size=1, local_world_size=1,
+        node_rank=0, num_nodes=1, master_addr="127.0.0.1", master_port=29500,
+    )  # fmt: skip
+
+
+def test_strategy_names_and_objects() -> None:
+    assert isinstance(resolve_strategy("ddp"), DDP)
+    assert isinstance(resolve_strategy("DDP"), DDP)
+    assert isinstance(resolve_strategy(None), DDP)
+    assert isinstance(resolve_strategy("single"), SingleDevice)
+    custom = DDP(bucket_cap_mb=50, static_graph=True)
+    assert resolve_strategy(custom) is custom
+    assert {"ddp", "single"} <= set(STRATEGIES)
+
+
+def test_unknown_strategy_names_the_choices() -> None:
+    with pytest.raises(st.ConfigError, match=r"strategy='warp'.*expected one of.*ddp"):
+        resolve_strategy("warp")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"comm_hook": "int4"}, "comm_hook='int4'"),
+        ({"bucket_cap_mb": 0}, "bucket_cap_mb=0"),
+        ({"powersgd_rank": 0}, "powersgd_rank=0"),
+    ],
+)
+def test_ddp_config_is_validated(kwargs: dict[str, object], words: str) -> None:
+    with pytest.raises(st.ConfigError, match=words):
+        DDP(**kwargs)  # type: ignore[arg-type]
+
+
+def test_bf16_hook_on_cpu_says_it_needs_cuda_and_nccl() -> None:
+    with pytest.raises(st.ConfigError) as info:
+        st.init(strategy=DDP(comm_hook="bf16"), env=_local_env())
+    message = str(info.value)
+    assert "CUDA" in message and "NCCL" in message and "gloo" in message
+    assert "comm_hook='fp16'" in message  # the fix
+
+
+def test_backend_choice() -> None:
+    assert choose_backend(None, cuda=False) == "gloo"
+    assert choose_backend("auto", cuda=False) == "gloo"
+    assert choose_backend("GLOO", cuda=False) == "gloo"
+    with pytest.raises(st.ConfigError, match=r"backend='nccl' needs CUDA"):
+        choose_backend("nccl", cuda=False)
+    with pytest.raises(st.ConfigError, match=r"backend='tcp'.*nccl, gloo, mpi"):
+        choose_backend("tcp", cuda=False)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")
+def test_device_choice_on_cpu() -> None:
+    assert choose_device(0, backend="gloo") == torch.device("cpu")
+    assert choose_device(1, backend="gloo", device="cpu") == torch.device("cpu")
+    with pytest.raises(st.ConfigError, match="names GPU 3"):
+        choose_device(0, backend="gloo", device="cuda:3")
+
+
+def test_reduce_without_process_group_is_identity() -> None:
+    out = reduce_values({"t": torch.tensor([1.0, 2.0]), "n": 3, "x": 0.5}, op="max")
+    assert out["t"].tolist() == [1.0, 2.0] and out["n"] == 3 and out["x"] == 0.5
+    with pytest.raises(st.ConfigError, match="op='avg'.*sum, mean, max, min"):
+        reduce_values({"n": 1}, op="avg")
+    with pytest.raises(st.ConfigError, match="name='x'.*str"):
+        reduce_values({"name": "x"})  # type: ignore[dict-item]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("epochs", 0), ("batch_size", -1), ("nproc", 0), ("max_steps", 0), ("lr", -0.1)],
+)
+def test_train_config_rejects_bad_values(field: str, value: object) -> None:
+    with pytest.raises(st.ConfigError, match=f"{field}={value!r}"):
+        TrainConfig(**{field: value})  # type: ignore[arg-type]
+
+
+def _flags(parser: object, command: str) -> list[str]:
+    import argparse
+
+    assert isinstance(parser, argparse.ArgumentParser)
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sorted(o for a in sub.choices[command]._actions for o in a.option_strings)
+
+
+def test_cli_flags_are_frozen() -> None:
+    """Changing a user-facing flag breaks scripts: update this list on purpose only."""
+    parser = build_parser()
+    assert _flags(parser, "train") == sorted(
+        ["-h", "--help", "--recipe", "--nproc", "--epochs", "--max-steps", "--batch-size",
+         "--lr", "--strategy", "--backend", "--data-dir", "--out", "--seed", "--log-every"]
+    )  # fmt: skip
+    launch = _flags(parser, "launch")
+    for flag in ("--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint",
+                 "--max-restarts"):  # fmt: skip
+        assert flag in launch
