@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar, overload
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 import torch
 from torch import nn
@@ -14,9 +15,54 @@ from scaletrain import dist as _dist
 from scaletrain.data import ShardedLoader, ShardedSampler
 from scaletrain.env import detect
 from scaletrain.env.base import ClusterEnv
+from scaletrain.errors import ConfigError
 from scaletrain.strategies import Strategy, resolve_strategy
 
-__all__ = ["Runtime", "init"]
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["MESH_DIMS", "Runtime", "init", "parse_mesh"]
+
+MESH_DIMS = ("pp", "dp", "tp")
+"""Mesh dimensions, outermost first: tensor-parallel peers are neighbours (same node,
+fastest links), pipeline stages furthest apart (they exchange the least)."""
+
+
+def parse_mesh(mesh: Mapping[str, int] | str | None, world_size: int) -> dict[str, int] | None:
+    """{"dp": 2, "tp": 2} or "dp=2,tp=2" -> an ordered, checked mesh shape (or None)."""
+    if mesh is None:
+        return None
+    items: dict[str, int] = {}
+    if isinstance(mesh, str):
+        for part in filter(None, (p.strip() for p in mesh.split(","))):
+            key, sep, value = part.partition("=")
+            if not sep or not value.strip().isdigit():
+                raise ConfigError(
+                    f"mesh={mesh!r}: {part!r} is not NAME=SIZE. Expected e.g. 'dp=2,tp=2'."
+                )
+            items[key.strip()] = int(value)
+    else:
+        items = {str(k): int(v) for k, v in mesh.items()}
+    unknown = [k for k in items if k not in MESH_DIMS]
+    if unknown:
+        raise ConfigError(
+            f"mesh={mesh!r} names dimension(s) {', '.join(map(repr, unknown))}; expected "
+            f"some of {', '.join(MESH_DIMS)} (data, tensor and pipeline parallel)."
+        )
+    bad = {k: v for k, v in items.items() if v < 1}
+    if bad:
+        raise ConfigError(f"mesh={mesh!r}: sizes must be >= 1, got {bad}.")
+    product = math.prod(items.values())
+    if product != world_size:
+        raise ConfigError(
+            f"mesh={mesh!r} holds {product} ranks ("
+            + " x ".join(f"{k}={v}" for k, v in items.items())
+            + f"), but the job has world size {world_size}. The product of the mesh sizes "
+            f"must equal the number of processes: change the mesh or start {product} "
+            "processes."
+        )
+    return {k: items[k] for k in MESH_DIMS if k in items}
+
 
 OptimizerT = TypeVar("OptimizerT", bound=torch.optim.Optimizer)
 
@@ -29,13 +75,61 @@ class Runtime:
     """
 
     def __init__(
-        self, *, env: ClusterEnv, strategy: Strategy, backend: str, device: torch.device
+        self,
+        *,
+        env: ClusterEnv,
+        strategy: Strategy,
+        backend: str,
+        device: torch.device,
+        mesh_shape: Mapping[str, int] | None = None,
     ) -> None:
         self.env = env
         self.strategy = strategy
         self.backend = backend
         self.device = device
+        self.mesh_shape: dict[str, int] | None = dict(mesh_shape) if mesh_shape else None
+        self._mesh: DeviceMesh | None = None
+        self._flat_meshes: dict[str, DeviceMesh] = {}
         self._closed = False
+
+    # -- device meshes -------------------------------------------------------------
+    @property
+    def mesh(self) -> DeviceMesh | None:
+        """The N-D DeviceMesh asked for with st.init(mesh=...), else None."""
+        if self._mesh is None and self.mesh_shape is not None and self.world_size > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self._mesh = init_device_mesh(
+                self.device.type,
+                tuple(self.mesh_shape.values()),
+                mesh_dim_names=tuple(self.mesh_shape),
+            )
+        return self._mesh
+
+    def device_mesh(self, dim: str) -> DeviceMesh:
+        """The 1-D mesh a strategy works on: dimension `dim` of st.init(mesh=...), or
+        every rank when no mesh was given (plain FSDP / tensor / pipeline parallel)."""
+        mesh = self.mesh
+        if mesh is not None:
+            if self.mesh_shape is None or dim not in self.mesh_shape:
+                raise ConfigError(
+                    f"the strategy needs a {dim!r} dimension, but the mesh is "
+                    f"{self.mesh_shape}. Add it, e.g. mesh={{'dp': 2, '{dim}': 2}}."
+                )
+            return mesh[dim]
+        if dim not in self._flat_meshes:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self._flat_meshes[dim] = init_device_mesh(
+                self.device.type, (self.world_size,), mesh_dim_names=(dim,)
+            )
+        return self._flat_meshes[dim]
+
+    def mesh_size(self, dim: str) -> int:
+        """Ranks along `dim` of the mesh (1 if the mesh has no such dimension)."""
+        if self.mesh_shape is None:
+            return 1
+        return self.mesh_shape.get(dim, 1)
 
     # -- where am I ------------------------------------------------------------
     @property
@@ -85,6 +179,24 @@ class Runtime:
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's module inside whatever wrapper setup() added."""
         return self.strategy.unwrap(model)
+
+    def forward_backward(
+        self,
+        model: nn.Module,
+        inputs: Any,
+        targets: torch.Tensor,
+        loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """Forward, loss and backward for any strategy (a pipeline runs its schedule).
+
+        For data-parallel strategies this is `loss_fn(model(x), y).backward()`; it
+        exists so the same loop also drives pipeline stages. Returns the detached loss.
+        """
+        return self.strategy.forward_backward(model, inputs, targets, loss_fn)
+
+    def predict(self, model: nn.Module, inputs: Any) -> Any:
+        """Evaluation outputs (no grad) on every rank of the model replica."""
+        return self.strategy.predict(model, inputs)
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
         """Skip the gradient all-reduce inside the block (accumulation micro-steps)."""
@@ -177,6 +289,7 @@ def init(
     device: str | None = None,
     timeout: float = _dist.DEFAULT_TIMEOUT_S,
     env: ClusterEnv | str | None = None,
+    mesh: Mapping[str, int] | str | None = None,
 ) -> Runtime:
     """Detect the environment, join the process group, pin the device.
 
@@ -185,6 +298,9 @@ def init(
     device: override the device ("cpu", "cuda:1"); default one GPU per local rank.
     timeout: seconds a collective may wait for a peer before failing.
     env: a ClusterEnv, or the name of a kind to force ("slurm"); default: detect.
+    mesh: {"dp": 2, "tp": 2} (or "dp=2,tp=2") lays the ranks on a DeviceMesh to
+        compose data parallel (the strategy: DDP or FSDP) with tensor ("tp") and
+        pipeline ("pp") parallel. The sizes must multiply to the world size.
     """
     global _CURRENT
     cluster = env if isinstance(env, ClusterEnv) else detect(kind=env)
@@ -192,8 +308,9 @@ def init(
     dev = _dist.choose_device(cluster.local_rank, backend=chosen, device=device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    strat = resolve_strategy(strategy)
-    rt = Runtime(env=cluster, strategy=strat, backend=chosen, device=dev)
+    shape = parse_mesh(mesh, cluster.world_size)
+    strat = resolve_strategy(strategy, mesh=shape)
+    rt = Runtime(env=cluster, strategy=strat, backend=chosen, device=dev, mesh_shape=shape)
     # Check the strategy before any peer is contacted: a bad config fails fast, alone.
     strat.validate(rt)
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")

@@ -46,7 +46,7 @@ def test_train_two_processes_end_to_end(tmp_path: Path) -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     out = done.stdout
-    assert "2 process(es) x gloo on cpu" in out
+    assert "2 processes x gloo on cpu" in out
     assert "val_acc" in out and "samples/s" in out and "test accuracy" in out
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     kinds = [r["event"] for r in records]
@@ -65,12 +65,16 @@ def test_train_two_processes_end_to_end(tmp_path: Path) -> None:
 def test_train_single_process_without_launcher(tmp_path: Path) -> None:
     data = write_fake_mnist(tmp_path / "data", n_train=120, n_test=30, seed=2)
     done = _scaletrain(
-        "train", "--nproc", "1", "--max-steps", "3", "--batch-size", "20",
+        "train", "--nproc", "1", "--epochs", "2", "--batch-size", "20",
         "--data-dir", str(data), "--out", str(tmp_path / "run"),
         cwd=tmp_path,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "1 process(es)" in done.stdout
+    assert "1 process x" in done.stdout
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    # Both epochs train: 120 samples / batch 20 = 6 steps each.
+    assert [r["step"] for r in records if r["event"] == "eval"] == [6, 12]
+    assert records[-1]["steps"] == 12
 
 
 def test_train_truncated_dataset_names_the_file(tmp_path: Path) -> None:

@@ -225,6 +225,22 @@ def test_loader_abandoned_pass_does_not_advance_epoch() -> None:
     assert loader.epoch == 0 and loader.sampler.position == 4
 
 
+def test_loader_stopped_at_its_last_batch_starts_the_next_epoch() -> None:
+    """`for i, b in enumerate(loader): ... if i == last: break` must not give an empty epoch."""
+    loader = make_loader()
+    e0 = []
+    for i, (b,) in enumerate(loader):
+        e0 += [int(j) for j in b]
+        if i == len(loader) - 1:
+            break
+    assert loader.epoch == 0 and loader.remaining() == 0
+    e1 = epoch_order(loader)
+    assert len(e1) == len(e0) and e1 != e0
+    ref = ShardedSampler(23, num_replicas=2, rank=1, seed=5)
+    ref.set_epoch(1)
+    assert e1 == list(ref)
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 @pytest.mark.parametrize("drop_last", [False, True])
 def test_loader_resume_mid_epoch(num_workers: int, drop_last: bool) -> None:

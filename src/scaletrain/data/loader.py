@@ -123,6 +123,11 @@ class ShardedLoader:
 
     def __iter__(self) -> Iterator[Any]:
         sampler = self._sampler
+        if len(self) > 0 and self.remaining() == 0:
+            # Every batch of the epoch was handed out, but the consumer stopped at the
+            # last one without exhausting the iterator (`if i == last: break`): this
+            # pass is the next epoch, not an empty one.
+            sampler.set_epoch(sampler.epoch + 1)
         epoch = sampler.epoch
         self._generator.manual_seed(
             int(np.random.SeedSequence([self._seed, sampler.rank, epoch]).generate_state(1)[0])

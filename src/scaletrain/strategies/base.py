@@ -8,9 +8,9 @@ name ("ddp") or by instance; the registry maps names to classes.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
@@ -20,9 +20,19 @@ from scaletrain.errors import ConfigError
 if TYPE_CHECKING:
     from scaletrain.runtime import Runtime
 
-__all__ = ["STRATEGIES", "Strategy", "register", "resolve_strategy"]
+__all__ = [
+    "STRATEGIES",
+    "Strategy",
+    "parameter_names",
+    "rebuild_optimizer",
+    "register",
+    "resolve_strategy",
+]
 
 STRATEGIES: dict[str, type[Strategy]] = {}
+
+# Set by strategies/mesh.py: builds the composite for a mesh with tp/pp dimensions.
+_COMPOSE: Callable[[Strategy, Mapping[str, int]], Strategy] | None = None
 
 
 def register(cls: type[Strategy]) -> type[Strategy]:
@@ -65,8 +75,35 @@ class Strategy:
             yield
 
     def data_parallel(self, rt: Runtime) -> tuple[int, int]:
-        """(rank, size) among the replicas that see different data."""
-        return rt.rank, rt.world_size
+        """(rank, size) among the replicas that see different data.
+
+        Ranks that share a model replica (tensor or pipeline parallel peers) share
+        a data-parallel rank: they must be fed the same batch.
+        """
+        return self._data_parallel(rt)
+
+    def forward_backward(
+        self,
+        module: nn.Module,
+        inputs: Any,
+        targets: torch.Tensor,
+        loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """One micro-step: forward, loss, backward. Returns the detached loss.
+
+        The loss is the same on every rank of a model replica (a pipeline computes
+        it on its last stage and shares it), so callers can log it anywhere.
+        """
+        return self._forward_backward(module, inputs, targets, loss_fn)
+
+    def predict(self, module: nn.Module, inputs: Any) -> Any:
+        """Evaluation forward (no grad): the outputs, on every rank of the replica.
+
+        Strategies whose forward runs collectives (FSDP, tensor, pipeline) need every
+        rank to call this the same number of times; `scaletrain.train.evaluate` does.
+        """
+        with torch.no_grad():
+            return self._predict(module, inputs)
 
     # -- hooks -----------------------------------------------------------------
     def _validate(self, rt: Runtime) -> None:
@@ -86,17 +123,105 @@ class Strategy:
     def _no_sync(self, module: nn.Module) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
 
+    def _data_parallel(self, rt: Runtime) -> tuple[int, int]:
+        return rt.rank, rt.world_size
 
-def resolve_strategy(spec: str | Strategy | None) -> Strategy:
-    """A strategy instance from a name, an instance, or None (DDP)."""
+    def _forward_backward(
+        self,
+        module: nn.Module,
+        inputs: Any,
+        targets: torch.Tensor,
+        loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        outputs = module(inputs)
+        # Model parallel ends on another device than it starts: follow the outputs.
+        loss = loss_fn(outputs, targets.to(_device_of(outputs), non_blocking=True))
+        loss.backward()
+        return loss.detach()
+
+    def _predict(self, module: nn.Module, inputs: Any) -> Any:
+        # The unwrapped module: a wrapper's forward may run collectives (DDP's buffer
+        # broadcast) that ranks with one eval batch fewer than their peers never join.
+        return self._unwrap(module)(inputs)
+
+
+def _device_of(outputs: Any) -> torch.device:
+    if isinstance(outputs, torch.Tensor):
+        return outputs.device
+    if isinstance(outputs, (tuple, list)) and outputs and isinstance(outputs[0], torch.Tensor):
+        return outputs[0].device
+    if isinstance(outputs, dict):
+        for value in outputs.values():
+            if isinstance(value, torch.Tensor):
+                return value.device
+    return torch.device("cpu")
+
+
+def rebuild_optimizer(
+    optimizer: torch.optim.Optimizer,
+    old_names: dict[int, str],
+    module: nn.Module,
+) -> torch.optim.Optimizer:
+    """The same optimizer over `module`'s parameters after a wrapper replaced them.
+
+    FSDP's fully_shard, tensor parallel's parallelize_module and pipeline splitting
+    swap parameters for new (DTensor or stage-local) objects, so an optimizer built
+    on the originals would update tensors the model no longer uses. `old_names`
+    maps id(original parameter) -> its name, taken before the wrapper ran.
+    Parameters the module no longer holds (another pipeline stage's) are dropped.
+    """
+    if any(optimizer.state.values()):
+        raise ConfigError(
+            f"setup() got a {type(optimizer).__name__} that already has state (it has "
+            "stepped). The strategy replaces the model's parameters, so that state cannot "
+            "follow. Fix: call rt.setup(model, optimizer) before the first optimizer.step()."
+        )
+    current = dict(module.named_parameters())
+    groups = []
+    for group in optimizer.param_groups:
+        params = []
+        for p in group["params"]:
+            name = old_names.get(id(p))
+            if name is None:
+                raise ConfigError(
+                    f"the {type(optimizer).__name__} holds a parameter of shape "
+                    f"{tuple(p.shape)} that is not in the model given to setup(). Build the "
+                    "optimizer from model.parameters() of that same model."
+                )
+            if name in current:
+                params.append(current[name])
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
+    groups = [g for g in groups if g["params"]]
+    rebuilt = type(optimizer)(groups, **optimizer.defaults)
+    return rebuilt
+
+
+def parameter_names(module: nn.Module) -> dict[int, str]:
+    """id(parameter) -> qualified name, to find parameters again after wrapping."""
+    return {id(p): name for name, p in module.named_parameters(remove_duplicate=False)}
+
+
+def resolve_strategy(
+    spec: str | Strategy | None, *, mesh: Mapping[str, int] | None = None
+) -> Strategy:
+    """A strategy instance from a name, an instance, or None (DDP).
+
+    With a mesh that has tensor ("tp") or pipeline ("pp") dimensions larger than 1,
+    the result composes the named strategy with them (see strategies/mesh.py).
+    """
+    strategy: Strategy | None = None
     if spec is None:
         spec = "ddp"
     if isinstance(spec, Strategy):
-        return spec
-    if isinstance(spec, str):
+        strategy = spec
+    elif isinstance(spec, str):
         key = spec.strip().lower()
         if key in STRATEGIES:
-            return STRATEGIES[key]()
+            strategy = STRATEGIES[key]()
+    if strategy is not None:
+        if mesh and any(mesh.get(d, 1) > 1 for d in ("tp", "pp")) and _COMPOSE is not None:
+            return _COMPOSE(strategy, mesh)
+        return strategy
     raise ConfigError(
         f"strategy={spec!r} is not known; expected one of {', '.join(sorted(STRATEGIES))} "
         "or a strategy object such as st.DDP(bucket_cap_mb=50)."

@@ -24,7 +24,8 @@ class StepProgress:
 
     def __init__(self, *, enabled: bool, console: Console | None = None) -> None:
         self.enabled = enabled
-        self.console = console or Console(file=sys.stdout)
+        # soft_wrap: in a log file a long line stays one line instead of wrapping at 80.
+        self.console = console or Console(file=sys.stdout, soft_wrap=True)
         # In a log file (CI, `tee`) a live bar is noise: print a line per update instead.
         self.live = enabled and self.console.is_terminal
         self._progress: Progress | None = None
@@ -32,6 +33,20 @@ class StepProgress:
         self._label = ""
 
     def __enter__(self) -> StepProgress:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.end_epoch()
+
+    def start_epoch(self, label: str, total: int, done: int = 0) -> None:
+        """A fresh bar per epoch, so each finished epoch's bar stays above its results."""
+        self.end_epoch()
+        self._label = label
         if self.live:
             self._progress = Progress(
                 TextColumn("[bold]{task.description}"),
@@ -43,26 +58,16 @@ class StepProgress:
                 TimeRemainingColumn(),
                 console=self.console,
             )
-            self._progress.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if self._progress is not None:
-            self._progress.stop()
-
-    def start_epoch(self, label: str, total: int, done: int = 0) -> None:
-        self._label = label
-        if self._progress is not None:
-            if self._task is not None:
-                self._progress.update(self._task, visible=True)
             self._task = self._progress.add_task(
                 label, total=total, completed=done, loss="-", speed="-"
             )
+            self._progress.start()
+
+    def end_epoch(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+            self._task = None
 
     def update(self, step_in_epoch: int, total: int, loss: float, samples_per_s: float) -> None:
         if not self.enabled:

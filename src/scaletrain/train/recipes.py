@@ -9,35 +9,9 @@ import torch
 from torch import nn
 
 from scaletrain.errors import ConfigError
+from scaletrain.train.models import ConvNet
 
 __all__ = ["RECIPES", "ConvNet", "Recipe", "get_recipe"]
-
-
-class ConvNet(nn.Module):
-    """The seeds' MNIST ConvNet: conv5x5-16 BN ReLU pool, conv5x5-32 BN ReLU pool, linear."""
-
-    def __init__(self, num_classes: int = 10, in_channels: int = 1, image_size: int = 28) -> None:
-        super().__init__()
-        self.layer1 = nn.Sequential(
-            nn.Conv2d(in_channels, 16, kernel_size=5, stride=1, padding=2),
-            nn.BatchNorm2d(16),
-            nn.ReLU(),
-            nn.MaxPool2d(kernel_size=2, stride=2),
-        )
-        self.layer2 = nn.Sequential(
-            nn.Conv2d(16, 32, kernel_size=5, stride=1, padding=2),
-            nn.BatchNorm2d(32),
-            nn.ReLU(),
-            nn.MaxPool2d(kernel_size=2, stride=2),
-        )
-        side = image_size // 4
-        self.fc = nn.Linear(side * side * 32, num_classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.layer1(x)
-        out = self.layer2(out)
-        out = out.reshape(out.size(0), -1)
-        return self.fc(out)
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -58,6 +32,12 @@ class Recipe:
     """L2 penalty on the weights."""
     reference_batch: int = 200
     """Global batch size at which `lr` was tuned."""
+
+    def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy; sequence outputs (B, T, V) are flattened to tokens."""
+        return nn.functional.cross_entropy(
+            outputs.reshape(-1, outputs.shape[-1]), targets.reshape(-1)
+        )
 
     def optimizer(self, params: Iterable[nn.Parameter], lr: float) -> torch.optim.Optimizer:
         return torch.optim.SGD(

@@ -45,8 +45,10 @@ class EvalResult:
 def evaluate(rt: Runtime, model: nn.Module, loader: Any) -> EvalResult:
     """Loss and accuracy over a loader built with pad=False: each sample counted once.
 
-    Runs the unwrapped module so ranks with one batch fewer than their peers
-    (uneven shards) never wait in a wrapper's collective.
+    Shards differ by at most one sample, so a rank may have one batch fewer than
+    its peers. Strategies whose forward runs collectives (FSDP, tensor, pipeline)
+    need every rank to take part in every forward: a rank that ran out repeats its
+    last batch and discards the result, so the counts stay exact.
     """
     net = rt.unwrap(model)
     was_training = net.training
@@ -54,13 +56,26 @@ def evaluate(rt: Runtime, model: nn.Module, loader: Any) -> EvalResult:
     loss_sum = torch.zeros((), dtype=torch.float64, device=rt.device)
     correct = torch.zeros((), dtype=torch.int64, device=rt.device)
     count = 0
+    batches = len(loader)
+    most = int(rt.reduce({"batches": batches}, op="max")["batches"])
+    last: tuple[Any, torch.Tensor] | None = None
     for x, y in loader:
+        last = (x, y)
         x = x.to(rt.device, non_blocking=True)
-        y = y.to(rt.device, non_blocking=True)
-        logits = net(x)
-        loss_sum += nn.functional.cross_entropy(logits, y, reduction="sum").double()
-        correct += (logits.argmax(dim=1) == y).sum()
-        count += y.numel()
+        outputs = rt.predict(model, x)
+        y = y.to(outputs.device, non_blocking=True)
+        logits = outputs.reshape(-1, outputs.shape[-1])
+        targets = y.reshape(-1)
+        loss_sum += (
+            nn.functional.cross_entropy(logits, targets, reduction="sum")
+            .double()
+            .to(loss_sum.device)
+        )
+        correct += (logits.argmax(dim=1) == targets).sum().to(correct.device)
+        count += targets.numel()
+    for _ in range(most - batches):
+        if last is not None:
+            rt.predict(model, last[0].to(rt.device))
     net.train(was_training)
     totals = rt.reduce({"loss_sum": loss_sum, "correct": correct, "count": count}, op="sum")
     n = int(totals["count"])
@@ -88,6 +103,10 @@ def sync_buffers(rt: Runtime, model: nn.Module) -> None:
     reduced = rt.reduce(floats, op="mean")
     for name, buf in floats.items():
         buf.copy_(reduced[name])
+
+
+def _plural(n: int, one: str, many: str | None = None) -> str:
+    return f"{n} {one if n == 1 else (many or one + 's')}"
 
 
 class _MetricsLog:
@@ -156,10 +175,10 @@ class Trainer:
         )
         progress.print(
             f"scaletrain train: recipe [bold]{recipe.name}[/] on {recipe.dataset} "
-            f"({len(train_set):,} train / {len(test_set):,} test), strategy {cfg.strategy}, "
-            f"{rt.world_size} process(es) x {rt.backend} on {rt.device.type}, "
-            f"batch {cfg.batch_size}/rank (global {global_batch}), lr {lr:g}, "
-            f"{epochs} epoch(s), {total_steps} steps"
+            f"({len(train_set):,} train / {len(test_set):,} test samples)\n"
+            f"  strategy {cfg.strategy}, {_plural(rt.world_size, 'process', 'processes')} x "
+            f"{rt.backend} on {rt.device.type}, batch {cfg.batch_size}/rank (global "
+            f"{global_batch}), lr {lr:g}, {_plural(epochs, 'epoch')}, {total_steps} steps"
         )
 
         step = 0
@@ -169,6 +188,7 @@ class Trainer:
         with progress:
             for epoch in range(epochs):
                 model.train()
+                loader.set_epoch(epoch)
                 steps_this_epoch = min(steps_per_epoch, total_steps - step)
                 progress.start_epoch(f"epoch {epoch + 1}/{epochs}", steps_this_epoch)
                 window_loss = torch.zeros((), device=rt.device)
@@ -177,10 +197,8 @@ class Trainer:
                 epoch_start = window_start
                 for i, (x, y) in enumerate(loader):
                     x = x.to(rt.device, non_blocking=True)
-                    y = y.to(rt.device, non_blocking=True)
-                    loss = nn.functional.cross_entropy(model(x), y)
                     optimizer.zero_grad(set_to_none=True)
-                    loss.backward()
+                    loss = rt.forward_backward(model, x, y, recipe.loss)
                     optimizer.step()
                     scheduler.step()
                     step += 1
@@ -208,10 +226,8 @@ class Trainer:
                     if done:
                         break
                 train_time += time.perf_counter() - epoch_start
+                progress.end_epoch()
                 samples += steps_this_epoch * global_batch
-                if steps_this_epoch < steps_per_epoch:
-                    # Stopped mid-epoch by max_steps: the next run starts a fresh epoch.
-                    loader.set_epoch(epoch + 1)
                 sync_buffers(rt, model)
                 last = evaluate(rt, model, eval_loader)
                 progress.print(
@@ -250,7 +266,7 @@ class Trainer:
             torch.save(state, out / "model.pt")
         progress.print(
             f"done: {step} steps in {train_time:.1f} s, {summary['samples_per_s']:,.0f} samples/s "
-            f"over {rt.world_size} process(es); test accuracy {last.accuracy:.4f}, "
+            f"over {_plural(rt.world_size, 'process', 'processes')}; test accuracy {last.accuracy:.4f}, "
             f"loss {last.loss:.4f}. Wrote {out}/metrics.jsonl and {out}/model.pt"
         )
         del model, optimizer
