@@ -23,13 +23,35 @@ def _add_train(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
             "torchrun, srun or mpirun each process joins the job it was started in."
         ),
     )
-    p.add_argument("--recipe", default="convnet", help="model + data recipe (default: convnet)")
+    p.add_argument(
+        "--recipe",
+        default=None,
+        help="convnet | split-net | wrn | gpt (default: convnet; gpt with tensor parallel)",
+    )
     p.add_argument("--nproc", type=int, default=None, help="processes (default: GPUs, else 2)")
-    p.add_argument("--epochs", type=int, default=2, help="passes over the data (default: 2)")
+    p.add_argument(
+        "--epochs", type=int, default=None, help="passes over the data (default: recipe's)"
+    )
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
-    p.add_argument("--batch-size", type=int, default=100, help="samples per rank per step")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="samples per replica per step (default: recipe's)",
+    )
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: recipe)")
-    p.add_argument("--strategy", default="ddp", help="parallelism strategy (default: ddp)")
+    p.add_argument(
+        "--strategy",
+        default="ddp",
+        help="ddp | fsdp | tensor | pipeline | dp | model-parallel | single (default: ddp)",
+    )
+    p.add_argument("--mesh", default=None, help="device mesh, e.g. dp=2,tp=2 or dp=2,pp=2")
+    p.add_argument(
+        "--sync-bn",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="SyncBatchNorm across data-parallel ranks (default: the recipe's)",
+    )
     p.add_argument("--backend", default=None, help="nccl | gloo (default: by device)")
     p.add_argument("--data-dir", default=None, help="dataset directory (default: search)")
     p.add_argument("--out", default=None, help="run directory (default: runs/<recipe>-<time>)")
@@ -124,6 +146,8 @@ def _cmd_train(ns: argparse.Namespace, argv: Sequence[str]) -> int:
         batch_size=ns.batch_size,
         lr=ns.lr,
         strategy=ns.strategy,
+        mesh=ns.mesh,
+        sync_bn=ns.sync_bn,
         backend=ns.backend,
         data_dir=ns.data_dir,
         out=ns.out,
@@ -138,7 +162,8 @@ def _cmd_train(ns: argparse.Namespace, argv: Sequence[str]) -> int:
         return 0
     if config.out is None:
         # Resolved once, here, so every worker writes to the same directory.
-        config.out = os.path.join("runs", f"{config.recipe}-{time.strftime('%Y%m%d-%H%M%S')}")
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        config.out = os.path.join("runs", f"{config.resolved_recipe()}-{stamp}")
     nproc = config.nproc
     if nproc is None:
         import torch
@@ -159,14 +184,13 @@ def _cmd_train(ns: argparse.Namespace, argv: Sequence[str]) -> int:
 
 def _preflight(config: object) -> None:
     """Check what can be checked before any process starts: one error, not one per rank."""
-    from scaletrain.data import find_dataset_dir
     from scaletrain.strategies import resolve_strategy
     from scaletrain.train import TrainConfig, get_recipe
 
     assert isinstance(config, TrainConfig)
-    recipe = get_recipe(config.recipe)
+    recipe = get_recipe(config.resolved_recipe())
     resolve_strategy(config.strategy)
-    find_dataset_dir(recipe.dataset, config.data_dir)
+    recipe.check_data(config.data_dir)
 
 
 def _strip_out(argv: Sequence[str]) -> list[str]:

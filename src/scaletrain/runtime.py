@@ -149,6 +149,16 @@ class Runtime:
         return self.env.node_rank
 
     @property
+    def dp_rank(self) -> int:
+        """This rank's index among the data-parallel replicas (which shard of data it reads)."""
+        return self.strategy.data_parallel(self)[0]
+
+    @property
+    def dp_size(self) -> int:
+        """Number of data-parallel replicas: the global batch is batch_size x dp_size."""
+        return self.strategy.data_parallel(self)[1]
+
+    @property
     def is_main(self) -> bool:
         """True on global rank 0: the one that prints, logs and writes files."""
         return self.env.rank == 0
@@ -179,6 +189,14 @@ class Runtime:
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's module inside whatever wrapper setup() added."""
         return self.strategy.unwrap(model)
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The whole model's plain CPU state dict, without wrapper prefixes.
+
+        Gathers shards (FSDP, tensor parallel) and stages (pipeline): a collective,
+        so every rank must call it; every rank gets the result.
+        """
+        return self.strategy.full_state_dict(model, self)
 
     def forward_backward(
         self,

@@ -105,7 +105,8 @@ def test_cli_flags_are_frozen() -> None:
     parser = build_parser()
     assert _flags(parser, "train") == sorted(
         ["-h", "--help", "--recipe", "--nproc", "--epochs", "--max-steps", "--batch-size",
-         "--lr", "--strategy", "--backend", "--data-dir", "--out", "--seed", "--log-every"]
+         "--lr", "--strategy", "--mesh", "--sync-bn", "--no-sync-bn", "--backend", "--data-dir",
+         "--out", "--seed", "--log-every"]
     )  # fmt: skip
     launch = _flags(parser, "launch")
     for flag in ("--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint",

@@ -82,6 +82,10 @@ class Strategy:
         """
         return self._data_parallel(rt)
 
+    def full_state_dict(self, module: nn.Module, rt: Runtime) -> dict[str, torch.Tensor]:
+        """Plain CPU tensors of the whole model, on every rank (a collective)."""
+        return self._full_state_dict(module, rt)
+
     def forward_backward(
         self,
         module: nn.Module,
@@ -126,6 +130,20 @@ class Strategy:
     def _data_parallel(self, rt: Runtime) -> tuple[int, int]:
         return rt.rank, rt.world_size
 
+    def _full_state_dict(self, module: nn.Module, rt: Runtime) -> dict[str, torch.Tensor]:
+        # torch's state-dict API gathers DTensor shards (FSDP, TP) and strips DDP's
+        # `module.` prefix; on plain modules it is just state_dict().
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
+
+        state = get_model_state_dict(
+            self._unwrap(module),
+            options=StateDictOptions(full_state_dict=True, cpu_offload=False),
+        )
+        return {k: _full_tensor(v).detach().cpu() for k, v in state.items()}
+
     def _forward_backward(
         self,
         module: nn.Module,
@@ -143,6 +161,11 @@ class Strategy:
         # The unwrapped module: a wrapper's forward may run collectives (DDP's buffer
         # broadcast) that ranks with one eval batch fewer than their peers never join.
         return self._unwrap(module)(inputs)
+
+
+def _full_tensor(value: Any) -> torch.Tensor:
+    full = getattr(value, "full_tensor", None)
+    return full() if callable(full) else value
 
 
 def _device_of(outputs: Any) -> torch.device:

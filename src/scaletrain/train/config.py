@@ -14,20 +14,25 @@ __all__ = ["TrainConfig"]
 class TrainConfig:
     """Everything `scaletrain train` needs; each CLI flag maps to one field."""
 
-    recipe: str = "convnet"
-    """Model + dataset + optimiser recipe (see scaletrain.train.recipes)."""
+    recipe: str | None = None
+    """Model + data recipe (scaletrain.train.recipes); None: convnet (gpt for "tensor")."""
     nproc: int | None = None
     """Processes on this node; None: one per GPU, else 2 on CPU."""
-    epochs: int = 2
-    """Passes over the training set."""
+    epochs: int | None = None
+    """Passes over the training set; None: the recipe's default."""
     max_steps: int | None = None
     """Stop after this many optimiser steps (for smoke tests); None: run all epochs."""
-    batch_size: int = 100
-    """Samples per rank per step; the global batch is batch_size x world size."""
+    batch_size: int | None = None
+    """Samples per replica per step (global batch = batch_size x data-parallel size);
+    None: the recipe's default."""
     lr: float | None = None
     """Peak learning rate; None: the recipe's, scaled linearly with the global batch."""
     strategy: str = "ddp"
     """Parallelism strategy name."""
+    mesh: str | None = None
+    """Device mesh such as "dp=2,tp=2": composes the strategy with tensor/pipeline."""
+    sync_bn: bool | None = None
+    """Convert BatchNorm to SyncBatchNorm; None: the recipe's default."""
     backend: str | None = None
     """"nccl", "gloo" or None (NCCL on GPUs, Gloo on CPUs)."""
     data_dir: str | None = None
@@ -36,8 +41,8 @@ class TrainConfig:
     """Run directory for metrics.jsonl and model.pt; None: runs/<recipe>-<time>."""
     seed: int = 0
     """Seed for weights, shuffling and augmentation: same seed, same run."""
-    eval_batch_size: int = 1000
-    """Samples per rank per evaluation step."""
+    eval_batch_size: int | None = None
+    """Samples per rank per evaluation step; None: the recipe's default."""
     log_every: int = 20
     """Steps between metric records (and plain-text progress lines)."""
     num_workers: int = 0
@@ -51,7 +56,7 @@ class TrainConfig:
             "log_every": self.log_every,
         }
         for field, value in positive.items():
-            if value < 1:
+            if value is not None and value < 1:
                 raise ConfigError(f"{field}={value!r} must be a positive integer (>= 1).")
         if self.nproc is not None and self.nproc < 1:
             raise ConfigError(f"nproc={self.nproc!r} must be >= 1 (processes on this node).")
@@ -61,6 +66,13 @@ class TrainConfig:
             raise ConfigError(f"lr={self.lr!r} must be a positive number, e.g. 0.05.")
         if self.num_workers < 0:
             raise ConfigError(f"num_workers={self.num_workers!r} must be >= 0.")
+
+    def resolved_recipe(self) -> str:
+        """The recipe to run: the one asked for, else the default for the strategy."""
+        if self.recipe is not None:
+            return self.recipe
+        # Tensor parallel shards Linear pairs; the default ConvNet has none, the GPT does.
+        return "gpt" if self.strategy == "tensor" or "tp=" in (self.mesh or "") else "convnet"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -12,7 +12,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["GPT", "MLP", "Block", "CausalSelfAttention", "ConvNet", "GPTConfig", "SplitNet"]
+__all__ = [
+    "GPT",
+    "MLP",
+    "Block",
+    "CausalSelfAttention",
+    "ConvNet",
+    "GPTConfig",
+    "SplitNet",
+    "WideResNet",
+]
 
 
 class ConvNet(nn.Module):
@@ -57,6 +66,64 @@ class SplitNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.sub_net2(self.relu(self.sub_net1(x)))
+
+
+class _WideBlock(nn.Module):
+    """Pre-activation residual block: BN ReLU conv3x3, BN ReLU conv3x3 (+ 1x1 shortcut)."""
+
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.bn1 = nn.BatchNorm2d(cin)
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, stride=1, padding=1, bias=False)
+        self.shortcut = (
+            nn.Conv2d(cin, cout, 1, stride=stride, bias=False)
+            if stride != 1 or cin != cout
+            else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.relu(self.bn1(x))
+        skip = self.shortcut(out) if self.shortcut is not None else x
+        out = self.conv1(out)
+        out = self.conv2(torch.relu(self.bn2(out)))
+        return out + skip
+
+
+class WideResNet(nn.Module):
+    """WRN-depth-k (Zagoruyko & Komodakis), the seeds' second example, sized for CPUs.
+
+    depth = 6n + 4; three groups of n blocks with 16k, 32k, 64k channels. The
+    default WRN-10-2 trains on Fashion-MNIST on a CPU in minutes.
+    """
+
+    def __init__(
+        self, num_classes: int = 10, depth: int = 10, width: int = 2, in_channels: int = 1
+    ) -> None:
+        super().__init__()
+        if (depth - 4) % 6:
+            raise ValueError(f"depth={depth} must be 6n + 4 (10, 16, 22, 28, ...)")
+        n = (depth - 4) // 6
+        widths = [16, 16 * width, 32 * width, 64 * width]
+        self.conv = nn.Conv2d(in_channels, widths[0], 3, padding=1, bias=False)
+        groups = []
+        cin = widths[0]
+        for i, cout in enumerate(widths[1:]):
+            blocks = [
+                _WideBlock(cin if j == 0 else cout, cout, 1 if i == 0 else 2) for j in range(n)
+            ]
+            groups.append(nn.Sequential(*blocks))
+            cin = cout
+        self.groups = nn.Sequential(*groups)
+        self.bn = nn.BatchNorm2d(cin)
+        self.fc = nn.Linear(cin, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.groups(self.conv(x))
+        out = torch.relu(self.bn(out))
+        out = nn.functional.adaptive_avg_pool2d(out, 1).flatten(1)
+        return self.fc(out)
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)

@@ -4,34 +4,82 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from scaletrain.errors import ConfigError
-from scaletrain.train.models import ConvNet
+from scaletrain.train.models import GPT, ConvNet, GPTConfig, SplitNet, WideResNet
 
-__all__ = ["RECIPES", "ConvNet", "Recipe", "get_recipe"]
+__all__ = ["RECIPES", "Recipe", "get_recipe"]
+
+
+def _fashion_mnist(data_dir: str | None, split: str) -> Any:
+    from scaletrain.data import load_dataset
+
+    return load_dataset("fashion-mnist", data_dir, split=split)
+
+
+def _fashion_mnist_check(data_dir: str | None) -> None:
+    from scaletrain.data import find_dataset_dir
+
+    find_dataset_dir("fashion-mnist", data_dir)
+
+
+def _teacher(data_dir: str | None, split: str) -> Any:
+    from scaletrain.data.synthetic import teacher_dataset
+
+    return teacher_dataset(split)
+
+
+def _python_text(data_dir: str | None, split: str) -> Any:
+    from scaletrain.data.text import load_python_corpus
+
+    return load_python_corpus(split, block_size=_GPT.block_size, root=data_dir)
+
+
+def _no_check(data_dir: str | None) -> None:
+    return None
+
+
+_GPT = GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128)
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class Recipe:
-    """A model, the dataset it trains on, and an optimiser setting that works for it."""
+    """A model, the data it trains on, and optimiser settings that work for it."""
 
     name: str
     """Name given to `scaletrain train --recipe`."""
     dataset: str
-    """Dataset name understood by scaletrain.data.load_dataset."""
+    """What the data is, for messages ("fashion-mnist", "python sources")."""
     build: Callable[[], nn.Module]
     """Builds the model (on CPU; the strategy places it)."""
+    data: Callable[[str | None, str], Any]
+    """(data_dir, split) -> Dataset of (input, target) pairs."""
+    check_data: Callable[[str | None], None] = _no_check
+    """Raises DatasetError before any process starts if the files are missing."""
     lr: float
-    """Peak learning rate for the global batch of 200 (2 ranks x 100); scaled linearly."""
+    """Peak learning rate at `reference_batch`; scaled linearly with the global batch."""
+    optimizer_name: str = "sgd"
+    """"sgd" (Nesterov momentum) or "adamw"."""
     momentum: float = 0.9
-    """SGD momentum (Nesterov)."""
+    """SGD momentum."""
     weight_decay: float = 5e-4
-    """L2 penalty on the weights."""
+    """Weight decay."""
     reference_batch: int = 200
     """Global batch size at which `lr` was tuned."""
+    epochs: int = 2
+    """Default passes over the data."""
+    batch_size: int = 100
+    """Default samples per rank per step."""
+    eval_batch_size: int = 1000
+    """Samples per rank per evaluation step."""
+    sync_bn: bool = False
+    """Convert BatchNorm to SyncBatchNorm by default (the seeds' WideResNet example)."""
+    task: str = "classification"
+    """"classification" (accuracy) or "language-model" (next-token accuracy, loss)."""
 
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy; sequence outputs (B, T, V) are flattened to tokens."""
@@ -40,6 +88,8 @@ class Recipe:
         )
 
     def optimizer(self, params: Iterable[nn.Parameter], lr: float) -> torch.optim.Optimizer:
+        if self.optimizer_name == "adamw":
+            return torch.optim.AdamW(params, lr=lr, weight_decay=self.weight_decay)
         return torch.optim.SGD(
             params, lr=lr, momentum=self.momentum, nesterov=True, weight_decay=self.weight_decay
         )
@@ -50,7 +100,51 @@ class Recipe:
 
 
 RECIPES: dict[str, Recipe] = {
-    "convnet": Recipe(name="convnet", dataset="fashion-mnist", build=ConvNet, lr=0.1),
+    r.name: r
+    for r in (
+        Recipe(
+            name="convnet",
+            dataset="fashion-mnist",
+            build=ConvNet,
+            data=_fashion_mnist,
+            check_data=_fashion_mnist_check,
+            lr=0.1,
+        ),
+        Recipe(
+            name="split-net",
+            dataset="teacher (synthetic, 10 features -> 5 classes)",
+            build=SplitNet,
+            data=_teacher,
+            lr=0.2,
+            epochs=3,
+            weight_decay=0.0,
+        ),
+        Recipe(
+            name="wrn",
+            dataset="fashion-mnist",
+            build=WideResNet,
+            data=_fashion_mnist,
+            check_data=_fashion_mnist_check,
+            lr=0.1,
+            epochs=1,
+            sync_bn=True,
+            eval_batch_size=500,
+        ),
+        Recipe(
+            name="gpt",
+            dataset="python sources (byte-level)",
+            build=lambda: GPT(_GPT),
+            data=_python_text,
+            lr=1e-3,
+            optimizer_name="adamw",
+            weight_decay=0.01,
+            reference_batch=64,
+            epochs=1,
+            batch_size=32,
+            eval_batch_size=64,
+            task="language-model",
+        ),
+    )
 }
 
 

@@ -18,7 +18,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from scaletrain.data import load_dataset
 from scaletrain.runtime import Runtime, init
 from scaletrain.train.config import TrainConfig
 from scaletrain.train.progress import StepProgress
@@ -94,7 +93,9 @@ def sync_buffers(rt: Runtime, model: nn.Module) -> None:
     step every rank holds stats updated by its own last batch. Averaging makes
     evaluation and the saved model the same on every rank.
     """
-    if rt.world_size == 1:
+    if rt.world_size == 1 or rt.dp_size != rt.world_size:
+        # With tensor/pipeline peers the buffers are not replicas of each other
+        # (pipeline stages hold different layers); only pure data parallel averages.
         return
     net = rt.unwrap(model)
     floats = {n: b for n, b in net.named_buffers() if b.is_floating_point()}
@@ -130,11 +131,11 @@ class Trainer:
 
     def __init__(self, config: TrainConfig) -> None:
         self.config = config
-        self.recipe = get_recipe(config.recipe)
+        self.recipe = get_recipe(config.resolved_recipe())
 
     def run(self) -> dict[str, Any]:
         cfg = self.config
-        rt = init(strategy=cfg.strategy, backend=cfg.backend)
+        rt = init(strategy=cfg.strategy, backend=cfg.backend, mesh=cfg.mesh)
         try:
             return self._run(rt)
         finally:
@@ -142,7 +143,11 @@ class Trainer:
 
     def _run(self, rt: Runtime) -> dict[str, Any]:
         cfg, recipe = self.config, self.recipe
-        out = Path(cfg.out) if cfg.out else Path("runs") / cfg.recipe
+        epochs_wanted = cfg.epochs or recipe.epochs
+        batch_size = cfg.batch_size or recipe.batch_size
+        eval_batch_size = cfg.eval_batch_size or recipe.eval_batch_size
+        sync_bn = recipe.sync_bn if cfg.sync_bn is None else cfg.sync_bn
+        out = Path(cfg.out) if cfg.out else Path("runs") / recipe.name
         if rt.is_main:
             out.mkdir(parents=True, exist_ok=True)
             (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
@@ -153,19 +158,23 @@ class Trainer:
         # One rank per node reads (and would download/prepare) first; the others then
         # read the files it checked. A bad file fails on every rank with its message.
         with rt.rank_zero_first():
-            train_set = load_dataset(recipe.dataset, cfg.data_dir, split="train")
-            test_set = load_dataset(recipe.dataset, cfg.data_dir, split="test")
+            train_set = recipe.data(cfg.data_dir, "train")
+            test_set = recipe.data(cfg.data_dir, "test")
 
         model = recipe.build()
-        global_batch = cfg.batch_size * rt.world_size
+        if sync_bn:
+            from scaletrain.dist.sync_batchnorm import sync_batchnorm
+
+            model = sync_batchnorm(model)
+        global_batch = batch_size * rt.dp_size
         lr = cfg.lr if cfg.lr is not None else recipe.scaled_lr(global_batch)
         optimizer = recipe.optimizer(model.parameters(), lr)
         model, optimizer = rt.setup(model, optimizer)
-        loader = rt.loader(train_set, cfg.batch_size, shuffle=True, seed=cfg.seed)
-        eval_loader = rt.loader(test_set, cfg.eval_batch_size, shuffle=False, pad=False)
+        loader = rt.loader(train_set, batch_size, shuffle=True, seed=cfg.seed, drop_last=True)
+        eval_loader = rt.loader(test_set, eval_batch_size, shuffle=False, pad=False)
 
         steps_per_epoch = len(loader)
-        total_steps = steps_per_epoch * cfg.epochs
+        total_steps = steps_per_epoch * epochs_wanted
         if cfg.max_steps is not None:
             total_steps = min(total_steps, cfg.max_steps)
         epochs = math.ceil(total_steps / steps_per_epoch)
@@ -173,11 +182,13 @@ class Trainer:
         scheduler = torch.optim.lr_scheduler.OneCycleLR(
             optimizer, max_lr=lr, total_steps=total_steps, pct_start=0.15
         )
+        layout = f"mesh {rt.mesh_shape}, " if rt.mesh_shape else ""
         progress.print(
             f"scaletrain train: recipe [bold]{recipe.name}[/] on {recipe.dataset} "
             f"({len(train_set):,} train / {len(test_set):,} test samples)\n"
-            f"  strategy {cfg.strategy}, {_plural(rt.world_size, 'process', 'processes')} x "
-            f"{rt.backend} on {rt.device.type}, batch {cfg.batch_size}/rank (global "
+            f"  strategy {cfg.strategy}{' + sync-bn' if sync_bn else ''}, {layout}"
+            f"{_plural(rt.world_size, 'process', 'processes')} x {rt.backend} on "
+            f"{rt.device.type}, batch {batch_size}/replica x {rt.dp_size} (global "
             f"{global_batch}), lr {lr:g}, {_plural(epochs, 'epoch')}, {total_steps} steps"
         )
 
@@ -205,7 +216,7 @@ class Trainer:
                     window_steps += 1
                     # Accumulate on the device; reading it back (.item()) syncs a GPU,
                     # so it happens only when a record is written.
-                    window_loss += loss.detach()
+                    window_loss += loss.to(window_loss.device)
                     done = i + 1 == steps_this_epoch
                     if window_steps == cfg.log_every or done:
                         now = time.perf_counter()
@@ -230,9 +241,11 @@ class Trainer:
                 samples += steps_this_epoch * global_batch
                 sync_buffers(rt, model)
                 last = evaluate(rt, model, eval_loader)
+                metric = "val_acc" if recipe.task == "classification" else "next-token acc"
                 progress.print(
                     f"epoch {epoch + 1}/{epochs}: val_loss {last.loss:.4f}  "
-                    f"val_acc {last.accuracy:.4f}  ({last.count:,} samples, all ranks)"
+                    f"{metric} {last.accuracy:.4f}  ({last.count:,} "
+                    f"{'samples' if recipe.task == 'classification' else 'tokens'}, all ranks)"
                 )
                 log.write(
                     event="eval",
@@ -248,6 +261,7 @@ class Trainer:
             "event": "summary",
             "recipe": recipe.name,
             "strategy": cfg.strategy,
+            "mesh": rt.mesh_shape,
             "world_size": rt.world_size,
             "backend": rt.backend,
             "device": rt.device.type,
@@ -261,13 +275,16 @@ class Trainer:
         }
         log.write(**summary)
         log.close()
+        # A collective (it gathers shards and stages): every rank takes part.
+        state = rt.full_state_dict(model)
         if rt.is_main:
-            state = {k: v.detach().cpu() for k, v in rt.unwrap(model).state_dict().items()}
             torch.save(state, out / "model.pt")
         progress.print(
             f"done: {step} steps in {train_time:.1f} s, {summary['samples_per_s']:,.0f} samples/s "
-            f"over {_plural(rt.world_size, 'process', 'processes')}; test accuracy {last.accuracy:.4f}, "
-            f"loss {last.loss:.4f}. Wrote {out}/metrics.jsonl and {out}/model.pt"
+            f"over {_plural(rt.world_size, 'process', 'processes')}; "
+            f"{'test accuracy' if recipe.task == 'classification' else 'next-token accuracy'} "
+            f"{last.accuracy:.4f}, loss {last.loss:.4f}. "
+            f"Wrote {out}/metrics.jsonl and {out}/model.pt"
         )
         del model, optimizer
         return summary
