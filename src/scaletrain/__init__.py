@@ -14,13 +14,14 @@ from scaletrain.errors import (
     LaunchError,
     ScaletrainError,
 )
-from scaletrain.runtime import Runtime, init
+from scaletrain.runtime import AccumulationStep, Runtime, init, sync_batchnorm
 from scaletrain.strategies import DDP, SingleDevice, Strategy
 
 __version__ = "0.1.0"
 
 __all__ = [
     "DDP",
+    "AccumulationStep",
     "CheckpointError",
     "ConfigError",
     "DatasetError",
@@ -32,4 +33,5 @@ __all__ = [
     "Strategy",
     "__version__",
     "init",
+    "sync_batchnorm",
 ]

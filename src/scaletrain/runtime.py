@@ -5,7 +5,8 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 import torch
@@ -16,16 +17,33 @@ from scaletrain.data import ShardedLoader, ShardedSampler
 from scaletrain.env import detect
 from scaletrain.env.base import ClusterEnv
 from scaletrain.errors import ConfigError
+from scaletrain.precision import Precision
 from scaletrain.strategies import Strategy, resolve_strategy
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["MESH_DIMS", "Runtime", "init", "parse_mesh"]
+__all__ = ["MESH_DIMS", "AccumulationStep", "Runtime", "init", "parse_mesh", "sync_batchnorm"]
 
 MESH_DIMS = ("pp", "dp", "tp")
 """Mesh dimensions, outermost first: tensor-parallel peers are neighbours (same node,
 fastest links), pipeline stages furthest apart (they exchange the least)."""
+
+
+@dataclass(frozen=True, slots=True)
+class AccumulationStep:
+    """Where a micro-step sits in its accumulation window."""
+
+    index: int
+    """0-based micro-step within the window."""
+    steps: int
+    """Micro-steps per optimizer step."""
+    sync: bool
+    """True on the last micro-step: gradients were synchronised; step the optimizer."""
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return type(t).__name__ == "DTensor"
 
 
 def parse_mesh(mesh: Mapping[str, int] | str | None, world_size: int) -> dict[str, int] | None:
@@ -82,8 +100,12 @@ class Runtime:
         backend: str,
         device: torch.device,
         mesh_shape: Mapping[str, int] | None = None,
+        precision: Precision | None = None,
     ) -> None:
         self.env = env
+        self.precision = precision or Precision(device=device)
+        self._accumulation_scale = 1.0
+        self._micro_steps: dict[int, int] = {}
         self.strategy = strategy
         self.backend = backend
         self.device = device
@@ -181,6 +203,7 @@ class Runtime:
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
     ) -> nn.Module | tuple[nn.Module, torch.optim.Optimizer]:
         """Move the model to this process's device and wrap it for the strategy."""
+        model = self.precision.convert_module(model)
         wrapped = self.strategy.setup_module(model, self)
         if optimizer is None:
             return wrapped
@@ -210,11 +233,98 @@ class Runtime:
         For data-parallel strategies this is `loss_fn(model(x), y).backward()`; it
         exists so the same loop also drives pipeline stages. Returns the detached loss.
         """
-        return self.strategy.forward_backward(model, inputs, targets, loss_fn)
+        # Gradient accumulation (1/k) and fp16 loss scaling multiply the loss that is
+        # backpropagated; the loss returned for logging is the true one.
+        mult = self._accumulation_scale
+        scaler = self.precision.scaler
+
+        def scaled_loss(outputs: Any, target: torch.Tensor) -> torch.Tensor:
+            loss = loss_fn(outputs, target)
+            return self.precision.scale(loss * mult) if mult != 1.0 else self.precision.scale(loss)
+
+        with self.precision.forward_context():
+            loss = self.strategy.forward_backward(
+                model, self.precision.convert_input(inputs), targets, scaled_loss
+            )
+        factor = mult * (float(scaler.get_scale()) if scaler is not None else 1.0)
+        return loss.float() / factor if factor != 1.0 else loss
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """loss.backward() with accumulation's 1/k and fp16 loss scaling applied.
+
+        For loops that call the model themselves instead of rt.forward_backward.
+        """
+        self.precision.scale(loss * self._accumulation_scale).backward()
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """optimizer.step(), through the GradScaler under fp16-mixed."""
+        self.precision.step(optimizer)
+
+    @contextlib.contextmanager
+    def accumulate(self, model: nn.Module, steps: int) -> Iterator[AccumulationStep]:
+        """One micro-step of gradient accumulation over `steps` micro-batches.
+
+        Inside the block the gradient all-reduce is skipped on the first steps-1
+        micro-steps (DDP's no_sync, FSDP's requires-gradient-sync off), and losses
+        given to rt.forward_backward / rt.backward count 1/steps, so k micro-steps
+        equal one step on a k-times larger batch. Step the optimizer when `.sync`:
+
+            with rt.accumulate(model, steps=4) as micro:
+                loss = rt.forward_backward(model, x, y, loss_fn)
+            if micro.sync:
+                rt.step(optimizer)
+                optimizer.zero_grad()
+        """
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ConfigError(
+                f"accumulate(steps={steps!r}): expected a positive integer number of "
+                "micro-batches per optimizer step, e.g. steps=4."
+            )
+        key = id(model)
+        index = self._micro_steps.get(key, 0)
+        sync = index + 1 >= steps
+        self._micro_steps[key] = 0 if sync else index + 1
+        previous = self._accumulation_scale
+        self._accumulation_scale = 1.0 / steps
+        context = contextlib.nullcontext() if sync else self.strategy.no_sync(model)
+        try:
+            with context:
+                yield AccumulationStep(index=index, steps=steps, sync=sync)
+        finally:
+            self._accumulation_scale = previous
+
+    def clip_grad_norm(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        max_norm: float,
+        norm_type: float = 2.0,
+    ) -> torch.Tensor:
+        """Clip gradients by the norm of the WHOLE model, whatever the strategy.
+
+        Sharded gradients (FSDP, tensor parallel) are combined across their mesh and
+        pipeline stages' norms across the stages, so every rank clips with the same
+        global norm a single process would compute. Returns that norm.
+        """
+        self.precision.unscale(optimizer)
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        total = _dist.global_grad_norm(
+            [p.grad for p in params],
+            norm_type,
+            group=self.strategy.model_parallel_group(self),
+            device=self.device,
+        )
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for p in params:
+            grad = p.grad
+            assert grad is not None
+            grad.mul_(coef.to(grad.device, grad.dtype) if not _is_dtensor(grad) else coef.item())
+        return total
 
     def predict(self, model: nn.Module, inputs: Any) -> Any:
         """Evaluation outputs (no grad) on every rank of the model replica."""
-        return self.strategy.predict(model, inputs)
+        with self.precision.forward_context():
+            return self.strategy.predict(model, self.precision.convert_input(inputs))
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
         """Skip the gradient all-reduce inside the block (accumulation micro-steps)."""
@@ -308,6 +418,7 @@ def init(
     timeout: float = _dist.DEFAULT_TIMEOUT_S,
     env: ClusterEnv | str | None = None,
     mesh: Mapping[str, int] | str | None = None,
+    precision: str = "32",
 ) -> Runtime:
     """Detect the environment, join the process group, pin the device.
 
@@ -319,6 +430,7 @@ def init(
     mesh: {"dp": 2, "tp": 2} (or "dp=2,tp=2") lays the ranks on a DeviceMesh to
         compose data parallel (the strategy: DDP or FSDP) with tensor ("tp") and
         pipeline ("pp") parallel. The sizes must multiply to the world size.
+    precision: "32", "bf16-mixed", "fp16-mixed" (CUDA) or "bf16-true".
     """
     global _CURRENT
     cluster = env if isinstance(env, ClusterEnv) else detect(kind=env)
@@ -328,10 +440,45 @@ def init(
         torch.cuda.set_device(dev)
     shape = parse_mesh(mesh, cluster.world_size)
     strat = resolve_strategy(strategy, mesh=shape)
-    rt = Runtime(env=cluster, strategy=strat, backend=chosen, device=dev, mesh_shape=shape)
+    prec = Precision(name=precision, device=dev)
+    strat.adopt_precision(prec)
+    rt = Runtime(
+        env=cluster,
+        strategy=strat,
+        backend=chosen,
+        device=dev,
+        mesh_shape=shape,
+        precision=prec,
+    )
     # Check the strategy before any peer is contacted: a bad config fails fast, alone.
     strat.validate(rt)
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     _dist.init_process_group(cluster, backend=chosen, device=dev, timeout_s=timeout)
     _CURRENT = rt
     return rt
+
+
+def sync_batchnorm(model: nn.Module, process_group: Any = None) -> nn.Module:
+    """Make BatchNorm layers use the statistics of the whole global batch.
+
+    Call it on the bare model, before rt.setup(). On CUDA it converts to PyTorch's
+    nn.SyncBatchNorm; on CPU (where PyTorch's raises and DDP refuses it) to
+    scaletrain's own, which is autograd-correct: forward, running statistics and
+    gradients equal BatchNorm on the concatenated batch. The statistics are reduced
+    over the data-parallel ranks (the "dp" mesh dimension, else all ranks). With
+    one data-parallel replica there is nothing to synchronise and the model is
+    returned as is. Without st.init() the device of each layer decides.
+    """
+    from scaletrain.dist.sync_batchnorm import sync_batchnorm as convert
+
+    rt = _CURRENT
+    if rt is None:
+        return convert(model, process_group)
+    if rt.dp_size == 1:
+        return model
+    group = process_group
+    if group is None and rt.mesh_shape is not None and "dp" in rt.mesh_shape:
+        group = rt.device_mesh("dp").get_group()
+    if rt.device.type == "cuda":
+        return convert(model, group, implementation="torch")
+    return convert(model, group, implementation="scaletrain")

@@ -18,6 +18,7 @@ from torch import nn
 from scaletrain.errors import ConfigError
 
 if TYPE_CHECKING:
+    from scaletrain.precision import Precision
     from scaletrain.runtime import Runtime
 
 __all__ = [
@@ -82,6 +83,15 @@ class Strategy:
         """
         return self._data_parallel(rt)
 
+    def adopt_precision(self, precision: Precision) -> None:
+        """Let a strategy that handles precision itself (FSDP's policy) configure it."""
+        self._adopt_precision(precision)
+
+    def model_parallel_group(self, rt: Runtime) -> Any:
+        """Process group over which ranks hold DIFFERENT plain (non-DTensor) parameters
+        (pipeline stages), for whole-model norms; None when there is none."""
+        return self._model_parallel_group(rt)
+
     def full_state_dict(self, module: nn.Module, rt: Runtime) -> dict[str, torch.Tensor]:
         """Plain CPU tensors of the whole model, on every rank (a collective)."""
         return self._full_state_dict(module, rt)
@@ -129,6 +139,12 @@ class Strategy:
 
     def _data_parallel(self, rt: Runtime) -> tuple[int, int]:
         return rt.rank, rt.world_size
+
+    def _adopt_precision(self, precision: Precision) -> None:
+        return None
+
+    def _model_parallel_group(self, rt: Runtime) -> Any:
+        return None
 
     def _full_state_dict(self, module: nn.Module, rt: Runtime) -> dict[str, torch.Tensor]:
         # torch's state-dict API gathers DTensor shards (FSDP, TP) and strips DDP's

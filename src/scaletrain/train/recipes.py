@@ -122,7 +122,7 @@ RECIPES: dict[str, Recipe] = {
         Recipe(
             name="wrn",
             dataset="fashion-mnist",
-            build=WideResNet,
+            build=lambda: WideResNet(depth=10, width=1),
             data=_fashion_mnist,
             check_data=_fashion_mnist_check,
             lr=0.1,

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from scaletrain.runtime import Runtime, init
+from scaletrain.runtime import Runtime, init, sync_batchnorm
 from scaletrain.train.config import TrainConfig
 from scaletrain.train.progress import StepProgress
 from scaletrain.train.recipes import get_recipe
@@ -163,8 +163,6 @@ class Trainer:
 
         model = recipe.build()
         if sync_bn:
-            from scaletrain.dist.sync_batchnorm import sync_batchnorm
-
             model = sync_batchnorm(model)
         global_batch = batch_size * rt.dp_size
         lr = cfg.lr if cfg.lr is not None else recipe.scaled_lr(global_batch)

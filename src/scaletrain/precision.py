@@ -1,0 +1,112 @@
+"""Numeric precision: autocast, loss scaling and FSDP policies, one small class.
+
+"32"          float32 everywhere (default).
+"bf16-mixed"  weights and optimizer in float32, forward in bfloat16 (autocast),
+              on CPU and GPU. Under FSDP: MixedPrecisionPolicy(bf16 params,
+              fp32 gradient reduction).
+"fp16-mixed"  autocast to float16 with dynamic loss scaling (GradScaler): GPUs only.
+"bf16-true"   weights, activations and gradients in bfloat16 (half the memory,
+              less accuracy); inputs are cast for you.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from scaletrain.errors import ConfigError
+
+__all__ = ["PRECISIONS", "Precision"]
+
+PRECISIONS = ("32", "bf16-mixed", "fp16-mixed", "bf16-true")
+_ALIASES = {"32-true": "32", "fp32": "32", "bf16": "bf16-mixed", "fp16": "fp16-mixed", "16-mixed": "fp16-mixed"}  # fmt: skip
+
+
+@dataclass(kw_only=True, slots=True)
+class Precision:
+    """How this run computes: its autocast context, scaler and parameter dtype."""
+
+    name: str = "32"
+    """One of PRECISIONS."""
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    """The device the run computes on (autocast and GradScaler are per device type)."""
+    scaler: Any = None
+    """torch.amp.GradScaler for fp16-mixed, else None."""
+
+    def __post_init__(self) -> None:
+        self.name = _ALIASES.get(str(self.name), str(self.name))
+        if self.name not in PRECISIONS:
+            raise ConfigError(
+                f"precision={self.name!r} is not known; expected one of {', '.join(PRECISIONS)}."
+            )
+        if self.name == "fp16-mixed":
+            if self.device.type != "cuda":
+                raise ConfigError(
+                    f"precision='fp16-mixed' needs a CUDA GPU (float16 with dynamic loss "
+                    f"scaling), but this run computes on {self.device.type}. Use "
+                    "precision='bf16-mixed', which needs no loss scaling and runs on CPUs too."
+                )
+            if self.scaler is None:
+                self.scaler = torch.amp.GradScaler("cuda")
+        if (
+            self.name in ("bf16-mixed", "bf16-true")
+            and self.device.type == "cuda"
+            and not torch.cuda.is_bf16_supported()
+        ):
+            raise ConfigError(
+                f"precision={self.name!r}: this GPU has no bfloat16 support. Use "
+                "precision='fp16-mixed' (with loss scaling) or '32'."
+            )
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        return {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(self.name)
+
+    def forward_context(self) -> contextlib.AbstractContextManager[Any]:
+        """Autocast for the forward pass (and the loss computed on its outputs)."""
+        dtype = self.autocast_dtype
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=dtype)
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        """bf16-true keeps the weights themselves in bfloat16."""
+        if self.name == "bf16-true":
+            return module.to(torch.bfloat16)
+        return module
+
+    def convert_input(self, data: Any) -> Any:
+        """bf16-true: floating inputs follow the weights' dtype (token ids stay ints)."""
+        if self.name == "bf16-true" and isinstance(data, torch.Tensor) and data.is_floating_point():
+            return data.to(torch.bfloat16)
+        return data
+
+    def fsdp_policy(self) -> Any:
+        """FSDP2's MixedPrecisionPolicy for this precision (None: none needed)."""
+        dtype = self.autocast_dtype
+        if dtype is None:
+            return None
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        # Parameters are all-gathered in low precision; gradients reduced in fp32 so
+        # summing many ranks' gradients does not lose the small ones.
+        return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.scaler.scale(loss) if self.scaler is not None else loss
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.scaler is None:
+            optimizer.step()
+            return
+        self.scaler.step(optimizer)
+        self.scaler.update()
+
+    def unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make gradients true-sized before clipping (once per step)."""
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
