@@ -15,7 +15,7 @@ from scaletrain.errors import (
     ScaletrainError,
 )
 from scaletrain.runtime import AccumulationStep, Runtime, init, sync_batchnorm
-from scaletrain.strategies import DDP, SingleDevice, Strategy
+from scaletrain.strategies import DDP, DataParallel, ModelParallel, SingleDevice, Strategy
 
 __version__ = "0.1.0"
 
@@ -24,9 +24,11 @@ __all__ = [
     "AccumulationStep",
     "CheckpointError",
     "ConfigError",
+    "DataParallel",
     "DatasetError",
     "EnvironmentDetectionError",
     "LaunchError",
+    "ModelParallel",
     "Runtime",
     "ScaletrainError",
     "SingleDevice",

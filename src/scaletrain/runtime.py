@@ -452,8 +452,14 @@ def init(
     )
     # Check the strategy before any peer is contacted: a bad config fails fast, alone.
     strat.validate(rt)
+    home = strat.home_device(rt)
+    if home != rt.device:
+        rt.device = home
+        rt.precision.device = home
+        if home.type == "cuda":
+            torch.cuda.set_device(home)
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-    _dist.init_process_group(cluster, backend=chosen, device=dev, timeout_s=timeout)
+    _dist.init_process_group(cluster, backend=chosen, device=rt.device, timeout_s=timeout)
     _CURRENT = rt
     return rt
 

@@ -83,6 +83,14 @@ class Strategy:
         """
         return self._data_parallel(rt)
 
+    def home_device(self, rt: Runtime) -> torch.device:
+        """The device this process computes on (inputs go there, NCCL binds to it).
+
+        One GPU per local rank by default; a strategy whose process owns several
+        devices (DDP with a device map) names the first of its own.
+        """
+        return self._home_device(rt)
+
     def adopt_precision(self, precision: Precision) -> None:
         """Let a strategy that handles precision itself (FSDP's policy) configure it."""
         self._adopt_precision(precision)
@@ -142,6 +150,9 @@ class Strategy:
 
     def _adopt_precision(self, precision: Precision) -> None:
         return None
+
+    def _home_device(self, rt: Runtime) -> torch.device:
+        return rt.device
 
     def _model_parallel_group(self, rt: Runtime) -> Any:
         return None

@@ -1,4 +1,17 @@
-"""DistributedDataParallel: one replica per process, gradients all-reduced in buckets."""
+"""DistributedDataParallel: one replica per process, gradients all-reduced in buckets.
+
+With `device_map` each replica is itself model parallel: the process owns several
+devices and its copy of the model is split over them (the seeds' "DDP with model
+parallel", `gpus = {0: [0, 1], 1: [2, 3]}[rank]`), as a one-liner:
+
+    st.DDP(device_map={"sub_net1": "local:0", "sub_net2": "local:1"})
+
+"local:i" is the i-th device of this process: local rank r owning k devices owns
+GPUs r*k .. r*k+k-1, with k = `devices_per_process`, or by default the number of
+local devices the map names (2 above; for "auto", the node's GPUs divided by its
+processes). Placement follows the rules of strategies/model_parallel.py; where no
+GPU is visible every device is the CPU, so the same script runs on CPUs.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +20,20 @@ import inspect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from scaletrain.errors import ConfigError
 from scaletrain.strategies.base import Strategy, register
+from scaletrain.strategies.model_parallel import (
+    check_device_map,
+    local_devices_needed,
+    place_module,
+    process_devices,
+    resolve_device_map,
+)
 
 if TYPE_CHECKING:
     from scaletrain.runtime import Runtime
@@ -45,6 +66,10 @@ class DDP(Strategy):
     """Matrix approximation rank for comm_hook="powersgd"."""
     powersgd_start_iter: int = 10
     """Plain all-reduce for this many steps before PowerSGD compression starts."""
+    device_map: dict[str, str] | str | None = None
+    """Model parallel in each replica: submodule -> "local:i"/"cuda:i"/"cpu", or "auto"."""
+    devices_per_process: int | None = None
+    """Devices each process owns for device_map; None: as many as its "local:i" name."""
 
     def __post_init__(self) -> None:
         if self.comm_hook is not None and self.comm_hook not in COMM_HOOKS:
@@ -58,6 +83,34 @@ class DDP(Strategy):
             )
         if self.powersgd_rank < 1:
             raise ConfigError(f"DDP(powersgd_rank={self.powersgd_rank!r}) must be >= 1.")
+        if self.device_map is not None:
+            check_device_map(self.device_map, "DDP")
+        if self.devices_per_process is not None:
+            if self.device_map is None:
+                raise ConfigError(
+                    f"DDP(devices_per_process={self.devices_per_process!r}) only applies with "
+                    "a device_map, e.g. DDP(device_map='auto', devices_per_process=2)."
+                )
+            if self.devices_per_process < 1:
+                raise ConfigError(
+                    f"DDP(devices_per_process={self.devices_per_process!r}) must be >= 1."
+                )
+
+    def process_devices(self, rt: Runtime) -> list[str]:
+        """The devices this process owns for its device_map (all "cpu" without GPUs)."""
+        gpus = torch.cuda.device_count() if rt.device.type == "cuda" else 0
+        if self.devices_per_process is not None:
+            per_process = self.devices_per_process
+        elif isinstance(self.device_map, str):  # "auto": share the node's GPUs evenly
+            per_process = max(gpus // max(rt.env.local_world_size, 1), 1)
+        else:
+            per_process = max(local_devices_needed(self.device_map or {}), 1)
+        return process_devices(rt.local_rank, per_process, gpu_count=gpus)
+
+    def _home_device(self, rt: Runtime) -> torch.device:
+        if self.device_map is None or rt.device.type != "cuda":
+            return rt.device
+        return torch.device(self.process_devices(rt)[0])
 
     def _validate(self, rt: Runtime) -> None:
         if self.comm_hook == "bf16" and (rt.backend != "nccl" or rt.device.type != "cuda"):
@@ -66,9 +119,16 @@ class DDP(Strategy):
                 f"bf16_compress_hook), but this run uses backend={rt.backend!r} on "
                 f"{rt.device.type}. Use comm_hook='fp16' on CPU/Gloo, or run on GPUs."
             )
+        if self.device_map is not None:
+            owned = self.process_devices(rt)
+            if not isinstance(self.device_map, str):
+                resolve_device_map(self.device_map, owned, "DDP")
 
     def _setup_module(self, module: nn.Module, rt: Runtime) -> nn.Module:
-        module = module.to(rt.device)
+        if self.device_map is None:
+            module = module.to(rt.device)
+        else:
+            place_module(module, self.device_map, devices=self.process_devices(rt), owner="DDP")
         if rt.world_size == 1:
             # The same script runs in one process with no wrapper and no process group.
             return module
@@ -90,9 +150,10 @@ class DDP(Strategy):
         if self.bucket_cap_mb is not None:
             kwargs["bucket_cap_mb"] = self.bucket_cap_mb
         devices = {p.device for p in module.parameters()}
-        if rt.device.type == "cuda" and len(devices) == 1:
-            kwargs["device_ids"] = [rt.device]
-            kwargs["output_device"] = rt.device
+        if len(devices) == 1 and (only := next(iter(devices))).type == "cuda":
+            # The module's own GPU: with a device_map it need not be rt.device.
+            kwargs["device_ids"] = [only]
+            kwargs["output_device"] = only
         # Several devices in one process (DDP with model parallel): DDP must not be
         # given device_ids then; it reduces across the devices the module spans.
         ddp = DistributedDataParallel(module, **kwargs)
