@@ -15,12 +15,22 @@ from scaletrain.errors import (
     ScaletrainError,
 )
 from scaletrain.runtime import AccumulationStep, Runtime, init, sync_batchnorm
-from scaletrain.strategies import DDP, DataParallel, ModelParallel, SingleDevice, Strategy
+from scaletrain.strategies import (
+    DDP,
+    FSDP,
+    DataParallel,
+    ModelParallel,
+    Pipeline,
+    SingleDevice,
+    Strategy,
+    TensorParallel,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "DDP",
+    "FSDP",
     "AccumulationStep",
     "CheckpointError",
     "ConfigError",
@@ -29,10 +39,12 @@ __all__ = [
     "EnvironmentDetectionError",
     "LaunchError",
     "ModelParallel",
+    "Pipeline",
     "Runtime",
     "ScaletrainError",
     "SingleDevice",
     "Strategy",
+    "TensorParallel",
     "__version__",
     "init",
     "sync_batchnorm",

@@ -36,6 +36,8 @@ class Precision:
     """The device the run computes on (autocast and GradScaler are per device type)."""
     scaler: Any = None
     """torch.amp.GradScaler for fp16-mixed, else None."""
+    autocast: bool = True
+    """False when the strategy casts itself (FSDP's MixedPrecisionPolicy)."""
 
     def __post_init__(self) -> None:
         self.name = _ALIASES.get(str(self.name), str(self.name))
@@ -69,7 +71,7 @@ class Precision:
     def forward_context(self) -> contextlib.AbstractContextManager[Any]:
         """Autocast for the forward pass (and the loss computed on its outputs)."""
         dtype = self.autocast_dtype
-        if dtype is None:
+        if dtype is None or not self.autocast:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=dtype)
 

@@ -3,17 +3,25 @@
 from scaletrain.strategies.base import STRATEGIES, Strategy, register, resolve_strategy
 from scaletrain.strategies.ddp import COMM_HOOKS, DDP
 from scaletrain.strategies.dp import DataParallel
+from scaletrain.strategies.fsdp import FSDP
 from scaletrain.strategies.model_parallel import ModelParallel, auto_device_map
+from scaletrain.strategies.pipeline import SCHEDULES, Pipeline, PipelineModule
 from scaletrain.strategies.single import SingleDevice
+from scaletrain.strategies.tensor import TensorParallel
 
 __all__ = [
     "COMM_HOOKS",
     "DDP",
+    "FSDP",
+    "SCHEDULES",
     "STRATEGIES",
     "DataParallel",
     "ModelParallel",
+    "Pipeline",
+    "PipelineModule",
     "SingleDevice",
     "Strategy",
+    "TensorParallel",
     "auto_device_map",
     "register",
     "resolve_strategy",

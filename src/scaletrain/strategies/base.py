@@ -25,7 +25,7 @@ __all__ = [
     "STRATEGIES",
     "Strategy",
     "parameter_names",
-    "rebuild_optimizer",
+    "rebind_optimizer",
     "register",
     "resolve_strategy",
 ]
@@ -207,18 +207,23 @@ def _device_of(outputs: Any) -> torch.device:
     return torch.device("cpu")
 
 
-def rebuild_optimizer(
+def rebind_optimizer(
     optimizer: torch.optim.Optimizer,
     old_names: dict[int, str],
     module: nn.Module,
+    *,
+    drop_missing: bool = False,
 ) -> torch.optim.Optimizer:
-    """The same optimizer over `module`'s parameters after a wrapper replaced them.
+    """Point `optimizer` at `module`'s new (DTensor) parameters, in place, and return it.
 
-    FSDP's fully_shard, tensor parallel's parallelize_module and pipeline splitting
-    swap parameters for new (DTensor or stage-local) objects, so an optimizer built
-    on the originals would update tensors the model no longer uses. `old_names`
-    maps id(original parameter) -> its name, taken before the wrapper ran.
-    Parameters the module no longer holds (another pipeline stage's) are dropped.
+    FSDP's fully_shard and tensor parallel's parallelize_module swap parameters for
+    new DTensor objects, so an optimizer built on the originals would update tensors
+    the model no longer uses. The optimizer object is kept (not rebuilt with
+    type(opt)(groups, **opt.defaults), which raises TypeError for torch 2.13's AdamW
+    whose defaults hold decoupled_weight_decay), so LR schedulers built on it keep
+    working. `old_names` maps id(original parameter) -> name, taken before the
+    wrapper ran. With `drop_missing`, parameters the module no longer holds (another
+    pipeline stage's) leave the optimizer instead of raising.
     """
     if any(optimizer.state.values()):
         raise ConfigError(
@@ -227,23 +232,26 @@ def rebuild_optimizer(
             "follow. Fix: call rt.setup(model, optimizer) before the first optimizer.step()."
         )
     current = dict(module.named_parameters())
-    groups = []
+    new_groups: list[list[nn.Parameter]] = []
     for group in optimizer.param_groups:
         params = []
         for p in group["params"]:
             name = old_names.get(id(p))
-            if name is None:
+            if drop_missing and name is not None and name not in current:
+                continue
+            if name is None or name not in current:
                 raise ConfigError(
                     f"the {type(optimizer).__name__} holds a parameter of shape "
                     f"{tuple(p.shape)} that is not in the model given to setup(). Build the "
                     "optimizer from model.parameters() of that same model."
                 )
-            if name in current:
-                params.append(current[name])
-        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
-    groups = [g for g in groups if g["params"]]
-    rebuilt = type(optimizer)(groups, **optimizer.defaults)
-    return rebuilt
+            params.append(current[name])
+        new_groups.append(params)
+    # Swapped only once every parameter was found: a failure leaves the optimizer as is.
+    for group, params in zip(optimizer.param_groups, new_groups, strict=True):
+        group["params"] = params
+    optimizer.state.clear()
+    return optimizer
 
 
 def parameter_names(module: nn.Module) -> dict[int, str]:

@@ -77,7 +77,12 @@ def evaluate(rt: Runtime, model: nn.Module, loader: Any) -> EvalResult:
             rt.predict(model, last[0].to(rt.device))
     net.train(was_training)
     totals = rt.reduce({"loss_sum": loss_sum, "correct": correct, "count": count}, op="sum")
-    n = int(totals["count"])
+    # Tensor/pipeline peers of one replica computed the same numbers on the same
+    # shard: the sum over all ranks counts each replica's results that many times.
+    copies = rt.world_size // rt.dp_size
+    n = int(totals["count"]) // copies
+    totals["loss_sum"] = totals["loss_sum"] / copies
+    totals["correct"] = totals["correct"] // copies
     if n == 0:
         return EvalResult(loss=float("nan"), accuracy=float("nan"), count=0)
     return EvalResult(

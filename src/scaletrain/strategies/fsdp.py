@@ -1,0 +1,267 @@
+"""Fully sharded data parallel (FSDP2): parameters, gradients and optimizer state sharded.
+
+Each process holds 1/N of every parameter (a DTensor sharded on dim 0 over the
+"dp" mesh). A unit's parameters are all-gathered just before its forward (and
+again before its backward), and gradients are reduce-scattered after it, so a
+unit is the granularity of communication and of peak memory: the default shards
+each transformer block (or each conv stage) as its own unit, then the root for
+whatever is left (embeddings, head).
+
+torch's `fully_shard` works in place: the module keeps its class and names, only
+its parameters become DTensors, so `unwrap` is the module itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from torch import nn
+
+from scaletrain.errors import ConfigError
+from scaletrain.strategies.base import Strategy, parameter_names, rebind_optimizer, register
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from scaletrain.precision import Precision
+    from scaletrain.runtime import Runtime
+
+__all__ = ["FSDP", "WrapSpec", "auto_wrap_targets", "wrap_targets"]
+
+WrapSpec = str | type[nn.Module] | Sequence[str | type[nn.Module]] | None
+"""FSDP(wrap=...): "auto"/None, or module classes / class names (one or several)."""
+
+# torch.distributed.fsdp costs ~0.8 s to import: it is imported where it is used, so
+# `import scaletrain` stays fast for DDP users.
+
+_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+
+# Parameter names taken before fully_shard replaced the parameters, per sharded model,
+# for setup_optimizer (which runs after setup_module). Weak: a dropped model frees them.
+_NAMES_BEFORE: weakref.WeakKeyDictionary[nn.Module, dict[int, str]] = weakref.WeakKeyDictionary()
+
+
+@register
+@dataclass(kw_only=True, slots=True)
+class FSDP(Strategy):
+    """Shard parameters, gradients and optimizer state over the data-parallel ranks."""
+
+    name: ClassVar[str] = "fsdp"
+
+    wrap: WrapSpec = None
+    """Units sharded on their own: None/"auto" (each block, see auto_wrap_targets), or
+    module classes / class names, e.g. (Block,) or ("Block",)."""
+    reshard_after_forward: bool = True
+    """Free the gathered parameters after forward (re-gather in backward): less memory."""
+    cpu_offload: bool = False
+    """Keep sharded parameters, gradients and optimizer state in CPU memory (CUDA runs)."""
+    mixed_precision: MixedPrecisionPolicy | None = None
+    """A torch.distributed.fsdp.MixedPrecisionPolicy, or None for the parameters' dtype."""
+
+    def __post_init__(self) -> None:
+        self.wrap = _normalise_wrap(self.wrap)
+        if not isinstance(self.reshard_after_forward, bool):
+            raise ConfigError(
+                f"FSDP(reshard_after_forward={self.reshard_after_forward!r}) must be True or False."
+            )
+        if not isinstance(self.cpu_offload, bool):
+            raise ConfigError(f"FSDP(cpu_offload={self.cpu_offload!r}) must be True or False.")
+        if self.mixed_precision is not None:
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            if not isinstance(self.mixed_precision, MixedPrecisionPolicy):
+                raise ConfigError(
+                    f"FSDP(mixed_precision={self.mixed_precision!r}) must be a "
+                    "torch.distributed.fsdp.MixedPrecisionPolicy or None, e.g. "
+                    "MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
+                    "reduce_dtype=torch.float32)."
+                )
+
+    def _validate(self, rt: Runtime) -> None:
+        # cpu_offload is accepted on every device. On CUDA it keeps the shards in pinned
+        # host memory; on a CPU run they live there already, so it changes nothing and
+        # still works (measured on Gloo), and one config file serves a laptop and a GPU
+        # cluster. Pinning needs an accelerator ("Cannot access accelerator device when
+        # none is available"), so _setup_module asks for it on CUDA only.
+        return None
+
+    def _setup_module(self, module: nn.Module, rt: Runtime) -> nn.Module:
+        module = module.to(rt.device)
+        # Resolved even in one process: a wrong class name fails on a laptop, not at scale.
+        targets = wrap_targets(module, self.wrap)
+        if rt.world_size == 1:
+            # One process: nothing to shard; the same script runs unwrapped, and the
+            # precision that FSDP's policy would have applied falls back to autocast.
+            rt.precision.autocast = True
+            return module
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+        names = parameter_names(module)
+        kwargs: dict[str, Any] = {
+            "mesh": rt.device_mesh("dp"),
+            "reshard_after_forward": self.reshard_after_forward,
+            "mp_policy": (
+                MixedPrecisionPolicy() if self.mixed_precision is None else self.mixed_precision
+            ),
+        }
+        if self.cpu_offload:
+            kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=rt.device.type == "cuda")
+        submodules = dict(module.named_modules())
+        # Innermost first: a unit's parameters belong to the innermost unit holding them,
+        # and fully_shard must see nested units before the ones around them.
+        for target in reversed(targets):
+            fully_shard(submodules[target], **kwargs)
+        # The root gathers what no unit claimed (embeddings, head, final norm) and
+        # drives the schedule: it must be sharded last.
+        fully_shard(module, **kwargs)
+        _NAMES_BEFORE[module] = names
+        return module
+
+    def _setup_optimizer(
+        self, optimizer: torch.optim.Optimizer, module: nn.Module, rt: Runtime
+    ) -> torch.optim.Optimizer:
+        names = _NAMES_BEFORE.get(module)
+        if names is None:
+            # Not sharded (one process): the optimizer's parameters are the model's.
+            return optimizer
+        return rebind_optimizer(optimizer, names, module)
+
+    def _unwrap(self, module: nn.Module) -> nn.Module:
+        return module
+
+    def _adopt_precision(self, precision: Precision) -> None:
+        # FSDP casts parameters itself when it all-gathers them (MixedPrecisionPolicy):
+        # cheaper than autocast re-casting every op, and gradients reduce in fp32.
+        policy = precision.fsdp_policy()
+        if policy is not None and self.mixed_precision is None:
+            self.mixed_precision = policy
+        if self.mixed_precision is not None:
+            precision.autocast = False
+
+    def _no_sync(self, module: nn.Module) -> contextlib.AbstractContextManager[None]:
+        return _gradient_sync_off(module)
+
+
+@contextlib.contextmanager
+def _gradient_sync_off(module: nn.Module) -> Iterator[None]:
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(module, FSDPModule):
+        yield
+        return
+    # FSDP2 then keeps unsharded gradients and accumulates into them; the first
+    # backward after the block reduce-scatters the sum.
+    module.set_requires_gradient_sync(False, recurse=True)
+    try:
+        yield
+    finally:
+        module.set_requires_gradient_sync(True, recurse=True)
+
+
+def _normalise_wrap(wrap: object) -> str | tuple[type[nn.Module] | str, ...]:
+    if wrap is None or wrap == "auto":
+        return "auto"
+    items: Sequence[Any]
+    if isinstance(wrap, (str, type)):
+        items = (wrap,)
+    elif isinstance(wrap, (tuple, list, set, frozenset)):
+        items = tuple(wrap)
+    else:
+        items = ()
+    ok = bool(items) and all(
+        (isinstance(w, type) and issubclass(w, nn.Module)) or (isinstance(w, str) and w)
+        for w in items
+    )
+    if not ok:
+        raise ConfigError(
+            f"FSDP(wrap={wrap!r}) is not a wrap policy; expected None or 'auto' (each "
+            "block), or module classes / class names, e.g. wrap=(Block,) or "
+            "wrap=('Block',)."
+        )
+    return tuple(items)
+
+
+def _holds_parameters(module: nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
+
+
+def _is_leaf_layer(module: nn.Module) -> bool:
+    """A layer whose parameters are all its own (Linear, Conv2d, LayerNorm)."""
+    return not any(_holds_parameters(child) for child in module.children())
+
+
+def auto_wrap_targets(model: nn.Module) -> list[str]:
+    """The modules `wrap="auto"` shards as their own units, by qualified name.
+
+    Walking down from the root, at each container (ModuleList, Sequential,
+    ModuleDict):
+
+    - its elements that hold parameters are the units: a transformer's blocks
+      (GPT's ``blocks.0``, ``blocks.1``), even when the root itself is the container;
+    - unless every such element is a bare layer (Conv2d, BatchNorm, Linear: no
+      sub-module with parameters): the container is then one stage and is the unit
+      itself (ConvNet's ``layer1`` and ``layer2``), or, when it is the root, there
+      are no units (the root is sharded anyway).
+
+    Units are not searched further; modules outside containers are. A model with no
+    containers has no units: it is sharded as one (the root).
+    """
+    targets: list[str] = []
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        if isinstance(module, _CONTAINERS):
+            members = [(n, c) for n, c in module.named_children() if _holds_parameters(c)]
+            if members and all(_is_leaf_layer(c) for _, c in members):
+                if prefix:
+                    targets.append(prefix)
+                return
+            if members:
+                targets.extend(f"{prefix}{'.' if prefix else ''}{n}" for n, _ in members)
+                return
+        for n, child in module.named_children():
+            visit(f"{prefix}{'.' if prefix else ''}{n}", child)
+
+    visit("", model)
+    return targets
+
+
+def wrap_targets(model: nn.Module, wrap: WrapSpec) -> list[str]:
+    """Qualified names of the modules that become FSDP units, outermost first.
+
+    `wrap` is "auto"/None (see `auto_wrap_targets`) or module classes / class names;
+    a class matches the module's own class or a base class, a name the class's
+    ``__name__``. The root is never a target (it is always sharded, last). Raises
+    ConfigError for classes that match no module, listing the classes there are.
+    """
+    wrap = _normalise_wrap(wrap)
+    if wrap == "auto":
+        return auto_wrap_targets(model)
+    named = [(n, m) for n, m in model.named_modules() if n]
+    targets: list[str] = []
+    matched: set[int] = set()
+    for name, mod in named:
+        hits = [
+            i
+            for i, w in enumerate(wrap)
+            if (isinstance(w, str) and type(mod).__name__ == w)
+            or (isinstance(w, type) and isinstance(mod, w))
+        ]
+        if hits:
+            targets.append(name)
+            matched.update(hits)
+    missing = [wrap[i] for i in range(len(wrap)) if i not in matched]
+    if missing:
+        shown = ", ".join(w if isinstance(w, str) else w.__name__ for w in missing)
+        classes = sorted({type(m).__name__ for _, m in named})
+        raise ConfigError(
+            f"FSDP(wrap=...) names {shown}, but no sub-module of the "
+            f"{type(model).__name__} is of that class. Its module classes are: "
+            f"{', '.join(classes) or '(none)'}. Fix: name one of those (e.g. the "
+            "transformer block class), or use wrap='auto'."
+        )
+    return targets

@@ -1,0 +1,245 @@
+"""Tensor parallel on 2 real Gloo ranks equals one process training the same model.
+
+Both ranks are one model replica: they get the SAME batch and must produce the
+losses and weights one process gets on that batch. ONE spawned job trains every
+configuration (default plan, sequence parallel, a user plan) and provokes the
+configuration errors; the tests assert on its results.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from scaletrain.testing import run_ranks
+from scaletrain.train.models import GPT, ConvNet, GPTConfig
+
+pytestmark = pytest.mark.timeout(300)
+
+WORLD = 2
+STEPS = 3
+BATCH = 4
+GPT_CONFIG = GPTConfig(n_layer=2, n_embd=32, n_head=4, vocab_size=64, block_size=16)
+
+# name -> (TensorParallel kwargs, optimizer)
+CONFIGS: dict[str, tuple[dict[str, Any], str]] = {
+    "default_sgd": ({}, "sgd"),
+    "default_adamw": ({}, "adamw"),
+    "sequence_sgd": ({"sequence_parallel": True}, "sgd"),
+    "sequence_adamw": ({"sequence_parallel": True}, "adamw"),
+    "user_plan_sgd": ({"plan": "mlp_only"}, "sgd"),
+}
+
+
+def _model(config: GPTConfig = GPT_CONFIG) -> GPT:
+    torch.manual_seed(0)
+    return GPT(config)
+
+
+def _optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    # eps=1e-6: see the tolerance note below.
+    return torch.optim.AdamW(params, lr=1e-3, eps=1e-6, weight_decay=0.1)
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(2000 + step)
+    shape = (BATCH, GPT_CONFIG.block_size)
+    return (
+        torch.randint(0, GPT_CONFIG.vocab_size, shape, generator=g),
+        torch.randint(0, GPT_CONFIG.vocab_size, shape, generator=g),
+    )
+
+
+def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+def _full(model: nn.Module) -> dict[str, torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    return {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+        for k, v in model.state_dict().items()
+    }
+
+
+def _placements(model: nn.Module) -> dict[str, str]:
+    from torch.distributed.tensor import DTensor
+
+    return {
+        n: repr(p.placements[0]) if isinstance(p, DTensor) else "plain"
+        for n, p in model.named_parameters()
+    }
+
+
+def _train(rt: Any, name: str) -> dict[str, Any]:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from scaletrain.strategies.tensor import TensorParallel
+
+    kwargs, opt_kind = CONFIGS[name]
+    if kwargs.get("plan") == "mlp_only":
+        plan = {"blocks.*.mlp.fc": ColwiseParallel(), "blocks.*.mlp.proj": RowwiseParallel()}
+        kwargs = {**kwargs, "plan": plan}
+    rt.strategy = TensorParallel(**kwargs)
+    bare = _model()
+    model, opt = rt.setup(bare, _optimizer(opt_kind, bare.parameters()))
+    # Rank-local weights after sharding: q_proj holds half the rows on each rank.
+    q = model.blocks[0].attn.q_proj.weight
+    local_q = (q.to_local() if hasattr(q, "to_local") else q).detach().clone()
+    losses = []
+    for step in range(STEPS):
+        x, y = _batch(step)  # the same batch on every tensor-parallel rank
+        opt.zero_grad()
+        loss = rt.forward_backward(model, x, y, _loss)
+        opt.step()
+        losses.append(float(loss))
+    return {
+        "losses": losses,
+        "weights": _full(model),
+        "placements": _placements(model),
+        "local_q": local_q,
+        "predict": rt.predict(model, _batch(99)[0]).clone(),
+        "opt_params_are_model_params": {id(p) for g in opt.param_groups for p in g["params"]}
+        == {id(p) for p in model.parameters()},
+    }
+
+
+def _error(rt: Any, model: nn.Module, inputs: torch.Tensor | None = None, **kwargs: Any) -> str:
+    import scaletrain as st
+    from scaletrain.strategies.tensor import TensorParallel
+
+    try:
+        rt.strategy = TensorParallel(**kwargs)
+        wrapped = rt.setup(model)
+        if inputs is not None:
+            rt.predict(wrapped, inputs)
+    except st.ConfigError as e:
+        return str(e)
+    return "no error"
+
+
+def _job() -> dict[str, Any]:
+    import scaletrain as st
+    from scaletrain.strategies.tensor import TensorParallel
+
+    rt = st.init(strategy=TensorParallel())
+    res: dict[str, Any] = {
+        "data_parallel": rt.strategy.data_parallel(rt),
+        "loader_sees_everything": len(rt.loader(list(range(10)), batch_size=10, shuffle=False)),
+    }
+    res.update({name: _train(rt, name) for name in CONFIGS})
+    # Each error is raised on both ranks before any collective, so no rank is stranded.
+    res["convnet"] = _error(rt, ConvNet())
+    res["bad_key"] = _error(rt, _model(), plan={"blocks.*.attn.qproj": "colwise"})
+    res["heads"] = _error(rt, _model(GPTConfig(n_layer=1, n_embd=30, n_head=3)))
+    res["width"] = _error(rt, _model(GPTConfig(n_layer=1, n_embd=33, n_head=3)))
+    res["seq_len"] = _error(
+        rt, _model(), torch.zeros(1, 15, dtype=torch.long), sequence_parallel=True
+    )
+    rt.shutdown()
+    return res
+
+
+def _reference(opt_kind: str) -> dict[str, Any]:
+    model = _model()
+    opt = _optimizer(opt_kind, model.parameters())
+    losses = []
+    for step in range(STEPS):
+        x, y = _batch(step)
+        opt.zero_grad()
+        loss = _loss(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    with torch.no_grad():
+        logits = model(_batch(99)[0])
+    return {"losses": losses, "weights": model.state_dict(), "predict": logits}
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict[str, Any]]:
+    return run_ranks(_job, WORLD, timeout=280)
+
+
+# float32. A row-parallel layer sums two half-width matrix products (all-reduce, or
+# reduce-scatter under sequence parallel) where one process does one full-width
+# product: the same math in another summation order, so results agree to rounding,
+# not bitwise. Observed after 3 steps: losses equal, SGD weights <= 1.3e-8 absolute,
+# AdamW weights <= 2.6e-7. AdamW's step is lr * m / (sqrt(v) + eps): for a gradient
+# entry near 0 a rounding difference dg moves the step by up to lr * dg / eps, hence
+# its looser absolute tolerance (0.2% of one step, lr=1e-3); a sharding bug moves
+# whole steps and fails.
+LOSS_TOL = {"rel": 1e-6, "abs": 1e-7}
+WEIGHT_TOL = {
+    "sgd": {"rtol": 1e-6, "atol": 1e-7},
+    "adamw": {"rtol": 1e-5, "atol": 2e-6},
+}
+
+
+def test_every_rank_gets_the_same_data(results: list[dict[str, Any]]) -> None:
+    for r in results:
+        assert r["data_parallel"] == (0, 1)
+        assert r["loader_sees_everything"] == 1  # one batch of all 10 samples
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_tensor_parallel_matches_one_process(results: list[dict[str, Any]], name: str) -> None:
+    opt_kind = CONFIGS[name][1]
+    ref = _reference(opt_kind)
+    tol = WEIGHT_TOL[opt_kind]
+    for r in results:
+        got = r[name]
+        assert got["losses"] == pytest.approx(ref["losses"], **LOSS_TOL)
+        assert set(got["weights"]) == set(ref["weights"])
+        for key, value in ref["weights"].items():
+            torch.testing.assert_close(got["weights"][key], value, **tol, msg=key)
+        # Outputs come back whole (B, T, vocab) on every rank, not a slice.
+        torch.testing.assert_close(got["predict"], ref["predict"], rtol=1e-5, atol=1e-6)
+        assert got["opt_params_are_model_params"]
+    assert results[0][name]["losses"] == results[1][name]["losses"]
+
+
+def test_layers_are_split_as_planned(results: list[dict[str, Any]]) -> None:
+    for rank, r in enumerate(results):
+        for name in ("default_sgd", "sequence_sgd"):
+            placements = r[name]["placements"]
+            for block in ("blocks.0", "blocks.1"):
+                for proj in ("q_proj", "k_proj", "v_proj"):
+                    assert placements[f"{block}.attn.{proj}.weight"] == "Shard(dim=0)"
+                assert placements[f"{block}.attn.out_proj.weight"] == "Shard(dim=1)"
+                assert placements[f"{block}.mlp.fc.weight"] == "Shard(dim=0)"
+                assert placements[f"{block}.mlp.proj.weight"] == "Shard(dim=1)"
+            assert placements["tok_emb.weight"] == placements["head.weight"] == "plain"
+        assert r["default_sgd"]["placements"]["blocks.0.ln1.weight"] == "plain"
+        assert r["sequence_sgd"]["placements"]["blocks.0.ln1.weight"] == "Replicate()"
+        assert r["sequence_sgd"]["placements"]["ln_f.weight"] == "plain"
+        user = r["user_plan_sgd"]["placements"]
+        assert user["blocks.0.mlp.fc.weight"] == "Shard(dim=0)"
+        assert user["blocks.0.attn.q_proj.weight"] == "plain"
+        # This rank's rows of q_proj: rank 0 the first 16 output features, rank 1 the rest.
+        full_q = _model().blocks[0].attn.q_proj.weight.detach()
+        torch.testing.assert_close(
+            r["default_sgd"]["local_q"], full_q[rank * 16 : (rank + 1) * 16], rtol=0, atol=0
+        )
+
+
+def test_configuration_errors_name_the_problem(results: list[dict[str, Any]]) -> None:
+    for r in results:
+        assert r["convnet"].startswith(
+            "tensor parallel found no Linear pairs to shard in ConvNet; expected "
+        )
+        assert "fix: pass plan=" in r["convnet"] and "use ddp/fsdp" in r["convnet"]
+        assert "'blocks.*.attn.qproj' matches no module of the GPT" in r["bad_key"]
+        assert "blocks.0.attn.q_proj" in r["bad_key"]
+        assert "blocks.0.attn.q_proj holds 3 heads" in r["heads"]
+        assert "tensor-parallel degree 2" in r["heads"]
+        assert "blocks.0.attn.q_proj (Linear 33 -> 33)" in r["width"]
+        assert "out_features=33 is not divisible by the tensor-parallel degree 2" in r["width"]
+        assert "input of shape (1, 15, 32)" in r["seq_len"]
+        assert "divisible by 2" in r["seq_len"]
