@@ -147,6 +147,18 @@ class Runtime:
             )
         return self._flat_meshes[dim]
 
+    def mesh_coordinate(self, dim: str) -> int:
+        """This rank's index along `dim` of the mesh (0 if the mesh has no such dimension).
+
+        init_device_mesh lays ranks out row-major over the shape, outermost first.
+        """
+        shape = self.mesh_shape
+        if shape is None or dim not in shape:
+            return 0
+        dims = list(shape)
+        inner = math.prod(shape[d] for d in dims[dims.index(dim) + 1 :])
+        return (self.rank // inner) % shape[dim]
+
     def mesh_size(self, dim: str) -> int:
         """Ranks along `dim` of the mesh (1 if the mesh has no such dimension)."""
         if self.mesh_shape is None:

@@ -45,7 +45,6 @@ trained model's state dict.
 from __future__ import annotations
 
 import contextlib
-import math
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -213,6 +212,20 @@ class Pipeline(Strategy):
             device=rt.device,
         )
 
+    def _full_state_dict(self, module: nn.Module, rt: Runtime) -> dict[str, torch.Tensor]:
+        if not isinstance(module, PipelineModule) or not module.is_built:
+            return Strategy._full_state_dict(self, module, rt)
+        # Each stage trained only its own layers: gather every stage's share (plain CPU
+        # tensors, in memory between our own ranks) and take each tensor from its owner.
+        local = {k: v.detach().cpu() for k, v in module.stage_state_dict().items()}
+        parts: list[Any] = [None] * module.pp_size
+        dist.all_gather_object(parts, local, group=module.pp_group)
+        owned: dict[str, torch.Tensor] = {}
+        for part in parts:
+            owned.update(part)
+        full = module.module.state_dict()
+        return {k: owned[k] if k in owned else v.detach().cpu() for k, v in full.items()}
+
     def _setup_optimizer(
         self, optimizer: torch.optim.Optimizer, module: nn.Module, rt: Runtime
     ) -> torch.optim.Optimizer:
@@ -225,13 +238,7 @@ class Pipeline(Strategy):
 
     def _data_parallel(self, rt: Runtime) -> tuple[int, int]:
         # Every stage of one replica must see the same batch: only "dp" splits the data.
-        shape = rt.mesh_shape
-        if shape is None or "dp" not in shape:
-            return 0, 1
-        dims = list(shape)
-        inner = math.prod(shape[d] for d in dims[dims.index("dp") + 1 :])
-        # init_device_mesh lays ranks out row-major over the mesh shape.
-        return (rt.rank // inner) % shape["dp"], shape["dp"]
+        return rt.mesh_coordinate("dp"), rt.mesh_size("dp")
 
     def _model_parallel_group(self, rt: Runtime) -> Any:
         # Stages hold different parameters: whole-model norms sum over the stages.

@@ -1,0 +1,208 @@
+"""Composing parallelisms on a 2-D DeviceMesh: FSDP x tensor, DDP x pipeline.
+
+`st.init(strategy=..., mesh={"dp": 2, "tp": 2})` lays the ranks on a mesh
+(outermost first: pp, dp, tp) and this module builds the composite:
+
+- "dp" x "tp": tensor parallel inside each group of `tp` neighbouring ranks (the
+  fastest links: one node), FSDP2 across the groups on the "dp" dimension. The
+  strategy named may be "fsdp" (default for this pair) or "tensor".
+- "dp" x "pp": pipeline stages along "pp", data parallel along "dp" with DDP's
+  semantics: replicas start from the same weights and every stage's gradients are
+  averaged over its "dp" peers after the pipeline's backward (one flat all-reduce
+  per step; unlike torch's DDP it is not overlapped with the backward, because the
+  stages are traced lazily and rebuilt per batch shape). The strategy named may be
+  "ddp" (default for this pair) or "pipeline".
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from scaletrain.errors import ConfigError
+from scaletrain.strategies import base
+from scaletrain.strategies.base import Strategy, parameter_names, rebind_optimizer
+from scaletrain.strategies.ddp import DDP
+from scaletrain.strategies.fsdp import FSDP
+from scaletrain.strategies.pipeline import Pipeline, PipelineModule
+from scaletrain.strategies.tensor import TensorParallel
+
+if TYPE_CHECKING:
+    from scaletrain.precision import Precision
+    from scaletrain.runtime import Runtime
+
+__all__ = ["FSDPxTP", "PipelinexDDP", "compose"]
+
+
+@dataclass(kw_only=True, slots=True)
+class FSDPxTP(Strategy):
+    """Tensor parallel on the "tp" mesh dimension, FSDP2 on "dp"."""
+
+    name: ClassVar[str] = "fsdp+tensor"
+
+    fsdp: FSDP = field(default_factory=FSDP)
+    """How the data-parallel dimension shards (FSDP's options)."""
+    tensor: TensorParallel = field(default_factory=TensorParallel)
+    """How the tensor-parallel dimension shards (plan, sequence parallel)."""
+    _names: dict[int, str] = field(default_factory=dict, repr=False)
+
+    def _validate(self, rt: Runtime) -> None:
+        self.tensor.validate(rt)
+        self.fsdp.validate(rt)
+
+    def _adopt_precision(self, precision: Precision) -> None:
+        self.fsdp.adopt_precision(precision)
+
+    def _setup_module(self, module: nn.Module, rt: Runtime) -> nn.Module:
+        self._names = parameter_names(module)
+        module = self.tensor.setup_module(module, rt)
+        if rt.mesh_size("dp") > 1:
+            # FSDP2 shards the TP DTensors along the other mesh dimension (2-D DTensors).
+            module = self.fsdp.setup_module(module, rt)
+        return module
+
+    def _setup_optimizer(
+        self, optimizer: torch.optim.Optimizer, module: nn.Module, rt: Runtime
+    ) -> torch.optim.Optimizer:
+        return rebind_optimizer(optimizer, self._names, module)
+
+    def _data_parallel(self, rt: Runtime) -> tuple[int, int]:
+        return rt.mesh_coordinate("dp"), rt.mesh_size("dp")
+
+    def _no_sync(self, module: nn.Module) -> contextlib.AbstractContextManager[None]:
+        return self.fsdp.no_sync(module)
+
+
+@dataclass(kw_only=True, slots=True)
+class PipelinexDDP(Strategy):
+    """Pipeline stages on the "pp" mesh dimension, data parallel (DDP semantics) on "dp"."""
+
+    name: ClassVar[str] = "pipeline+ddp"
+
+    pipeline: Pipeline = field(default_factory=Pipeline)
+    """How the model is split into stages and scheduled."""
+    _syncing: bool = field(default=True, repr=False)
+    _dp_group: Any = field(default=None, repr=False)
+
+    def _validate(self, rt: Runtime) -> None:
+        self.pipeline.validate(rt)
+
+    def _setup_module(self, module: nn.Module, rt: Runtime) -> nn.Module:
+        module = module.to(rt.device)
+        if rt.mesh_size("dp") > 1:
+            # DDP's promise: every replica starts from dp-rank 0's weights and buffers.
+            group = self._dp_group = rt.device_mesh("dp").get_group()
+            src = dist.get_global_rank(group, 0)
+            with torch.no_grad():
+                for tensor in [*module.parameters(), *module.buffers()]:
+                    dist.broadcast(tensor.data, src=src, group=group)
+        return self.pipeline.setup_module(module, rt)
+
+    def _setup_optimizer(
+        self, optimizer: torch.optim.Optimizer, module: nn.Module, rt: Runtime
+    ) -> torch.optim.Optimizer:
+        return self.pipeline.setup_optimizer(optimizer, module, rt)
+
+    def _unwrap(self, module: nn.Module) -> nn.Module:
+        return self.pipeline.unwrap(module)
+
+    def _data_parallel(self, rt: Runtime) -> tuple[int, int]:
+        return rt.mesh_coordinate("dp"), rt.mesh_size("dp")
+
+    def _model_parallel_group(self, rt: Runtime) -> Any:
+        return self.pipeline.model_parallel_group(rt)
+
+    def _full_state_dict(self, module: nn.Module, rt: Runtime) -> dict[str, torch.Tensor]:
+        return self.pipeline.full_state_dict(module, rt)
+
+    @contextlib.contextmanager
+    def _sync_off(self) -> Iterator[None]:
+        previous, self._syncing = self._syncing, False
+        try:
+            yield
+        finally:
+            self._syncing = previous
+
+    def _no_sync(self, module: nn.Module) -> contextlib.AbstractContextManager[None]:
+        return self._sync_off()
+
+    def _forward_backward(
+        self,
+        module: nn.Module,
+        inputs: Any,
+        targets: torch.Tensor,
+        loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        loss = self.pipeline.forward_backward(module, inputs, targets, loss_fn)
+        if self._syncing and isinstance(module, PipelineModule):
+            _average_gradients(module, self._dp_group)
+        return loss
+
+    def _predict(self, module: nn.Module, inputs: Any) -> Any:
+        return self.pipeline.predict(module, inputs)
+
+
+def _average_gradients(module: PipelineModule, group: Any) -> None:
+    """Average this rank's stage gradients over its data-parallel peers, in one call."""
+    if group is None:
+        return
+    local = set(module.stage_parameter_names())
+    grads = [
+        p.grad
+        for name, p in module.module.named_parameters()
+        if name in local and p.grad is not None
+    ]
+    if not grads:
+        return
+    flat = torch._utils._flatten_dense_tensors(grads)
+    dist.all_reduce(flat, group=group)
+    flat /= dist.get_world_size(group)
+    for grad, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
+        grad.copy_(synced)
+
+
+def compose(strategy: Strategy, mesh: Mapping[str, int]) -> Strategy:
+    """The composite for a mesh with "tp" or "pp" > 1, from the strategy the user named."""
+    tp, pp = mesh.get("tp", 1), mesh.get("pp", 1)
+    shape = ", ".join(f"{k}={v}" for k, v in mesh.items())
+    if tp > 1 and pp > 1:
+        raise ConfigError(
+            f"mesh {{{shape}}} combines tensor and pipeline parallel; scaletrain composes "
+            "two dimensions at a time: dp x tp (FSDP x tensor) or dp x pp (DDP x pipeline). "
+            "Drop one of tp/pp."
+        )
+    if tp > 1:
+        if isinstance(strategy, FSDP):
+            return FSDPxTP(fsdp=strategy)
+        if isinstance(strategy, TensorParallel):
+            return FSDPxTP(tensor=strategy)
+        if isinstance(strategy, FSDPxTP):
+            return strategy
+        raise ConfigError(
+            f"strategy {strategy.name!r} with mesh {{{shape}}}: a 'tp' dimension composes "
+            "with FSDP on 'dp'. Use strategy='fsdp' (or 'tensor') with this mesh."
+        )
+    if isinstance(strategy, DDP):
+        if strategy.device_map is not None:
+            raise ConfigError(
+                "DDP(device_map=...) with a 'pp' mesh dimension: pipeline stages already "
+                "place the model; drop the device map."
+            )
+        return PipelinexDDP()
+    if isinstance(strategy, Pipeline):
+        return PipelinexDDP(pipeline=strategy)
+    if isinstance(strategy, PipelinexDDP):
+        return strategy
+    raise ConfigError(
+        f"strategy {strategy.name!r} with mesh {{{shape}}}: a 'pp' dimension composes with "
+        "DDP on 'dp'. Use strategy='ddp' (or 'pipeline') with this mesh."
+    )
+
+
+base._COMPOSE = compose
