@@ -402,11 +402,46 @@ class Runtime:
         if self.is_main:
             print(*args, **kwargs, flush=True)
 
+    # -- checkpoints ----------------------------------------------------------------
+    def save(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        keep: int | None = None,
+        async_save: bool = False,
+        **state: Any,
+    ) -> Any:
+        """Save models, optimizers, schedulers, scalers, loaders and plain values.
+
+        Also saves every rank's RNG state. Full checkpoints (DDP, DP, model parallel)
+        are written by rank 0, atomically, with a sha256 manifest; sharded ones (FSDP,
+        tensor, pipeline, meshes) through torch.distributed.checkpoint, optionally
+        asynchronously (training continues; the handle's .wait() finishes it). `keep`
+        prunes older checkpoints of the same run. A collective: every rank calls it.
+        """
+        from scaletrain.checkpoint import save_checkpoint
+
+        return save_checkpoint(self, path, keep=keep, async_save=async_save, **state)
+
+    def load(self, path: str | os.PathLike[str], **state: Any) -> dict[str, Any]:
+        """Restore the objects given in `state` in place; return the saved plain values.
+
+        Verifies checksums and that the checkpoint fits the model first: a truncated,
+        corrupted or foreign checkpoint raises CheckpointError and changes nothing.
+        """
+        from scaletrain.checkpoint import load_checkpoint
+
+        return load_checkpoint(self, path, **state)
+
     def shutdown(self) -> None:
         """Leave the job cleanly; safe to call twice."""
         if self._closed:
             return
         self._closed = True
+        from scaletrain.checkpoint import wait_pending
+
+        # An asynchronous save still writing needs the process group to finish.
+        wait_pending()
         _dist.destroy()
         global _CURRENT
         if _CURRENT is self:

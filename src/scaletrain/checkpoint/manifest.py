@@ -1,0 +1,345 @@
+"""The manifest that makes a checkpoint directory complete, and crash-safe file writes.
+
+A checkpoint is a directory; `manifest.json` inside it lists every file with its
+sha256 and size, and is written LAST, after every rank's files are on disk. So a
+directory without a manifest is a save that did not finish (a crash, a kill, an
+async save still running) and is ignored; one whose files do not match their
+sha256 is damaged and refused. Every file is written under a temporary name in
+the same directory, fsynced, renamed over its final name (atomic on POSIX), and
+the directory is fsynced, so a crash leaves either the old file or the new one,
+never half of one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+from scaletrain.errors import CheckpointError
+
+__all__ = [
+    "FORMAT",
+    "FORMAT_VERSION",
+    "MANIFEST",
+    "FileEntry",
+    "Manifest",
+    "atomic_write",
+    "atomic_write_bytes",
+    "checkpoint_path",
+    "find_checkpoints",
+    "fsync_dir",
+    "latest_checkpoint",
+    "prune",
+    "read_manifest",
+    "sha256_file",
+    "verify_files",
+    "write_manifest",
+]
+
+MANIFEST = "manifest.json"
+FORMAT = "scaletrain-checkpoint"
+FORMAT_VERSION = 1
+"""Bumped when a reader of the old version could misread the new layout."""
+
+_CHUNK = 1 << 22  # 4 MiB: large enough that hashlib releases the GIL while hashing
+
+
+@dataclass(frozen=True, slots=True)
+class FileEntry:
+    """What the manifest records for one file."""
+
+    sha256: str
+    """Hex digest of the file's bytes."""
+    size: int
+    """Length in bytes: checked before the digest, so truncation is named as such."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"sha256": self.sha256, "bytes": self.size}
+
+
+@dataclass(kw_only=True, slots=True)
+class Manifest:
+    """Everything a loader checks before it reads a byte of the checkpoint's data."""
+
+    kind: str
+    """"full" (plain torch.save files written by rank 0) or "sharded" (DCP)."""
+    world_size: int
+    """Ranks that wrote it; per-rank state (RNG, sampler position) maps only to as many."""
+    step: int | None = None
+    """The `step` value saved with it, if any: shown in messages and directory names."""
+    created_ns: int = field(default_factory=time.time_ns)
+    """Wall clock of the save (rank 0): orders checkpoints for keep-K and latest."""
+    files: dict[str, FileEntry] = field(default_factory=dict)
+    """Every file of the checkpoint but the manifest, with its digest and size."""
+    objects: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Saved objects by the name they were given: kind, class and (models) fingerprint."""
+    values: list[str] = field(default_factory=list)
+    """Names of the plain values (kept in values.json)."""
+    torch_version: str = torch.__version__
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "version": FORMAT_VERSION,
+            "kind": self.kind,
+            "world_size": self.world_size,
+            "step": self.step,
+            "created_ns": self.created_ns,
+            "torch_version": self.torch_version,
+            "objects": self.objects,
+            "values": self.values,
+            "files": {name: entry.to_json() for name, entry in sorted(self.files.items())},
+        }
+
+    @classmethod
+    def from_json(cls, data: Any, where: Path) -> Manifest:
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise CheckpointError(
+                f"{where} is not a scaletrain checkpoint manifest (no "
+                f'"format": "{FORMAT}" entry). Point at a directory written by '
+                "scaletrain.checkpoint.save_checkpoint."
+            )
+        version = data.get("version")
+        if not isinstance(version, int) or version > FORMAT_VERSION:
+            raise CheckpointError(
+                f"{where} has format version {version!r}; this scaletrain reads versions up "
+                f"to {FORMAT_VERSION}. Upgrade scaletrain to load it."
+            )
+        try:
+            return cls(
+                kind=str(data["kind"]),
+                world_size=int(data["world_size"]),
+                step=None if data.get("step") is None else int(data["step"]),
+                created_ns=int(data["created_ns"]),
+                torch_version=str(data.get("torch_version", "")),
+                objects={str(k): dict(v) for k, v in data["objects"].items()},
+                values=[str(v) for v in data["values"]],
+                files={
+                    str(name): FileEntry(sha256=str(e["sha256"]), size=int(e["bytes"]))
+                    for name, e in data["files"].items()
+                },
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise CheckpointError(
+                f"{where} is damaged: {type(exc).__name__}: {exc}. The checkpoint cannot be "
+                "trusted; load an earlier one (latest_checkpoint() skips damaged ones)."
+            ) from exc
+
+
+class _HashingWriter:
+    """A write-only file object that hashes what passes through it.
+
+    torch.save accepts any object with write(); hashing on the way out saves
+    reading the file back.
+    """
+
+    def __init__(self, f: IO[bytes]) -> None:
+        self._f = f
+        self.sha = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        self.sha.update(data)
+        self.size += len(data)
+        return self._f.write(data)
+
+    def flush(self) -> None:
+        self._f.flush()
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new entry in `path` durable (a no-op where not supported)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # Windows cannot open directories
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> FileEntry:
+    """Write `path` through `write(file)` so that a crash leaves the old file or the new one.
+
+    The bytes go to a temporary name in the same directory (same filesystem, so the
+    rename is atomic), are fsynced, renamed over `path`, and the directory is fsynced.
+    Returns the digest and size, computed while writing.
+    """
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:12]}")
+    try:
+        with open(tmp, "wb") as f:
+            writer = _HashingWriter(f)
+            write(writer)  # type: ignore[arg-type]
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    fsync_dir(path.parent)
+    return FileEntry(sha256=writer.sha.hexdigest(), size=writer.size)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> FileEntry:
+    def write(f: IO[bytes]) -> None:
+        f.write(data)
+
+    return atomic_write(path, write)
+
+
+def sha256_file(path: Path) -> FileEntry:
+    sha = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            sha.update(chunk)
+            size += len(chunk)
+    return FileEntry(sha256=sha.hexdigest(), size=size)
+
+
+def read_manifest(ckpt: Path) -> Manifest:
+    """The manifest of checkpoint directory `ckpt`, or a CheckpointError saying why not."""
+    ckpt = Path(ckpt)
+    if not ckpt.is_dir():
+        raise CheckpointError(
+            f"checkpoint {ckpt} does not exist (or is not a directory). Pass a directory "
+            "written by save_checkpoint, e.g. latest_checkpoint(run_dir)."
+        )
+    path = ckpt / MANIFEST
+    if not path.is_file():
+        raise CheckpointError(
+            f"checkpoint {ckpt} is incomplete: it has no {MANIFEST}, which is written last, "
+            "so its save never finished (crash, kill, or an async save still running). "
+            "Load the previous checkpoint instead: latest_checkpoint() returns the newest "
+            "complete one."
+        )
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(
+            f"{path} is unreadable ({type(exc).__name__}: {exc}); the checkpoint cannot be "
+            "trusted. Load an earlier one (latest_checkpoint() skips damaged ones)."
+        ) from exc
+    return Manifest.from_json(data, path)
+
+
+def write_manifest(ckpt: Path, manifest: Manifest) -> FileEntry:
+    text = json.dumps(manifest.to_json(), indent=1, sort_keys=False) + "\n"
+    return atomic_write_bytes(ckpt / MANIFEST, text.encode("utf-8"))
+
+
+def verify_files(ckpt: Path, manifest: Manifest, names: Iterable[str]) -> list[str]:
+    """Problems with `names` (missing, truncated, sha256 mismatch); empty when all match."""
+    problems = []
+    for name in names:
+        entry = manifest.files[name]
+        path = ckpt / name
+        try:
+            size = path.stat().st_size
+        except OSError:
+            problems.append(f"{name} is missing")
+            continue
+        if size != entry.size:
+            what = "truncated" if size < entry.size else "longer than written"
+            problems.append(f"{name} is {what}: {size} bytes, the manifest says {entry.size}")
+            continue
+        if sha256_file(path).sha256 != entry.sha256:
+            problems.append(f"{name} is corrupted: its sha256 differs from the manifest's")
+    return problems
+
+
+def checkpoint_path(run_dir: str | os.PathLike[str], step: int) -> Path:
+    """The conventional place for step `step`'s checkpoint: RUN/checkpoints/step-000120."""
+    return Path(run_dir) / "checkpoints" / f"step-{int(step):06d}"
+
+
+def _candidate_dirs(root: Path) -> list[Path]:
+    dirs: list[Path] = []
+    for parent in (root / "checkpoints", root):
+        if parent.is_dir():
+            dirs.extend(p for p in parent.iterdir() if p.is_dir() and not p.name.startswith("."))
+    if (root / MANIFEST).is_file():
+        dirs.append(root)
+    return dirs
+
+
+def find_checkpoints(root: Path) -> list[tuple[Path, Manifest]]:
+    """Directories under `root` (or root/checkpoints) with a readable manifest, oldest first."""
+    found = []
+    for d in _candidate_dirs(Path(root)):
+        try:
+            found.append((d, read_manifest(d)))
+        except CheckpointError:
+            continue
+    found.sort(key=lambda item: (item[1].created_ns, item[0].name))
+    return found
+
+
+def latest_checkpoint(run_dir: str | os.PathLike[str], *, verify: bool = True) -> Path | None:
+    """The newest complete, undamaged checkpoint in `run_dir`, or None if there is none.
+
+    Looks in `run_dir/checkpoints/*`, `run_dir/*` and `run_dir` itself. Newest is by
+    the time rank 0 finished writing it (kept in the manifest, so copying a run
+    keeps the order). Directories without a manifest (unfinished saves) are
+    skipped; with `verify` (default) every file's sha256 is checked too and a
+    damaged checkpoint is skipped for the one before it, which reads the whole
+    checkpoint once; `verify=False` checks only that the files exist with the
+    recorded sizes.
+    """
+    for ckpt, manifest in reversed(find_checkpoints(Path(run_dir))):
+        if verify:
+            if not verify_files(ckpt, manifest, manifest.files):
+                return ckpt
+        elif all(
+            (ckpt / name).is_file() and (ckpt / name).stat().st_size == entry.size
+            for name, entry in manifest.files.items()
+        ):
+            return ckpt
+    return None
+
+
+def _series(name: str) -> str:
+    return re.sub(r"\d+", "#", name)
+
+
+def prune(parent: Path, keep: int, *, protect: Path) -> list[Path]:
+    """Delete all but the newest `keep` complete checkpoints of `protect`'s series.
+
+    The series is the directories in `parent` named like `protect` up to its
+    numbers (step-000120: every step-NNNNNN), so a `best/` or `final/` beside
+    them is never pruned. Called only after the new checkpoint's manifest is on
+    disk, so a crash here still leaves at least `keep` complete checkpoints. The
+    manifest goes first: a deletion cut short leaves an incomplete directory,
+    which loaders ignore. Directories without a manifest are left alone (one
+    may be a save in progress).
+    """
+    series = _series(protect.name)
+    complete = [
+        d for d, _ in find_checkpoints(parent) if d.parent == parent and _series(d.name) == series
+    ]
+    newest = complete[-keep:]
+    removed = []
+    for d in complete:
+        if d in newest or d.resolve() == protect.resolve():
+            continue
+        (d / MANIFEST).unlink(missing_ok=True)
+        fsync_dir(d)
+        shutil.rmtree(d, ignore_errors=True)
+        removed.append(d)
+    return removed
