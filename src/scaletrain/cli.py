@@ -57,6 +57,83 @@ def _add_train(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--out", default=None, help="run directory (default: runs/<recipe>-<time>)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     p.add_argument("--log-every", type=int, default=20, help="steps between metric records")
+    p.add_argument(
+        "--precision",
+        default="32",
+        help="32 | bf16-mixed | fp16-mixed (CUDA) | bf16-true (default: 32)",
+    )
+    p.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--clip-grad", type=float, default=None, help="clip to this whole-model norm")
+    p.add_argument(
+        "--save-every", type=int, default=None, help="checkpoint every N steps into OUT/checkpoints"
+    )
+    p.add_argument("--keep", type=int, default=3, help="checkpoints to keep (default: 3)")
+    p.add_argument(
+        "--async-save", action="store_true", help="write sharded checkpoints in the background"
+    )
+    p.add_argument(
+        "--stop-after", type=int, default=None, help="save and stop after N steps of this run"
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="restart the workers after a failure; they resume from the last checkpoint",
+    )
+    p.add_argument(
+        "--hang-timeout",
+        type=float,
+        default=300.0,
+        help="seconds a rank may make no progress before the job fails with a diagnosis "
+        "(default: 300; 0: off)",
+    )
+
+
+def _add_checkpoint(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "checkpoint",
+        help="inspect and convert checkpoints",
+        description="Inspect and convert scaletrain checkpoints (no process group needed).",
+    )
+    actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    c = actions.add_parser(
+        "consolidate",
+        help="write one plain state dict from a full or sharded checkpoint",
+        description=(
+            "Write ONE plain model state dict (no wrapper prefixes) that loads into the bare "
+            "model with torch.load(OUT, weights_only=True)."
+        ),
+    )
+    c.add_argument("dir", metavar="DIR", help="a checkpoint directory, or a run directory")
+    c.add_argument("out", metavar="OUT.pt", help="file to write")
+    latest = actions.add_parser("latest", help="print the newest valid checkpoint of a run")
+    latest.add_argument("dir", metavar="RUN", help="a run directory (--out of scaletrain train)")
+
+
+def _cmd_checkpoint(ns: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from scaletrain.checkpoint import consolidate, latest_checkpoint
+    from scaletrain.errors import CheckpointError
+
+    if ns.action == "latest":
+        found = latest_checkpoint(ns.dir)
+        if found is None:
+            raise CheckpointError(
+                f"{ns.dir} holds no complete, valid checkpoint (looked in {ns.dir}/checkpoints). "
+                "A run saves them with --save-every N or when it stops."
+            )
+        print(found)
+        return 0
+    source = Path(ns.dir)
+    if (source / "checkpoints").is_dir():
+        newest = latest_checkpoint(source)
+        if newest is None:
+            raise CheckpointError(f"{source} holds no complete, valid checkpoint to consolidate.")
+        source = newest
+    written = consolidate(source, ns.out)
+    print(f"wrote {written} from {source}")
+    return 0
 
 
 def _add_env(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -90,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_train(sub)
     _add_launch(sub)
+    _add_checkpoint(sub)
     _add_env(sub)
     return parser
 
@@ -136,7 +214,7 @@ def _cmd_env() -> int:
 
 def _cmd_train(ns: argparse.Namespace, argv: Sequence[str]) -> int:
     from scaletrain.env import detect
-    from scaletrain.train import TrainConfig, Trainer
+    from scaletrain.train import TrainConfig
 
     config = TrainConfig(
         recipe=ns.recipe,
@@ -153,13 +231,21 @@ def _cmd_train(ns: argparse.Namespace, argv: Sequence[str]) -> int:
         out=ns.out,
         seed=ns.seed,
         log_every=ns.log_every,
+        precision=ns.precision,
+        accumulate=ns.accumulate,
+        clip_grad=ns.clip_grad,
+        save_every=ns.save_every,
+        keep=ns.keep,
+        async_save=ns.async_save,
+        stop_after=ns.stop_after,
+        max_restarts=ns.max_restarts,
+        hang_timeout=ns.hang_timeout,
     )
     _preflight(config)
     env = detect()
     if env.kind != "local" and not env.per_node:
         # Already one rank of a launched job (torchrun, srun, mpirun): train here.
-        Trainer(config).run()
-        return 0
+        return _train_here(config)
     if config.out is None:
         # Resolved once, here, so every worker writes to the same directory.
         stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -169,17 +255,34 @@ def _cmd_train(ns: argparse.Namespace, argv: Sequence[str]) -> int:
         import torch
 
         nproc = torch.cuda.device_count() or 2
-    if nproc == 1 and not env.per_node:
-        Trainer(config).run()
-        return 0
+    if nproc == 1 and not env.per_node and config.max_restarts == 0:
+        return _train_here(config)
     from scaletrain.launch import LaunchConfig, launch
+    from scaletrain.train.trainer import EXIT_PREEMPTED, PREEMPTED_MARKER
 
+    marker = os.path.join(config.out, PREEMPTED_MARKER)
+    if os.path.exists(marker):
+        os.unlink(marker)
     worker_args = [*_strip_out(argv), "--out", config.out]
-    return launch(
-        LaunchConfig(nproc_per_node=nproc, run_as_module=True),
+    code = launch(
+        LaunchConfig(nproc_per_node=nproc, run_as_module=True, max_restarts=config.max_restarts),
         "scaletrain",
         ["train", *worker_args],
     )
+    # A signal to the launcher reaches the workers too: they saved and stopped.
+    return EXIT_PREEMPTED if code != 0 and os.path.exists(marker) else code
+
+
+def _train_here(config: object) -> int:
+    from scaletrain.train import TrainConfig, Trainer
+    from scaletrain.train.trainer import EXIT_PREEMPTED, Preempted
+
+    assert isinstance(config, TrainConfig)
+    try:
+        Trainer(config).run()
+    except Preempted:
+        return EXIT_PREEMPTED
+    return 0
 
 
 def _preflight(config: object) -> None:
@@ -224,6 +327,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_env()
         if ns.command == "train":
             return _cmd_train(ns, args[args.index("train") + 1 :])
+        if ns.command == "checkpoint":
+            return _cmd_checkpoint(ns)
         if ns.command == "launch":
             from scaletrain.launch.cli import run
 

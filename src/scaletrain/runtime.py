@@ -112,6 +112,7 @@ class Runtime:
         self.mesh_shape: dict[str, int] | None = dict(mesh_shape) if mesh_shape else None
         self._mesh: DeviceMesh | None = None
         self._flat_meshes: dict[str, DeviceMesh] = {}
+        self._control_group: Any = None
         self._closed = False
 
     # -- device meshes -------------------------------------------------------------
@@ -393,6 +394,24 @@ class Runtime:
         """Local rank 0 of each node (or global rank 0) runs the block first, others wait."""
         first = self.local_rank == 0 if local else self.rank == 0
         return _dist.rank_first(first, device=self.device)
+
+    def any_rank(self, flag: bool) -> bool:
+        """True on every rank if `flag` is True on any: one tiny collective.
+
+        Runs on a CPU (Gloo) group even under NCCL, so checking it every step costs
+        no GPU synchronisation.
+        """
+        if self.world_size == 1:
+            return flag
+        import torch.distributed as dist
+
+        if self._control_group is None:
+            self._control_group = (
+                dist.new_group(backend="gloo") if self.backend != "gloo" else dist.group.WORLD
+            )
+        t = torch.tensor([1.0 if flag else 0.0])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._control_group)
+        return bool(t.item() > 0)
 
     def barrier(self) -> None:
         _dist.barrier(self.device)

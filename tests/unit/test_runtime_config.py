@@ -106,7 +106,9 @@ def test_cli_flags_are_frozen() -> None:
     assert _flags(parser, "train") == sorted(
         ["-h", "--help", "--recipe", "--nproc", "--epochs", "--max-steps", "--batch-size",
          "--lr", "--strategy", "--mesh", "--sync-bn", "--no-sync-bn", "--backend", "--data-dir",
-         "--out", "--seed", "--log-every"]
+         "--out", "--seed", "--log-every", "--precision", "--accumulate", "--clip-grad",
+         "--save-every", "--keep", "--async-save", "--stop-after", "--max-restarts",
+         "--hang-timeout"]
     )  # fmt: skip
     launch = _flags(parser, "launch")
     for flag in ("--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint",

@@ -47,6 +47,24 @@ class TrainConfig:
     """Steps between metric records (and plain-text progress lines)."""
     num_workers: int = 0
     """DataLoader worker processes per rank (0: load in the training process)."""
+    precision: str = "32"
+    """"32", "bf16-mixed", "fp16-mixed" (CUDA) or "bf16-true"."""
+    accumulate: int = 1
+    """Micro-batches per optimizer step (gradient accumulation)."""
+    clip_grad: float | None = None
+    """Clip gradients to this whole-model norm; None: no clipping."""
+    save_every: int | None = None
+    """Save a checkpoint every this many optimizer steps (and at the end); None: at the end."""
+    keep: int = 3
+    """Checkpoints kept in <out>/checkpoints (older ones are pruned)."""
+    async_save: bool = False
+    """Write sharded checkpoints in the background while training continues."""
+    stop_after: int | None = None
+    """Stop this run after this many optimizer steps (saving); a later start resumes."""
+    max_restarts: int = 0
+    """Restart all workers this many times after a failure; they resume from a checkpoint."""
+    hang_timeout: float = 300.0
+    """Seconds without progress on some rank before the job fails with a diagnosis; 0: off."""
 
     def __post_init__(self) -> None:
         positive = {
@@ -66,6 +84,20 @@ class TrainConfig:
             raise ConfigError(f"lr={self.lr!r} must be a positive number, e.g. 0.05.")
         if self.num_workers < 0:
             raise ConfigError(f"num_workers={self.num_workers!r} must be >= 0.")
+        if self.accumulate < 1:
+            raise ConfigError(f"accumulate={self.accumulate!r} must be >= 1 (1: no accumulation).")
+        if self.clip_grad is not None and not self.clip_grad > 0:
+            raise ConfigError(f"clip_grad={self.clip_grad!r} must be a positive norm, e.g. 1.0.")
+        for name in ("save_every", "stop_after"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{name}={value!r} must be >= 1 steps, or unset.")
+        if self.keep < 1:
+            raise ConfigError(f"keep={self.keep!r} must be >= 1 checkpoints.")
+        if self.max_restarts < 0:
+            raise ConfigError(f"max_restarts={self.max_restarts!r} must be >= 0.")
+        if self.hang_timeout < 0:
+            raise ConfigError(f"hang_timeout={self.hang_timeout!r} must be >= 0 s (0: off).")
 
     def resolved_recipe(self) -> str:
         """The recipe to run: the one asked for, else the default for the strategy."""
