@@ -1,0 +1,158 @@
+"""Runs that stop, die or are preempted end with the same weights as uninterrupted ones.
+
+Real `scaletrain train` processes (2 Gloo ranks through the launcher) on small IDX
+data written by the test. Every comparison is bitwise: resuming restores weights,
+optimizer, scheduler, sampler position and RNG exactly, and with 2 ranks DDP's
+gradient sum a + b is the same whatever order the buckets arrive in.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from scaletrain.data import write_fake_mnist
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+
+EXIT_PREEMPTED = 75
+
+
+def _env() -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SLURM_", "OMPI_", "PMI_", "SM_", "TORCHELASTIC", "PET_"))
+        and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def _start(out: Path, data: Path, *extra: str, recipe: str = "convnet") -> subprocess.Popen[str]:
+    args = [
+        sys.executable, "-m", "scaletrain", "train", "--nproc", "2", "--recipe", recipe,
+        "--data-dir", str(data), "--out", str(out), "--batch-size", "20", "--log-every", "1",
+        "--epochs", "2", "--hang-timeout", "60", *extra,
+    ]  # fmt: skip
+    return subprocess.Popen(
+        args, cwd=out.parent, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def _finish(proc: subprocess.Popen[str], timeout: float = 240) -> tuple[int, str]:
+    stdout, stderr = proc.communicate(timeout=timeout)
+    return proc.returncode, stdout + stderr
+
+
+def _train_losses(out: Path) -> dict[int, float]:
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    # A resumed run appends; a step logged twice (before a crash, again after the
+    # restart) must have the same loss both times.
+    losses: dict[int, float] = {}
+    for r in records:
+        if r["event"] == "train":
+            assert losses.setdefault(r["step"], r["loss"]) == r["loss"], r
+    return losses
+
+
+def _weights(out: Path) -> dict[str, torch.Tensor]:
+    return torch.load(out / "model.pt", weights_only=True)
+
+
+def _assert_same_run(a: Path, b: Path) -> None:
+    assert _train_losses(a) == _train_losses(b)
+    wa, wb = _weights(a), _weights(b)
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        assert torch.equal(wa[name], wb[name]), name
+
+
+def _wait_for(path: Path, proc: subprocess.Popen[str], timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if proc.poll() is not None:
+            raise AssertionError(f"run ended before {path} appeared:\n{_finish(proc)[1]}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{path} did not appear in {timeout} s")
+        time.sleep(0.01)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # 1200 samples, batch 20 x 2 ranks: 30 steps per epoch, 60 in all; long enough
+    # after the step-4 checkpoint for a kill or a signal to land mid-run.
+    return write_fake_mnist(tmp_path_factory.mktemp("data"), n_train=1200, n_test=60, seed=3)
+
+
+@pytest.fixture(scope="module")
+def reference(data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("ref") / "run"
+    code, log = _finish(_start(out, data, "--save-every", "4"))
+    assert code == 0, log
+    assert max(_train_losses(out)) == 60
+    return out
+
+
+def test_stop_mid_epoch_and_resume_is_bitwise_identical(
+    data: Path, reference: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "run"
+    code, log = _finish(_start(out, data, "--save-every", "4", "--stop-after", "7"))
+    assert code == 0, log
+    assert "stopped at step 7/60" in log  # step 7 of 30 in epoch 1: mid-epoch
+    assert not (out / "model.pt").exists()
+    code, log = _finish(_start(out, data, "--save-every", "4"))
+    assert code == 0, log
+    assert "resumed from" in log and "step-000007" in log
+    _assert_same_run(reference, out)
+
+
+def test_killed_worker_restarts_resumes_and_matches(
+    data: Path, reference: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "run"
+    proc = _start(out, data, "--save-every", "4", "--max-restarts", "2")
+    _wait_for(out / "checkpoints" / "step-000004" / "manifest.json", proc)
+    victim = int((out / "pids" / "rank1.pid").read_text())
+    try:
+        os.kill(victim, signal.SIGKILL)
+    except ProcessLookupError:
+        pytest.skip("the run finished before the kill (machine too fast)")
+    code, log = _finish(proc)
+    assert code == 0, log
+    assert "resumed from" in log
+    # The restarted workers are new processes.
+    assert int((out / "pids" / "rank1.pid").read_text()) != victim
+    _assert_same_run(reference, out)
+
+
+def test_sigterm_saves_exits_75_and_a_later_start_resumes(
+    data: Path, reference: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "run"
+    proc = _start(out, data, "--save-every", "4")
+    _wait_for(out / "checkpoints" / "step-000004" / "manifest.json", proc)
+    # What SLURM does before a preemption: signal every task of the job step.
+    for rank in (0, 1):
+        try:
+            os.kill(int((out / "pids" / f"rank{rank}.pid").read_text()), signal.SIGTERM)
+        except ProcessLookupError:
+            pytest.skip("the run finished before the signal (machine too fast)")
+    code, log = _finish(proc)
+    if code == 0:
+        pytest.skip("the run finished before the signal arrived (machine too fast)")
+    assert code == EXIT_PREEMPTED, log
+    assert "stopped at step" in log and "signal SIGTERM" in log
+    code, log = _finish(_start(out, data, "--save-every", "4"))
+    assert code == 0, log
+    assert "resumed from" in log
+    _assert_same_run(reference, out)
