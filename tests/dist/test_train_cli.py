@@ -95,3 +95,26 @@ def test_train_unknown_strategy_is_a_clear_error(tmp_path: Path) -> None:
     assert done.returncode == 2
     assert "warp-drive" in done.stderr and "ddp" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_checkpoint_latest_and_consolidate_commands(tmp_path: Path) -> None:
+    data = write_fake_mnist(tmp_path / "data", n_train=80, n_test=20, seed=4)
+    run = tmp_path / "run"
+    done = _scaletrain(
+        "train", "--nproc", "1", "--max-steps", "3", "--batch-size", "20", "--save-every", "2",
+        "--data-dir", str(data), "--out", str(run),
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    latest = _scaletrain("checkpoint", "latest", str(run), cwd=tmp_path)
+    assert latest.returncode == 0 and latest.stdout.strip().endswith("step-000003")
+    out = tmp_path / "plain.pt"
+    done = _scaletrain("checkpoint", "consolidate", str(run), str(out), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    state = torch.load(out, weights_only=True)
+    ConvNet().load_state_dict(state)
+    final = torch.load(run / "model.pt", weights_only=True)
+    assert all(torch.equal(state[k], final[k]) for k in final)
+    empty = _scaletrain("checkpoint", "latest", str(tmp_path / "data"), cwd=tmp_path)
+    assert empty.returncode == 2
+    assert "no complete, valid checkpoint" in empty.stderr and "--save-every" in empty.stderr
