@@ -222,6 +222,11 @@ class Runtime:
             return wrapped
         return wrapped, self.strategy.setup_optimizer(optimizer, wrapped, self)
 
+    def prepare(self, model: nn.Module, example_inputs: Any) -> None:
+        """Build lazily-built parts (pipeline stages) from an example batch now, e.g.
+        before rt.load(), whose optimizer state covers only this rank's stages."""
+        self.strategy.prepare(model, self.precision.convert_input(example_inputs))
+
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's module inside whatever wrapper setup() added."""
         return self.strategy.unwrap(model)

@@ -96,6 +96,35 @@ def _rng_file(rank: int) -> str:
     return f"rng-rank{rank}.pt"
 
 
+def _buffers_file(rank: int) -> str:
+    return f"buffers-rank{rank}.pt"
+
+
+def _local_buffers(rt: Runtime, state: State) -> dict[str, dict[str, torch.Tensor]]:
+    """Each model's plain (non-DTensor) buffers as THIS rank holds them.
+
+    Under FSDP, tensor or pipeline parallel nothing keeps buffers (BatchNorm running
+    statistics) equal across ranks, and DCP saves a plain tensor once, from one rank.
+    Resuming bitwise needs every rank's own copy back.
+    """
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for name, model in state.models.items():
+        out[name] = {
+            key: buf.detach().cpu().clone()
+            for key, buf in rt.unwrap(model).named_buffers()
+            if type(buf).__name__ != "DTensor"
+        }
+    return out
+
+
+def _views(rt: Runtime, state: dict[str, Any]) -> dict[str, Any]:
+    """Models as the strategy wants them saved (a pipeline rank: only its stages)."""
+    return {
+        name: rt.strategy.checkpoint_module(obj) if isinstance(obj, torch.nn.Module) else obj
+        for name, obj in state.items()
+    }
+
+
 def _loaders_file(rank: int) -> str:
     return f"loaders-rank{rank}.json"
 
@@ -376,8 +405,13 @@ def _write_json(path: Path, data: Any) -> FileEntry:
     return atomic_write_bytes(path, (json.dumps(data, indent=1) + "\n").encode("utf-8"))
 
 
-def _write_per_rank(rt: Runtime, path: Path, state: State) -> dict[str, FileEntry]:
+def _write_per_rank(
+    rt: Runtime, path: Path, state: State, *, sharded: bool
+) -> dict[str, FileEntry]:
     files = {_rng_file(rt.rank): _full.save_file(path / _rng_file(rt.rank), collect_rng(rt.device))}
+    if sharded and state.models:
+        name = _buffers_file(rt.rank)
+        files[name] = _full.save_file(path / name, _local_buffers(rt, state))
     if state.loaders:
         loaders = {name: obj.state_dict() for name, obj in state.loaders.items()}
         files[_loaders_file(rt.rank)] = _write_json(path / _loaders_file(rt.rank), loaders)
@@ -502,7 +536,7 @@ def save_checkpoint(
         )
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    parts = classify(state)
+    parts = classify(_views(rt, state))
     path = Path(path)
     what = f"saving checkpoint {path}"
 
@@ -565,7 +599,7 @@ def save_checkpoint(
     # 2. Write. Per-rank files on every rank; rank 0 the replicated ones (full: also
     #    models and optimizers, later in the background when async); DCP on all.
     def write() -> tuple[dict[str, FileEntry], dict[str, Any] | None, dict[str, Any] | None]:
-        files = _write_per_rank(rt, path, parts)
+        files = _write_per_rank(rt, path, parts, sharded=kind == "sharded")
         dcp_state: dict[str, Any] | None = None
         payloads: dict[str, Any] | None = None
         if kind == "sharded":
@@ -762,7 +796,7 @@ def load_checkpoint(rt: Runtime, path: str | os.PathLike[str], **state: Any) -> 
         set_optimizer_state_dict,
     )
 
-    parts = classify(state, loading=True)
+    parts = classify(_views(rt, state), loading=True)
     path = Path(path)
     what = f"loading checkpoint {path}"
 
@@ -813,6 +847,8 @@ def load_checkpoint(rt: Runtime, path: str | os.PathLike[str], **state: Any) -> 
             got[name] = _full.load_file(path / f"{name}.pt")
         if same_world:
             got["rng"] = _full.load_file(path / _rng_file(rt.rank))
+            if _buffers_file(rt.rank) in manifest.files:
+                got["buffers"] = _full.load_file(path / _buffers_file(rt.rank))
         if parts.loaders:
             saved = [
                 json.loads((path / _loaders_file(r)).read_text())
@@ -886,6 +922,12 @@ def load_checkpoint(rt: Runtime, path: str | os.PathLike[str], **state: Any) -> 
         loaded = got
     for name, model in parts.models.items():
         set_model_state_dict(model, loaded[name])
+        own = got.get("buffers", {}).get(name)
+        if own:
+            with torch.no_grad():
+                for key, buf in rt.unwrap(model).named_buffers():
+                    if key in own:
+                        buf.copy_(own[key])
     for name, (opt, owner) in parts.optimizers.items():
         set_optimizer_state_dict(parts.models[owner], opt, loaded[name], options=_optim_options())
     for name, obj in parts.statefuls.items():

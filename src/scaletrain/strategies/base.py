@@ -91,6 +91,15 @@ class Strategy:
         """
         return self._home_device(rt)
 
+    def checkpoint_module(self, module: nn.Module) -> nn.Module:
+        """The module whose state this rank saves and loads (a pipeline rank: its stages)."""
+        return self._checkpoint_module(module)
+
+    def prepare(self, module: nn.Module, example_inputs: Any) -> None:
+        """Build whatever the strategy builds lazily from the first batch (pipeline
+        stages), so state can be loaded into it before the first step."""
+        self._prepare(module, example_inputs)
+
     def adopt_precision(self, precision: Precision) -> None:
         """Let a strategy that handles precision itself (FSDP's policy) configure it."""
         self._adopt_precision(precision)
@@ -150,6 +159,12 @@ class Strategy:
 
     def _adopt_precision(self, precision: Precision) -> None:
         return None
+
+    def _prepare(self, module: nn.Module, example_inputs: Any) -> None:
+        return None
+
+    def _checkpoint_module(self, module: nn.Module) -> nn.Module:
+        return module
 
     def _home_device(self, rt: Runtime) -> torch.device:
         return rt.device

@@ -147,6 +147,12 @@ class PipelinexDDP(Strategy):
     def _predict(self, module: nn.Module, inputs: Any) -> Any:
         return self.pipeline.predict(module, inputs)
 
+    def _prepare(self, module: nn.Module, example_inputs: Any) -> None:
+        self.pipeline.prepare(module, example_inputs)
+
+    def _checkpoint_module(self, module: nn.Module) -> nn.Module:
+        return self.pipeline.checkpoint_module(module)
+
 
 def _average_gradients(module: PipelineModule, group: Any) -> None:
     """Average this rank's stage gradients over its data-parallel peers, in one call."""

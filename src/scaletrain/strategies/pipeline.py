@@ -212,6 +212,15 @@ class Pipeline(Strategy):
             device=rt.device,
         )
 
+    def _checkpoint_module(self, module: nn.Module) -> nn.Module:
+        if isinstance(module, PipelineModule) and module.is_built:
+            return module.stage_view()
+        return module
+
+    def _prepare(self, module: nn.Module, example_inputs: Any) -> None:
+        if isinstance(module, PipelineModule) and not module.is_built:
+            module.build(example_inputs)
+
     def _full_state_dict(self, module: nn.Module, rt: Runtime) -> dict[str, torch.Tensor]:
         if not isinstance(module, PipelineModule) or not module.is_built:
             return Strategy._full_state_dict(self, module, rt)
@@ -334,6 +343,36 @@ class PipelineModule(nn.Module):
         """Names (in the full model) of the parameters this rank trains."""
         return [n for n, _ in self.module.named_parameters() if n in self._require_local()]
 
+    def stage_view(self) -> nn.Module:
+        """A module holding exactly this rank's stage tensors, under their full-model names.
+
+        The same Parameter and buffer objects, in plain containers along the original
+        paths, so state-dict tools (checkpoints) see what this rank trains and nothing
+        stale: every rank keeps the whole model, but only its stages are current.
+        """
+        local = self._require_local()
+        view = nn.Module()
+        tensors = [
+            *((n, t, True) for n, t in self.module.named_parameters(remove_duplicate=False)),
+            *((n, t, False) for n, t in self.module.named_buffers(remove_duplicate=False)),
+        ]
+        for name, tensor, is_param in tensors:
+            if name not in local:
+                continue
+            *path, leaf = name.split(".")
+            container = view
+            for part in path:
+                child = container._modules.get(part)
+                if child is None:
+                    child = nn.Module()
+                    container.add_module(part, child)
+                container = child
+            if is_param:
+                container.register_parameter(leaf, tensor)  # type: ignore[arg-type]
+            else:
+                container.register_buffer(leaf, tensor)
+        return view
+
     def stage_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's share of the full model's state dict (its stages' params and buffers).
 
@@ -358,6 +397,17 @@ class PipelineModule(nn.Module):
             self._trim(optimizer)
 
     # -- training -----------------------------------------------------------------
+    def build(self, inputs: Any) -> None:
+        """Trace and build this rank's stages for batches shaped like `inputs`, now.
+
+        Normally the first train step does it. Call it earlier when something needs the
+        stages before training: loading a checkpoint, whose optimizer state covers
+        only this rank's stages.
+        """
+        batch = _batch_size(inputs)
+        if batch % self.microbatches == 0:
+            self._get(inputs, batch // self.microbatches, train=True)
+
     def train_step(
         self,
         inputs: Any,

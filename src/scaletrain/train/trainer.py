@@ -263,6 +263,9 @@ class Trainer:
         step, train_time, samples = 0, 0.0, 0
         resumed = latest_checkpoint(out) if (out / "checkpoints").is_dir() else None
         if resumed is not None:
+            # Pipeline stages are traced from a batch; build them before loading into them.
+            example = next(iter(torch.utils.data.DataLoader(train_set, batch_size=batch_size)))
+            rt.prepare(model, example[0].to(rt.device))
             values = rt.load(resumed, **state)
             step = int(values["step"])
             train_time = float(values.get("train_time", 0.0))
