@@ -8,6 +8,7 @@ name ("ddp") or by instance; the registry maps names to classes.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -26,7 +27,9 @@ __all__ = [
     "Strategy",
     "parameter_names",
     "rebind_optimizer",
+    "rebind_to_wrapped",
     "register",
+    "remember_parameter_names",
     "resolve_strategy",
 ]
 
@@ -267,6 +270,30 @@ def rebind_optimizer(
         group["params"] = params
     optimizer.state.clear()
     return optimizer
+
+
+# Parameter names taken before a wrapper (fully_shard, parallelize_module) replaced
+# the parameters, per wrapped model, for setup_optimizer, which runs after
+# setup_module. Weak: a dropped model frees them.
+_NAMES_BEFORE: weakref.WeakKeyDictionary[nn.Module, dict[int, str]] = weakref.WeakKeyDictionary()
+
+
+def remember_parameter_names(module: nn.Module, names: dict[int, str]) -> None:
+    """Record `names` (from parameter_names, taken before wrapping) for `module`.
+
+    A second wrapper on the same module (FSDP over tensor parallel) keeps the first
+    names: they are the ones the user's optimizer was built with.
+    """
+    _NAMES_BEFORE.setdefault(module, names)
+
+
+def rebind_to_wrapped(optimizer: torch.optim.Optimizer, module: nn.Module) -> torch.optim.Optimizer:
+    """rebind_optimizer with the names remembered for `module` (no-op if not wrapped)."""
+    names = _NAMES_BEFORE.get(module)
+    if names is None:
+        # Not wrapped (one process): the optimizer's parameters are the model's.
+        return optimizer
+    return rebind_optimizer(optimizer, names, module)
 
 
 def parameter_names(module: nn.Module) -> dict[int, str]:

@@ -14,7 +14,6 @@ its parameters become DTensors, so `unwrap` is the module itself.
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -23,7 +22,13 @@ import torch
 from torch import nn
 
 from scaletrain.errors import ConfigError
-from scaletrain.strategies.base import Strategy, parameter_names, rebind_optimizer, register
+from scaletrain.strategies.base import (
+    Strategy,
+    parameter_names,
+    rebind_to_wrapped,
+    register,
+    remember_parameter_names,
+)
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -40,10 +45,6 @@ WrapSpec = str | type[nn.Module] | Sequence[str | type[nn.Module]] | None
 # `import scaletrain` stays fast for DDP users.
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
-
-# Parameter names taken before fully_shard replaced the parameters, per sharded model,
-# for setup_optimizer (which runs after setup_module). Weak: a dropped model frees them.
-_NAMES_BEFORE: weakref.WeakKeyDictionary[nn.Module, dict[int, str]] = weakref.WeakKeyDictionary()
 
 
 @register
@@ -119,17 +120,13 @@ class FSDP(Strategy):
         # The root gathers what no unit claimed (embeddings, head, final norm) and
         # drives the schedule: it must be sharded last.
         fully_shard(module, **kwargs)
-        _NAMES_BEFORE[module] = names
+        remember_parameter_names(module, names)
         return module
 
     def _setup_optimizer(
         self, optimizer: torch.optim.Optimizer, module: nn.Module, rt: Runtime
     ) -> torch.optim.Optimizer:
-        names = _NAMES_BEFORE.get(module)
-        if names is None:
-            # Not sharded (one process): the optimizer's parameters are the model's.
-            return optimizer
-        return rebind_optimizer(optimizer, names, module)
+        return rebind_to_wrapped(optimizer, module)
 
     def _unwrap(self, module: nn.Module) -> nn.Module:
         return module

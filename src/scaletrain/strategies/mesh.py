@@ -27,7 +27,7 @@ from torch import nn
 
 from scaletrain.errors import ConfigError
 from scaletrain.strategies import base
-from scaletrain.strategies.base import Strategy, parameter_names, rebind_optimizer
+from scaletrain.strategies.base import Strategy, rebind_to_wrapped
 from scaletrain.strategies.ddp import DDP
 from scaletrain.strategies.fsdp import FSDP
 from scaletrain.strategies.pipeline import Pipeline, PipelineModule
@@ -50,7 +50,6 @@ class FSDPxTP(Strategy):
     """How the data-parallel dimension shards (FSDP's options)."""
     tensor: TensorParallel = field(default_factory=TensorParallel)
     """How the tensor-parallel dimension shards (plan, sequence parallel)."""
-    _names: dict[int, str] = field(default_factory=dict, repr=False)
 
     def _validate(self, rt: Runtime) -> None:
         self.tensor.validate(rt)
@@ -60,7 +59,6 @@ class FSDPxTP(Strategy):
         self.fsdp.adopt_precision(precision)
 
     def _setup_module(self, module: nn.Module, rt: Runtime) -> nn.Module:
-        self._names = parameter_names(module)
         module = self.tensor.setup_module(module, rt)
         if rt.mesh_size("dp") > 1:
             # FSDP2 shards the TP DTensors along the other mesh dimension (2-D DTensors).
@@ -70,7 +68,8 @@ class FSDPxTP(Strategy):
     def _setup_optimizer(
         self, optimizer: torch.optim.Optimizer, module: nn.Module, rt: Runtime
     ) -> torch.optim.Optimizer:
-        return rebind_optimizer(optimizer, self._names, module)
+        # Tensor parallel remembered the names first; FSDP's wrapping keeps them.
+        return rebind_to_wrapped(optimizer, module)
 
     def _data_parallel(self, rt: Runtime) -> tuple[int, int]:
         return rt.mesh_coordinate("dp"), rt.mesh_size("dp")

@@ -478,7 +478,11 @@ class PipelineModule(nn.Module):
             if self.holds_last:
                 leaves, spec = pytree.tree_flatten(out)
                 meta = [(spec, [(t.shape, t.dtype) for t in leaves])]
-            dist.broadcast_object_list(meta, src=self._last_rank(), group=self.pp_group)
+            with warnings.catch_warnings():
+                # Unpickling the TreeSpec builds a LeafSpec, which torch 2.13 deprecates
+                # in its own pytree code: a warning about torch, not the user's model.
+                warnings.filterwarnings("ignore", ".*isinstance.treespec, LeafSpec", FutureWarning)
+                dist.broadcast_object_list(meta, src=self._last_rank(), group=self.pp_group)
             built.out_meta = meta[0]
         spec, shapes = built.out_meta
         if self.holds_last:

@@ -19,7 +19,6 @@ so that plain models (the GPT in scaletrain.train.models) need no plan.
 from __future__ import annotations
 
 import fnmatch
-import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -28,7 +27,13 @@ import torch
 from torch import nn
 
 from scaletrain.errors import ConfigError
-from scaletrain.strategies.base import Strategy, parameter_names, rebind_optimizer, register
+from scaletrain.strategies.base import (
+    Strategy,
+    parameter_names,
+    rebind_to_wrapped,
+    register,
+    remember_parameter_names,
+)
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -69,7 +74,6 @@ _GATED_MLPS = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
 _HEAD_ATTRS = ("n_head", "num_heads", "n_heads", "num_attention_heads", "nhead")
 _KV_HEAD_ATTRS = ("n_kv_head", "num_key_value_heads", "n_kv_heads", "num_kv_heads")
 
-_NAMES_BEFORE: weakref.WeakKeyDictionary[nn.Module, dict[int, str]] = weakref.WeakKeyDictionary()
 
 _NO_PAIRS_FIX = (
     "expected an MLP (two nn.Linear in sequence, e.g. fc -> proj, c_fc -> c_proj, "
@@ -171,16 +175,13 @@ class TensorParallel(Strategy):
         parallelize_module(module, mesh, styles)
         if blocks is not None:
             _slice_and_gather(module, blocks, mesh)
-        _NAMES_BEFORE[module] = names
+        remember_parameter_names(module, names)
         return module
 
     def _setup_optimizer(
         self, optimizer: torch.optim.Optimizer, module: nn.Module, rt: Runtime
     ) -> torch.optim.Optimizer:
-        names = _NAMES_BEFORE.get(module)
-        if names is None:
-            return optimizer
-        return rebind_optimizer(optimizer, names, module)
+        return rebind_to_wrapped(optimizer, module)
 
     def _data_parallel(self, rt: Runtime) -> tuple[int, int]:
         # Every tensor-parallel peer computes the same replica: same data. Only a "dp"
