@@ -1,0 +1,76 @@
+"""bf16 on 2 real Gloo ranks: autocast under DDP, FSDP's MixedPrecisionPolicy under FSDP."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from scaletrain.testing import run_ranks
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def _batches(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(rank)
+    return [
+        (torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g)) for _ in range(3)
+    ]
+
+
+def _train(strategy: str) -> dict[str, Any]:
+    import scaletrain as st
+
+    rt = st.init(strategy=strategy, precision="bf16-mixed")
+    bare = _model()
+    model, opt = rt.setup(bare, torch.optim.SGD(bare.parameters(), lr=0.1))
+    losses = []
+    for x, y in _batches(rt.rank):
+        opt.zero_grad()
+        losses.append(float(rt.forward_backward(model, x, y, nn.functional.cross_entropy)))
+        opt.step()
+    out = rt.predict(model, torch.randn(2, 8))
+    result = {
+        "losses": losses,
+        "out_dtype": out.dtype,
+        "param_dtype": next(model.parameters()).dtype,
+        "autocast": rt.precision.autocast,
+        "policy": type(getattr(rt.strategy, "mixed_precision", None)).__name__,
+    }
+    rt.shutdown()
+    return result
+
+
+def _fp32_losses(rank: int) -> list[float]:
+    """Rank `rank`'s own losses in float32, one process on both ranks' batches."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for (x0, y0), (x1, y1) in zip(_batches(0), _batches(1), strict=True):
+        opt.zero_grad()
+        mine = nn.functional.cross_entropy(model((x0, x1)[rank]), (y0, y1)[rank])
+        losses.append(mine.item())
+        nn.functional.cross_entropy(model(torch.cat([x0, x1])), torch.cat([y0, y1])).backward()
+        opt.step()
+    return losses
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_bf16_mixed_trains_close_to_float32_with_fp32_weights(strategy: str) -> None:
+    results = run_ranks(_train, 2, strategy, timeout=150)
+    for rank, got in enumerate(results):
+        assert got["out_dtype"] == torch.bfloat16 and got["param_dtype"] == torch.float32
+        if strategy == "fsdp":
+            # FSDP casts the gathered parameters itself: no autocast on top.
+            assert got["policy"] == "MixedPrecisionPolicy" and got["autocast"] is False
+        else:
+            assert got["autocast"] is True
+        # bf16 keeps 8 bits of mantissa: close to float32, not equal.
+        assert got["losses"] == pytest.approx(_fp32_losses(rank), rel=3e-2)
