@@ -255,6 +255,11 @@ def _cmd_train(ns: argparse.Namespace, argv: Sequence[str]) -> int:
         import torch
 
         nproc = torch.cuda.device_count() or 2
+    if config.mesh is not None and not env.per_node:
+        from scaletrain.runtime import parse_mesh
+
+        # One error before any process starts, instead of one per rank.
+        parse_mesh(config.mesh, nproc)
     if nproc == 1 and not env.per_node and config.max_restarts == 0:
         return _train_here(config)
     from scaletrain.launch import LaunchConfig, launch

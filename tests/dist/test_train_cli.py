@@ -118,3 +118,10 @@ def test_checkpoint_latest_and_consolidate_commands(tmp_path: Path) -> None:
     empty = _scaletrain("checkpoint", "latest", str(tmp_path / "data"), cwd=tmp_path)
     assert empty.returncode == 2
     assert "no complete, valid checkpoint" in empty.stderr and "--save-every" in empty.stderr
+
+
+def test_train_mesh_that_does_not_fit_nproc_fails_before_starting(tmp_path: Path) -> None:
+    done = _scaletrain("train", "--nproc", "2", "--mesh", "dp=2,tp=2", cwd=tmp_path)
+    assert done.returncode == 2
+    assert "world size 2" in done.stderr and "4 ranks" in done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "runs").exists()
