@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from scaletrain.data import ShardedSampler
-from scaletrain.testing import run_ranks
+from scaletrain.testing import launcher_variables, run_ranks
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -234,10 +234,8 @@ def test_evaluation_counts_every_sample_once(job: Any) -> None:
 
 
 def test_single_process_runs_the_same_code_without_wrapper(monkeypatch: pytest.MonkeyPatch) -> None:
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "MASTER_ADDR"):
-        monkeypatch.delenv(var, raising=False)
-    for var in [v for v in os.environ if v.startswith(("SLURM_", "OMPI_", "PMI_", "SM_"))]:
-        monkeypatch.delenv(var, raising=False)
+    for var in launcher_variables():
+        monkeypatch.delenv(var)
     import scaletrain as st
 
     rt = st.init(strategy="ddp")

@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from scaletrain.testing import launcher_free_env
 import torch
 
 from scaletrain.data import write_fake_mnist
@@ -18,17 +20,10 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def _scaletrain(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("SLURM_", "OMPI_", "PMI_", "SM_", "TORCHELASTIC", "PET_"))
-        and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    }
-    env["OMP_NUM_THREADS"] = "1"
     return subprocess.run(
         [sys.executable, "-m", "scaletrain", *args],
         cwd=cwd,
-        env=env,
+        env=launcher_free_env(),
         capture_output=True,
         text=True,
         timeout=200,

@@ -20,21 +20,11 @@ import pytest
 import torch
 
 from scaletrain.data import write_fake_mnist
+from scaletrain.testing import launcher_free_env
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 EXIT_PREEMPTED = 75
-
-
-def _env() -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("SLURM_", "OMPI_", "PMI_", "SM_", "TORCHELASTIC", "PET_"))
-        and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    }
-    env["OMP_NUM_THREADS"] = "1"
-    return env
 
 
 def _start(out: Path, data: Path, *extra: str, recipe: str = "convnet") -> subprocess.Popen[str]:
@@ -46,7 +36,12 @@ def _start(out: Path, data: Path, *extra: str, recipe: str = "convnet") -> subpr
         "--epochs", "2", "--hang-timeout", "60", *extra,
     ]  # fmt: skip
     return subprocess.Popen(
-        args, cwd=out.parent, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        args,
+        cwd=out.parent,
+        env=launcher_free_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 

@@ -7,14 +7,13 @@ float32 rounding (TF32 is off for float32 matmuls by default), not bitwise.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
-from scaletrain.testing import run_ranks
+from scaletrain.testing import launcher_variables, run_ranks
 from scaletrain.train.models import GPT, GPTConfig, SplitNet
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(240)]
@@ -34,10 +33,8 @@ def _needs(n: int) -> None:
 
 @pytest.fixture
 def single_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "MASTER_ADDR"):
-        monkeypatch.delenv(var, raising=False)
-    for var in [v for v in os.environ if v.startswith(("SLURM_", "OMPI_", "PMI_", "SM_"))]:
-        monkeypatch.delenv(var, raising=False)
+    for var in launcher_variables():
+        monkeypatch.delenv(var)
 
 
 def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from scaletrain.testing import launcher_free_env
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -17,15 +18,13 @@ FMNIST = Path("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")
 
 
 def _run(*args: str) -> str:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("SLURM_", "OMPI_", "PMI_", "SM_", "TORCHELASTIC"))
-        and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    }
-    env["OMP_NUM_THREADS"] = "1"
     done = subprocess.run(
-        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=200
+        [sys.executable, *args],
+        cwd=ROOT,
+        env=launcher_free_env(),
+        capture_output=True,
+        text=True,
+        timeout=200,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout

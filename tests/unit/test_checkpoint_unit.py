@@ -41,6 +41,7 @@ from scaletrain.checkpoint.manifest import sha256_file
 from scaletrain.checkpoint.state import loader_resume_problem
 from scaletrain.data import ShardedLoader, ShardedSampler
 from scaletrain.errors import CheckpointError, ConfigError
+from scaletrain.testing import launcher_variables
 from scaletrain.train.models import GPT, GPTConfig
 
 CONFIG = GPTConfig(vocab_size=16, block_size=8, n_layer=2, n_head=2, n_embd=32, dropout=0.1)
@@ -52,10 +53,8 @@ SAVE_AT = 3
 
 @pytest.fixture
 def rt(monkeypatch: pytest.MonkeyPatch) -> Iterator[st.Runtime]:
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "MASTER_ADDR"):
-        monkeypatch.delenv(var, raising=False)
-    for var in [v for v in os.environ if v.startswith(("SLURM_", "OMPI_", "PMI_", "SM_"))]:
-        monkeypatch.delenv(var, raising=False)
+    for var in launcher_variables():
+        monkeypatch.delenv(var)
     runtime = st.init()
     assert runtime.world_size == 1
     yield runtime

@@ -17,7 +17,32 @@ import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["RankFailure", "free_port", "run_ranks"]
+__all__ = ["RankFailure", "free_port", "launcher_free_env", "launcher_variables", "run_ranks"]
+
+# What launchers and schedulers set: a test that starts its own job must not inherit
+# them (a CI runner inside SLURM, a shell left with MASTER_PORT set...).
+_LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "PMIX_", "SM_", "TORCHELASTIC_", "PET_")
+_LAUNCHER_NAMES = (
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+    "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
+    "MPI_LOCALRANKID", "MPI_LOCALNRANKS",
+)  # fmt: skip
+
+
+def launcher_variables(environ: Mapping[str, str] | None = None) -> list[str]:
+    """Names in `environ` (default: os.environ) that some launcher or scheduler set."""
+    env = os.environ if environ is None else environ
+    return [k for k in env if k.startswith(_LAUNCHER_PREFIXES) or k in _LAUNCHER_NAMES]
+
+
+def launcher_free_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """A copy of the environment as a fresh shell would start a job: no launcher or
+    scheduler variables, one thread per process (OMP_NUM_THREADS=1)."""
+    env = dict(os.environ if environ is None else environ)
+    for name in launcher_variables(env):
+        del env[name]
+    env["OMP_NUM_THREADS"] = "1"
+    return env
 
 
 class RankFailure(RuntimeError):
