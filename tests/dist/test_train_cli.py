@@ -120,3 +120,16 @@ def test_train_mesh_that_does_not_fit_nproc_fails_before_starting(tmp_path: Path
     assert done.returncode == 2
     assert "world size 2" in done.stderr and "4 ranks" in done.stderr
     assert "Traceback" not in done.stderr and not (tmp_path / "runs").exists()
+
+
+def test_a_long_evaluation_is_progress_not_a_hang(tmp_path: Path) -> None:
+    # 24,000 test samples (12 batches of 1,000 per rank): the evaluation takes several
+    # times the hang timeout, but every batch beats the watchdog, so the run finishes.
+    data = write_fake_mnist(tmp_path / "data", n_train=80, n_test=24000, seed=5)
+    done = _scaletrain(
+        "train", "--nproc", "2", "--max-steps", "2", "--batch-size", "20",
+        "--data-dir", str(data), "--out", str(tmp_path / "run"), "--hang-timeout", "1.5",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert not (tmp_path / "run" / "hang").exists()

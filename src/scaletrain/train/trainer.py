@@ -6,6 +6,7 @@ rt.reduce), so it doubles as the reference example of the library.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -13,6 +14,7 @@ import random
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -55,13 +57,16 @@ class EvalResult:
 
 
 @torch.no_grad()
-def evaluate(rt: Runtime, model: nn.Module, loader: Any) -> EvalResult:
+def evaluate(
+    rt: Runtime, model: nn.Module, loader: Any, *, on_batch: Callable[[], None] | None = None
+) -> EvalResult:
     """Loss and accuracy over a loader built with pad=False: each sample counted once.
 
     Shards differ by at most one sample, so a rank may have one batch fewer than
     its peers. Strategies whose forward runs collectives (FSDP, tensor, pipeline)
     need every rank to take part in every forward: a rank that ran out repeats its
-    last batch and discards the result, so the counts stay exact.
+    last batch and discards the result, so the counts stay exact. `on_batch` runs
+    after every batch (the hang watchdog's heartbeat: a long evaluation is progress).
     """
     net = rt.unwrap(model)
     was_training = net.training
@@ -86,6 +91,8 @@ def evaluate(rt: Runtime, model: nn.Module, loader: Any) -> EvalResult:
         )
         correct += (logits.argmax(dim=1) == targets).sum().to(correct.device)
         count += targets.numel()
+        if on_batch is not None:
+            on_batch()
     for _ in range(most - batches):
         if last is not None:
             rt.predict(model, last[0].to(rt.device))
@@ -385,10 +392,13 @@ class Trainer:
                     progress.end_epoch()
                     if stopped_by is not None:
                         break
+                    beat = None
                     if watchdog is not None:
-                        watchdog.beat(step, "eval")
+                        # Each evaluation batch is progress: a long evaluation is no hang.
+                        beat = functools.partial(watchdog.beat, step, "eval")
+                        beat()
                     sync_buffers(rt, model)
-                    last = evaluate(rt, model, eval_loader)
+                    last = evaluate(rt, model, eval_loader, on_batch=beat)
                     if watchdog is not None:
                         watchdog.beat(step, "step")
                     metric = "val_acc" if recipe.task == "classification" else "next-token acc"
