@@ -36,7 +36,7 @@ def _loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(outputs.reshape(-1, outputs.shape[-1]), targets.reshape(-1))
 
 
-def _train(strategy: str, mesh: dict[str, int], strategy_obj: Any = None) -> dict[str, Any]:
+def _train(strategy: str, mesh: dict[str, int] | None, strategy_obj: Any = None) -> dict[str, Any]:
     import scaletrain as st
 
     rt = st.init(strategy=strategy_obj or strategy, mesh=mesh)
@@ -71,7 +71,16 @@ def _job_ddp_pp() -> dict[str, Any]:
     return _train("ddp", {"dp": DP, "pp": 2}, st.Pipeline(schedule="1f1b", microbatches=2))
 
 
-def _reference() -> dict[str, Any]:
+def _job_fsdp_alone() -> dict[str, Any]:
+    return _train("fsdp", None)
+
+
+def _job_tensor_alone() -> dict[str, Any]:
+    return _train("tensor", None)
+
+
+def _reference(replicas: int = DP) -> dict[str, Any]:
+    """One process on the global batch: the first `replicas` replicas' batches."""
     torch.set_num_threads(1)
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -82,7 +91,8 @@ def _reference() -> dict[str, Any]:
         # Every replica's loss is the mean over its batch; data parallel averages the
         # replicas: the mean over the concatenated global batch.
         loss = _loss(
-            model(x[step].reshape(-1, SMALL.block_size)), y[step].reshape(-1, SMALL.block_size)
+            model(x[step, :replicas].reshape(-1, SMALL.block_size)),
+            y[step, :replicas].reshape(-1, SMALL.block_size),
         )
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
@@ -121,3 +131,23 @@ def test_fsdp_x_tensor_parallel_equals_one_process() -> None:
 @pytest.mark.slow
 def test_ddp_x_pipeline_equals_one_process() -> None:
     _check(run_ranks(_job_ddp_pp, 4, timeout=280), "PipelinexDDP")
+
+
+@pytest.mark.parametrize(
+    ("job", "replicas"),
+    [(_job_fsdp_alone, 2), (_job_tensor_alone, 1)],
+    ids=["fsdp", "tensor"],
+)
+def test_whole_model_grad_norm_and_weights_on_two_ranks(job: Any, replicas: int) -> None:
+    """FSDP alone (every gradient a 1-D shard) and tensor parallel alone (sharded and
+    plain replicated gradients mixed): the clipping norm is the whole model's."""
+    results = run_ranks(job, 2, timeout=200)
+    ref = _reference(replicas)
+    for step in range(STEPS):
+        mean = sum(r["losses"][step][0] for r in results) / 2
+        assert mean == pytest.approx(ref["losses"][step][0], rel=1e-5)
+        for r in results:
+            assert r["losses"][step][1] == pytest.approx(ref["losses"][step][1], rel=1e-5)
+    for r in results:
+        for name, value in ref["weights"].items():
+            torch.testing.assert_close(r["weights"][name], value, rtol=1e-5, atol=1e-6)
