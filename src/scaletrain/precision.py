@@ -98,6 +98,15 @@ class Precision:
         # summing many ranks' gradients does not lose the small ones.
         return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
 
+    def loss_scale(self) -> torch.Tensor | float:
+        """The factor scale() multiplies by, without a GPU sync (a tensor under fp16)."""
+        if self.scaler is None:
+            return 1.0
+        # GradScaler.get_scale() calls .item(): a device sync on every step. The scale
+        # tensor itself (the private accessor GradScaler.step uses) keeps it on device.
+        scale = self.scaler._get_scale_async()
+        return scale if scale is not None else 1.0
+
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         return self.scaler.scale(loss) if self.scaler is not None else loss
 

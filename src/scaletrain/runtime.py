@@ -254,18 +254,17 @@ class Runtime:
         # Gradient accumulation (1/k) and fp16 loss scaling multiply the loss that is
         # backpropagated; the loss returned for logging is the true one.
         mult = self._accumulation_scale
-        scaler = self.precision.scaler
 
         def scaled_loss(outputs: Any, target: torch.Tensor) -> torch.Tensor:
-            loss = loss_fn(outputs, target)
-            return self.precision.scale(loss * mult) if mult != 1.0 else self.precision.scale(loss)
+            return self.precision.scale(loss_fn(outputs, target) * mult)
 
         with self.precision.forward_context():
             loss = self.strategy.forward_backward(
                 model, self.precision.convert_input(inputs), targets, scaled_loss
             )
-        factor = mult * (float(scaler.get_scale()) if scaler is not None else 1.0)
-        return loss.float() / factor if factor != 1.0 else loss
+        if mult == 1.0 and self.precision.scaler is None:
+            return loss
+        return loss.float() / (self.precision.loss_scale() * mult)
 
     def backward(self, loss: torch.Tensor) -> None:
         """loss.backward() with accumulation's 1/k and fp16 loss scaling applied.
