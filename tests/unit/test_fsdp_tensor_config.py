@@ -38,6 +38,12 @@ def _rt(world_size: int = 1, mesh_shape: dict[str, int] | None = None, **extra: 
         backend="gloo",
         mesh_shape=mesh_shape,
         mesh_size=lambda dim: (mesh_shape or {}).get(dim, 1),
+        # Where this rank sits on a mesh dimension: the fake mesh says, else 0.
+        mesh_coordinate=lambda dim: (
+            extra["mesh"].get_local_rank(dim)
+            if "mesh" in extra and dim in (mesh_shape or {})
+            else 0
+        ),
         precision=Precision(),
         **extra,
     )

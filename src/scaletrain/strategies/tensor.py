@@ -186,11 +186,7 @@ class TensorParallel(Strategy):
     def _data_parallel(self, rt: Runtime) -> tuple[int, int]:
         # Every tensor-parallel peer computes the same replica: same data. Only a "dp"
         # mesh dimension (composed with DDP/FSDP) splits the data.
-        if rt.world_size == 1 or rt.mesh_shape is None or rt.mesh_size("dp") == 1:
-            return 0, 1
-        mesh = rt.mesh
-        assert mesh is not None  # mesh_shape is set and world_size > 1
-        return mesh.get_local_rank("dp"), rt.mesh_size("dp")
+        return rt.mesh_coordinate("dp"), rt.mesh_size("dp")
 
 
 # -- the default plan ---------------------------------------------------------------
