@@ -8,8 +8,12 @@ import platform
 import sys
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from scaletrain.errors import ScaletrainError
+
+if TYPE_CHECKING:
+    from scaletrain.train import TrainConfig
 
 __all__ = ["build_parser", "main"]
 
@@ -278,11 +282,10 @@ def _cmd_train(ns: argparse.Namespace, argv: Sequence[str]) -> int:
     return EXIT_PREEMPTED if code != 0 and os.path.exists(marker) else code
 
 
-def _train_here(config: object) -> int:
-    from scaletrain.train import TrainConfig, Trainer
+def _train_here(config: TrainConfig) -> int:
+    from scaletrain.train import Trainer
     from scaletrain.train.trainer import EXIT_PREEMPTED, Preempted
 
-    assert isinstance(config, TrainConfig)
     try:
         Trainer(config).run()
     except Preempted:
@@ -290,12 +293,11 @@ def _train_here(config: object) -> int:
     return 0
 
 
-def _preflight(config: object) -> None:
+def _preflight(config: TrainConfig) -> None:
     """Check what can be checked before any process starts: one error, not one per rank."""
     from scaletrain.strategies import resolve_strategy
-    from scaletrain.train import TrainConfig, get_recipe
+    from scaletrain.train import get_recipe
 
-    assert isinstance(config, TrainConfig)
     recipe = get_recipe(config.resolved_recipe())
     resolve_strategy(config.strategy)
     recipe.check_data(config.data_dir)

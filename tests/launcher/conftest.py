@@ -18,14 +18,6 @@ import scaletrain.launch
 SRC = str(Path(scaletrain.launch.__file__).resolve().parents[2])
 
 
-@pytest.fixture(autouse=True)
-def _restore_environ() -> Iterator[None]:
-    saved = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
-
-
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))

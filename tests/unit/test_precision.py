@@ -7,15 +7,7 @@ import torch
 from torch import nn
 
 import scaletrain as st
-from scaletrain.env.base import ClusterEnv
 from scaletrain.precision import Precision
-
-
-def _env() -> ClusterEnv:
-    return ClusterEnv(
-        kind="local", rank=0, local_rank=0, world_size=1, local_world_size=1,
-        node_rank=0, num_nodes=1, master_addr="127.0.0.1", master_port=29500,
-    )  # fmt: skip
 
 
 def test_unknown_precision_lists_the_choices() -> None:
@@ -26,12 +18,12 @@ def test_unknown_precision_lists_the_choices() -> None:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")
 def test_fp16_on_cpu_says_it_needs_cuda_and_offers_bf16() -> None:
     with pytest.raises(st.ConfigError) as info:
-        st.init(precision="fp16-mixed", env=_env())
+        st.init(precision="fp16-mixed", env="local")
     assert "CUDA" in str(info.value) and "bf16-mixed" in str(info.value)
 
 
 def test_bf16_mixed_autocasts_forward_keeps_fp32_weights() -> None:
-    rt = st.init(precision="bf16-mixed", env=_env(), device="cpu")
+    rt = st.init(precision="bf16-mixed", env="local", device="cpu")
     bare = nn.Linear(4, 3)
     model, _ = rt.setup(bare, torch.optim.SGD(bare.parameters(), lr=0.1))
     out = rt.predict(model, torch.randn(2, 4))
@@ -46,7 +38,7 @@ def test_bf16_mixed_autocasts_forward_keeps_fp32_weights() -> None:
 
 
 def test_bf16_true_casts_weights_and_inputs() -> None:
-    rt = st.init(precision="bf16-true", env=_env(), device="cpu")
+    rt = st.init(precision="bf16-true", env="local", device="cpu")
     model = rt.setup(nn.Linear(4, 3))
     assert next(model.parameters()).dtype == torch.bfloat16
     out = rt.predict(model, torch.randn(2, 4))  # float32 input cast for the user
@@ -55,7 +47,7 @@ def test_bf16_true_casts_weights_and_inputs() -> None:
 
 
 def test_accumulate_rejects_bad_steps() -> None:
-    rt = st.init(env=_env(), device="cpu")
+    rt = st.init(env="local", device="cpu")
     model = rt.setup(nn.Linear(2, 2))
     with pytest.raises(st.ConfigError, match=r"steps=0"), rt.accumulate(model, steps=0):
         pass

@@ -8,16 +8,8 @@ import torch
 import scaletrain as st
 from scaletrain.cli import build_parser
 from scaletrain.dist import choose_backend, choose_device, reduce_values
-from scaletrain.env.base import ClusterEnv
 from scaletrain.strategies import DDP, STRATEGIES, SingleDevice, resolve_strategy
 from scaletrain.train import TrainConfig
-
-
-def _local_env() -> ClusterEnv:
-    return ClusterEnv(
-        kind="local", rank=0, local_rank=0, world_size=1, local_world_size=1,
-        node_rank=0, num_nodes=1, master_addr="127.0.0.1", master_port=29500,
-    )  # fmt: skip
 
 
 def test_strategy_names_and_objects() -> None:
@@ -50,7 +42,7 @@ def test_ddp_config_is_validated(kwargs: dict[str, object], words: str) -> None:
 
 def test_bf16_hook_on_cpu_says_it_needs_cuda_and_nccl() -> None:
     with pytest.raises(st.ConfigError) as info:
-        st.init(strategy=DDP(comm_hook="bf16"), env=_local_env())
+        st.init(strategy=DDP(comm_hook="bf16"), env="local")
     message = str(info.value)
     assert "CUDA" in message and "NCCL" in message and "gloo" in message
     assert "comm_hook='fp16'" in message  # the fix
