@@ -13,6 +13,7 @@ from scaletrain.errors import ConfigError
 from scaletrain.launch import LaunchConfig, add_arguments, build_torchrun_args, run
 from scaletrain.launch import launcher as launcher_mod
 from scaletrain.launch.cli import config_from_args
+from scaletrain.launch.failures import summarize_failure
 
 LOCAL = ClusterEnv(
     kind="local",
@@ -220,13 +221,32 @@ def test_cli_module_flag_and_aliases() -> None:
     assert config_from_args(ns).nproc_per_node == 1
 
 
-def test_cli_dry_run_prints_torchrun_command(capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_dry_run_prints_torchrun_command(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
     ns = lead_style_parser().parse_args(
         ["launch", "--dry-run", "--nproc-per-node", "2", "--nnodes", "1", "my script.py", "a b"]
     )
     assert run(ns) == 0
     out = capsys.readouterr().out.strip()
-    assert out.startswith("torchrun --standalone ") and out.endswith("'my script.py' 'a b'")
+    # The variables the launcher sets are part of the equivalent command.
+    assert out.startswith("OMP_NUM_THREADS=1 GLOO_SOCKET_IFNAME=lo torchrun --standalone ")
+    assert out.endswith("'my script.py' 'a b'")
+
+
+def test_cli_dry_run_keeps_the_users_variables(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth0")
+    ns = lead_style_parser().parse_args(
+        ["launch", "--dry-run", "--max-restarts", "1", "--env", "NCCL_DEBUG=INFO", "t.py"]
+    )
+    assert run(ns) == 0
+    out = capsys.readouterr().out.strip()
+    assert out.startswith("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 NCCL_DEBUG=INFO torchrun ")
 
 
 def test_cli_bad_flag_value_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
@@ -236,11 +256,12 @@ def test_cli_bad_flag_value_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert err.startswith("scaletrain launch: error: --nnodes '4:1'") and "Fix:" in err
 
 
-def test_cli_missing_script_exits_1(
+def test_cli_missing_script_exits_2(
     capsys: pytest.CaptureFixture[str], tmp_path: pytest.TempPathFactory
 ) -> None:
+    # Bad input is exit code 2, as the README's table says (it was 1).
     ns = lead_style_parser().parse_args(["launch", "--nproc-per-node", "1", "no_such.py"])
-    assert run(ns) == 1
+    assert run(ns) == 2
     assert "no_such.py" in capsys.readouterr().err
 
 
@@ -249,7 +270,7 @@ def test_signal_death_is_summarized_as_a_shell_would() -> None:
     failure = errors.ProcessFailure(local_rank=0, pid=42, exitcode=-9, error_file="/no/such/file")
     other = errors.ProcessFailure(local_rank=1, pid=43, exitcode=1, error_file="/no/such/file")
     exc = errors.ChildFailedError("train.py", {2: failure, 3: other})
-    summary, code = launcher_mod._summarize_failure(exc, LaunchConfig(redirects="3"))
+    summary, code = summarize_failure(exc, redirects="3")
     assert code == 128 + 9
     assert summary.startswith("scaletrain launch: worker rank 2 (local rank 0, pid 42) was killed")
     assert "SIGKILL" in summary and "Other failed ranks: 3." in summary

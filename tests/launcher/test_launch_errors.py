@@ -121,3 +121,62 @@ def test_launch_environ_keeps_the_users_choices(monkeypatch: pytest.MonkeyPatch)
     with _launch_environ(cfg, _plan(cfg, "t.py", [], env=LOCAL, environ={})):
         assert os.environ["OMP_NUM_THREADS"] == "4"
         assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in os.environ  # no restarts
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "reply", [b"", b"HTTP/1.0 400 Bad Request\r\n\r\n"], ids=["silent", "http"]
+)
+def test_endpoint_held_by_another_service_fails_within_the_timeout(
+    script: str, reply: bytes
+) -> None:
+    # A port held by something that is not a rendezvous store accepts the connection;
+    # torch's store client would then wait past --rdzv-timeout for an answer.
+    import threading
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        stop = threading.Event()
+
+        def serve() -> None:
+            server.settimeout(0.2)
+            held = []
+            while not stop.is_set():
+                try:
+                    conn, _ = server.accept()
+                except OSError:
+                    continue
+                if reply:
+                    conn.sendall(reply)
+                held.append(conn)
+            for conn in held:
+                conn.close()
+
+        thread = threading.Thread(target=serve, daemon=True)
+        thread.start()
+        start = time.monotonic()
+        try:
+            with pytest.raises(LaunchError) as info:
+                launch(two_nodes(1, f"127.0.0.1:{port}", rdzv_timeout=5), script)
+        finally:
+            stop.set()
+            thread.join(timeout=5)
+    assert time.monotonic() - start < 5 + 5  # the timeout, plus slack for a loaded machine
+    msg = str(info.value)
+    assert f"127.0.0.1:{port}" in msg and "not a rendezvous store" in msg
+    assert "--node-rank 0" in msg and "free port" in msg
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("libuv", [True, False])
+def test_store_probe_speaks_to_a_real_store(libuv: bool) -> None:
+    # The probe speaks c10d's wire protocol by hand: this fails if torch changes it.
+    import torch.distributed as dist
+
+    from scaletrain.launch.checks import is_rendezvous_store
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=libuv)
+    assert is_rendezvous_store("127.0.0.1", store.port, 5.0) is None
+    del store

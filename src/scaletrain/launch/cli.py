@@ -13,9 +13,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from scaletrain.errors import ConfigError, ScaletrainError
+from scaletrain.errors import ScaletrainError
+from scaletrain.exitcodes import EXIT_USAGE
 from scaletrain.launch.config import DEFAULT_RDZV_TIMEOUT_S, LaunchConfig
-from scaletrain.launch.launcher import build_torchrun_args, format_torchrun_command, launch
+from scaletrain.launch.launcher import dry_run_command, launch
 
 __all__ = ["DESCRIPTION", "HELP", "add_arguments", "config_from_args", "run"]
 
@@ -140,12 +141,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dry-run",
         action="store_true",
-        help="print the equivalent torchrun command and exit",
+        help="print the equivalent command (the variables it sets, then torchrun) and exit",
     )
     parser.add_argument("script", metavar="SCRIPT", help="training script path (or module with -m)")
     # REMAINDER, as torchrun does, so flags after SCRIPT go to the script, not to us.
     parser.add_argument(
-        "script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments passed to SCRIPT"
+        "script_args",
+        nargs=argparse.REMAINDER,
+        metavar="[ARGS ...]",
+        help="arguments passed to SCRIPT (optional)",
     )
 
 
@@ -168,20 +172,18 @@ def config_from_args(ns: argparse.Namespace) -> LaunchConfig:
 
 
 def run(ns: argparse.Namespace) -> int:
-    """Run the subcommand; return the process exit code (2 bad flags, 1 cannot start,
-    else the workers' code)."""
+    """Run the subcommand; return the process exit code: 2 for input it cannot use (a
+    flag, a missing script, a taken port, an endpoint that does not answer), else the
+    workers' code."""
     script_args = list(ns.script_args)
     if script_args[:1] == ["--"]:
         script_args = script_args[1:]  # `launch SCRIPT -- ARGS` is accepted too
     try:
         cfg = config_from_args(ns)
         if ns.dry_run:
-            print(format_torchrun_command(build_torchrun_args(cfg, ns.script, script_args)))
+            print(dry_run_command(cfg, ns.script, script_args))
             return 0
         return launch(cfg, ns.script, script_args)
-    except ConfigError as exc:
-        print(f"scaletrain launch: error: {exc}", file=sys.stderr)
-        return 2
     except ScaletrainError as exc:
         print(f"scaletrain launch: error: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_USAGE

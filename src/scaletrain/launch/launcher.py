@@ -13,31 +13,39 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
-import ipaddress
 import os
 import shlex
 import signal
-import socket
 import sys
-import time
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from scaletrain.errors import ConfigError, LaunchError
+from scaletrain.exitcodes import EXIT_ABORTED
+from scaletrain.launch.checks import check_network, check_target
 from scaletrain.launch.config import DEFAULT_RDZV_ID, LaunchConfig, parse_endpoint, parse_nnodes
+from scaletrain.launch.failures import summarize_failure
 
 if TYPE_CHECKING:
     from scaletrain.env.base import ClusterEnv
 
-__all__ = ["build_torchrun_args", "format_torchrun_command", "launch"]
+__all__ = [
+    "Plan",
+    "build_torchrun_args",
+    "dry_run_command",
+    "format_torchrun_command",
+    "launch",
+    "launch_environment",
+]
 
 _PROG = "scaletrain launch"
 _POLL_INTERVAL_S = 0.25
 
 
 @dataclass(frozen=True, slots=True)
-class _Plan:
+class Plan:
     """torchrun's argv plus what the precondition checks need to know about it."""
 
     argv: list[str]
@@ -83,7 +91,7 @@ def _plan(
     *,
     env: ClusterEnv | None = None,
     environ: Mapping[str, str] | None = None,
-) -> _Plan:
+) -> Plan:
     environ = os.environ if environ is None else environ
     user_topology = (
         cfg.nnodes is not None or cfg.node_rank is not None or cfg.rdzv_endpoint is not None
@@ -141,7 +149,7 @@ def _plan(
             "--rdzv-conf",
             f"timeout={cfg.rdzv_timeout}",
         ]
-        return _Plan(
+        return Plan(
             argv=head + tail,
             num_script_args=len(script_args),
             mode="static",
@@ -160,7 +168,7 @@ def _plan(
         # --standalone: a c10d store on a free local port, so two single-node jobs
         # on one machine never collide on 29500.
         head = ["--standalone", "--nnodes", "1", "--rdzv-conf", f"join_timeout={cfg.rdzv_timeout}"]
-        return _Plan(
+        return Plan(
             argv=head + tail,
             num_script_args=len(script_args),
             mode="standalone",
@@ -205,7 +213,7 @@ def _plan(
         "--rdzv-conf",
         conf,
     ]
-    return _Plan(
+    return Plan(
         argv=head + tail,
         num_script_args=len(script_args),
         mode="c10d",
@@ -234,224 +242,156 @@ def build_torchrun_args(
     return _plan(cfg, script, script_args, env=env, environ=environ).argv
 
 
-def format_torchrun_command(argv: Sequence[str]) -> str:
-    """The equivalent shell command, for logs and `--dry-run`."""
-    return shlex.join(["torchrun", *argv])
+def format_torchrun_command(argv: Sequence[str], env: Mapping[str, str] | None = None) -> str:
+    """The equivalent shell command, for logs and `--dry-run`: the variables the launcher
+    sets, then torchrun and its arguments."""
+    prefix = [f"{k}={shlex.quote(v)}" for k, v in (env or {}).items()]
+    return " ".join([*prefix, shlex.join(["torchrun", *argv])])
 
 
-# --- checks before anything is spawned ------------------------------------------------
-
-
-def _check_target(script: str, run_as_module: bool) -> None:
-    if run_as_module:
-        # Workers run `python -m SCRIPT` from this directory, which puts the current
-        # directory first on sys.path; look the module up the same way.
-        saved = list(sys.path)
-        sys.path.insert(0, os.getcwd())
-        try:
-            spec = importlib.util.find_spec(script)
-            reason = "" if spec is not None else "it is not on the Python path"
-        except (ImportError, ValueError) as exc:
-            spec, reason = None, str(exc)
-        finally:
-            sys.path[:] = saved
-        if spec is None:
-            raise LaunchError(
-                f"Cannot launch module {script!r} (-m): {reason}. Expected an importable "
-                f"module name such as 'mypkg.train', found from {os.getcwd()} or PYTHONPATH. "
-                f"Fix: check the spelling, run from the directory that holds the package or "
-                f"install it (pip install -e .), or drop -m to run a script file."
-            )
-        return
-    path = os.path.abspath(script)
-    runnable = os.path.isfile(path) or os.path.isfile(os.path.join(path, "__main__.py"))
-    if not runnable:
-        what = "is a directory without __main__.py" if os.path.isdir(path) else "does not exist"
-        raise LaunchError(
-            f"Cannot launch {script!r}: {path} {what}. Expected the path of a Python training "
-            f"script (relative to {os.getcwd()}) followed by its arguments. Fix: check the path; "
-            f"to run an installed module instead, pass -m and its dotted name."
-        )
-
-
-def _resolve(host: str, port: int, source: str) -> list[str]:
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except (socket.gaierror, UnicodeError) as exc:
-        raise LaunchError(
-            f"The rendezvous host {host!r} (from {source}) does not resolve to an address: "
-            f"{exc}. Expected node 0's hostname or IP address as this machine sees it. "
-            f"Fix: check the spelling, use node 0's IP address, or fix DNS or /etc/hosts on "
-            f"this node."
-        ) from None
-    return [str(info[4][0]) for info in infos]
-
-
-def _is_local(addresses: Sequence[str]) -> bool:
-    for address in addresses:
-        with contextlib.suppress(ValueError):
-            if ipaddress.ip_address(address.split("%")[0]).is_loopback:
-                return True
-        # Binding succeeds only to an address of one of this machine's interfaces.
-        family = socket.AF_INET6 if ":" in address else socket.AF_INET
-        with socket.socket(family, socket.SOCK_STREAM) as probe:
-            try:
-                probe.bind((address, 0))
-                return True
-            except OSError:
-                continue
-    return False
-
-
-def _port_in_use(port: int) -> bool:
-    # The TCPStore server listens on every interface, so probe the wildcard address.
-    # SO_REUSEADDR as the store does: a port in TIME_WAIT from the last run is free.
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(("", port))
-        except OSError:
-            return True
-    return False
-
-
-def _wait_reachable(plan: _Plan, timeout_s: float) -> None:
-    assert plan.host is not None and plan.port is not None
-    deadline = time.monotonic() + timeout_s
-    announced = False
-    while True:
-        remaining = deadline - time.monotonic()
-        try:
-            with socket.create_connection(
-                (plan.host, plan.port), timeout=max(0.1, min(2.0, remaining))
-            ):
-                return
-        except OSError as exc:
-            last_error = exc.strerror or type(exc).__name__
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            break
-        if not announced:
-            print(
-                f"{_PROG}: waiting up to {timeout_s:g}s for the rendezvous store at "
-                f"{plan.host}:{plan.port} (node 0) to come up...",
-                file=sys.stderr,
-                flush=True,
-            )
-            announced = True
-        time.sleep(min(_POLL_INTERVAL_S, remaining))
-    who = f"node rank {plan.node_rank}" if plan.node_rank is not None else "this node"
-    raise LaunchError(
-        f"Cannot reach the rendezvous store at {plan.host}:{plan.port} (from "
-        f"{plan.endpoint_source}) after {timeout_s:g}s: {last_error}. This is {who}; it "
-        f"connects to the store that node 0 opens there. Check that node 0 has been started "
-        f"with the same endpoint and --node-rank 0, that {plan.host} is node 0's address as "
-        f"seen from this machine, and that no firewall blocks TCP port {plan.port}; if node 0 "
-        f"starts later, raise --rdzv-timeout."
-    )
-
-
-def _check_network(plan: _Plan, cfg: LaunchConfig) -> None:
-    if plan.host is None or plan.port is None:
-        return  # standalone: torch picks a free local port itself
-    addresses = _resolve(plan.host, plan.port, plan.endpoint_source)
-    hosts_store = plan.hosts_store
-    if hosts_store is None and _is_local(addresses):
-        # Node rank unknown and the endpoint is this machine: torch's own heuristic
-        # hosts the store if the port is free and joins it otherwise. A taken port may
-        # be another agent of this job on the same host, so it is not an error here.
-        return
-    if hosts_store:
-        # Checked only where this node is certain to host the store (node rank 0 or
-        # the only node): torch would otherwise fail with "address already in use"
-        # deep in a traceback, after the other nodes have started waiting.
-        if _port_in_use(plan.port):
-            raise LaunchError(
-                f"Port {plan.port} on this machine is already in use, but this node "
-                f"(node rank {plan.node_rank if plan.node_rank is not None else 0}) must host "
-                f"the rendezvous store on {plan.host}:{plan.port} (from "
-                f"{plan.endpoint_source}). Another job, or an earlier launch still running, "
-                f"holds it. Fix: stop that process (find it with `ss -ltnp 'sport = "
-                f":{plan.port}'`), or pick a free port and pass it in --rdzv-endpoint on "
-                f"every node."
-            )
-        return
-    _wait_reachable(plan, cfg.rdzv_timeout)
+def dry_run_command(
+    cfg: LaunchConfig,
+    script: str,
+    script_args: Sequence[str] = (),
+    *,
+    env: ClusterEnv | None = None,
+) -> str:
+    """The shell command `launch` would amount to, with the environment it adds."""
+    plan = _plan(cfg, script, script_args, env=env)
+    return format_torchrun_command(plan.argv, launch_environment(cfg, plan))
 
 
 # --- running torchrun ------------------------------------------------------------------
 
 
+def launch_environment(
+    cfg: LaunchConfig, plan: Plan, environ: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """The variables the launcher adds for the agent and its workers (what --dry-run shows)."""
+    environ = os.environ if environ is None else environ
+    added: dict[str, str] = {}
+    if "OMP_NUM_THREADS" not in environ:
+        import torch
+
+        # torchrun sets OMP_NUM_THREADS=1 itself for several workers per node, with
+        # a banner warning every time. Set it quietly, and also for one worker per
+        # node on CPU, where nodes sharing a host would oversubscribe its cores.
+        if plan.nproc_per_node > 1 or not torch.cuda.is_available():
+            added["OMP_NUM_THREADS"] = "1"
+    if plan.mode == "standalone" and "GLOO_SOCKET_IFNAME" not in environ:
+        # One node: every peer is local. Gloo otherwise binds the interface the host
+        # name resolves to, which in containers and VPNs can be one peers cannot reach.
+        added["GLOO_SOCKET_IFNAME"] = "lo"
+    if cfg.max_restarts > 0 and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in environ:
+        # Restarts through the agent's shared TCPStore hung or failed in 6 of 12 of our
+        # runs on Gloo; with a separate store per round 10 of 10 passed.
+        added["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    added.update(cfg.extra_env)
+    return added
+
+
 @contextlib.contextmanager
-def _launch_environ(cfg: LaunchConfig, plan: _Plan) -> Iterator[None]:
+def _launch_environ(cfg: LaunchConfig, plan: Plan) -> Iterator[None]:
     """Set the variables the agent and workers need; restore os.environ afterwards."""
     saved = dict(os.environ)
     try:
-        if "OMP_NUM_THREADS" not in os.environ:
-            import torch
-
-            # torchrun sets OMP_NUM_THREADS=1 itself for several workers per node, with
-            # a banner warning every time. Set it quietly, and also for one worker per
-            # node on CPU, where nodes sharing a host would oversubscribe its cores.
-            if plan.nproc_per_node > 1 or not torch.cuda.is_available():
-                os.environ["OMP_NUM_THREADS"] = "1"
-        if cfg.max_restarts > 0:
-            # Restarts through the agent's shared TCPStore hung or failed in about half
-            # of our runs (shared/NOTES.md); a separate store per round is reliable.
-            os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-        os.environ.update(cfg.extra_env)
+        os.environ.update(launch_environment(cfg, plan))
+        # Ctrl-C is ours to handle (see _Interrupts), not torch's agent's: with torch's
+        # handler a second Ctrl-C waits out the agent's shutdown timeout again.
+        os.environ["PET_SIGNALS_TO_HANDLE"] = "SIGTERM,SIGHUP,SIGQUIT"
         yield
     finally:
         os.environ.clear()
         os.environ.update(saved)
 
 
-def _failure_message(failure: Any) -> str:
-    message = failure.message
-    if isinstance(message, dict):
-        message = message.get("message", "")
-    return str(message or "").strip()
+def _child_pids() -> list[int]:
+    """This process's children (the agent's workers), from /proc; [] where there is none."""
+    me = os.getpid()
+    children = []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry.name}/stat", encoding="utf-8") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            # Fields after the ")" that closes the command name: state, ppid, ...
+            if int(stat.rpartition(")")[2].split()[1]) == me:
+                children.append(int(entry.name))
+    return children
 
 
-def _summarize_failure(exc: Any, cfg: LaunchConfig) -> tuple[str, int]:
-    """A few lines naming the failed rank, its exit code and error file; and the exit code."""
-    rank, failure = exc.get_first_failure()
-    exitcode = int(failure.exitcode)
-    if exitcode < 0:
-        try:
-            how = f"was killed by signal {signal.Signals(-exitcode).name}"
-        except ValueError:
-            how = f"was killed by signal {-exitcode}"
-        code = 128 - exitcode
-    else:
-        how = f"exited with code {exitcode}"
-        code = exitcode if 0 < exitcode < 256 else 1
-    lines = [
-        f"{_PROG}: worker rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) {how}."
-    ]
-    others = sorted(r for r in exc.failures if r != rank)
-    if others:
-        lines.append(f"  Other failed ranks: {', '.join(map(str, others))}.")
-    if os.path.isfile(failure.error_file):
-        lines.append(f"  Error file: {failure.error_file}")
-        message = _failure_message(failure)
-        if message:
-            lines.append(f"  Error: {message.splitlines()[-1]}")
-    else:
-        lines.append(
-            "  No error file: the script did not write one. Decorate its entry point with "
-            "@torch.distributed.elastic.multiprocessing.errors.record to get one."
+class _Interrupts:
+    """Ctrl-C in the launcher: the first asks the workers to stop, the second kills them.
+
+    The workers run in sessions of their own (torch starts them so), so a terminal's
+    Ctrl-C reaches only this process. The first one becomes torch's own shutdown with
+    SIGINT: the agent forwards it and waits for the workers (a scaletrain worker
+    finishes its step, saves and exits). The second one kills every worker's process
+    group at once: the user means now.
+    """
+
+    def __init__(self, quiet: bool) -> None:
+        self.quiet = quiet
+        self.count = 0
+        self._previous: Any = None
+
+    def __enter__(self) -> _Interrupts:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.count += 1
+        if self.count == 1:
+            from torch.distributed.elastic.multiprocessing.api import SignalException
+
+            if not self.quiet:
+                print(
+                    f"\n{_PROG}: Ctrl-C: asking the workers to stop (Ctrl-C again to kill them "
+                    "now).",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            raise SignalException("Ctrl-C", sigval=signal.SIGINT)
+        for pid in _child_pids():
+            with contextlib.suppress(OSError):
+                os.killpg(pid, signal.SIGKILL)
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        print(
+            "\nscaletrain: second Ctrl-C: killed the workers; nothing more was saved.",
+            file=sys.stderr,
+            flush=True,
         )
-    if cfg.redirects != "0":
-        lines.append(
-            f"  The workers' output is in the log directory ({cfg.log_dir or 'temporary'})."
-        )
-    else:
-        lines.append("  The worker's own output and traceback are above.")
-    return "\n".join(lines), code
 
 
-def _parse_torchrun_args(torchrun: Any, plan: _Plan) -> Any:
+@contextlib.contextmanager
+def _quiet_agent(quiet: bool) -> Iterator[None]:
+    """Hide the elastic agent's own log lines (workers' closing signals, its failure
+    table) where the launcher prints its own summary of what happened."""
+    if not quiet:
+        yield
+        return
+    import logging
+
+    logger = logging.getLogger("torch.distributed.elastic")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _parse_torchrun_args(torchrun: Any, plan: Plan) -> Any:
     """torchrun's parsed arguments, without letting its parser see the script's flags.
 
     torchrun's argparse classifies every word before it hands the rest to the script,
@@ -465,22 +405,28 @@ def _parse_torchrun_args(torchrun: Any, plan: _Plan) -> Any:
     return args
 
 
-def _run_torchrun(plan: _Plan, cfg: LaunchConfig) -> int:
+def _run_torchrun(plan: Plan, cfg: LaunchConfig, *, quiet: bool = False) -> int:
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
 
+    interrupts = _Interrupts(quiet)
     try:
-        torchrun.run(_parse_torchrun_args(torchrun, plan))
+        with interrupts, _quiet_agent(quiet):
+            torchrun.run(_parse_torchrun_args(torchrun, plan))
     except ChildFailedError as exc:
-        summary, code = _summarize_failure(exc, cfg)
+        if interrupts.count > 1:
+            return EXIT_ABORTED
+        summary, code = summarize_failure(
+            exc, redirects=cfg.redirects, log_dir=cfg.log_dir, prog=_PROG
+        )
         print(summary, file=sys.stderr, flush=True)
         return code
     except SignalException as exc:
         # The agent was told to stop (Ctrl-C, scheduler preemption); it has already
         # forwarded the signal to the workers. Exit as a shell reports a signal.
-        return 128 + int(exc.sigval)
+        return EXIT_ABORTED if interrupts.count > 1 else 128 + int(exc.sigval)
     except RendezvousError as exc:
         detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         where = f"{plan.host}:{plan.port}" if plan.host else "the local store"
@@ -491,7 +437,7 @@ def _run_torchrun(plan: _Plan, cfg: LaunchConfig) -> int:
             f"with the same --nnodes, --rdzv-endpoint and --rdzv-id (a node that exited "
             f"early ends the rendezvous), or raise --rdzv-timeout if nodes start far apart."
         ) from exc
-    return 0
+    return EXIT_ABORTED if interrupts.count > 1 else 0
 
 
 def launch(
@@ -500,6 +446,7 @@ def launch(
     script_args: Sequence[str] = (),
     *,
     env: ClusterEnv | None = None,
+    quiet: bool = False,
 ) -> int:
     """Run `script` (or module, with cfg.run_as_module) on this node's workers; return the exit code.
 
@@ -507,9 +454,13 @@ def launch(
     worker's exit code (128+N for signal N) after printing a short summary. Raises
     LaunchError when the job cannot start (missing script, port taken, unreachable or
     unresolvable endpoint) and ConfigError for a config that cannot work.
+
+    Ctrl-C once asks the workers to stop (torch forwards SIGINT and waits for them);
+    twice kills them at once and returns 130. `quiet` hides the agent's own log lines
+    and the launcher's Ctrl-C notice: for `scaletrain train`, whose workers say it.
     """
     plan = _plan(cfg, script, script_args, env=env)
-    _check_target(script, cfg.run_as_module)
-    _check_network(plan, cfg)
+    check_target(script, cfg.run_as_module)
+    check_network(plan, cfg)
     with _launch_environ(cfg, plan):
-        return _run_torchrun(plan, cfg)
+        return _run_torchrun(plan, cfg, quiet=quiet)
