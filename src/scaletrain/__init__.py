@@ -4,29 +4,59 @@ import scaletrain as st
 rt = st.init(strategy="ddp")
 model, optimizer = rt.setup(model, optimizer)
 loader = rt.loader(dataset, batch_size=100)
+
+The public names are imported on first use (PEP 562): `import scaletrain` and the
+`scaletrain` command's --help and --version do not pay for importing torch.
 """
 
-from scaletrain.errors import (
-    CheckpointError,
-    ConfigError,
-    DatasetError,
-    EnvironmentDetectionError,
-    LaunchError,
-    ScaletrainError,
-)
-from scaletrain.runtime import AccumulationStep, Runtime, init, sync_batchnorm
-from scaletrain.strategies import (
-    DDP,
-    FSDP,
-    DataParallel,
-    ModelParallel,
-    Pipeline,
-    SingleDevice,
-    Strategy,
-    TensorParallel,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from scaletrain.errors import (
+        CheckpointError,
+        ConfigError,
+        DatasetError,
+        EnvironmentDetectionError,
+        LaunchError,
+        ScaletrainError,
+    )
+    from scaletrain.runtime import AccumulationStep, Runtime, init, sync_batchnorm
+    from scaletrain.strategies import (
+        DDP,
+        FSDP,
+        DataParallel,
+        ModelParallel,
+        Pipeline,
+        SingleDevice,
+        Strategy,
+        TensorParallel,
+    )
+
+_WHERE = {
+    "CheckpointError": "scaletrain.errors",
+    "ConfigError": "scaletrain.errors",
+    "DatasetError": "scaletrain.errors",
+    "EnvironmentDetectionError": "scaletrain.errors",
+    "LaunchError": "scaletrain.errors",
+    "ScaletrainError": "scaletrain.errors",
+    "AccumulationStep": "scaletrain.runtime",
+    "Runtime": "scaletrain.runtime",
+    "init": "scaletrain.runtime",
+    "sync_batchnorm": "scaletrain.runtime",
+    "DDP": "scaletrain.strategies",
+    "FSDP": "scaletrain.strategies",
+    "DataParallel": "scaletrain.strategies",
+    "ModelParallel": "scaletrain.strategies",
+    "Pipeline": "scaletrain.strategies",
+    "SingleDevice": "scaletrain.strategies",
+    "Strategy": "scaletrain.strategies",
+    "TensorParallel": "scaletrain.strategies",
+}
 
 __all__ = [
     "DDP",
@@ -49,3 +79,16 @@ __all__ = [
     "init",
     "sync_batchnorm",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'scaletrain' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # next time a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,96 +1,65 @@
-"""`scaletrain` subcommands; each one a thin call into the library."""
+"""`scaletrain` subcommands; each one a thin call into the library.
+
+Building the parser imports no torch (the train flags come from TrainConfig, a plain
+dataclass), so `scaletrain --help` and `--version` answer at once; a command imports
+what it needs when it runs.
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from scaletrain.errors import ScaletrainError
+from scaletrain import __version__
+from scaletrain.errors import ConfigError, ScaletrainError, spell, use_cli_names
+from scaletrain.exitcodes import EXIT_ABORTED, EXIT_ERROR, EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE
 
 if TYPE_CHECKING:
+    from scaletrain.env.base import ClusterEnv
     from scaletrain.train import TrainConfig
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "main", "train_config"]
+
+_SUPERVISED = "SCALETRAIN_SUPERVISED"
+"""Set by `scaletrain train` for the workers it launches: they record errors in their
+error files and leave the printing to it (once, for the first rank that failed)."""
 
 
 def _add_train(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from scaletrain.settings import add_flags
+    from scaletrain.train.config import TrainConfig
+
     p = sub.add_parser(
         "train",
         help="train a recipe (default: the seeds' ConvNet on Fashion-MNIST) with DDP",
         description=(
             "Train a recipe on this machine: one process per GPU, or 2 on CPU. Under "
-            "torchrun, srun or mpirun each process joins the job it was started in."
+            "torchrun, srun or mpirun each process joins the job it was started in. "
+            "Settings come from the flags below, or a --config file holding the same names "
+            "(flags win)."
         ),
     )
     p.add_argument(
-        "--recipe",
+        "--config",
+        metavar="FILE",
         default=None,
-        help="convnet | split-net | wrn | gpt (default: convnet; gpt with tensor parallel)",
+        help="YAML or JSON file of settings (e.g. a run's config.json); flags given too win",
     )
-    p.add_argument("--nproc", type=int, default=None, help="processes (default: GPUs, else 2)")
-    p.add_argument(
-        "--epochs", type=int, default=None, help="passes over the data (default: recipe's)"
-    )
-    p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
-    p.add_argument(
-        "--batch-size",
-        type=int,
-        default=None,
-        help="samples per replica per step (default: recipe's)",
-    )
-    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: recipe)")
-    p.add_argument(
-        "--strategy",
-        default="ddp",
-        help="ddp | fsdp | tensor | pipeline | dp | model-parallel | single (default: ddp)",
-    )
-    p.add_argument("--mesh", default=None, help="device mesh, e.g. dp=2,tp=2 or dp=2,pp=2")
-    p.add_argument(
-        "--sync-bn",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="SyncBatchNorm across data-parallel ranks (default: the recipe's)",
-    )
-    p.add_argument("--backend", default=None, help="nccl | gloo (default: by device)")
-    p.add_argument("--data-dir", default=None, help="dataset directory (default: search)")
-    p.add_argument("--out", default=None, help="run directory (default: runs/<recipe>-<time>)")
-    p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
-    p.add_argument("--log-every", type=int, default=20, help="steps between metric records")
-    p.add_argument(
-        "--precision",
-        default="32",
-        help="32 | bf16-mixed | fp16-mixed (CUDA) | bf16-true (default: 32)",
-    )
-    p.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
-    p.add_argument("--clip-grad", type=float, default=None, help="clip to this whole-model norm")
-    p.add_argument(
-        "--save-every", type=int, default=None, help="checkpoint every N steps into OUT/checkpoints"
-    )
-    p.add_argument("--keep", type=int, default=3, help="checkpoints to keep (default: 3)")
-    p.add_argument(
-        "--async-save", action="store_true", help="write sharded checkpoints in the background"
-    )
-    p.add_argument(
-        "--stop-after", type=int, default=None, help="save and stop after N steps of this run"
-    )
-    p.add_argument(
-        "--max-restarts",
-        type=int,
-        default=0,
-        help="restart the workers after a failure; they resume from the last checkpoint",
-    )
-    p.add_argument(
-        "--hang-timeout",
-        type=float,
-        default=300.0,
-        help="seconds a rank may make no progress before the job fails with a diagnosis "
-        "(default: 300; 0: off)",
-    )
+    add_flags(
+        p,
+        TrainConfig,
+        metavars={
+            "nproc": "N", "epochs": "N", "max_steps": "N", "batch_size": "N", "lr": "LR",
+            "warmup": "STEPS", "accumulate": "K", "clip_grad": "NORM", "seed": "N",
+            "data_dir": "DIR", "num_workers": "N", "eval_batch_size": "N", "eval_batches": "N",
+            "out": "RUN", "log_every": "N", "save_every": "N", "keep": "K", "stop_after": "N",
+            "max_restarts": "K", "hang_timeout": "S", "mesh": "DIMS",
+        },
+    )  # fmt: skip
 
 
 def _add_checkpoint(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -114,6 +83,192 @@ def _add_checkpoint(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     latest.add_argument("dir", metavar="RUN", help="a run directory (--out of scaletrain train)")
 
 
+def _add_env(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    sub.add_parser(
+        "env",
+        help="show the detected cluster environment, backend, devices and versions",
+        description="Print what scaletrain detects here and why, as a worker would see it.",
+    )
+
+
+def _add_launch(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from scaletrain.launch.cli import DESCRIPTION, HELP, add_arguments
+
+    p = sub.add_parser("launch", help=HELP, description=DESCRIPTION)
+    add_arguments(p)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="scaletrain",
+        description="Scale PyTorch training from one device to many GPUs and machines.",
+    )
+    parser.add_argument("--version", action="version", version=f"scaletrain {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_train(sub)
+    _add_launch(sub)
+    _add_checkpoint(sub)
+    _add_env(sub)
+    return parser
+
+
+# -- train ------------------------------------------------------------------------------
+
+
+def train_config(ns: argparse.Namespace) -> TrainConfig:
+    """The TrainConfig the parsed `train` flags (and their --config file) describe."""
+    from scaletrain.settings import read_config_file, typed_flags
+    from scaletrain.train.config import TrainConfig
+
+    values: dict[str, Any] = {}
+    if ns.config is not None:
+        values.update(read_config_file(ns.config, TrainConfig))
+    values.update(typed_flags(ns, TrainConfig))
+    try:
+        return TrainConfig(**values)
+    except ConfigError as exc:
+        if (
+            ns.config is not None
+            and exc.field is not None
+            and exc.field not in typed_flags(ns, TrainConfig)
+        ):
+            raise ConfigError(
+                f"{exc} (The value comes from {ns.config}.)", field=exc.field
+            ) from None
+        raise
+
+
+def _preflight(config: TrainConfig, env: ClusterEnv) -> int:
+    """Check what can be checked before any process starts; return the processes per node.
+
+    One error here, in the parent, replaces one traceback per rank after the launch.
+    """
+    import torch
+
+    from scaletrain.dist import choose_backend, choose_device
+    from scaletrain.precision import Precision
+    from scaletrain.runtime import parse_mesh
+    from scaletrain.strategies import resolve_strategy
+    from scaletrain.train import get_recipe
+
+    recipe = get_recipe(config.resolved_recipe())
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if env.per_node and config.nproc is None and env.procs_per_node_hint:
+        nproc = env.procs_per_node_hint
+    else:
+        nproc = config.default_nproc(gpus)
+    world = nproc * (env.num_nodes if env.per_node else 1)
+    backend = choose_backend(config.backend)
+    device = choose_device(0, backend=backend)
+    Precision(name=config.precision, device=device)
+    mesh = parse_mesh(config.mesh, world) if config.mesh is not None else None
+    strategy = resolve_strategy(config.strategy, mesh=mesh)
+    if getattr(strategy, "single_process", False) and world > 1:
+        raise ConfigError(
+            f"{spell('strategy', config.strategy)} runs in ONE process, but this job has "
+            f"{world} ({env.num_nodes} nodes x {nproc}). Fix: {spell('nproc', 1)} on one "
+            f"node, or {spell('strategy', 'ddp')}.",
+            field="strategy",
+        )
+    recipe.locate_data(config.data_dir)
+    return nproc
+
+
+def _worker_args(argv: Sequence[str], out: str) -> list[str]:
+    """The user's train flags minus --out (replaced by the resolved run directory)."""
+    args: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        if arg == "--out":
+            skip = True
+            continue
+        if arg.startswith("--out="):
+            continue
+        args.append(arg)
+    return [*args, "--out", out]
+
+
+def _cmd_train(ns: argparse.Namespace, argv: Sequence[str]) -> int:
+    from scaletrain.env import detect
+
+    config = train_config(ns)
+    env = detect()
+    if env.kind != "local" and not env.per_node:
+        # Already one rank of a launched job (torchrun, srun, mpirun): train here.
+        return _train_here(config, worker=True)
+    nproc = _preflight(config, env)
+    if config.out is None:
+        # Resolved once, here, so every worker writes to the same directory.
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        config = config.replace(out=os.path.join("runs", f"{config.resolved_recipe()}-{stamp}"))
+    assert config.out is not None
+    if nproc == 1 and not env.per_node and config.max_restarts == 0:
+        return _train_here(config, worker=False)
+    from scaletrain.launch import LaunchConfig, launch
+    from scaletrain.train.trainer import PREEMPTED_MARKER
+
+    marker = os.path.join(config.out, PREEMPTED_MARKER)
+    if os.path.exists(marker):
+        os.unlink(marker)
+    code = launch(
+        LaunchConfig(
+            nproc_per_node=nproc,
+            run_as_module=True,
+            max_restarts=config.max_restarts,
+            extra_env={_SUPERVISED: "1"},
+        ),
+        "scaletrain",
+        ["train", *_worker_args(argv, config.out)],
+        quiet=True,
+    )
+    if code == EXIT_ABORTED:
+        return code
+    # A signal to the launcher reaches the workers too: they saved and stopped.
+    return EXIT_PREEMPTED if code != 0 and os.path.exists(marker) else code
+
+
+def _train_here(config: TrainConfig, *, worker: bool) -> int:
+    """Train in this process; as a worker of a launched job, report a failure once."""
+    from scaletrain.train import Trainer
+    from scaletrain.train.trainer import Preempted
+
+    trainer = Trainer(config)
+    try:
+        trainer.run()
+    except Preempted:
+        return EXIT_PREEMPTED
+    except Exception as exc:
+        if not worker:
+            raise
+        return _report_worker_failure(exc, trainer)
+    return EXIT_OK
+
+
+def _report_worker_failure(exc: Exception, trainer: Any) -> int:
+    """A worker's failure: recorded for our launcher, or printed by the first rank only."""
+    from scaletrain.launch import record_failure
+
+    usage = isinstance(exc, ScaletrainError)
+    code = EXIT_USAGE if usage else EXIT_ERROR
+    rank = int(os.environ.get("RANK", "0"))
+    if os.environ.get(_SUPERVISED) and record_failure(exc, rank=rank, usage=usage, exit_code=code):
+        return code  # `scaletrain train` prints it, once
+    if getattr(trainer, "first_failure", True):
+        if usage:
+            print(f"scaletrain: error on rank {rank}: {exc}", file=sys.stderr)
+        else:
+            import traceback
+
+            traceback.print_exception(type(exc), exc, exc.__traceback__)
+    return code
+
+
+# -- checkpoint, env ----------------------------------------------------------------------
+
+
 def _cmd_checkpoint(ns: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -128,7 +283,7 @@ def _cmd_checkpoint(ns: argparse.Namespace) -> int:
                 "A run saves them with --save-every N or when it stops."
             )
         print(found)
-        return 0
+        return EXIT_OK
     source = Path(ns.dir)
     if (source / "checkpoints").is_dir():
         newest = latest_checkpoint(source)
@@ -137,52 +292,17 @@ def _cmd_checkpoint(ns: argparse.Namespace) -> int:
         source = newest
     written = consolidate(source, ns.out)
     print(f"wrote {written} from {source}")
-    return 0
-
-
-def _add_env(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    sub.add_parser(
-        "env",
-        help="show the detected cluster environment, backend, devices and versions",
-        description="Print what scaletrain detects here and why, as a worker would see it.",
-    )
-
-
-def _add_launch(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from scaletrain.launch.cli import add_arguments
-
-    p = sub.add_parser(
-        "launch",
-        help="start a script on N processes per node with torch.distributed.run",
-        description=(
-            "Start SCRIPT on every process of this node through PyTorch's elastic launcher "
-            "(torch.distributed.run), with scaletrain's defaults and checks."
-        ),
-    )
-    add_arguments(p)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="scaletrain",
-        description="Scale PyTorch training from one device to many GPUs and machines.",
-    )
-    parser.add_argument("--version", action="store_true", help="print the version and exit")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    _add_train(sub)
-    _add_launch(sub)
-    _add_checkpoint(sub)
-    _add_env(sub)
-    return parser
+    return EXIT_OK
 
 
 def _cmd_env() -> int:
+    import platform
+
     import torch
     import torch.distributed as dist
     from rich.console import Console
     from rich.table import Table
 
-    import scaletrain
     from scaletrain.dist import choose_backend
     from scaletrain.env import detect
     from scaletrain.env.report import describe
@@ -205,7 +325,7 @@ def _cmd_env() -> int:
         table.add_row("devices", f"cpu ({os.cpu_count()} cores)")
     table.add_row("python", platform.python_version())
     table.add_row("torch", torch.__version__)
-    table.add_row("scaletrain", scaletrain.__version__)
+    table.add_row("scaletrain", __version__)
     nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else "-"
     table.add_row(
         "backends available",
@@ -213,122 +333,17 @@ def _cmd_env() -> int:
         f"mpi={dist.is_mpi_available()}",
     )
     console.print(table)
-    return 0
+    return EXIT_OK
 
 
-def _cmd_train(ns: argparse.Namespace, argv: Sequence[str]) -> int:
-    from scaletrain.env import detect
-    from scaletrain.train import TrainConfig
-
-    config = TrainConfig(
-        recipe=ns.recipe,
-        nproc=ns.nproc,
-        epochs=ns.epochs,
-        max_steps=ns.max_steps,
-        batch_size=ns.batch_size,
-        lr=ns.lr,
-        strategy=ns.strategy,
-        mesh=ns.mesh,
-        sync_bn=ns.sync_bn,
-        backend=ns.backend,
-        data_dir=ns.data_dir,
-        out=ns.out,
-        seed=ns.seed,
-        log_every=ns.log_every,
-        precision=ns.precision,
-        accumulate=ns.accumulate,
-        clip_grad=ns.clip_grad,
-        save_every=ns.save_every,
-        keep=ns.keep,
-        async_save=ns.async_save,
-        stop_after=ns.stop_after,
-        max_restarts=ns.max_restarts,
-        hang_timeout=ns.hang_timeout,
-    )
-    _preflight(config)
-    env = detect()
-    if env.kind != "local" and not env.per_node:
-        # Already one rank of a launched job (torchrun, srun, mpirun): train here.
-        return _train_here(config)
-    if config.out is None:
-        # Resolved once, here, so every worker writes to the same directory.
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        config.out = os.path.join("runs", f"{config.resolved_recipe()}-{stamp}")
-    nproc = config.nproc
-    if nproc is None:
-        import torch
-
-        nproc = torch.cuda.device_count() or 2
-    if config.mesh is not None and not env.per_node:
-        from scaletrain.runtime import parse_mesh
-
-        # One error before any process starts, instead of one per rank.
-        parse_mesh(config.mesh, nproc)
-    if nproc == 1 and not env.per_node and config.max_restarts == 0:
-        return _train_here(config)
-    from scaletrain.launch import LaunchConfig, launch
-    from scaletrain.train.trainer import EXIT_PREEMPTED, PREEMPTED_MARKER
-
-    marker = os.path.join(config.out, PREEMPTED_MARKER)
-    if os.path.exists(marker):
-        os.unlink(marker)
-    worker_args = [*_strip_out(argv), "--out", config.out]
-    code = launch(
-        LaunchConfig(nproc_per_node=nproc, run_as_module=True, max_restarts=config.max_restarts),
-        "scaletrain",
-        ["train", *worker_args],
-    )
-    # A signal to the launcher reaches the workers too: they saved and stopped.
-    return EXIT_PREEMPTED if code != 0 and os.path.exists(marker) else code
-
-
-def _train_here(config: TrainConfig) -> int:
-    from scaletrain.train import Trainer
-    from scaletrain.train.trainer import EXIT_PREEMPTED, Preempted
-
-    try:
-        Trainer(config).run()
-    except Preempted:
-        return EXIT_PREEMPTED
-    return 0
-
-
-def _preflight(config: TrainConfig) -> None:
-    """Check what can be checked before any process starts: one error, not one per rank."""
-    from scaletrain.strategies import resolve_strategy
-    from scaletrain.train import get_recipe
-
-    recipe = get_recipe(config.resolved_recipe())
-    resolve_strategy(config.strategy)
-    recipe.check_data(config.data_dir)
-
-
-def _strip_out(argv: Sequence[str]) -> list[str]:
-    """The user's train flags minus --out (replaced by the resolved run directory)."""
-    out: list[str] = []
-    skip = False
-    for arg in argv:
-        if skip:
-            skip = False
-            continue
-        if arg == "--out":
-            skip = True
-            continue
-        if arg.startswith("--out="):
-            continue
-        out.append(arg)
-    return out
+# -- entry point ---------------------------------------------------------------------------
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    use_cli_names()
     parser = build_parser()
     ns = parser.parse_args(args)
-    if ns.version:
-        import scaletrain
-
-        print(scaletrain.__version__)
-        return 0
     try:
         if ns.command == "env":
             return _cmd_env()
@@ -342,9 +357,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run(ns)
     except ScaletrainError as exc:
         print(f"scaletrain: error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        # Ctrl-C before any worker started (or in a one-process command): no traceback.
+        print("\nscaletrain: interrupted.", file=sys.stderr)
+        return EXIT_ABORTED
     parser.print_help()
-    return 1
+    return EXIT_USAGE
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ Each message says what was received, what was expected, and how to fix it.
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "CheckpointError",
     "ConfigError",
@@ -12,7 +14,46 @@ __all__ = [
     "EnvironmentDetectionError",
     "LaunchError",
     "ScaletrainError",
+    "interface",
+    "say",
+    "spell",
+    "use_cli_names",
 ]
+
+# Which interface the user typed: "api" (the library) or "cli" (a `scaletrain`
+# command). A module global, not a ContextVar: saves run on background threads,
+# which would not see a context set on the main one. Set once, at the CLI's entry.
+_INTERFACE = "api"
+_UNSET: Any = object()
+
+
+def use_cli_names() -> None:
+    """Messages from here on name command-line flags (`--nproc 0`), not API fields."""
+    global _INTERFACE
+    _INTERFACE = "cli"
+
+
+def interface() -> str:
+    """ "cli" inside a `scaletrain` command, else "api"."""
+    return _INTERFACE
+
+
+def spell(field: str, value: Any = _UNSET) -> str:
+    """A setting as the user wrote it: `--max-steps 0` on the command line, `max_steps=0`
+    in the library (`field` is the config field's name)."""
+    if _INTERFACE == "cli":
+        flag = "--" + field.replace("_", "-")
+        if value is _UNSET:
+            return flag
+        if isinstance(value, bool):
+            return flag if value else "--no-" + field.replace("_", "-")
+        return f"{flag} {value}"
+    return field if value is _UNSET else f"{field}={value!r}"
+
+
+def say(*, api: str, cli: str) -> str:
+    """The words for the interface in use: an API call or the equivalent command."""
+    return cli if _INTERFACE == "cli" else api
 
 
 class ScaletrainError(RuntimeError):
@@ -20,7 +61,15 @@ class ScaletrainError(RuntimeError):
 
 
 class ConfigError(ScaletrainError, ValueError):
-    """A configuration value that cannot work (bad strategy, backend, flag...)."""
+    """A configuration value that cannot work (bad strategy, backend, flag...).
+
+    `field` names the setting at fault when there is one, so a command can say where
+    the value came from (a flag or a config file).
+    """
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class EnvironmentDetectionError(ScaletrainError):

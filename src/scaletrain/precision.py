@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from scaletrain.errors import ConfigError
+from scaletrain.errors import ConfigError, spell
 
 __all__ = ["PRECISIONS", "Precision"]
 
@@ -43,14 +43,18 @@ class Precision:
         self.name = _ALIASES.get(str(self.name), str(self.name))
         if self.name not in PRECISIONS:
             raise ConfigError(
-                f"precision={self.name!r} is not known; expected one of {', '.join(PRECISIONS)}."
+                f"{spell('precision', self.name)} is not known; expected one of "
+                f"{', '.join(PRECISIONS)}.",
+                field="precision",
             )
         if self.name == "fp16-mixed":
             if self.device.type != "cuda":
                 raise ConfigError(
-                    f"precision='fp16-mixed' needs a CUDA GPU (float16 with dynamic loss "
-                    f"scaling), but this run computes on {self.device.type}. Use "
-                    "precision='bf16-mixed', which needs no loss scaling and runs on CPUs too."
+                    f"{spell('precision', 'fp16-mixed')} needs a CUDA GPU (float16 with dynamic "
+                    f"loss scaling), but this run computes on {self.device.type}. Fix: "
+                    f"{spell('precision', 'bf16-mixed')}, which needs no loss scaling and runs "
+                    "on CPUs too.",
+                    field="precision",
                 )
             if self.scaler is None:
                 self.scaler = torch.amp.GradScaler("cuda")
@@ -60,8 +64,10 @@ class Precision:
             and not torch.cuda.is_bf16_supported()
         ):
             raise ConfigError(
-                f"precision={self.name!r}: this GPU has no bfloat16 support. Use "
-                "precision='fp16-mixed' (with loss scaling) or '32'."
+                f"{spell('precision', self.name)}: this GPU has no bfloat16 support. Fix: "
+                f"{spell('precision', 'fp16-mixed')} (with loss scaling) or "
+                f"{spell('precision', '32')}.",
+                field="precision",
             )
 
     @property

@@ -301,8 +301,32 @@ def test_missing_files_error_names_everything(tmp_path: Path) -> None:
     assert (
         str(tmp_path / "given") in msg and str(tmp_path / "given" / "FashionMNIST" / "raw") in msg
     )
-    assert "--data-dir" in msg and "dataset-fashion-mnist" in msg and "SCALETRAIN_DATA" in msg
+    # A directory the user named is the only place looked at (no fallback to another copy).
+    assert "does not exist" in msg and "Looked in: " in msg
+    assert "/usr/share/datasets/fashion-mnist;" not in msg.split("Fix:")[0]
+    assert "root=" in msg and "dataset-fashion-mnist" in msg
     assert isinstance(err.value, FileNotFoundError)
+
+
+def test_missing_files_without_a_directory_names_the_search_path(
+    _isolated_search_path: Path,
+) -> None:
+    with pytest.raises(DatasetError) as err:
+        find_dataset_dir("mnist")
+    msg = str(err.value)
+    assert msg.startswith("mnist:") and "SCALETRAIN_DATA" in msg and "root=" in msg
+
+
+def test_a_named_directory_never_falls_back_to_another_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A good copy where the search would find it, and an empty directory the user named.
+    write_fake_mnist(tmp_path / "env" / "fashion-mnist", n_train=10, n_test=2)
+    monkeypatch.setenv("SCALETRAIN_DATA", str(tmp_path / "env"))
+    assert find_dataset_dir("fashion-mnist") == tmp_path / "env" / "fashion-mnist"
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DatasetError, match="does not hold them"):
+        find_dataset_dir("fashion-mnist", tmp_path / "empty")
 
 
 def test_partial_directory_error_says_what_lacks(tmp_path: Path) -> None:

@@ -100,7 +100,10 @@ def test_cli_flags_are_frozen() -> None:
          "--lr", "--strategy", "--mesh", "--sync-bn", "--no-sync-bn", "--backend", "--data-dir",
          "--out", "--seed", "--log-every", "--precision", "--accumulate", "--clip-grad",
          "--save-every", "--keep", "--async-save", "--stop-after", "--max-restarts",
-         "--hang-timeout"]
+         "--hang-timeout",
+         # issue 7: one config (flags generated from TrainConfig, --config FILE)
+         "--config", "--schedule", "--warmup", "--num-workers", "--eval-batch-size",
+         "--eval-batches", "--no-async-save"]
     )  # fmt: skip
     launch = _flags(parser, "launch")
     for flag in ("--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint",

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from scaletrain.errors import ConfigError, DatasetError
+from scaletrain.errors import ConfigError, DatasetError, say
 
 __all__ = [
     "CLASSES",
@@ -186,8 +186,10 @@ def _required(name: str, split: str | None) -> list[tuple[str, ...]]:
 def _candidates(name: str, root: str | Path | None) -> list[Path]:
     dirs: list[Path] = []
     if root is not None:
+        # A directory the user named is the only place looked at: silently falling back
+        # to another copy would train on data they did not ask for.
         base = Path(root).expanduser()
-        dirs += [base, *(base / s for s in _SUBDIRS[name])]
+        return [base, *(base / s for s in _SUBDIRS[name])]
     # General data roots hold several datasets side by side. MNIST and
     # Fashion-MNIST use the same file names, so there only a subdirectory
     # named for the dataset may answer, never the root itself.
@@ -225,9 +227,10 @@ def find_dataset_dir(
 ) -> Path:
     """Return the first directory that holds the files of dataset `name`.
 
-    Searched in order: `root` and its dataset subdirectories (e.g.
-    `root/FashionMNIST/raw`, torchvision's layout, or `root/cifar-10-batches-py`),
-    then dataset subdirectories of each path in `$SCALETRAIN_DATA` and of
+    With `root`, only `root` and its dataset subdirectories (e.g.
+    `root/FashionMNIST/raw`, torchvision's layout, or `root/cifar-10-batches-py`) are
+    searched: a directory the user named that lacks the files is an error, never a
+    reason to use another copy. Without it, in order: dataset subdirectories of each path in `$SCALETRAIN_DATA` and of
     `./data`, then `~/.cache/scaletrain/<name>` and `/usr/share/datasets/<name>`
     (where Debian's dataset-fashion-mnist installs). With `split`, only that
     split's files are required; otherwise all of them.
@@ -247,10 +250,25 @@ def find_dataset_dir(
             return d
         notes.append(f"{d} (exists, lacks {', '.join(a[0] for a in missing)})")
     expected = ", ".join(" or ".join(alts) for alts in required)
+    if root is not None:
+        base = Path(root).expanduser()
+        if not base.exists():
+            what = "does not exist"
+        elif not base.is_dir():
+            what = "is not a directory"
+        else:
+            what = "does not hold them"
+        given = say(api=f"root={str(root)!r}", cli=f"--data-dir {root}")
+        raise DatasetError(
+            f"{name}: {given}: the {split or 'train and test'} files {expected} are "
+            f"expected there, and {base} {what}. Looked in: {'; '.join(notes)}. Fix: point "
+            f"{say(api='root', cli='--data-dir')} at the directory holding these files, or "
+            f"leave it out to search the usual places; to get them, {_HOW_TO_GET[name]}."
+        )
     raise DatasetError(
         f"{name}: no directory holds the {split or 'train and test'} files. "
         f"Expected files: {expected}. Searched: {'; '.join(notes)}. "
-        f"Fix: pass --data-dir (root=) pointing at a directory with these files, or set "
+        f"Fix: pass {say(api='root=', cli='--data-dir')} pointing at a directory with these files, or set "
         f"SCALETRAIN_DATA to a directory with a {_SUBDIRS[name][0]!r} subdirectory; "
         f"to get them, {_HOW_TO_GET[name]}."
     )

@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
-from scaletrain.errors import ConfigError, DatasetError
+from scaletrain.errors import ConfigError, DatasetError, spell
 
-__all__ = ["TokenDataset", "load_python_corpus", "read_corpus"]
+__all__ = ["TokenDataset", "load_python_corpus", "python_corpus_root", "read_corpus"]
 
 
 class TokenDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
@@ -63,6 +63,32 @@ def read_corpus(files: Sequence[Path], max_bytes: int) -> torch.Tensor:
     return torch.frombuffer(bytearray(blob), dtype=torch.uint8).clone()
 
 
+def _python_files(base: Path) -> list[Path]:
+    return [p for p in base.rglob("*.py") if "site-packages" not in p.parts]
+
+
+def python_corpus_root(root: str | Path | None = None) -> Path:
+    """The directory the corpus is read from: `root`, else this Python's stdlib.
+
+    Raises DatasetError when `root` does not exist or holds no .py file (at any depth).
+    """
+    base = Path(root).expanduser() if root is not None else Path(sysconfig.get_paths()["stdlib"])
+    if not base.is_dir():
+        raise DatasetError(
+            f"{spell('data_dir', str(base))}: no such directory. The gpt recipe reads "
+            "Python sources (.py files, searched recursively) as its text corpus. Fix: "
+            f"point {spell('data_dir')} at a directory of .py files, or leave it out to "
+            "read this Python's standard library."
+        )
+    if next((p for p in base.rglob("*.py") if "site-packages" not in p.parts), None) is None:
+        raise DatasetError(
+            f"no .py files under {base}: the gpt recipe reads Python sources as its text "
+            f"corpus. Fix: point {spell('data_dir')} at a directory with .py files, or leave "
+            "it out to read this Python's standard library."
+        )
+    return base
+
+
 def load_python_corpus(
     split: str = "train",
     *,
@@ -79,13 +105,8 @@ def load_python_corpus(
     """
     if split not in ("train", "test"):
         raise ConfigError(f"split={split!r}: expected 'train' or 'test'.")
-    base = Path(root) if root is not None else Path(sysconfig.get_paths()["stdlib"])
-    files = [p for p in base.rglob("*.py") if "site-packages" not in p.parts]
-    if not files:
-        raise DatasetError(
-            f"no .py files under {base}: the gpt recipe reads Python sources as its text "
-            "corpus. Pass --data-dir pointing at a directory with .py files."
-        )
+    base = python_corpus_root(root)
+    files = _python_files(base)
     if not 0 < test_fraction < 1:
         raise ConfigError(f"test_fraction={test_fraction} must be between 0 and 1.")
     every = max(2, round(1 / test_fraction))

@@ -5,6 +5,7 @@ from scaletrain.dist.collectives import REDUCE_OPS, barrier, rank_first, reduce_
 from scaletrain.dist.grad_norm import global_grad_norm
 from scaletrain.dist.process_group import (
     DEFAULT_TIMEOUT_S,
+    claim_first,
     destroy,
     init_process_group,
     is_initialized,
@@ -19,6 +20,7 @@ __all__ = [
     "barrier",
     "choose_backend",
     "choose_device",
+    "claim_first",
     "destroy",
     "global_grad_norm",
     "init_process_group",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from scaletrain.errors import ConfigError
+from scaletrain.errors import ConfigError, spell
 
 __all__ = ["BACKENDS", "choose_backend", "choose_device"]
 
@@ -20,15 +20,18 @@ def choose_backend(requested: str | None, *, cuda: bool | None = None) -> str:
     name = requested.lower()
     if name not in BACKENDS:
         raise ConfigError(
-            f"backend={requested!r} is not a torch.distributed backend scaletrain can use; "
-            f"expected one of {', '.join(BACKENDS)} or 'auto'. Leave it unset to get NCCL on "
-            "GPUs and Gloo on CPUs."
+            f"{spell('backend', requested)} is not a torch.distributed backend scaletrain can "
+            f"use; expected one of {', '.join(BACKENDS)} or 'auto'. Fix: leave it unset to get "
+            "NCCL on GPUs and Gloo on CPUs.",
+            field="backend",
         )
     if name == "nccl" and not (has_cuda and dist.is_nccl_available()):
         raise ConfigError(
-            "backend='nccl' needs CUDA GPUs and a PyTorch build with NCCL, but this machine has "
-            f"cuda={has_cuda}, nccl_available={dist.is_nccl_available()}. Use backend='gloo' "
-            "(or leave it unset) to train on CPUs."
+            f"{spell('backend', 'nccl')} needs CUDA GPUs and a PyTorch build with NCCL, but "
+            f"here torch sees {'a GPU' if has_cuda else 'no GPU'} and NCCL is "
+            f"{'available' if dist.is_nccl_available() else 'not built in'}. Fix: "
+            f"{spell('backend', 'gloo')} (or leave it unset) to train on CPUs.",
+            field="backend",
         )
     if name == "mpi" and not dist.is_mpi_available():
         raise ConfigError(

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from scaletrain.env.base import ClusterEnv
 from scaletrain.errors import ConfigError
 
-__all__ = ["DEFAULT_TIMEOUT_S", "destroy", "init_process_group", "is_initialized"]
+__all__ = ["DEFAULT_TIMEOUT_S", "claim_first", "destroy", "init_process_group", "is_initialized"]
 
 DEFAULT_TIMEOUT_S = 1800.0
 
@@ -86,6 +86,26 @@ def init_process_group(
         timeout=_dt.timedelta(seconds=timeout_s),
         **kwargs,  # type: ignore[arg-type]
     )
+
+
+def claim_first(key: str) -> bool:
+    """True on the first rank of the job to claim `key`, False on the others.
+
+    One compare-and-set in the job's key-value store, no collective (the caller may be
+    failing while its peers are inside one). Used to print a failure once: the first
+    rank that failed reports it, the ranks that failed because of it stay quiet.
+    Without a process group every caller is first; where the store is gone (its host,
+    rank 0's process, already ended) rank 0 is.
+    """
+    if not is_initialized():
+        return True
+    rank = dist.get_rank()
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        got = store.compare_set(f"scaletrain/first/{key}", "", str(rank))
+        return bytes(got).decode() == str(rank)
+    except Exception:
+        return rank == 0
 
 
 def destroy() -> None:

@@ -1,103 +1,168 @@
-"""Configuration of a `scaletrain train` run."""
+"""The configuration of a `scaletrain train` run: declared once, here.
+
+Each field is one setting with its docstring; `scaletrain train` generates one flag
+per field from this class (scaletrain.settings) and reads the same names from a
+`--config FILE`, and a run writes its resolved values (every default filled in) to
+`RUN/config.json`, which `--config` reads back. This module imports no torch, so
+`scaletrain --help` answers at once.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Literal
 
-from scaletrain.errors import ConfigError
+from scaletrain.errors import ConfigError, spell
 
-__all__ = ["TrainConfig"]
+__all__ = ["SCHEDULES", "SINGLE_PROCESS_STRATEGIES", "TrainConfig"]
+
+SCHEDULES = ("cosine", "linear", "constant")
+"""Learning-rate shapes after the warm-up (see scaletrain.train.schedule)."""
+
+SINGLE_PROCESS_STRATEGIES = ("dp", "model-parallel", "single")
+"""Strategies that run in ONE process (driving every local device from it)."""
+
+Recipe = Literal["convnet", "split-net", "wrn", "gpt"]
+StrategyName = Literal["ddp", "fsdp", "tensor", "pipeline", "dp", "model-parallel", "single"]
+Schedule = Literal["cosine", "linear", "constant"]
 
 
 @dataclass(kw_only=True, slots=True)
 class TrainConfig:
-    """Everything `scaletrain train` needs; each CLI flag maps to one field."""
+    """Everything `scaletrain train` needs; every field is one flag and one config-file key."""
 
-    recipe: str | None = None
-    """Model + data recipe (scaletrain.train.recipes); None: convnet (gpt for "tensor")."""
+    recipe: Recipe | None = None
+    """Model, data and optimizer settings to train; None: convnet (gpt for tensor parallel)."""
+    strategy: StrategyName = "ddp"
+    """How the model is spread over the processes."""
+    mesh: str | None = None
+    """Device mesh such as dp=2,tp=2 (FSDP x tensor) or dp=2,pp=2 (DDP x pipeline)."""
     nproc: int | None = None
-    """Processes on this node; None: one per GPU, else 2 on CPU."""
+    """Processes on this node; None: one per GPU, else 2 on CPU (1 for dp, model-parallel, single)."""
+    backend: Literal["nccl", "gloo"] | None = None
+    """Communication backend; None: nccl on GPUs, gloo on CPUs."""
+    precision: Literal["32", "bf16-mixed", "fp16-mixed", "bf16-true"] = "32"
+    """Numeric precision: fp16-mixed needs a GPU; bf16-mixed works everywhere."""
+    sync_bn: bool | None = None
+    """SyncBatchNorm across data-parallel ranks; None: the recipe's choice."""
     epochs: int | None = None
-    """Passes over the training set; None: the recipe's default."""
+    """Passes over the training set; None: the recipe's."""
     max_steps: int | None = None
-    """Stop after this many optimiser steps (for smoke tests); None: run all epochs."""
+    """Stop after this many optimizer steps in all; None: run every epoch."""
     batch_size: int | None = None
-    """Samples per replica per step (global batch = batch_size x data-parallel size);
-    None: the recipe's default."""
+    """Samples per data-parallel replica per step; None: the recipe's."""
     lr: float | None = None
     """Peak learning rate; None: the recipe's, scaled linearly with the global batch."""
-    strategy: str = "ddp"
-    """Parallelism strategy name."""
-    mesh: str | None = None
-    """Device mesh such as "dp=2,tp=2": composes the strategy with tensor/pipeline."""
-    sync_bn: bool | None = None
-    """Convert BatchNorm to SyncBatchNorm; None: the recipe's default."""
-    backend: str | None = None
-    """"nccl", "gloo" or None (NCCL on GPUs, Gloo on CPUs)."""
-    data_dir: str | None = None
-    """Directory with the dataset files; None: search the usual places."""
-    out: str | None = None
-    """Run directory for metrics.jsonl and model.pt; None: runs/<recipe>-<time>."""
-    seed: int = 0
-    """Seed for weights, shuffling and augmentation: same seed, same run."""
-    eval_batch_size: int | None = None
-    """Samples per rank per evaluation step; None: the recipe's default."""
-    log_every: int = 20
-    """Steps between metric records (and plain-text progress lines)."""
-    num_workers: int = 0
-    """DataLoader worker processes per rank (0: load in the training process)."""
-    precision: str = "32"
-    """"32", "bf16-mixed", "fp16-mixed" (CUDA) or "bf16-true"."""
+    schedule: Schedule = "cosine"
+    """Learning rate after the warm-up: cosine or linear decay to 0 at the last step, or constant."""
+    warmup: int | None = None
+    """Steps of linear learning-rate warm-up from 0; None: the recipe's."""
     accumulate: int = 1
     """Micro-batches per optimizer step (gradient accumulation)."""
     clip_grad: float | None = None
     """Clip gradients to this whole-model norm; None: no clipping."""
+    seed: int = 0
+    """Seed for weights, shuffling and augmentation: same seed, same run."""
+    data_dir: str | None = None
+    """Directory holding the dataset files; None: search the usual places."""
+    num_workers: int = 0
+    """DataLoader worker processes per rank (0: load in the training process)."""
+    eval_batch_size: int | None = None
+    """Samples per rank per evaluation batch; None: the recipe's."""
+    eval_batches: int | None = None
+    """Evaluation batches per rank after each epoch; 0: skip evaluation; None: the whole test set."""
+    out: str | None = None
+    """Run directory (metrics, checkpoints, model); None: runs/<recipe>-<time>."""
+    log_every: int = 20
+    """Steps between metric records and progress lines."""
     save_every: int | None = None
-    """Save a checkpoint every this many optimizer steps (and at the end); None: at the end."""
+    """Save a checkpoint every N steps into OUT/checkpoints (and at the end); None: only when stopped."""
     keep: int = 3
-    """Checkpoints kept in <out>/checkpoints (older ones are pruned)."""
+    """Checkpoints kept in OUT/checkpoints; older ones are pruned."""
     async_save: bool = False
-    """Write sharded checkpoints in the background while training continues."""
+    """Write checkpoints in the background while training goes on."""
     stop_after: int | None = None
-    """Stop this run after this many optimizer steps (saving); a later start resumes."""
+    """Save and stop after N steps of this run; starting again resumes."""
     max_restarts: int = 0
-    """Restart all workers this many times after a failure; they resume from a checkpoint."""
+    """Restart the workers up to N times after a failure; they resume from the last checkpoint."""
     hang_timeout: float = 300.0
-    """Seconds without progress on some rank before the job fails with a diagnosis; 0: off."""
+    """Seconds a rank may make no progress before the job ends with a diagnosis; 0: off."""
 
     def __post_init__(self) -> None:
-        positive = {
-            "epochs": self.epochs,
-            "batch_size": self.batch_size,
-            "eval_batch_size": self.eval_batch_size,
-            "log_every": self.log_every,
+        def bad(field: str, expected: str, fix: str) -> ConfigError:
+            value = getattr(self, field)
+            return ConfigError(
+                f"{spell(field, value)}: expected {expected}. Fix: {fix}.", field=field
+            )
+
+        at_least_one = {
+            "epochs": "passes over the data",
+            "max_steps": "optimizer steps",
+            "batch_size": "samples per replica per step",
+            "eval_batch_size": "samples per rank per evaluation batch",
+            "log_every": "steps between records",
+            "save_every": "steps between checkpoints",
+            "stop_after": "steps",
+            "keep": "checkpoints to keep",
+            "accumulate": "micro-batches per step (1: no accumulation)",
         }
-        for field, value in positive.items():
+        for field, what in at_least_one.items():
+            value = getattr(self, field)
             if value is not None and value < 1:
-                raise ConfigError(f"{field}={value!r} must be a positive integer (>= 1).")
+                raise bad(field, f"a whole number >= 1 ({what})", f"pass e.g. {spell(field, 1)}")
         if self.nproc is not None and self.nproc < 1:
-            raise ConfigError(f"nproc={self.nproc!r} must be >= 1 (processes on this node).")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise ConfigError(f"max_steps={self.max_steps!r} must be >= 1, or unset.")
-        if self.lr is not None and not self.lr > 0:
-            raise ConfigError(f"lr={self.lr!r} must be a positive number, e.g. 0.05.")
+            raise bad(
+                "nproc",
+                "a number of processes >= 1",
+                f"pass e.g. {spell('nproc', 2)}, or leave it out for one per GPU (2 on CPU)",
+            )
+        for field in ("eval_batches", "warmup"):
+            value = getattr(self, field)
+            if value is not None and value < 0:
+                raise bad(field, "a whole number >= 0", f"pass e.g. {spell(field, 0)}")
         if self.num_workers < 0:
-            raise ConfigError(f"num_workers={self.num_workers!r} must be >= 0.")
-        if self.accumulate < 1:
-            raise ConfigError(f"accumulate={self.accumulate!r} must be >= 1 (1: no accumulation).")
-        if self.clip_grad is not None and not self.clip_grad > 0:
-            raise ConfigError(f"clip_grad={self.clip_grad!r} must be a positive norm, e.g. 1.0.")
-        for name in ("save_every", "stop_after"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ConfigError(f"{name}={value!r} must be >= 1 steps, or unset.")
-        if self.keep < 1:
-            raise ConfigError(f"keep={self.keep!r} must be >= 1 checkpoints.")
+            raise bad(
+                "num_workers",
+                "a number of loader processes >= 0",
+                f"pass {spell('num_workers', 0)}",
+            )
         if self.max_restarts < 0:
-            raise ConfigError(f"max_restarts={self.max_restarts!r} must be >= 0.")
+            raise bad(
+                "max_restarts", "a number of restarts >= 0", f"pass {spell('max_restarts', 0)}"
+            )
+        if self.lr is not None and not self.lr > 0:
+            raise bad("lr", "a positive learning rate", f"pass e.g. {spell('lr', 0.05)}")
+        if self.clip_grad is not None and not self.clip_grad > 0:
+            raise bad(
+                "clip_grad", "a positive gradient norm", f"pass e.g. {spell('clip_grad', 1.0)}"
+            )
         if self.hang_timeout < 0:
-            raise ConfigError(f"hang_timeout={self.hang_timeout!r} must be >= 0 s (0: off).")
+            raise bad(
+                "hang_timeout",
+                "seconds >= 0 (0 turns the watchdog off)",
+                f"pass e.g. {spell('hang_timeout', 600)}",
+            )
+        if self.data_dir is not None and not self.data_dir.strip():
+            raise bad(
+                "data_dir",
+                "a directory holding the dataset",
+                "pass the directory, or leave the setting out to search the usual places",
+            )
+        if self.out is not None and not self.out.strip():
+            raise bad(
+                "out",
+                "a run directory",
+                "pass a directory, or leave it out for runs/<recipe>-<time>",
+            )
+        if self.strategy in SINGLE_PROCESS_STRATEGIES and self.nproc is not None and self.nproc > 1:
+            raise ConfigError(
+                f"{spell('strategy', self.strategy)} runs in ONE process (it drives every local "
+                f"device from there), but {spell('nproc', self.nproc)} asks for {self.nproc}. "
+                f"Fix: {spell('nproc', 1)} (or leave it out), or {spell('strategy', 'ddp')} for "
+                "one process per device.",
+                field="nproc",
+            )
 
     def resolved_recipe(self) -> str:
         """The recipe to run: the one asked for, else the default for the strategy."""
@@ -105,6 +170,18 @@ class TrainConfig:
             return self.recipe
         # Tensor parallel shards Linear pairs; the default ConvNet has none, the GPT does.
         return "gpt" if self.strategy == "tensor" or "tp=" in (self.mesh or "") else "convnet"
+
+    def default_nproc(self, gpus: int) -> int:
+        """Processes on this node when --nproc is not given."""
+        if self.nproc is not None:
+            return self.nproc
+        if self.strategy in SINGLE_PROCESS_STRATEGIES:
+            return 1
+        return gpus or 2
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        """A copy with `changes` applied (and validated again)."""
+        return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

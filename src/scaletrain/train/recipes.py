@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from scaletrain.errors import ConfigError
+from scaletrain.errors import ConfigError, DatasetError, spell
 from scaletrain.train.models import GPT, ConvNet, GPTConfig, SplitNet, WideResNet
 
 __all__ = ["RECIPES", "Recipe", "get_recipe"]
@@ -21,10 +21,10 @@ def _fashion_mnist(data_dir: str | None, split: str) -> Any:
     return load_dataset("fashion-mnist", data_dir, split=split)
 
 
-def _fashion_mnist_check(data_dir: str | None) -> None:
+def _fashion_mnist_locate(data_dir: str | None) -> str:
     from scaletrain.data import find_dataset_dir
 
-    find_dataset_dir("fashion-mnist", data_dir)
+    return str(find_dataset_dir("fashion-mnist", data_dir))
 
 
 def _teacher(data_dir: str | None, split: str) -> Any:
@@ -39,8 +39,20 @@ def _python_text(data_dir: str | None, split: str) -> Any:
     return load_python_corpus(split, block_size=_GPT.block_size, root=data_dir)
 
 
-def _no_check(data_dir: str | None) -> None:
-    return None
+def _python_text_locate(data_dir: str | None) -> str:
+    from scaletrain.data.text import python_corpus_root
+
+    return str(python_corpus_root(data_dir))
+
+
+def _generated(data_dir: str | None) -> str:
+    if data_dir is not None:
+        raise DatasetError(
+            f"{spell('data_dir', data_dir)}: the split-net recipe generates its data (a fixed "
+            f"random teacher network), so it reads no files. Fix: leave out "
+            f"{spell('data_dir')}, or pick a recipe that reads files (convnet, wrn, gpt)."
+        )
+    return "generated in memory"
 
 
 _GPT = GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128)
@@ -58,8 +70,9 @@ class Recipe:
     """Builds the model (on CPU; the strategy places it)."""
     data: Callable[[str | None, str], Any]
     """(data_dir, split) -> Dataset of (input, target) pairs."""
-    check_data: Callable[[str | None], None] = _no_check
-    """Raises DatasetError before any process starts if the files are missing."""
+    locate_data: Callable[[str | None], str] = _generated
+    """(data_dir) -> where the data comes from (a directory, for the run header and
+    config.json); raises DatasetError before any process starts if it is not there."""
     lr: float
     """Peak learning rate at `reference_batch`; scaled linearly with the global batch."""
     optimizer_name: str = "sgd"
@@ -72,6 +85,9 @@ class Recipe:
     """Global batch size at which `lr` was tuned."""
     epochs: int = 2
     """Default passes over the data."""
+    warmup: int = 100
+    """Steps of linear learning-rate warm-up (a count, not a fraction: short runs too
+    start gently)."""
     batch_size: int = 100
     """Default samples per rank per step."""
     eval_batch_size: int = 1000
@@ -107,7 +123,7 @@ RECIPES: dict[str, Recipe] = {
             dataset="fashion-mnist",
             build=ConvNet,
             data=_fashion_mnist,
-            check_data=_fashion_mnist_check,
+            locate_data=_fashion_mnist_locate,
             lr=0.1,
         ),
         Recipe(
@@ -117,6 +133,7 @@ RECIPES: dict[str, Recipe] = {
             data=_teacher,
             lr=0.2,
             epochs=3,
+            warmup=30,
             weight_decay=0.0,
         ),
         Recipe(
@@ -124,7 +141,7 @@ RECIPES: dict[str, Recipe] = {
             dataset="fashion-mnist",
             build=lambda: WideResNet(depth=10, width=1),
             data=_fashion_mnist,
-            check_data=_fashion_mnist_check,
+            locate_data=_fashion_mnist_locate,
             lr=0.1,
             epochs=1,
             sync_bn=True,
@@ -135,6 +152,7 @@ RECIPES: dict[str, Recipe] = {
             dataset="python sources (byte-level)",
             build=lambda: GPT(_GPT),
             data=_python_text,
+            locate_data=_python_text_locate,
             lr=1e-3,
             optimizer_name="adamw",
             weight_decay=0.01,
@@ -151,6 +169,7 @@ RECIPES: dict[str, Recipe] = {
 def get_recipe(name: str) -> Recipe:
     if name not in RECIPES:
         raise ConfigError(
-            f"recipe={name!r} is not known; expected one of {', '.join(sorted(RECIPES))}."
+            f"{spell('recipe', name)} is not known; expected one of {', '.join(sorted(RECIPES))}.",
+            field="recipe",
         )
     return RECIPES[name]

@@ -1,0 +1,187 @@
+"""What a training loop tells the things that watch it: run, step, evaluation, save, stop.
+
+The loop (scaletrain.train) stays small and emits these events; everything around
+it is an `Observer`: the progress bar, the metrics log, the hang watchdog's
+heartbeat, the step ledger and the profiler. An observer overrides the methods it
+cares about; the others do nothing. Events are plain data: an observer needs no
+Runtime, strategy or model to read them.
+
+Observers run on the training thread between steps, so they must be cheap: a
+step's loss is a tensor on the device (reading it syncs a GPU), and `on_log`
+carries the numbers already read once per logging window.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["EvalEvent", "Observer", "Observers", "RunInfo", "StepEvent"]
+
+
+@dataclass(frozen=True, slots=True)
+class RunInfo:
+    """The run about to train (sent once, before the first step)."""
+
+    out: Path
+    """The run directory."""
+    rank: int
+    world_size: int
+    start_step: int
+    """Steps already done (a resumed run starts past 0)."""
+    total_steps: int
+    steps_per_epoch: int
+    epochs: int
+    global_batch: int
+    """Samples per optimizer step over all data-parallel replicas."""
+    header: Sequence[str] = ()
+    """Lines that describe the run to a person (recipe, data, strategy, batch, lr)."""
+    config: Mapping[str, Any] = field(default_factory=dict)
+    """The resolved configuration (what config.json holds)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepEvent:
+    """One optimizer step, just finished on this rank."""
+
+    step: int
+    """Optimizer steps done, this one included (1 after the first step)."""
+    epoch: int
+    """0-based epoch this step belongs to."""
+    step_in_epoch: int
+    """Steps done in this epoch, this one included."""
+    steps_in_epoch: int
+    lr: float
+    """Learning rate this step used."""
+    loss: Any
+    """Mean loss over the step's micro-batches: a detached tensor on the device (reading
+    it with .item() synchronises a GPU; do it rarely)."""
+    samples: int
+    """Samples in this step over all data-parallel replicas."""
+    start: float
+    """time.perf_counter() when the step began (before its first batch was fetched)."""
+    end: float
+    """time.perf_counter() when the optimizer step returned."""
+    data_s: float
+    """Seconds of [start, end] spent waiting for the loader."""
+
+
+@dataclass(frozen=True, slots=True)
+class EvalEvent:
+    """An evaluation over the test set (or --eval-batches of it), reduced over ranks."""
+
+    step: int
+    epoch: int
+    loss: float
+    accuracy: float
+    count: int
+    """Samples (or tokens) counted, each once over all ranks."""
+    unit: str = "samples"
+    metric: str = "val_acc"
+
+
+class Observer:
+    """Base class: override the events you need. Every method runs on every rank that
+    has the observer (the trainer gives rank-0-only observers to rank 0 alone)."""
+
+    def on_run_start(self, info: RunInfo) -> None:
+        return None
+
+    def on_epoch_start(self, epoch: int, epochs: int, steps_in_epoch: int, done: int) -> None:
+        return None
+
+    def on_step_end(self, event: StepEvent) -> None:
+        return None
+
+    def on_log(self, record: Mapping[str, Any]) -> None:
+        """Every --log-every steps (and at an epoch's end): the window's mean loss,
+        learning rate and samples/s, as numbers."""
+        return None
+
+    def on_epoch_end(self, epoch: int) -> None:
+        return None
+
+    def on_eval_batch(self, step: int) -> None:
+        """After each evaluation batch (evaluation is progress, too)."""
+        return None
+
+    def on_eval(self, event: EvalEvent) -> None:
+        return None
+
+    def on_save(self, step: int, path: Path) -> None:
+        return None
+
+    def on_stop(self, step: int, total_steps: int, reason: str, path: Path | None) -> None:
+        """The run stopped early (signal, --stop-after) after saving `path`."""
+        return None
+
+    def on_run_end(self, summary: Mapping[str, Any]) -> None:
+        """The run finished; `summary` is the last metrics record."""
+        return None
+
+    def close(self) -> None:
+        """Always called last, also when the run failed: release files and threads."""
+        return None
+
+
+class Observers(Observer):
+    """Several observers as one: each event goes to each, in order."""
+
+    def __init__(self, observers: Iterable[Observer] = ()) -> None:
+        self.members: list[Observer] = list(observers)
+
+    def add(self, observer: Observer) -> None:
+        self.members.append(observer)
+
+    def on_run_start(self, info: RunInfo) -> None:
+        for o in self.members:
+            o.on_run_start(info)
+
+    def on_epoch_start(self, epoch: int, epochs: int, steps_in_epoch: int, done: int) -> None:
+        for o in self.members:
+            o.on_epoch_start(epoch, epochs, steps_in_epoch, done)
+
+    def on_step_end(self, event: StepEvent) -> None:
+        for o in self.members:
+            o.on_step_end(event)
+
+    def on_log(self, record: Mapping[str, Any]) -> None:
+        for o in self.members:
+            o.on_log(record)
+
+    def on_epoch_end(self, epoch: int) -> None:
+        for o in self.members:
+            o.on_epoch_end(epoch)
+
+    def on_eval_batch(self, step: int) -> None:
+        for o in self.members:
+            o.on_eval_batch(step)
+
+    def on_eval(self, event: EvalEvent) -> None:
+        for o in self.members:
+            o.on_eval(event)
+
+    def on_save(self, step: int, path: Path) -> None:
+        for o in self.members:
+            o.on_save(step, path)
+
+    def on_stop(self, step: int, total_steps: int, reason: str, path: Path | None) -> None:
+        for o in self.members:
+            o.on_stop(step, total_steps, reason, path)
+
+    def on_run_end(self, summary: Mapping[str, Any]) -> None:
+        for o in self.members:
+            o.on_run_end(summary)
+
+    def close(self) -> None:
+        # Every observer gets closed even if one fails; the first failure is raised.
+        error: BaseException | None = None
+        for o in self.members:
+            try:
+                o.close()
+            except Exception as exc:
+                error = error or exc
+        if error is not None:
+            raise error

@@ -1,0 +1,236 @@
+"""One declaration per setting: a config dataclass becomes CLI flags and a config file format.
+
+A config is a `@dataclass(kw_only=True, slots=True)` whose fields each carry a
+one-line docstring (the string literal right after the field, as in PEP 257's
+attribute docstrings). From that single declaration:
+
+- `add_flags(parser, Config)` adds one `--field-name` flag per field, its help the
+  docstring, its type and choices the annotation (`int`, `float`, `str`, `bool`,
+  `Literal[...]`, optionally `| None`), its default shown from the dataclass;
+- `read_config_file(path, Config)` reads a YAML (or JSON: YAML is a superset) file
+  holding the same field names and checks every value's type;
+- `typed_flags(namespace)` returns only the flags the user actually typed, so flags
+  override a config file and everything else keeps the dataclass default.
+
+torchtitan builds its CLI from its config dataclasses with tyro; this is the small
+subset a flat config needs, with no dependency and no import of torch (so `--help`
+answers at once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import functools
+import inspect
+import itertools
+import textwrap
+import types
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+from scaletrain.errors import ConfigError
+
+__all__ = [
+    "RESERVED_FILE_KEYS",
+    "FieldSpec",
+    "add_flags",
+    "field_docs",
+    "field_specs",
+    "read_config_file",
+    "typed_flags",
+]
+
+RESERVED_FILE_KEYS = ("run",)
+"""Keys a config file may hold besides the fields: `run` (facts a finished run wrote
+beside its settings in config.json: world size, versions...), read by no one."""
+
+_SUPPRESS: Any = argparse.SUPPRESS
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FieldSpec:
+    """What a field's annotation and docstring say about it."""
+
+    name: str
+    base: type
+    """int, float, str or bool (the Literal's value type for Literal fields)."""
+    optional: bool
+    """The annotation allows None."""
+    choices: tuple[Any, ...] | None
+    """The Literal's values, else None."""
+    default: Any
+    doc: str
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """Field name -> the docstring written under it in the class body."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = next(n for n in tree.body if isinstance(n, ast.ClassDef)).body
+    docs: dict[str, str] = {}
+    for node, after in itertools.pairwise(body):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+def _unpack(annotation: Any) -> tuple[type, bool, tuple[Any, ...] | None]:
+    args = get_args(annotation)
+    optional = False
+    if get_origin(annotation) in (typing.Union, types.UnionType):
+        members = [a for a in args if a is not type(None)]
+        optional = len(members) < len(args)
+        if len(members) != 1:
+            raise TypeError(f"unsupported config annotation {annotation!r}")
+        annotation = members[0]
+    if get_origin(annotation) is Literal:
+        choices = get_args(annotation)
+        return type(choices[0]), optional, tuple(choices)
+    if annotation in (int, float, str, bool):
+        return annotation, optional, None
+    raise TypeError(f"unsupported config annotation {annotation!r}")
+
+
+@functools.cache
+def field_specs(cls: type) -> tuple[FieldSpec, ...]:
+    """Every field of the config dataclass `cls`, in declaration order."""
+    hints = typing.get_type_hints(cls, include_extras=False)
+    docs = field_docs(cls)
+    specs = []
+    for f in dataclasses.fields(cls):
+        base, optional, choices = _unpack(hints[f.name])
+        if f.name not in docs:
+            raise TypeError(f"{cls.__name__}.{f.name} has no docstring")
+        default = f.default if f.default is not dataclasses.MISSING else None
+        specs.append(FieldSpec(f.name, base, optional, choices, default, docs[f.name]))
+    return tuple(specs)
+
+
+def _help(spec: FieldSpec) -> str:
+    text = spec.doc
+    if spec.default is not None and spec.base is not bool and "default" not in text.lower():
+        text += f" (default: {spec.default})"
+    # argparse formats help with %-style: a literal % must be doubled.
+    return text.replace("%", "%%")
+
+
+def add_flags(
+    parser: argparse.ArgumentParser | Any, cls: type, *, metavars: Mapping[str, str] = {}
+) -> None:
+    """One flag per field of `cls` (a parser or an argument group). Defaults are not
+    stored in the namespace: `typed_flags` tells what the user typed."""
+    for spec in field_specs(cls):
+        kwargs: dict[str, Any] = {"dest": spec.name, "default": _SUPPRESS, "help": _help(spec)}
+        if spec.base is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["type"] = spec.base
+            kwargs["metavar"] = (metavars or {}).get(spec.name, spec.name.upper())
+            if spec.choices is not None:
+                kwargs["choices"] = spec.choices
+                kwargs["metavar"] = "{" + ",".join(map(str, spec.choices)) + "}"
+        parser.add_argument(spec.flag, **kwargs)
+
+
+def typed_flags(ns: argparse.Namespace, cls: type) -> dict[str, Any]:
+    """The fields of `cls` whose flags were given on the command line."""
+    return {s.name: getattr(ns, s.name) for s in field_specs(cls) if hasattr(ns, s.name)}
+
+
+def _coerce(spec: FieldSpec, value: Any, where: str) -> Any:
+    if value is None:
+        if spec.optional:
+            return None
+        raise ConfigError(
+            f"{where}: {spec.name} is null, but it needs a value ({spec.doc}). Fix: give it "
+            f"a value or remove the line to use the default ({spec.default!r}).",
+            field=spec.name,
+        )
+    expected = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+    ok = False
+    if spec.base is bool:
+        ok = isinstance(value, bool)
+    elif spec.base is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif spec.base is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    else:
+        # YAML reads `precision: 32` as a number: a string field takes its text.
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = str(value)
+        ok = isinstance(value, str)
+    if not ok:
+        raise ConfigError(
+            f"{where}: {spec.name}: {value!r} is not {expected[spec.base]} ({spec.doc}).",
+            field=spec.name,
+        )
+    if spec.choices is not None and value not in spec.choices:
+        raise ConfigError(
+            f"{where}: {spec.name}: {value!r} is not one of {', '.join(map(repr, spec.choices))}.",
+            field=spec.name,
+        )
+    return value
+
+
+def read_config_file(path: str | Path, cls: type) -> dict[str, Any]:
+    """The fields set in the YAML/JSON file `path`, checked against `cls`'s fields."""
+    import yaml
+
+    file = Path(path)
+    try:
+        text = file.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot read the config file {file}: {exc.strerror or exc}. Expected a YAML or "
+            "JSON file of settings (e.g. the config.json a run wrote)."
+        ) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {file} is not valid YAML/JSON: {exc}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"config file {file} holds a {type(data).__name__}; expected a mapping of "
+            "setting: value, e.g. `recipe: gpt` and `max_steps: 100` on separate lines."
+        )
+    specs = {s.name: s for s in field_specs(cls)}
+    values: dict[str, Any] = {}
+    unknown = []
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        if name in RESERVED_FILE_KEYS:
+            continue
+        if name not in specs:
+            unknown.append(str(key))
+            continue
+        values[name] = _coerce(specs[name], value, str(file))
+    if unknown:
+        import difflib
+
+        hints = []
+        for key in unknown:
+            close = difflib.get_close_matches(key.replace("-", "_"), list(specs), n=1)
+            hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        raise ConfigError(
+            f"config file {file} sets {', '.join(hints)}, which "
+            f"{'is not a setting' if len(unknown) == 1 else 'are not settings'}. Known "
+            f"settings: {', '.join(specs)}."
+        )
+    return values

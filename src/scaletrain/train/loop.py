@@ -1,0 +1,190 @@
+"""The training loop's two plain functions: one optimizer step, and an exact evaluation.
+
+They use only the public API (rt.accumulate, rt.forward_backward, rt.step,
+rt.predict, rt.reduce), so a user's own loop can call them as they are.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from scaletrain.errors import ConfigError
+from scaletrain.runtime import Runtime
+
+__all__ = [
+    "EvalResult",
+    "TimedBatches",
+    "evaluate",
+    "seed_everything",
+    "sync_buffers",
+    "train_step",
+]
+
+
+def seed_everything(seed: int) -> None:
+    """Same seed on every rank: identical initial weights without a broadcast."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+class TimedBatches:
+    """An iterator over a loader that adds up the time spent waiting for its batches."""
+
+    def __init__(self, loader: Any) -> None:
+        self._it: Iterator[Any] = iter(loader)
+        self.wait_s = 0.0
+
+    def __iter__(self) -> TimedBatches:
+        return self
+
+    def __next__(self) -> Any:
+        start = time.perf_counter()
+        try:
+            return next(self._it)
+        finally:
+            self.wait_s += time.perf_counter() - start
+
+
+def train_step(
+    rt: Runtime,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: Iterator[tuple[Any, torch.Tensor]],
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+    *,
+    accumulate: int = 1,
+    clip_grad: float | None = None,
+) -> torch.Tensor:
+    """One optimizer step over the next `accumulate` (inputs, targets) micro-batches.
+
+    The gradient all-reduce runs once, on the last micro-batch; gradients are clipped
+    to the whole model's norm `clip_grad` (if given), the optimizer steps and the
+    gradients are cleared. Returns the mean loss of the micro-batches, detached, on
+    the device (no GPU synchronisation).
+    """
+    total: torch.Tensor | None = None
+    for index in range(accumulate):
+        try:
+            x, y = next(batches)
+        except StopIteration:
+            raise ConfigError(
+                f"train_step needs {accumulate} micro-batch(es) for one optimizer step, but the "
+                f"loader ran out after {index}. Give it an iterator with at least that many "
+                "batches left (drop the partial accumulation window at an epoch's end)."
+            ) from None
+        x = x.to(rt.device, non_blocking=True)
+        with rt.accumulate(model, steps=accumulate):
+            loss = rt.forward_backward(model, x, y, loss_fn)
+        total = loss if total is None else total + loss.to(total.device)
+    assert total is not None
+    if clip_grad is not None:
+        rt.clip_grad_norm(model, optimizer, clip_grad)
+    rt.step(optimizer)
+    optimizer.zero_grad(set_to_none=True)
+    return total / accumulate if accumulate > 1 else total
+
+
+@dataclass(frozen=True, slots=True)
+class EvalResult:
+    loss: float
+    accuracy: float
+    count: int
+
+
+@torch.no_grad()
+def evaluate(
+    rt: Runtime,
+    model: nn.Module,
+    loader: Any,
+    *,
+    on_batch: Callable[[], None] | None = None,
+    max_batches: int | None = None,
+) -> EvalResult:
+    """Loss and accuracy over a loader built with pad=False: each sample counted once.
+
+    Shards differ by at most one sample, so a rank may have one batch fewer than
+    its peers. Strategies whose forward runs collectives (FSDP, tensor, pipeline)
+    need every rank to take part in every forward: a rank that ran out repeats its
+    last batch and discards the result, so the counts stay exact. `on_batch` runs
+    after every batch (the hang watchdog's heartbeat: a long evaluation is progress).
+    `max_batches` evaluates only the first that many batches of every rank.
+    """
+    remaining = getattr(loader, "remaining", None)
+    if callable(remaining) and remaining() < len(loader):
+        # An earlier pass stopped early (max_batches): start this one from the top.
+        loader.set_epoch(loader.epoch + 1)
+    net = rt.unwrap(model)
+    was_training = net.training
+    net.eval()
+    loss_sum = torch.zeros((), dtype=torch.float64, device=rt.device)
+    correct = torch.zeros((), dtype=torch.int64, device=rt.device)
+    count = 0
+    batches = len(loader)
+    if max_batches is not None:
+        batches = min(batches, max_batches)
+    most = int(rt.reduce({"batches": batches}, op="max")["batches"])
+    last: tuple[Any, torch.Tensor] | None = None
+    for index, (x, y) in enumerate(loader):
+        if index == batches:
+            break
+        last = (x, y)
+        x = x.to(rt.device, non_blocking=True)
+        outputs = rt.predict(model, x)
+        y = y.to(outputs.device, non_blocking=True)
+        logits = outputs.reshape(-1, outputs.shape[-1])
+        targets = y.reshape(-1)
+        loss_sum += (
+            nn.functional.cross_entropy(logits, targets, reduction="sum")
+            .double()
+            .to(loss_sum.device)
+        )
+        correct += (logits.argmax(dim=1) == targets).sum().to(correct.device)
+        count += targets.numel()
+        if on_batch is not None:
+            on_batch()
+    for _ in range(most - batches):
+        if last is not None:
+            rt.predict(model, last[0].to(rt.device))
+    net.train(was_training)
+    totals = rt.reduce({"loss_sum": loss_sum, "correct": correct, "count": count}, op="sum")
+    # Tensor/pipeline peers of one replica computed the same numbers on the same
+    # shard: the sum over all ranks counts each replica's results that many times.
+    copies = rt.world_size // rt.dp_size
+    n = int(totals["count"]) // copies
+    totals["loss_sum"] = totals["loss_sum"] / copies
+    totals["correct"] = totals["correct"] // copies
+    if n == 0:
+        return EvalResult(loss=float("nan"), accuracy=float("nan"), count=0)
+    return EvalResult(
+        loss=float(totals["loss_sum"]) / n, accuracy=float(totals["correct"]) / n, count=n
+    )
+
+
+@torch.no_grad()
+def sync_buffers(rt: Runtime, model: nn.Module) -> None:
+    """Average floating buffers (BatchNorm running stats) over ranks.
+
+    DDP broadcasts rank 0's buffers *before* each forward, so after the last
+    step every rank holds stats updated by its own last batch. Averaging makes
+    evaluation and the saved model the same on every rank.
+    """
+    if rt.world_size == 1 or rt.dp_size != rt.world_size:
+        # With tensor/pipeline peers the buffers are not replicas of each other
+        # (pipeline stages hold different layers); only pure data parallel averages.
+        return
+    net = rt.unwrap(model)
+    floats = {n: b for n, b in net.named_buffers() if b.is_floating_point()}
+    if not floats:
+        return
+    reduced = rt.reduce(floats, op="mean")
+    for name, buf in floats.items():
+        buf.copy_(reduced[name])

@@ -1,0 +1,151 @@
+"""The observers `scaletrain train` runs: progress on the terminal, metrics.jsonl, heartbeats."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import IO, Any
+
+from scaletrain.observe.events import EvalEvent, Observer, RunInfo
+from scaletrain.train.progress import StepProgress
+
+__all__ = ["MetricsLog", "ProgressPrinter", "WatchdogBeats"]
+
+
+def _plural(n: int, one: str, many: str | None = None) -> str:
+    return f"{n} {one if n == 1 else (many or one + 's')}"
+
+
+class ProgressPrinter(Observer):
+    """Rank 0's terminal: the run header, a live bar per epoch (plain lines in a log
+    file), each evaluation, and the last line."""
+
+    def __init__(self, progress: StepProgress | None = None) -> None:
+        self.progress = progress or StepProgress(enabled=True)
+        self._epochs = 1
+        self._label = ""
+
+    def print(self, message: str) -> None:
+        self.progress.print(message)
+
+    def on_run_start(self, info: RunInfo) -> None:
+        for line in info.header:
+            self.progress.print(line)
+
+    def on_epoch_start(self, epoch: int, epochs: int, steps_in_epoch: int, done: int) -> None:
+        self._epochs = epochs
+        self.progress.start_epoch(f"epoch {epoch + 1}/{epochs}", steps_in_epoch, done)
+
+    def on_log(self, record: Mapping[str, Any]) -> None:
+        self.progress.update(
+            int(record["step_in_epoch"]),
+            int(record["steps_in_epoch"]),
+            float(record["loss"]),
+            float(record["samples_per_s"]),
+        )
+
+    def on_epoch_end(self, epoch: int) -> None:
+        self.progress.end_epoch()
+
+    def on_eval(self, event: EvalEvent) -> None:
+        self.progress.print(
+            f"epoch {event.epoch + 1}/{self._epochs}: val_loss {event.loss:.4f}  "
+            f"{event.metric} {event.accuracy:.4f}  ({event.count:,} {event.unit}, all ranks)"
+        )
+
+    def on_stop(self, step: int, total_steps: int, reason: str, path: Path | None) -> None:
+        saved = f"saved {path}" if path is not None else "nothing to save yet"
+        self.progress.print(
+            f"stopped at step {step}/{total_steps} ({reason}); {saved}. "
+            "Run the same command again to resume."
+        )
+
+    def on_run_end(self, summary: Mapping[str, Any]) -> None:
+        what = "test accuracy" if summary.get("task") == "classification" else "next-token accuracy"
+        result = (
+            f"; {what} {summary['val_acc']:.4f}, loss {summary['val_loss']:.4f}"
+            if summary.get("val_loss") is not None
+            else "; evaluation skipped (--eval-batches 0)"
+        )
+        out = summary["out"]
+        self.progress.print(
+            f"done: {summary['steps']} steps in {summary['train_time_s']:.1f} s, "
+            f"{summary['samples_per_s']:,.0f} samples/s over "
+            f"{_plural(int(summary['world_size']), 'process', 'processes')}{result}. "
+            f"Wrote {out}/metrics.jsonl and {out}/model.pt"
+        )
+
+    def close(self) -> None:
+        self.progress.end_epoch()
+
+
+class MetricsLog(Observer):
+    """RUN/metrics.jsonl: one JSON object per line (`train`, `eval`, `summary`), each
+    with `time`, the Unix time it was written."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._file: IO[str] | None = path.open("a", encoding="utf-8")
+
+    def write(self, **record: Any) -> None:
+        if self._file is not None:
+            record["time"] = round(time.time(), 3)
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+
+    def on_log(self, record: Mapping[str, Any]) -> None:
+        self.write(
+            event="train",
+            step=record["step"],
+            epoch=record["epoch"] + 1,
+            loss=record["loss"],
+            lr=record["lr"],
+            samples_per_s=record["samples_per_s"],
+        )
+
+    def on_eval(self, event: EvalEvent) -> None:
+        self.write(
+            event="eval",
+            step=event.step,
+            epoch=event.epoch + 1,
+            val_loss=event.loss,
+            val_acc=event.accuracy,
+            count=event.count,
+        )
+
+    def on_run_end(self, summary: Mapping[str, Any]) -> None:
+        self.write(**summary)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+class WatchdogBeats(Observer):
+    """Every step and every evaluation batch is progress for the hang watchdog.
+
+    The watchdog starts when training starts (set-up before it is not watched: loading
+    data and building the model take as long as they take) and stops when the run ends.
+    """
+
+    def __init__(self, watchdog: Any) -> None:
+        self.watchdog = watchdog
+
+    def on_run_start(self, info: RunInfo) -> None:
+        self.watchdog.beat(info.start_step)
+        self.watchdog.start()
+
+    def on_step_end(self, event: Any) -> None:
+        self.watchdog.beat(event.step)
+
+    def on_eval_batch(self, step: int) -> None:
+        self.watchdog.beat(step, "eval")
+
+    def on_eval(self, event: EvalEvent) -> None:
+        self.watchdog.beat(event.step, "step")
+
+    def close(self) -> None:
+        self.watchdog.stop()

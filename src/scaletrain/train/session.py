@@ -1,0 +1,432 @@
+"""One `scaletrain train` run inside one process: set up, resume, the epochs, the end.
+
+`Session.run()` is the loop with its seams: `train_step` and `evaluate` do the work
+(scaletrain.train.loop), observers hear about it (scaletrain.observe.events).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from scaletrain.checkpoint import checkpoint_path, latest_checkpoint
+from scaletrain.errors import ConfigError, spell
+from scaletrain.observe.events import EvalEvent, Observers, RunInfo, StepEvent
+from scaletrain.runtime import Runtime, sync_batchnorm
+from scaletrain.train.config import TrainConfig
+from scaletrain.train.loop import TimedBatches, evaluate, seed_everything, sync_buffers, train_step
+from scaletrain.train.recipes import Recipe
+from scaletrain.train.schedule import lr_at, set_lr
+from scaletrain.train.signals import StopRequest
+
+__all__ = ["PREEMPTED_MARKER", "Preempted", "Session", "resolved_config"]
+
+PREEMPTED_MARKER = "PREEMPTED"
+"""File rank 0 writes into the run directory when a signal stopped the run."""
+
+
+class Preempted(Exception):
+    """The run saved and stopped on a signal; exit with EXIT_PREEMPTED."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(f"preempted at step {step}; checkpoint saved")
+        self.step = step
+
+
+def _plural(n: int, one: str, many: str | None = None) -> str:
+    return f"{n} {one if n == 1 else (many or one + 's')}"
+
+
+@dataclass(slots=True)
+class _Progress:
+    """What the loop has done so far (restored from a checkpoint on resume)."""
+
+    step: int = 0
+    train_time: float = 0.0
+    samples: int = 0
+    stopped_by: str | None = None
+    last_eval: EvalEvent | None = None
+    saved: Path | None = None
+    resumed: Path | None = None
+    values: dict[str, Any] = field(default_factory=dict)
+
+
+def resolved_config(config: TrainConfig, rt: Runtime, **values: Any) -> dict[str, Any]:
+    """config.json: every setting with its default filled in, then the run's facts."""
+    resolved = config.replace(**values).to_dict()
+    resolved["run"] = {
+        "world_size": rt.world_size,
+        "nodes": rt.env.num_nodes,
+        "data_parallel_size": rt.dp_size,
+        "device": rt.device.type,
+        "environment": rt.env.kind,
+        "versions": {
+            "scaletrain": _version(),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+        },
+    }
+    return resolved
+
+
+class Session:
+    """One run in this process: everything set up once, then the epochs, then the end."""
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        recipe: Recipe,
+        rt: Runtime,
+        stop: StopRequest,
+        out: Path,
+        observers: Observers,
+    ) -> None:
+        self.cfg = cfg = config
+        self.recipe = recipe
+        self.rt, self.stop, self.out, self.observers = rt, stop, out, observers
+        self.batch_size = cfg.batch_size or recipe.batch_size
+        self.eval_batch_size = cfg.eval_batch_size or recipe.eval_batch_size
+        self.sync_bn = recipe.sync_bn if cfg.sync_bn is None else cfg.sync_bn
+        self.warmup = recipe.warmup if cfg.warmup is None else cfg.warmup
+        self.done = _Progress()
+
+    # -- set-up ---------------------------------------------------------------------
+    def _build(self) -> None:
+        cfg, recipe, rt = self.cfg, self.recipe, self.rt
+        seed_everything(cfg.seed)
+        self.data_path = recipe.locate_data(cfg.data_dir)
+        # One rank per node reads (and would download/prepare) first; the others then
+        # read the files it checked. A bad file fails on every rank with its message.
+        with rt.rank_zero_first():
+            self.train_set = recipe.data(cfg.data_dir, "train")
+            self.test_set = recipe.data(cfg.data_dir, "test")
+        model = recipe.build()
+        if self.sync_bn:
+            model = sync_batchnorm(model)
+        self.global_batch = self.batch_size * rt.dp_size * cfg.accumulate
+        self.lr = cfg.lr if cfg.lr is not None else recipe.scaled_lr(self.global_batch)
+        optimizer = recipe.optimizer(model.parameters(), self.lr)
+        self.model, self.optimizer = rt.setup(model, optimizer)
+        self.loader = rt.loader(
+            self.train_set,
+            self.batch_size,
+            shuffle=True,
+            seed=cfg.seed,
+            drop_last=True,
+            num_workers=cfg.num_workers,
+        )
+        self.eval_loader = rt.loader(
+            self.test_set,
+            self.eval_batch_size,
+            shuffle=False,
+            pad=False,
+            num_workers=cfg.num_workers,
+        )
+        self.steps_per_epoch = len(self.loader) // cfg.accumulate
+        if self.steps_per_epoch == 0:
+            raise ConfigError(
+                f"an epoch of {len(self.loader)} batch(es) per replica is shorter than "
+                f"{spell('accumulate', cfg.accumulate)}: no optimizer step would ever run. "
+                f"Fix: lower {spell('accumulate')} or {spell('batch_size')}.",
+                field="accumulate",
+            )
+        self.epochs_wanted = cfg.epochs or recipe.epochs
+        total = self.steps_per_epoch * self.epochs_wanted
+        self.total_steps = min(total, cfg.max_steps) if cfg.max_steps is not None else total
+        self.epochs = math.ceil(self.total_steps / self.steps_per_epoch)
+        self.state: dict[str, Any] = {
+            "model": self.model,
+            "optimizer": self.optimizer,
+            "loader": self.loader,
+        }
+
+    def _resume(self) -> None:
+        rt, out = self.rt, self.out
+        resumed = latest_checkpoint(out) if (out / "checkpoints").is_dir() else None
+        if resumed is None:
+            return
+        # Pipeline stages are traced from a batch; build them before loading into them.
+        example = next(
+            iter(torch.utils.data.DataLoader(self.train_set, batch_size=self.batch_size))
+        )
+        rt.prepare(self.model, example[0].to(rt.device))
+        values = rt.load(resumed, **self.state)
+        self.done.step = int(values["step"])
+        self.done.train_time = float(values.get("train_time", 0.0))
+        self.done.samples = int(values.get("samples", 0))
+        self.done.resumed = resumed
+
+    def _announce(self) -> None:
+        cfg, rt, recipe = self.cfg, self.rt, self.recipe
+        resolved = resolved_config(
+            self.cfg,
+            rt,
+            recipe=recipe.name,
+            nproc=rt.env.local_world_size,
+            backend=rt.backend,
+            epochs=self.epochs_wanted,
+            batch_size=self.batch_size,
+            eval_batch_size=self.eval_batch_size,
+            lr=self.lr,
+            warmup=self.warmup,
+            sync_bn=self.sync_bn,
+            data_dir=self.data_path,
+            out=str(self.out),
+        )
+        if rt.is_main:
+            (self.out / "config.json").write_text(json.dumps(resolved, indent=2) + "\n")
+        layout = f"mesh {rt.mesh_shape}, " if rt.mesh_shape else ""
+        extras = [f"precision {cfg.precision}"] if cfg.precision != "32" else []
+        if cfg.accumulate > 1:
+            extras.append(f"accumulate {cfg.accumulate}")
+        micro = f" x {cfg.accumulate} micro-steps" if cfg.accumulate > 1 else ""
+        header = [
+            f"scaletrain train: recipe [bold]{recipe.name}[/] on {recipe.dataset} "
+            f"({len(self.train_set):,} train / {len(self.test_set):,} test samples; "
+            f"data: {self.data_path})",
+            f"  strategy {cfg.strategy}{' + sync-bn' if self.sync_bn else ''}, {layout}"
+            f"{_plural(rt.world_size, 'process', 'processes')} x {rt.backend} on "
+            f"{rt.device.type}, batch {self.batch_size}/replica x {rt.dp_size}{micro} (global "
+            f"{self.global_batch}), lr {self.lr:g} ({cfg.schedule}, {self.warmup} warm-up "
+            f"steps), {_plural(self.epochs, 'epoch')}, {self.total_steps} steps"
+            + (f", {', '.join(extras)}" if extras else ""),
+        ]
+        if self.done.resumed is not None:
+            header.append(
+                f"  resumed from {self.done.resumed} at step {self.done.step}/{self.total_steps}"
+            )
+        self.observers.on_run_start(
+            RunInfo(
+                out=self.out,
+                rank=rt.rank,
+                world_size=rt.world_size,
+                start_step=self.done.step,
+                total_steps=self.total_steps,
+                steps_per_epoch=self.steps_per_epoch,
+                epochs=self.epochs,
+                global_batch=self.global_batch,
+                header=header,
+                config=resolved,
+            )
+        )
+
+    # -- training -------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        self._build()
+        self._resume()
+        self._announce()
+        rt, done = self.rt, self.done
+        self.run_start_step = done.step
+        # A stop asked for during set-up (Ctrl-C while loading) ends the run before the
+        # first step: there is nothing new to save.
+        if rt.any_rank(self.stop.signal is not None):
+            done.stopped_by = self.stop.reason or "a signal on another rank"
+        while done.step < self.total_steps and done.stopped_by is None:
+            epoch = done.step // self.steps_per_epoch
+            self._train_epoch(epoch)
+            if done.stopped_by is None:
+                done.last_eval = self._evaluate(epoch)
+        trained = done.step > self.run_start_step or done.resumed is not None
+        if (self.cfg.save_every is not None or done.stopped_by is not None) and trained:
+            self._save(final=True)
+        if done.stopped_by is not None:
+            return self._stopped()
+        return self._finish()
+
+    def _lr(self, step: int) -> float:
+        return lr_at(
+            step,
+            peak=self.lr,
+            total_steps=self.total_steps,
+            warmup=self.warmup,
+            schedule=self.cfg.schedule,
+        )
+
+    def _train_epoch(self, epoch: int) -> None:
+        cfg, rt, done, observers = self.cfg, self.rt, self.done, self.observers
+        first = epoch * self.steps_per_epoch
+        epoch_end = min(first + self.steps_per_epoch, self.total_steps)
+        self.model.train()
+        # The same epoch keeps a restored mid-epoch position; a new one restarts.
+        self.loader.set_epoch(epoch)
+        observers.on_epoch_start(epoch, self.epochs, epoch_end - first, done.step - first)
+        batches = TimedBatches(self.loader)
+        window_loss = torch.zeros((), device=rt.device)
+        window_steps = 0
+        window_start = epoch_start = time.perf_counter()
+        epoch_samples = 0
+        while done.step < epoch_end:
+            start, waited = time.perf_counter(), batches.wait_s
+            lr = self._lr(done.step)
+            set_lr(self.optimizer, lr)
+            loss = train_step(
+                rt,
+                self.model,
+                self.optimizer,
+                batches,
+                self.recipe.loss,
+                accumulate=cfg.accumulate,
+                clip_grad=cfg.clip_grad,
+            )
+            done.step += 1
+            epoch_samples += self.global_batch
+            observers.on_step_end(
+                StepEvent(
+                    step=done.step,
+                    epoch=epoch,
+                    step_in_epoch=done.step - first,
+                    steps_in_epoch=epoch_end - first,
+                    lr=lr,
+                    loss=loss,
+                    samples=self.global_batch,
+                    start=start,
+                    end=time.perf_counter(),
+                    data_s=batches.wait_s - waited,
+                )
+            )
+            # Summed on the device; .item() (a GPU sync) only when logging.
+            window_loss += loss.to(window_loss.device)
+            window_steps += 1
+            finished = done.step == epoch_end
+            if window_steps == cfg.log_every or finished:
+                now = time.perf_counter()
+                observers.on_log(
+                    {
+                        "step": done.step,
+                        "epoch": epoch,
+                        "step_in_epoch": done.step - first,
+                        "steps_in_epoch": epoch_end - first,
+                        "loss": window_loss.item() / window_steps,
+                        "lr": lr,
+                        "samples_per_s": window_steps
+                        * self.global_batch
+                        / max(now - window_start, 1e-9),
+                    }
+                )
+                window_loss.zero_()
+                window_steps = 0
+                window_start = now
+            if self._agree_to_stop() or finished:
+                break
+            if cfg.save_every and done.step % cfg.save_every == 0:
+                done.train_time += time.perf_counter() - epoch_start
+                done.samples += epoch_samples
+                epoch_start, epoch_samples = time.perf_counter(), 0
+                self._save()
+        done.train_time += time.perf_counter() - epoch_start
+        done.samples += epoch_samples
+        observers.on_epoch_end(epoch)
+
+    def _agree_to_stop(self) -> bool:
+        """Every rank must stop at the same step: one tiny collective agrees (a signal
+        reaches ranks at different times)."""
+        cfg, done = self.cfg, self.done
+        by_count = cfg.stop_after is not None and done.step - self.run_start_step >= cfg.stop_after
+        if self.rt.any_rank(self.stop.signal is not None or by_count):
+            if self.stop.signal is not None:
+                done.stopped_by = self.stop.reason
+            elif by_count:
+                done.stopped_by = spell("stop_after", cfg.stop_after)
+            else:
+                done.stopped_by = "a signal on another rank"
+        return done.stopped_by is not None
+
+    def _save(self, *, final: bool = False) -> Path:
+        done = self.done
+        path = checkpoint_path(self.out, done.step)
+        values = {"step": done.step, "train_time": done.train_time, "samples": done.samples}
+        handle = self.rt.save(
+            path,
+            keep=self.cfg.keep,
+            async_save=self.cfg.async_save and not final,
+            **self.state,
+            **values,
+        )
+        if final and hasattr(handle, "wait"):
+            handle.wait()
+        done.saved = path
+        self.observers.on_save(done.step, path)
+        return path
+
+    def _evaluate(self, epoch: int) -> EvalEvent | None:
+        if self.cfg.eval_batches == 0:
+            return None
+        step = self.done.step
+        sync_buffers(self.rt, self.model)
+        result = evaluate(
+            self.rt,
+            self.model,
+            self.eval_loader,
+            on_batch=lambda: self.observers.on_eval_batch(step),
+            max_batches=self.cfg.eval_batches,
+        )
+        classification = self.recipe.task == "classification"
+        event = EvalEvent(
+            step=step,
+            epoch=epoch,
+            loss=result.loss,
+            accuracy=result.accuracy,
+            count=result.count,
+            unit="samples" if classification else "tokens",
+            metric="val_acc" if classification else "next-token acc",
+        )
+        self.observers.on_eval(event)
+        return event
+
+    # -- the end ----------------------------------------------------------------------
+    def _stopped(self) -> dict[str, Any]:
+        done, rt = self.done, self.rt
+        assert done.stopped_by is not None
+        self.observers.on_stop(done.step, self.total_steps, done.stopped_by, done.saved)
+        if self.stop.signal is not None or done.stopped_by == "a signal on another rank":
+            if rt.is_main:
+                (self.out / PREEMPTED_MARKER).write_text(f"{done.step}\n")
+            raise Preempted(done.step)
+        return {"event": "stopped", "step": done.step, "out": str(self.out)}
+
+    def _finish(self) -> dict[str, Any]:
+        done, rt, recipe = self.done, self.rt, self.recipe
+        if done.last_eval is None and self.cfg.eval_batches != 0:
+            # Resumed after the last step: nothing left to train; evaluate once.
+            done.last_eval = self._evaluate(max(self.epochs - 1, 0))
+        summary: dict[str, Any] = {
+            "event": "summary",
+            "recipe": recipe.name,
+            "task": recipe.task,
+            "strategy": self.cfg.strategy,
+            "mesh": rt.mesh_shape,
+            "world_size": rt.world_size,
+            "backend": rt.backend,
+            "device": rt.device.type,
+            "steps": done.step,
+            "epochs": self.epochs,
+            "train_time_s": done.train_time,
+            "samples_per_s": done.samples / max(done.train_time, 1e-9),
+            "val_loss": done.last_eval.loss if done.last_eval else None,
+            "val_acc": done.last_eval.accuracy if done.last_eval else None,
+            "out": str(self.out),
+        }
+        # A collective (it gathers shards and stages): every rank takes part.
+        weights = rt.full_state_dict(self.model)
+        if rt.is_main:
+            torch.save(weights, self.out / "model.pt")
+        self.observers.on_run_end(summary)
+        self.state.clear()
+        del self.model, self.optimizer
+        return summary
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("scaletrain")
+    except PackageNotFoundError:
+        return "unknown"
