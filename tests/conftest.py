@@ -21,6 +21,16 @@ def _restore_environ() -> Iterator[None]:
 
 
 @pytest.fixture(autouse=True)
+def _api_names_after_each_test() -> Iterator[None]:
+    # A test that runs the CLI in-process switches messages to flag names; the next
+    # test speaks to the library again.
+    yield
+    from scaletrain.errors import use_cli_names
+
+    use_cli_names(False)
+
+
+@pytest.fixture(autouse=True)
 def _no_leaked_process_group() -> Iterator[None]:
     yield
     import torch.distributed as dist

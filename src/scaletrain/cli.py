@@ -224,8 +224,6 @@ def _cmd_train(ns: argparse.Namespace, argv: Sequence[str]) -> int:
         ["train", *_worker_args(argv, config.out)],
         quiet=True,
     )
-    if code == EXIT_ABORTED:
-        return code
     # A signal to the launcher reaches the workers too: they saved and stopped.
     return EXIT_PREEMPTED if code != 0 and os.path.exists(marker) else code
 

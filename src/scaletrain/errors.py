@@ -27,10 +27,11 @@ _INTERFACE = "api"
 _UNSET: Any = object()
 
 
-def use_cli_names() -> None:
-    """Messages from here on name command-line flags (`--nproc 0`), not API fields."""
+def use_cli_names(on: bool = True) -> None:
+    """Messages from here on name command-line flags (`--nproc 0`), not API fields
+    (`on=False` goes back to the API's names)."""
     global _INTERFACE
-    _INTERFACE = "cli"
+    _INTERFACE = "cli" if on else "api"
 
 
 def interface() -> str:

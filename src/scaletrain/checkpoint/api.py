@@ -69,7 +69,7 @@ from scaletrain.checkpoint.state import (
     model_table,
     restore_rng,
 )
-from scaletrain.errors import CheckpointError, ConfigError
+from scaletrain.errors import CheckpointError, ConfigError, say
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
@@ -835,8 +835,12 @@ def load_checkpoint(rt: Runtime, path: str | os.PathLike[str], **state: Any) -> 
     if all_problems:
         raise CheckpointError(
             f"checkpoint {path} is damaged: " + "; ".join(all_problems) + ". Nothing was "
-            "loaded. Load an earlier checkpoint (latest_checkpoint() returns the newest "
-            "undamaged one)."
+            "loaded. Load an earlier checkpoint ("
+            + say(
+                api="latest_checkpoint(run_dir) returns the newest undamaged one",
+                cli="`scaletrain checkpoint latest RUN` prints the newest undamaged one",
+            )
+            + ")."
         )
 
     # 4. Read everything into memory and check it fits, still changing nothing.

@@ -382,13 +382,22 @@ def _quiet_agent(quiet: bool) -> Iterator[None]:
         return
     import logging
 
-    logger = logging.getLogger("torch.distributed.elastic")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
+    # torch gives each elastic module a logger with its own level, so the parent's
+    # level is not enough: every one of them is raised, and restored afterwards.
+    prefix = "torch.distributed.elastic"
+    loggers = [logging.getLogger(prefix)] + [
+        logger
+        for name, logger in logging.Logger.manager.loggerDict.items()
+        if name.startswith(prefix + ".") and isinstance(logger, logging.Logger)
+    ]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
     try:
         yield
     finally:
-        logger.setLevel(level)
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
 
 
 def _parse_torchrun_args(torchrun: Any, plan: Plan) -> Any:
@@ -413,6 +422,7 @@ def _run_torchrun(plan: Plan, cfg: LaunchConfig, *, quiet: bool = False) -> int:
 
     interrupts = _Interrupts(quiet)
     try:
+        # The agent's modules are imported by now, so _quiet_agent sees their loggers.
         with interrupts, _quiet_agent(quiet):
             torchrun.run(_parse_torchrun_args(torchrun, plan))
     except ChildFailedError as exc:

@@ -1,0 +1,133 @@
+"""Ctrl-C: the first one finishes the step, saves and stops; a second one aborts at once.
+
+The signal goes where a terminal sends it: to `scaletrain train` itself (its workers
+run in sessions of their own, so the terminal's Ctrl-C reaches only the launcher).
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from scaletrain.data import write_fake_mnist
+from scaletrain.testing import launcher_free_env
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+
+EXIT_PREEMPTED, EXIT_ABORTED = 75, 130
+
+
+class _Run:
+    """A `scaletrain train` process whose output is read as it comes."""
+
+    def __init__(self, out: Path, data: Path, *extra: str) -> None:
+        args = [
+            sys.executable, "-m", "scaletrain", "train", "--data-dir", str(data),
+            "--out", str(out), "--batch-size", "10", "--log-every", "1", "--epochs", "3",
+            "--hang-timeout", "60", *extra,
+        ]  # fmt: skip
+        self.proc = subprocess.Popen(
+            args,
+            cwd=out.parent,
+            env=launcher_free_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, text: str, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while text not in self.output:
+            if self.proc.poll() is not None:
+                self._reader.join(5)
+                raise AssertionError(f"run ended before {text!r}:\n{self.output}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{text!r} not seen in {timeout} s:\n{self.output}")
+            time.sleep(0.02)
+
+    def finish(self, timeout: float = 120) -> int:
+        code = self.proc.wait(timeout)
+        self._reader.join(10)
+        return code
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # 3 epochs of 2,400 samples at batch 10 x 2 ranks: 360 steps, far more than the
+    # test waits for before it presses Ctrl-C.
+    return write_fake_mnist(tmp_path_factory.mktemp("data"), n_train=2400, n_test=40, seed=7)
+
+
+def _assert_clean(output: str) -> None:
+    for noise in ("Traceback", "KeyboardInterrupt", "SignalException", "torch.distributed.elastic"):
+        assert noise not in output, output
+
+
+@pytest.mark.parametrize("nproc", ["2", "1"])
+def test_first_ctrl_c_saves_and_the_same_command_resumes(
+    data: Path, tmp_path: Path, nproc: str
+) -> None:
+    out = tmp_path / "run"
+    run = _Run(out, data, "--nproc", nproc)
+    run.wait_for("epoch 1/3 step 3/")
+    run.proc.send_signal(signal.SIGINT)
+    code = run.finish()
+    assert code == EXIT_PREEMPTED, run.output
+    assert "Run the same command again to resume" in run.output
+    _assert_clean(run.output)
+    saved = sorted((out / "checkpoints").glob("step-*/manifest.json"))
+    assert saved, run.output
+    step = int(saved[-1].parent.name.split("-")[1])
+    assert step >= 3
+    again = _Run(out, data, "--nproc", nproc, "--max-steps", str(step + 2))
+    assert again.finish() == 0, again.output
+    assert f"resumed from {saved[-1].parent}" in again.output
+
+
+def test_second_ctrl_c_aborts_at_once(data: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    run = _Run(out, data, "--nproc", "2", "--batch-size", "200")
+    run.wait_for("epoch 1/3 step 2/")
+    run.proc.send_signal(signal.SIGINT)
+    # A person presses twice; two signals sent back to back would reach Python as one.
+    # The second press lands while the workers finish their step and save.
+    run.wait_for("finishing this step")
+    run.proc.send_signal(signal.SIGINT)
+    start = time.monotonic()
+    code = run.finish(timeout=60)
+    elapsed = time.monotonic() - start
+    if code == EXIT_PREEMPTED:
+        pytest.skip("the workers saved before the second Ctrl-C arrived (machine too fast)")
+    assert code == EXIT_ABORTED, run.output
+    assert elapsed < 20, f"took {elapsed:.1f} s to abort"
+    assert "second Ctrl-C" in run.output
+    _assert_clean(run.output)
+    # Aborting left no worker behind: their pid files name processes that are gone.
+    for pid_file in (out / "pids").glob("rank*.pid"):
+        pid = int(pid_file.read_text())
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in _state(pid), pid
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].splitlines()[0].lower()
+    except (OSError, IndexError):
+        return "zombie"

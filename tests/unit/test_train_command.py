@@ -1,0 +1,219 @@
+"""`scaletrain train` before any process starts: its config, its flags, its errors.
+
+Everything here runs in this process (cli.main) and must fail or answer before a
+worker would be launched: a check that only a worker could make is in
+tests/dist/test_train_command.py.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from scaletrain import cli
+from scaletrain.errors import ConfigError, spell, use_cli_names
+from scaletrain.settings import field_docs, field_specs, read_config_file
+from scaletrain.train.config import SINGLE_PROCESS_STRATEGIES, TrainConfig
+
+CONFIGS = Path(__file__).parent / "data" / "configs"
+
+
+def _train(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    code = cli.main(["train", *args])
+    captured = capsys.readouterr()
+    return code, captured.err
+
+
+# -- 1. single-process strategies ------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", SINGLE_PROCESS_STRATEGIES)
+def test_single_process_strategies_default_to_one_process(strategy: str) -> None:
+    assert TrainConfig(strategy=strategy).default_nproc(gpus=0) == 1  # type: ignore[arg-type]
+    assert TrainConfig(strategy=strategy).default_nproc(gpus=8) == 1  # type: ignore[arg-type]
+    assert TrainConfig(strategy="ddp").default_nproc(gpus=0) == 2
+    assert TrainConfig(strategy="ddp").default_nproc(gpus=8) == 8
+
+
+@pytest.mark.parametrize("strategy", ["dp", "model-parallel"])
+def test_single_process_strategy_with_more_processes_is_refused_before_launch(
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    strategy: str,
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    code, err = _train(capsys, "--strategy", strategy, "--nproc", "2")
+    assert code == 2
+    assert f"--strategy {strategy}" in err and "--nproc 2" in err and "--nproc 1" in err
+    assert "Traceback" not in err and not (tmp_path / "runs").exists()
+
+
+def test_single_process_strategies_refuse_a_world_in_the_library() -> None:
+    # The API keeps its own guard (st.init under torchrun with 2 processes).
+    from scaletrain.strategies import STRATEGIES
+
+    for name in ("dp", "model-parallel"):
+        assert name in SINGLE_PROCESS_STRATEGIES and name in STRATEGIES
+
+
+# -- 2. everything that can be checked in the parent -----------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--precision", "fp16-mixed"], ["--precision fp16-mixed needs a CUDA GPU", "bf16-mixed"]),
+        (["--backend", "nccl"], ["--backend nccl needs CUDA GPUs", "--backend gloo"]),
+        (["--mesh", "dp=2,tp=2", "--strategy", "ddp", "--nproc", "4"], ["ddp", "--strategy fsdp"]),
+        (["--mesh", "dp=2,tp=2", "--nproc", "2"], ["4 ranks", "world size 2"]),
+        (["--nproc", "0"], ["--nproc 0", "--nproc 2"]),
+        (["--max-steps", "0"], ["--max-steps 0", "--max-steps 1"]),
+        (["--data-dir", "/nonexistent/fmnist"], ["--data-dir /nonexistent/fmnist", "does not exist",
+                                                  "train-images-idx3-ubyte"]),
+        (["--data-dir", ""], ["--data-dir", "a directory holding the dataset"]),
+        (["--recipe", "split-net", "--data-dir", "/tmp"], ["split-net", "generates its data"]),
+    ],
+    ids=["fp16-on-cpu", "nccl-without-gpus", "mesh-with-ddp", "mesh-size", "nproc-0",
+         "max-steps-0", "data-dir-missing", "data-dir-empty", "data-dir-not-used"],
+)  # fmt: skip
+def test_bad_settings_fail_in_the_parent_in_the_clis_words(
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    args: list[str],
+    words: list[str],
+) -> None:
+    if "--precision" in args or "--backend" in args:
+        pytest.importorskip("torch")
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("CPU-only behaviour")
+    monkeypatch.chdir(tmp_path)
+    code, err = _train(capsys, *args)
+    assert code == 2, err
+    for word in words:
+        assert word in err, err
+    # One paragraph from the parent: no traceback, no API spelling, no worker started.
+    assert "Traceback" not in err and err.count("scaletrain: error") == 1
+    assert "precision=" not in err and "backend=" not in err and "nproc=" not in err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_argparse_refuses_unknown_choices(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main(["train", "--precision", "fp64"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--precision" in err and "fp64" in err and "bf16-mixed" in err
+
+
+# -- 5. names: the CLI's for commands, the API's for the library ---------------------------
+
+
+def test_messages_name_flags_on_the_cli_and_fields_in_the_api() -> None:
+    with pytest.raises(ConfigError, match=r"^nproc=0: expected"):
+        TrainConfig(nproc=0)
+    use_cli_names()
+    with pytest.raises(ConfigError, match=r"^--nproc 0: expected"):
+        TrainConfig(nproc=0)
+    assert spell("async_save", False) == "--no-async-save"
+    use_cli_names(False)
+    assert spell("async_save", False) == "async_save=False"
+
+
+# -- 6. one config: flags, files, config.json --------------------------------------------
+
+
+def test_every_setting_has_a_docstring_and_a_flag() -> None:
+    docs = field_docs(TrainConfig)
+    specs = field_specs(TrainConfig)
+    assert [s.name for s in specs] == list(docs)
+    parser = cli.build_parser()
+    train = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction").choices[
+        "train"
+    ]  # type: ignore[attr-defined]
+    flags = {o for a in train._actions for o in a.option_strings}
+    for spec in specs:
+        assert spec.flag in flags
+
+
+def test_flags_override_the_config_file(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text("recipe: gpt\nmax_steps: 100\nprecision: bf16-mixed\nsync-bn: true\n")
+    ns = cli.build_parser().parse_args(["train", "--config", str(path), "--max-steps", "7"])
+    config = cli.train_config(ns)
+    assert config.recipe == "gpt" and config.max_steps == 7
+    assert config.precision == "bf16-mixed" and config.sync_bn is True
+    assert config.lr is None  # neither file nor flag: the default
+
+
+def test_a_bad_value_in_the_config_file_names_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text("nproc: 0\n")
+    use_cli_names()
+    ns = cli.build_parser().parse_args(["train", "--config", str(path)])
+    with pytest.raises(ConfigError, match=rf"--nproc 0.*comes from {path}"):
+        cli.train_config(ns)
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ("max_step: 3\n", ["'max_step'", "did you mean 'max_steps'"]),
+        ("max_steps: three\n", ["max_steps", "'three'", "integer"]),
+        ("precision: fp64\n", ["precision", "'fp64'", "bf16-mixed"]),
+        ("- a\n- b\n", ["holds a list", "mapping"]),
+        ("recipe: [\n", ["not valid YAML"]),
+    ],
+)
+def test_config_file_errors(tmp_path: Path, text: str, words: list[str]) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        read_config_file(path, TrainConfig)
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_missing_config_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, err = _train(capsys, "--config", str(tmp_path / "nope.yaml"))
+    assert code == 2 and "cannot read the config file" in err and "nope.yaml" in err
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.iterdir()))
+def test_saved_config_files_replay(name: str) -> None:
+    """Config files written by earlier versions (a run's config.json, a hand-written
+    YAML) still load: renaming or dropping a setting breaks them, on purpose only."""
+    values = read_config_file(CONFIGS / name, TrainConfig)
+    config = TrainConfig(**values)
+    expected = (
+        json.loads((CONFIGS / name).with_suffix(".expected").read_text())
+        if (CONFIGS / name).with_suffix(".expected").exists()
+        else None
+    )
+    if expected is not None:
+        assert {k: getattr(config, k) for k in expected} == expected
+
+
+# -- 7. quick answers ---------------------------------------------------------------------
+
+
+def test_help_and_version_do_not_import_torch() -> None:
+    code = (
+        "import sys\n"
+        "from scaletrain.cli import build_parser\n"
+        "build_parser().format_help()\n"
+        "print('torch' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False"
+    version = subprocess.run(
+        [sys.executable, "-m", "scaletrain", "--version"], capture_output=True, text=True
+    )
+    assert version.returncode == 0 and version.stdout.startswith("scaletrain ")
