@@ -10,9 +10,6 @@ from scaletrain.data.datasets import (
     load_dataset,
     read_cifar_batch,
     read_idx,
-    write_cifar,
-    write_fake_mnist,
-    write_idx,
 )
 from scaletrain.data.loader import ShardedLoader
 from scaletrain.data.sampler import ShardedSampler
@@ -29,7 +26,4 @@ __all__ = [
     "load_dataset",
     "read_cifar_batch",
     "read_idx",
-    "write_cifar",
-    "write_fake_mnist",
-    "write_idx",
 ]
