@@ -16,14 +16,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from scaletrain.data.datasets import _IDX_FILES, _IDX_TYPES, CLASSES, _canonical
+from scaletrain.data.datasets import CLASSES, IDX_FILES, canonical_name
+from scaletrain.data.idx import IDX_TYPES
 from scaletrain.errors import ConfigError
 
 __all__ = ["write_cifar", "write_fake_mnist", "write_idx"]
 
 _CIFAR_DIR = {"cifar10": "cifar-10-batches-py", "cifar100": "cifar-100-python"}
 _IDX_CODES: dict[str, int] = {
-    np.dtype(t).newbyteorder("=").str[1:]: c for c, t in _IDX_TYPES.items()
+    np.dtype(t).newbyteorder("=").str[1:]: c for c, t in IDX_TYPES.items()
 }
 
 
@@ -42,7 +43,7 @@ def write_idx(path: str | Path, array: np.ndarray | torch.Tensor) -> Path:
     payload = (
         struct.pack(">BBBB", 0, 0, code, arr.ndim)
         + struct.pack(f">{arr.ndim}I", *arr.shape)
-        + np.ascontiguousarray(arr, dtype=_IDX_TYPES[code]).tobytes()
+        + np.ascontiguousarray(arr, dtype=IDX_TYPES[code]).tobytes()
     )
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -133,7 +134,7 @@ def write_fake_mnist(
     suffix = ".gz" if gz else ""
     for split, n in (("train", n_train), ("test", n_test)):
         labels = rng.integers(0, 10, size=n).astype(np.uint8)
-        images_name, labels_name = _IDX_FILES[split]
+        images_name, labels_name = IDX_FILES[split]
         write_idx(out / (images_name + suffix), _class_images(rng, labels, templates))
         write_idx(out / (labels_name + suffix), labels)
     return out
@@ -152,7 +153,7 @@ def write_cifar(
     batches.meta) or `directory/cifar-100-python` (train, test, meta) and
     returns that subdirectory.
     """
-    kind = _canonical(kind)
+    kind = canonical_name(kind)
     if kind not in _CIFAR_DIR:
         raise ConfigError(f"write_cifar: kind must be 'cifar10' or 'cifar100', received {kind!r}")
     out = Path(directory) / _CIFAR_DIR[kind]
