@@ -45,6 +45,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from scaletrain.errors import ConfigError
+from scaletrain.plan import list_layers, list_units, split_layers
 from scaletrain.strategies.base import Strategy, register
 
 if TYPE_CHECKING:
@@ -145,65 +146,31 @@ def _is_within(name: str, ancestor: str) -> bool:
     return name == ancestor or name.startswith(ancestor + ".")
 
 
-def _units(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The parts "auto" splits between: top-level children, containers opened up.
-
-    A ModuleList/ModuleDict is never called itself, so its entries are the parts
-    (GPT's `blocks.0`, `blocks.1`, ...). A model that is one child wrapping
-    everything is opened too, or there would be a single part.
-    """
-    units: list[tuple[str, nn.Module]] = [("", model)]
-    while len(units) == 1:
-        prefix, only = units[0]
-        children = list(only.named_children())
-        if not children:
-            break
-        units = []
-        for name, child in children:
-            qualified = f"{prefix}.{name}" if prefix else name
-            if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
-                units.extend((f"{qualified}.{n}", c) for n, c in child.named_children())
-            else:
-                units.append((qualified, child))
-    return [u for u in units if u[0]]
-
-
 def auto_device_map(model: nn.Module, devices: Sequence[str]) -> dict[str, str]:
-    """A contiguous split of the model's parts over `devices`, balanced by parameter count.
+    """A contiguous split of the model's layers over `devices`, balanced by parameter count.
 
-    Parts are the top-level children (a ModuleList's entries counted one by one), in
-    registration order. Each part goes to the device whose equal share of the total
-    parameter count holds the part's midpoint, so the parts stay in order, every
-    device gets about 1/len(devices) of the parameters, and a part never straddles
-    two devices. Parts without parameters stay with the part before them. A
-    parameter shared by two parts is counted once, in the first.
+    Layers and the balance are scaletrain.plan's, the same as pipeline stages': the
+    top-level children (a ModuleList's entries counted one by one, a single wrapping
+    child opened) in registration order, cut so that the device holding the most
+    parameters holds as few as possible, ties going to the most even split. A layer
+    never straddles two devices; with more devices than layers the first ones are
+    used. Modules without parameters stay with the layer before them (the first
+    device when no module holds any). A parameter shared by two layers is counted
+    once, in the first.
     """
     devs = list(devices)
     if not devs:
         raise ConfigError("auto_device_map() needs at least one device, got none.")
-    units = _units(model)
-    if not units:
-        return {}
-    seen: set[int] = set()
-    sizes = []
-    for _, unit in units:
-        size = 0
-        for p in unit.parameters():
-            if id(p) not in seen:
-                seen.add(id(p))
-                size += p.numel()
-        sizes.append(size)
-    total = sum(sizes)
-    k = len(devs)
-    index = 0
-    done = 0
-    result: dict[str, str] = {}
-    for (name, _), size in zip(units, sizes, strict=True):
-        if size and total:
-            index = max(index, min(k - 1, int((done + size / 2) * k / total)))
-        done += size
-        result[name] = devs[index]
-    return result
+    layers = list_layers(model)
+    if not layers:
+        return {name: devs[0] for name, _ in list_units(model)}
+    parts = split_layers(layers, len(devs))
+    return {
+        member: device
+        for device, part in zip(devs, parts, strict=False)
+        for layer in part
+        for member in layer.members
+    }
 
 
 def check_device_map(device_map: object, owner: str) -> None:

@@ -42,8 +42,8 @@ rank's share under the full model's names; the union over the pipeline ranks is 
 trained model's state dict.
 """
 
-from scaletrain.strategies.pipeline.layers import balance_stages, pipeline_layers
+from scaletrain.plan import balance_stages
 from scaletrain.strategies.pipeline.module import PipelineModule
-from scaletrain.strategies.pipeline.strategy import SCHEDULES, Pipeline
+from scaletrain.strategies.pipeline.strategy import SCHEDULES, Pipeline, pipeline_layers
 
 __all__ = ["SCHEDULES", "Pipeline", "PipelineModule", "balance_stages", "pipeline_layers"]

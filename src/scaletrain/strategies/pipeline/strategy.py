@@ -11,14 +11,14 @@ import torch.distributed as dist
 from torch import nn
 
 from scaletrain.errors import ConfigError
+from scaletrain.plan import balance_stages, list_layers
 from scaletrain.strategies.base import Strategy, register
-from scaletrain.strategies.pipeline.layers import balance_stages, pipeline_layers
 from scaletrain.strategies.pipeline.module import PipelineModule
 
 if TYPE_CHECKING:
     from scaletrain.runtime import Runtime
 
-__all__ = ["SCHEDULES", "Pipeline"]
+__all__ = ["SCHEDULES", "Pipeline", "pipeline_layers"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 """Schedule names: fill-drain, one-forward-one-backward, and 1F1B over virtual stages."""
@@ -227,6 +227,12 @@ class Pipeline(Strategy):
         if not isinstance(module, PipelineModule):
             return Strategy._predict(self, module, inputs)
         return module.predict(inputs)
+
+
+def pipeline_layers(model: nn.Module) -> list[tuple[str, int]]:
+    """(first module name, parameter count) of each layer the balancer may cut between:
+    the layers of scaletrain.plan.list_layers."""
+    return [(layer.name, layer.size) for layer in list_layers(model)]
 
 
 def _check_split_names(model: nn.Module, names: Sequence[str]) -> None:
