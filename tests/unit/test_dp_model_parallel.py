@@ -20,8 +20,9 @@ import scaletrain as st
 from scaletrain.env.base import ClusterEnv
 from scaletrain.runtime import Runtime
 from scaletrain.strategies import base as strategies_base
+from scaletrain.strategies import devices as devices_module
 from scaletrain.strategies import dp as dp_module
-from scaletrain.strategies import model_parallel as mp
+from scaletrain.strategies import placement as placement_module
 from scaletrain.strategies.base import Strategy, resolve_strategy
 from scaletrain.strategies.ddp import DDP
 from scaletrain.strategies.dp import DataParallel
@@ -59,7 +60,9 @@ def _names(model: nn.Module) -> list[str]:
 
 def _fake_gpus(monkeypatch: pytest.MonkeyPatch, count: int) -> None:
     """This process sees `count` GPUs, as far as the device checks can tell."""
-    monkeypatch.setattr(mp, "visible_devices", lambda: [f"cuda:{i}" for i in range(count)])
+    monkeypatch.setattr(
+        devices_module, "visible_devices", lambda: [f"cuda:{i}" for i in range(count)]
+    )
     monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
     monkeypatch.setattr(dp_module, "_gpu_count", lambda: count)
 
@@ -315,7 +318,7 @@ def test_hooks_move_args_and_kwargs_at_the_boundary() -> None:
     model = _TwoStage()
     weight = model.first.weight
     # Private entry: place_module refuses "meta" (no data to train), the hooks do not care.
-    placement = mp._apply_plan(
+    placement = placement_module._apply_plan(
         model, plan_device_map(_names(model), {"first": "cpu", "second": "meta"})
     )
     assert model.first.weight is weight, "placement keeps the Parameter objects"
@@ -325,7 +328,9 @@ def test_hooks_move_args_and_kwargs_at_the_boundary() -> None:
     assert model.second.seen == ["meta", "meta"] and out.device.type == "meta"
     assert placement.hooked == ("", "first", "second")
     # Placing again replaces the hooks rather than stacking a second set.
-    mp._apply_plan(model, plan_device_map(_names(model), {"first": "meta", "second": "meta"}))
+    placement_module._apply_plan(
+        model, plan_device_map(_names(model), {"first": "meta", "second": "meta"})
+    )
     assert [len(m._forward_pre_hooks) for m in (model, model.first, model.second)] == [1, 1, 1]
 
 
@@ -334,8 +339,10 @@ def test_a_tied_weight_on_two_devices_is_refused() -> None:
     model[1].weight = model[0].weight
     plan = plan_device_map(_names(model), {"0": "gpu0", "1": "gpu1"})
     with pytest.raises(st.ConfigError, match=r"0\.weight and 1\.weight are the same tensor"):
-        mp._check_shared(model, plan.devices)
-    mp._check_shared(model, plan_device_map(_names(model), {"0": "gpu0", "1": "gpu0"}).devices)
+        placement_module._check_shared(model, plan.devices)
+    placement_module._check_shared(
+        model, plan_device_map(_names(model), {"0": "gpu0", "1": "gpu0"}).devices
+    )
 
 
 # -- ModelParallel on CPU ------------------------------------------------------------------

@@ -9,7 +9,7 @@ parallel", `gpus = {0: [0, 1], 1: [2, 3]}[rank]`), as a one-liner:
 "local:i" is the i-th device of this process: local rank r owning k devices owns
 GPUs r*k .. r*k+k-1, with k = `devices_per_process`, or by default the number of
 local devices the map names (2 above; for "auto", the node's GPUs divided by its
-processes). Placement follows the rules of strategies/model_parallel.py; where no
+processes). Placement follows the rules of strategies/placement.py; where no
 GPU is visible every device is the CPU, so the same script runs on CPUs.
 """
 
@@ -27,13 +27,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 from scaletrain.errors import ConfigError
 from scaletrain.strategies.base import Strategy, register
-from scaletrain.strategies.model_parallel import (
+from scaletrain.strategies.devices import (
     check_device_map,
     local_devices_needed,
-    place_module,
     process_devices,
     resolve_device_map,
 )
+from scaletrain.strategies.placement import place_module
 
 if TYPE_CHECKING:
     from scaletrain.runtime import Runtime
