@@ -1,4 +1,4 @@
-"""Process groups, backend and device choice, and collectives for metrics."""
+"""Process groups, this process's topology and meshes, backend and device choice, collectives."""
 
 from scaletrain.dist.backend import BACKENDS, choose_backend, choose_device
 from scaletrain.dist.collectives import REDUCE_OPS, barrier, rank_first, reduce_values
@@ -9,20 +9,25 @@ from scaletrain.dist.process_group import (
     init_process_group,
     is_initialized,
 )
+from scaletrain.dist.mesh import device_mesh
 from scaletrain.dist.sync_batchnorm import SyncBatchNorm
+from scaletrain.dist.topology import Topology, parse_mesh
 
 __all__ = [
     "BACKENDS",
     "DEFAULT_TIMEOUT_S",
     "REDUCE_OPS",
     "SyncBatchNorm",
+    "Topology",
     "barrier",
     "choose_backend",
     "choose_device",
     "destroy",
+    "device_mesh",
     "global_grad_norm",
     "init_process_group",
     "is_initialized",
+    "parse_mesh",
     "rank_first",
     "reduce_values",
 ]

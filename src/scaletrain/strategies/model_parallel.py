@@ -38,7 +38,7 @@ from scaletrain.strategies.placement import (
 )
 
 if TYPE_CHECKING:
-    from scaletrain.runtime import Runtime
+    from scaletrain.dist.topology import Topology
 
 __all__ = [
     "DevicePlan",
@@ -74,11 +74,11 @@ class ModelParallel(Strategy):
     def __post_init__(self) -> None:
         check_device_map(self.device_map, "ModelParallel")
 
-    def _validate(self, rt: Runtime) -> None:
-        if rt.world_size > 1:
+    def _validate(self, topo: Topology) -> None:
+        if topo.world_size > 1:
             raise ConfigError(
                 f"strategy 'model-parallel' places one model over the devices of ONE process, "
-                f"but this job has {rt.world_size} processes, which would each train alone. "
+                f"but this job has {topo.world_size} processes, which would each train alone. "
                 "For several processes each owning several devices use "
                 "st.DDP(device_map={'sub_net1': 'local:0', 'sub_net2': 'local:1'}) "
                 "(DDP with model parallel), or start a single process."
@@ -86,12 +86,12 @@ class ModelParallel(Strategy):
         if isinstance(self.device_map, Mapping):
             resolve_device_map(self.device_map, visible_devices(), "ModelParallel")
 
-    def _setup_module(self, module: nn.Module, rt: Runtime) -> nn.Module:
+    def _setup_module(self, module: nn.Module, topo: Topology) -> nn.Module:
         place_module(module, self.device_map, owner="ModelParallel")
         return module
 
     def _setup_optimizer(
-        self, optimizer: torch.optim.Optimizer, module: nn.Module, rt: Runtime
+        self, optimizer: torch.optim.Optimizer, module: nn.Module, topo: Topology
     ) -> torch.optim.Optimizer:
         _follow_parameters(optimizer)
         return optimizer

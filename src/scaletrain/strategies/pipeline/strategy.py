@@ -10,13 +10,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from scaletrain.dist.mesh import device_mesh
 from scaletrain.errors import ConfigError
 from scaletrain.plan import balance_stages, list_layers
 from scaletrain.strategies.base import Strategy, register
 from scaletrain.strategies.pipeline.module import PipelineModule
 
 if TYPE_CHECKING:
-    from scaletrain.runtime import Runtime
+    from scaletrain.dist.topology import Topology
 
 __all__ = ["SCHEDULES", "Pipeline", "pipeline_layers"]
 
@@ -33,6 +34,9 @@ class Pipeline(Strategy):
     """Pipeline parallel over the "pp" ranks (all ranks without a mesh)."""
 
     name: ClassVar[str] = "pipeline"
+    # Every stage of one replica must see the same batch: alone, the strategy spans
+    # "pp" and only a "dp" mesh dimension splits the data.
+    mesh_dim: ClassVar[str] = "pp"
 
     stages: int | Sequence[str] | None = None
     """N (balance N stages by parameter count), split-point module names, or None (one per rank)."""
@@ -136,20 +140,20 @@ class Pipeline(Strategy):
         return tuple(layers[i][0] for i in cut)
 
     # -- hooks ----------------------------------------------------------------
-    def _validate(self, rt: Runtime) -> None:
-        if rt.mesh_shape is not None and "pp" not in rt.mesh_shape:
+    def _validate(self, topo: Topology) -> None:
+        if topo.mesh_given and "pp" not in topo.mesh_shape:
             raise ConfigError(
                 f"strategy 'pipeline' needs a 'pp' dimension in the mesh, but the mesh is "
-                f"{rt.mesh_shape}. Add it, e.g. mesh={{'pp': 2, 'dp': 2}}, or leave mesh "
+                f"{topo.mesh_shape}. Add it, e.g. mesh={{'pp': 2, 'dp': 2}}, or leave mesh "
                 "unset to pipeline over all ranks."
             )
-        pp_size = _pp_size(rt)
+        pp_size = _pp_size(topo)
         if pp_size > 1:
             self.check_layout(pp_size)
 
-    def _setup_module(self, module: nn.Module, rt: Runtime) -> nn.Module:
-        module = module.to(rt.device)
-        pp_size = _pp_size(rt)
+    def _setup_module(self, module: nn.Module, topo: Topology) -> nn.Module:
+        module = module.to(topo.device)
+        pp_size = _pp_size(topo)
         if pp_size == 1:
             # One process (or pp=1): nothing to pipeline; the same script runs unchanged.
             if isinstance(self.stages, tuple):
@@ -157,7 +161,7 @@ class Pipeline(Strategy):
             return module
         self.check_layout(pp_size)
         split = self.split_points(module, pp_size)
-        mesh = rt.device_mesh("pp")
+        mesh = device_mesh(topo, "pp")
         return PipelineModule(
             module,
             split_points=split,
@@ -166,7 +170,7 @@ class Pipeline(Strategy):
             group=mesh.get_group(),
             pp_rank=mesh.get_local_rank(),
             pp_size=pp_size,
-            device=rt.device,
+            device=topo.device,
         )
 
     def _checkpoint_module(self, module: nn.Module) -> nn.Module:
@@ -178,9 +182,9 @@ class Pipeline(Strategy):
         if isinstance(module, PipelineModule) and not module.is_built:
             module.build(example_inputs)
 
-    def _full_state_dict(self, module: nn.Module, rt: Runtime) -> dict[str, torch.Tensor]:
+    def _full_state_dict(self, module: nn.Module, topo: Topology) -> dict[str, torch.Tensor]:
         if not isinstance(module, PipelineModule) or not module.is_built:
-            return Strategy._full_state_dict(self, module, rt)
+            return Strategy._full_state_dict(self, module, topo)
         # Each stage trained only its own layers: gather every stage's share (plain CPU
         # tensors, in memory between our own ranks) and take each tensor from its owner.
         local = {k: v.detach().cpu() for k, v in module.stage_state_dict().items()}
@@ -193,7 +197,7 @@ class Pipeline(Strategy):
         return {k: owned[k] if k in owned else v.detach().cpu() for k, v in full.items()}
 
     def _setup_optimizer(
-        self, optimizer: torch.optim.Optimizer, module: nn.Module, rt: Runtime
+        self, optimizer: torch.optim.Optimizer, module: nn.Module, topo: Topology
     ) -> torch.optim.Optimizer:
         if isinstance(module, PipelineModule):
             module.attach_optimizer(optimizer)
@@ -202,15 +206,11 @@ class Pipeline(Strategy):
     def _unwrap(self, module: nn.Module) -> nn.Module:
         return module.module if isinstance(module, PipelineModule) else module
 
-    def _data_parallel(self, rt: Runtime) -> tuple[int, int]:
-        # Every stage of one replica must see the same batch: only "dp" splits the data.
-        return rt.mesh_coordinate("dp"), rt.mesh_size("dp")
-
-    def _model_parallel_group(self, rt: Runtime) -> Any:
+    def _model_parallel_group(self, topo: Topology) -> Any:
         # Stages hold different parameters: whole-model norms sum over the stages.
-        if rt.world_size == 1 or (rt.mesh_size("pp") == 1 and rt.mesh_shape is not None):
+        if topo.world_size == 1 or (topo.mesh_given and topo.size("pp") == 1):
             return None
-        return rt.device_mesh("pp").get_group()
+        return device_mesh(topo, "pp").get_group()
 
     def _forward_backward(
         self,
@@ -299,7 +299,5 @@ def _stages_fix(pp_size: int) -> str:
     return f"stages={pp_size} or stages=None (one per rank), or {pp_size - 1} split point name(s)"
 
 
-def _pp_size(rt: Runtime) -> int:
-    if rt.mesh_shape is not None:
-        return rt.mesh_size("pp")
-    return rt.world_size
+def _pp_size(topo: Topology) -> int:
+    return topo.size("pp") if topo.mesh_given else topo.world_size
