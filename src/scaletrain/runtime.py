@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from scaletrain import dist as _dist
+from scaletrain.checkpoint import CheckpointScope
 from scaletrain.data import ShardedLoader, ShardedSampler
 from scaletrain.dist.mesh import device_mesh, full_mesh
 from scaletrain.dist.topology import MESH_DIMS, Topology, parse_mesh
@@ -395,7 +396,9 @@ class Runtime:
         """
         from scaletrain.checkpoint import save_checkpoint
 
-        return save_checkpoint(self, path, keep=keep, async_save=async_save, **state)
+        return save_checkpoint(
+            self.checkpoint_scope(), path, keep=keep, async_save=async_save, **state
+        )
 
     def load(self, path: str | os.PathLike[str], **state: Any) -> dict[str, Any]:
         """Restore the objects given in `state` in place; return the saved plain values.
@@ -405,7 +408,18 @@ class Runtime:
         """
         from scaletrain.checkpoint import load_checkpoint
 
-        return load_checkpoint(self, path, **state)
+        return load_checkpoint(self.checkpoint_scope(), path, **state)
+
+    def checkpoint_scope(self) -> CheckpointScope:
+        """What checkpoints need of this run: its topology and the strategy's model views.
+
+        Lets scaletrain.checkpoint.save_checkpoint / load_checkpoint take the Runtime.
+        """
+        return CheckpointScope(
+            topology=self.topology,
+            unwrap=self.strategy.unwrap,
+            checkpoint_module=self.strategy.checkpoint_module,
+        )
 
     def shutdown(self) -> None:
         """Leave the job cleanly; safe to call twice."""
