@@ -5,21 +5,20 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 import torch
 from torch import nn
 
 from scaletrain import dist as _dist
+from scaletrain.accumulation import AccumulationStep, Accumulator
 from scaletrain.checkpoint import CheckpointScope
 from scaletrain.data import ShardedLoader, ShardedSampler
 from scaletrain.dist.mesh import device_mesh, full_mesh
 from scaletrain.dist.topology import MESH_DIMS, Topology, parse_mesh
 from scaletrain.env import detect
 from scaletrain.env.base import ClusterEnv
-from scaletrain.errors import ConfigError
 from scaletrain.precision import Precision
 from scaletrain.strategies import Strategy, resolve_strategy
 
@@ -28,22 +27,6 @@ if TYPE_CHECKING:
 
 # MESH_DIMS and parse_mesh live in scaletrain.dist.topology; exported here too, as before.
 __all__ = ["MESH_DIMS", "AccumulationStep", "Runtime", "init", "parse_mesh", "sync_batchnorm"]
-
-
-@dataclass(frozen=True, slots=True)
-class AccumulationStep:
-    """Where a micro-step sits in its accumulation window."""
-
-    index: int
-    """0-based micro-step within the window."""
-    steps: int
-    """Micro-steps per optimizer step."""
-    sync: bool
-    """True on the last micro-step: gradients were synchronised; step the optimizer."""
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    return type(t).__name__ == "DTensor"
 
 
 OptimizerT = TypeVar("OptimizerT", bound=torch.optim.Optimizer)
@@ -77,10 +60,8 @@ class Runtime:
         self.topology = topology
         """This process's place in the job, as the strategy and checkpoints see it."""
         self.precision = precision or Precision(device=topology.device)
-        self._accumulation_scale = 1.0
-        self._micro_steps: dict[int, int] = {}
+        self._accumulation = Accumulator()
         self.strategy = strategy
-        self._control_group: Any = None
         self._closed = False
 
     # -- device meshes -------------------------------------------------------------
@@ -206,7 +187,7 @@ class Runtime:
         """
         # Gradient accumulation (1/k) and fp16 loss scaling multiply the loss that is
         # backpropagated; the loss returned for logging is the true one.
-        mult = self._accumulation_scale
+        mult = self._accumulation.scale
 
         def scaled_loss(outputs: Any, target: torch.Tensor) -> torch.Tensor:
             return self.precision.scale(loss_fn(outputs, target) * mult)
@@ -224,14 +205,15 @@ class Runtime:
 
         For loops that call the model themselves instead of rt.forward_backward.
         """
-        self.precision.scale(loss * self._accumulation_scale).backward()
+        self.precision.scale(loss * self._accumulation.scale).backward()
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """optimizer.step(), through the GradScaler under fp16-mixed."""
         self.precision.step(optimizer)
 
-    @contextlib.contextmanager
-    def accumulate(self, model: nn.Module, steps: int) -> Iterator[AccumulationStep]:
+    def accumulate(
+        self, model: nn.Module, steps: int
+    ) -> contextlib.AbstractContextManager[AccumulationStep]:
         """One micro-step of gradient accumulation over `steps` micro-batches.
 
         Inside the block the gradient all-reduce is skipped on the first steps-1
@@ -245,23 +227,7 @@ class Runtime:
                 rt.step(optimizer)
                 optimizer.zero_grad()
         """
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-            raise ConfigError(
-                f"accumulate(steps={steps!r}): expected a positive integer number of "
-                "micro-batches per optimizer step, e.g. steps=4."
-            )
-        key = id(model)
-        index = self._micro_steps.get(key, 0)
-        sync = index + 1 >= steps
-        self._micro_steps[key] = 0 if sync else index + 1
-        previous = self._accumulation_scale
-        self._accumulation_scale = 1.0 / steps
-        context = contextlib.nullcontext() if sync else self.strategy.no_sync(model)
-        try:
-            with context:
-                yield AccumulationStep(index=index, steps=steps, sync=sync)
-        finally:
-            self._accumulation_scale = previous
+        return self._accumulation.window(model, steps, self.strategy.no_sync)
 
     def clip_grad_norm(
         self,
@@ -277,18 +243,14 @@ class Runtime:
         global norm a single process would compute. Returns that norm.
         """
         self.precision.unscale(optimizer)
-        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         total = _dist.global_grad_norm(
-            [p.grad for p in params],
+            grads,
             norm_type,
             group=self.strategy.model_parallel_group(self.topology),
             device=self.device,
         )
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for p in params:
-            grad = p.grad
-            assert grad is not None
-            grad.mul_(coef.to(grad.device, grad.dtype) if not _is_dtensor(grad) else coef.item())
+        _dist.clip_grads_(grads, total, max_norm)
         return total
 
     def predict(self, model: nn.Module, inputs: Any) -> Any:
@@ -354,20 +316,9 @@ class Runtime:
     def any_rank(self, flag: bool) -> bool:
         """True on every rank if `flag` is True on any: one tiny collective.
 
-        Runs on a CPU (Gloo) group even under NCCL, so checking it every step costs
-        no GPU synchronisation.
+        Runs on a CPU (Gloo) group even under NCCL: no GPU synchronisation.
         """
-        if self.world_size == 1:
-            return flag
-        import torch.distributed as dist
-
-        if self._control_group is None:
-            self._control_group = (
-                dist.new_group(backend="gloo") if self.backend != "gloo" else dist.group.WORLD
-            )
-        t = torch.tensor([1.0 if flag else 0.0])
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._control_group)
-        return bool(t.item() > 0)
+        return _dist.any_rank(flag, world_size=self.world_size, backend=self.backend)
 
     def barrier(self) -> None:
         _dist.barrier(self.device)

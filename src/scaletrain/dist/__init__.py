@@ -1,8 +1,8 @@
 """Process groups, this process's topology and meshes, backend and device choice, collectives."""
 
 from scaletrain.dist.backend import BACKENDS, choose_backend, choose_device
-from scaletrain.dist.collectives import REDUCE_OPS, barrier, rank_first, reduce_values
-from scaletrain.dist.grad_norm import global_grad_norm
+from scaletrain.dist.collectives import REDUCE_OPS, any_rank, barrier, rank_first, reduce_values
+from scaletrain.dist.grad_norm import clip_grads_, global_grad_norm
 from scaletrain.dist.process_group import (
     DEFAULT_TIMEOUT_S,
     destroy,
@@ -19,9 +19,11 @@ __all__ = [
     "REDUCE_OPS",
     "SyncBatchNorm",
     "Topology",
+    "any_rank",
     "barrier",
     "choose_backend",
     "choose_device",
+    "clip_grads_",
     "destroy",
     "device_mesh",
     "global_grad_norm",
