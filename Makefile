@@ -9,7 +9,7 @@ STAMP := $(VENV)/.setup-stamp
 FMNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 TRAIN_ARGS ?=
 
-.PHONY: setup train test lint typecheck unit clean
+.PHONY: setup train test lint typecheck layers unit clean
 
 setup: $(STAMP) $(FMNIST)
 
@@ -39,9 +39,13 @@ lint: setup
 typecheck: setup
 	$(VENV)/bin/mypy
 
+# The import layering in pyproject.toml ([tool.importlinter]).
+layers: setup
+	$(VENV)/bin/lint-imports
+
 # pytest exits 5 when it collects no test: that is a failure for CI here,
 # never a silent pass, so it is reported as such.
-test: lint typecheck
+test: lint typecheck layers
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
 

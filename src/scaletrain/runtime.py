@@ -3,83 +3,30 @@
 from __future__ import annotations
 
 import contextlib
-import math
+import dataclasses
 import os
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 import torch
 from torch import nn
 
 from scaletrain import dist as _dist
+from scaletrain.accumulation import AccumulationStep, Accumulator
+from scaletrain.checkpoint import CheckpointScope
 from scaletrain.data import ShardedLoader, ShardedSampler
+from scaletrain.dist.mesh import device_mesh, full_mesh
+from scaletrain.dist.topology import MESH_DIMS, Topology, parse_mesh
 from scaletrain.env import detect
 from scaletrain.env.base import ClusterEnv
-from scaletrain.errors import ConfigError
 from scaletrain.precision import Precision
 from scaletrain.strategies import Strategy, resolve_strategy
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
+# MESH_DIMS and parse_mesh live in scaletrain.dist.topology; exported here too, as before.
 __all__ = ["MESH_DIMS", "AccumulationStep", "Runtime", "init", "parse_mesh", "sync_batchnorm"]
-
-MESH_DIMS = ("pp", "dp", "tp")
-"""Mesh dimensions, outermost first: tensor-parallel peers are neighbours (same node,
-fastest links), pipeline stages furthest apart (they exchange the least)."""
-
-
-@dataclass(frozen=True, slots=True)
-class AccumulationStep:
-    """Where a micro-step sits in its accumulation window."""
-
-    index: int
-    """0-based micro-step within the window."""
-    steps: int
-    """Micro-steps per optimizer step."""
-    sync: bool
-    """True on the last micro-step: gradients were synchronised; step the optimizer."""
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    return type(t).__name__ == "DTensor"
-
-
-def parse_mesh(mesh: Mapping[str, int] | str | None, world_size: int) -> dict[str, int] | None:
-    """{"dp": 2, "tp": 2} or "dp=2,tp=2" -> an ordered, checked mesh shape (or None)."""
-    if mesh is None:
-        return None
-    items: dict[str, int] = {}
-    if isinstance(mesh, str):
-        for part in filter(None, (p.strip() for p in mesh.split(","))):
-            key, sep, value = part.partition("=")
-            if not sep or not value.strip().isdigit():
-                raise ConfigError(
-                    f"mesh={mesh!r}: {part!r} is not NAME=SIZE. Expected e.g. 'dp=2,tp=2'."
-                )
-            items[key.strip()] = int(value)
-    else:
-        items = {str(k): int(v) for k, v in mesh.items()}
-    unknown = [k for k in items if k not in MESH_DIMS]
-    if unknown:
-        raise ConfigError(
-            f"mesh={mesh!r} names dimension(s) {', '.join(map(repr, unknown))}; expected "
-            f"some of {', '.join(MESH_DIMS)} (data, tensor and pipeline parallel)."
-        )
-    bad = {k: v for k, v in items.items() if v < 1}
-    if bad:
-        raise ConfigError(f"mesh={mesh!r}: sizes must be >= 1, got {bad}.")
-    product = math.prod(items.values())
-    if product != world_size:
-        raise ConfigError(
-            f"mesh={mesh!r} holds {product} ranks ("
-            + " x ".join(f"{k}={v}" for k, v in items.items())
-            + f"), but the job has world size {world_size}. The product of the mesh sizes "
-            f"must equal the number of processes: change the mesh or start {product} "
-            "processes."
-        )
-    return {k: items[k] for k in MESH_DIMS if k in items}
 
 
 OptimizerT = TypeVar("OptimizerT", bound=torch.optim.Optimizer)
@@ -97,101 +44,88 @@ class Runtime:
         *,
         env: ClusterEnv,
         strategy: Strategy,
-        backend: str,
-        device: torch.device,
+        backend: str | None = None,
+        device: torch.device | None = None,
         mesh_shape: Mapping[str, int] | None = None,
         precision: Precision | None = None,
+        topology: Topology | None = None,
     ) -> None:
+        if topology is None:
+            if backend is None or device is None:
+                raise TypeError("Runtime() needs a topology, or a backend and a device.")
+            topology = Topology.resolve(
+                env, device=device, backend=backend, mesh=mesh_shape, implicit_dim=strategy.mesh_dim
+            )
         self.env = env
-        self.precision = precision or Precision(device=device)
-        self._accumulation_scale = 1.0
-        self._micro_steps: dict[int, int] = {}
+        self.topology = topology
+        """This process's place in the job, as the strategy and checkpoints see it."""
+        self.precision = precision or Precision(device=topology.device)
+        self._accumulation = Accumulator()
         self.strategy = strategy
-        self.backend = backend
-        self.device = device
-        self.mesh_shape: dict[str, int] | None = dict(mesh_shape) if mesh_shape else None
-        self._mesh: DeviceMesh | None = None
-        self._flat_meshes: dict[str, DeviceMesh] = {}
-        self._control_group: Any = None
         self._closed = False
 
     # -- device meshes -------------------------------------------------------------
     @property
+    def mesh_shape(self) -> dict[str, int] | None:
+        """The mesh given to st.init(mesh=...), ordered pp, dp, tp; None without one."""
+        return dict(self.topology.mesh_shape) if self.topology.mesh_given else None
+
+    @property
     def mesh(self) -> DeviceMesh | None:
         """The N-D DeviceMesh asked for with st.init(mesh=...), else None."""
-        if self._mesh is None and self.mesh_shape is not None and self.world_size > 1:
-            from torch.distributed.device_mesh import init_device_mesh
-
-            self._mesh = init_device_mesh(
-                self.device.type,
-                tuple(self.mesh_shape.values()),
-                mesh_dim_names=tuple(self.mesh_shape),
-            )
-        return self._mesh
+        return full_mesh(self.topology)
 
     def device_mesh(self, dim: str) -> DeviceMesh:
         """The 1-D mesh a strategy works on: dimension `dim` of st.init(mesh=...), or
         every rank when no mesh was given (plain FSDP / tensor / pipeline parallel)."""
-        mesh = self.mesh
-        if mesh is not None:
-            if self.mesh_shape is None or dim not in self.mesh_shape:
-                raise ConfigError(
-                    f"the strategy needs a {dim!r} dimension, but the mesh is "
-                    f"{self.mesh_shape}. Add it, e.g. mesh={{'dp': 2, '{dim}': 2}}."
-                )
-            return mesh[dim]
-        if dim not in self._flat_meshes:
-            from torch.distributed.device_mesh import init_device_mesh
-
-            self._flat_meshes[dim] = init_device_mesh(
-                self.device.type, (self.world_size,), mesh_dim_names=(dim,)
-            )
-        return self._flat_meshes[dim]
+        return device_mesh(self.topology, dim)
 
     def mesh_coordinate(self, dim: str) -> int:
         """This rank's index along `dim` of the mesh (0 if the mesh has no such dimension).
 
         init_device_mesh lays ranks out row-major over the shape, outermost first.
         """
-        shape = self.mesh_shape
-        if shape is None or dim not in shape:
-            return 0
-        dims = list(shape)
-        inner = math.prod(shape[d] for d in dims[dims.index(dim) + 1 :])
-        return (self.rank // inner) % shape[dim]
+        return self.topology.coordinate(dim) if self.topology.mesh_given else 0
 
     def mesh_size(self, dim: str) -> int:
         """Ranks along `dim` of the mesh (1 if the mesh has no such dimension)."""
-        if self.mesh_shape is None:
-            return 1
-        return self.mesh_shape.get(dim, 1)
+        return self.topology.size(dim) if self.topology.mesh_given else 1
 
     # -- where am I ------------------------------------------------------------
     @property
     def rank(self) -> int:
-        return self.env.rank
+        return self.topology.rank
 
     @property
     def local_rank(self) -> int:
-        return self.env.local_rank
+        return self.topology.local_rank
 
     @property
     def world_size(self) -> int:
-        return self.env.world_size
+        return self.topology.world_size
 
     @property
     def node_rank(self) -> int:
-        return self.env.node_rank
+        return self.topology.node_rank
+
+    @property
+    def backend(self) -> str:
+        return self.topology.backend
+
+    @property
+    def device(self) -> torch.device:
+        """The device this process computes on: inputs go there."""
+        return self.topology.device
 
     @property
     def dp_rank(self) -> int:
         """This rank's index among the data-parallel replicas (which shard of data it reads)."""
-        return self.strategy.data_parallel(self)[0]
+        return self.topology.dp_rank
 
     @property
     def dp_size(self) -> int:
         """Number of data-parallel replicas: the global batch is batch_size x dp_size."""
-        return self.strategy.data_parallel(self)[1]
+        return self.topology.dp_size
 
     @property
     def is_main(self) -> bool:
@@ -217,10 +151,10 @@ class Runtime:
     ) -> nn.Module | tuple[nn.Module, torch.optim.Optimizer]:
         """Move the model to this process's device and wrap it for the strategy."""
         model = self.precision.convert_module(model)
-        wrapped = self.strategy.setup_module(model, self)
+        wrapped = self.strategy.setup_module(model, self.topology)
         if optimizer is None:
             return wrapped
-        return wrapped, self.strategy.setup_optimizer(optimizer, wrapped, self)
+        return wrapped, self.strategy.setup_optimizer(optimizer, wrapped, self.topology)
 
     def prepare(self, model: nn.Module, example_inputs: Any) -> None:
         """Build lazily-built parts (pipeline stages) from an example batch now, e.g.
@@ -237,7 +171,7 @@ class Runtime:
         Gathers shards (FSDP, tensor parallel) and stages (pipeline): a collective,
         so every rank must call it; every rank gets the result.
         """
-        return self.strategy.full_state_dict(model, self)
+        return self.strategy.full_state_dict(model, self.topology)
 
     def forward_backward(
         self,
@@ -253,7 +187,7 @@ class Runtime:
         """
         # Gradient accumulation (1/k) and fp16 loss scaling multiply the loss that is
         # backpropagated; the loss returned for logging is the true one.
-        mult = self._accumulation_scale
+        mult = self._accumulation.scale
 
         def scaled_loss(outputs: Any, target: torch.Tensor) -> torch.Tensor:
             return self.precision.scale(loss_fn(outputs, target) * mult)
@@ -271,14 +205,15 @@ class Runtime:
 
         For loops that call the model themselves instead of rt.forward_backward.
         """
-        self.precision.scale(loss * self._accumulation_scale).backward()
+        self.precision.scale(loss * self._accumulation.scale).backward()
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """optimizer.step(), through the GradScaler under fp16-mixed."""
         self.precision.step(optimizer)
 
-    @contextlib.contextmanager
-    def accumulate(self, model: nn.Module, steps: int) -> Iterator[AccumulationStep]:
+    def accumulate(
+        self, model: nn.Module, steps: int
+    ) -> contextlib.AbstractContextManager[AccumulationStep]:
         """One micro-step of gradient accumulation over `steps` micro-batches.
 
         Inside the block the gradient all-reduce is skipped on the first steps-1
@@ -292,23 +227,7 @@ class Runtime:
                 rt.step(optimizer)
                 optimizer.zero_grad()
         """
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-            raise ConfigError(
-                f"accumulate(steps={steps!r}): expected a positive integer number of "
-                "micro-batches per optimizer step, e.g. steps=4."
-            )
-        key = id(model)
-        index = self._micro_steps.get(key, 0)
-        sync = index + 1 >= steps
-        self._micro_steps[key] = 0 if sync else index + 1
-        previous = self._accumulation_scale
-        self._accumulation_scale = 1.0 / steps
-        context = contextlib.nullcontext() if sync else self.strategy.no_sync(model)
-        try:
-            with context:
-                yield AccumulationStep(index=index, steps=steps, sync=sync)
-        finally:
-            self._accumulation_scale = previous
+        return self._accumulation.window(model, steps, self.strategy.no_sync)
 
     def clip_grad_norm(
         self,
@@ -324,18 +243,14 @@ class Runtime:
         global norm a single process would compute. Returns that norm.
         """
         self.precision.unscale(optimizer)
-        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         total = _dist.global_grad_norm(
-            [p.grad for p in params],
+            grads,
             norm_type,
-            group=self.strategy.model_parallel_group(self),
+            group=self.strategy.model_parallel_group(self.topology),
             device=self.device,
         )
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for p in params:
-            grad = p.grad
-            assert grad is not None
-            grad.mul_(coef.to(grad.device, grad.dtype) if not _is_dtensor(grad) else coef.item())
+        _dist.clip_grads_(grads, total, max_norm)
         return total
 
     def predict(self, model: nn.Module, inputs: Any) -> Any:
@@ -366,11 +281,10 @@ class Runtime:
         For evaluation pass `shuffle=False, pad=False`: shards then differ by at most
         one sample and every sample is counted exactly once across ranks.
         """
-        rank, size = self.strategy.data_parallel(self)
         sampler = ShardedSampler(
             dataset,
-            num_replicas=size,
-            rank=rank,
+            num_replicas=self.dp_size,
+            rank=self.dp_rank,
             shuffle=shuffle,
             seed=seed,
             drop_last=drop_last,
@@ -402,20 +316,9 @@ class Runtime:
     def any_rank(self, flag: bool) -> bool:
         """True on every rank if `flag` is True on any: one tiny collective.
 
-        Runs on a CPU (Gloo) group even under NCCL, so checking it every step costs
-        no GPU synchronisation.
+        Runs on a CPU (Gloo) group even under NCCL: no GPU synchronisation.
         """
-        if self.world_size == 1:
-            return flag
-        import torch.distributed as dist
-
-        if self._control_group is None:
-            self._control_group = (
-                dist.new_group(backend="gloo") if self.backend != "gloo" else dist.group.WORLD
-            )
-        t = torch.tensor([1.0 if flag else 0.0])
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._control_group)
-        return bool(t.item() > 0)
+        return _dist.any_rank(flag, world_size=self.world_size, backend=self.backend)
 
     def barrier(self) -> None:
         _dist.barrier(self.device)
@@ -444,7 +347,9 @@ class Runtime:
         """
         from scaletrain.checkpoint import save_checkpoint
 
-        return save_checkpoint(self, path, keep=keep, async_save=async_save, **state)
+        return save_checkpoint(
+            self.checkpoint_scope(), path, keep=keep, async_save=async_save, **state
+        )
 
     def load(self, path: str | os.PathLike[str], **state: Any) -> dict[str, Any]:
         """Restore the objects given in `state` in place; return the saved plain values.
@@ -454,7 +359,18 @@ class Runtime:
         """
         from scaletrain.checkpoint import load_checkpoint
 
-        return load_checkpoint(self, path, **state)
+        return load_checkpoint(self.checkpoint_scope(), path, **state)
+
+    def checkpoint_scope(self) -> CheckpointScope:
+        """What checkpoints need of this run: its topology and the strategy's model views.
+
+        Lets scaletrain.checkpoint.save_checkpoint / load_checkpoint take the Runtime.
+        """
+        return CheckpointScope(
+            topology=self.topology,
+            unwrap=self.strategy.unwrap,
+            checkpoint_module=self.strategy.checkpoint_module,
+        )
 
     def shutdown(self) -> None:
         """Leave the job cleanly; safe to call twice."""
@@ -510,24 +426,20 @@ def init(
         torch.cuda.set_device(dev)
     shape = parse_mesh(mesh, cluster.world_size)
     strat = resolve_strategy(strategy, mesh=shape)
-    prec = Precision(name=precision, device=dev)
-    strat.adopt_precision(prec)
-    rt = Runtime(
-        env=cluster,
-        strategy=strat,
-        backend=chosen,
-        device=dev,
-        mesh_shape=shape,
-        precision=prec,
+    topo = Topology.resolve(
+        cluster, device=dev, backend=chosen, mesh=shape, implicit_dim=strat.mesh_dim
     )
+    prec = Precision(name=precision, device=dev)
+    strat.adopt_precision(prec, topo)
     # Check the strategy before any peer is contacted: a bad config fails fast, alone.
-    strat.validate(rt)
-    home = strat.home_device(rt)
-    if home != rt.device:
-        rt.device = home
-        rt.precision.device = home
+    strat.validate(topo)
+    home = strat.home_device(topo)
+    if home != dev:
+        topo = dataclasses.replace(topo, device=home)
+        prec.device = home
         if home.type == "cuda":
             torch.cuda.set_device(home)
+    rt = Runtime(env=cluster, strategy=strat, precision=prec, topology=topo)
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     _dist.init_process_group(cluster, backend=chosen, device=rt.device, timeout_s=timeout)
     _CURRENT = rt

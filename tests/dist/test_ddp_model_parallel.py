@@ -52,7 +52,7 @@ def _train(rt: Any, device_map: dict[str, str] | str) -> dict[str, Any]:
     from scaletrain.strategies.ddp import DDP
 
     rt.strategy = DDP(device_map=device_map)
-    rt.strategy.validate(rt)
+    rt.strategy.validate(rt.topology)
     x, y = _data()
     bare = _model()
     model, opt = rt.setup(bare, _optimizer(bare))
@@ -75,7 +75,7 @@ def _train(rt: Any, device_map: dict[str, str] | str) -> dict[str, Any]:
         "same_module": inner is bare,
         "hooked": [n for n, m in inner.named_modules() if m._forward_pre_hooks],
         "devices": sorted({str(p.device) for p in inner.parameters()}),
-        "process_devices": rt.strategy.process_devices(rt),
+        "process_devices": rt.strategy.process_devices(rt.topology),
     }
     del model, opt  # before the next DDP: one live reducer at a time (NOTES.md)
     return out
@@ -167,7 +167,7 @@ def test_model_parallel_on_cpu_equals_the_plain_model_bitwise() -> None:
     )  # fmt: skip
     strategy = ModelParallel(device_map={"sub_net1": "cpu", "sub_net2": "cpu"})
     rt = Runtime(env=env, strategy=strategy, backend="gloo", device=torch.device("cpu"))
-    strategy.validate(rt)
+    strategy.validate(rt.topology)
     bare = _model()
     model, opt = rt.setup(bare, _optimizer(bare))
     plain = _model()

@@ -130,7 +130,7 @@ def _job() -> dict[str, Any]:
 
     rt = st.init(strategy=TensorParallel())
     res: dict[str, Any] = {
-        "data_parallel": rt.strategy.data_parallel(rt),
+        "data_parallel": rt.strategy.data_parallel(rt.topology),
         "loader_sees_everything": len(rt.loader(list(range(10)), batch_size=10, shuffle=False)),
     }
     res.update({name: _train(rt, name) for name in CONFIGS})

@@ -13,7 +13,7 @@ import pytest
 from scaletrain.testing import launcher_free_env
 import torch
 
-from scaletrain.data import write_fake_mnist
+from scaletrain.testing import write_fake_mnist
 from scaletrain.train import ConvNet
 
 pytestmark = pytest.mark.timeout(240)

@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from scaletrain.data import write_fake_mnist
-from scaletrain.testing import launcher_free_env
+from scaletrain.testing import launcher_free_env, write_fake_mnist
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 

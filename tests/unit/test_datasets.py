@@ -20,12 +20,10 @@ from scaletrain.data import (
     load_dataset,
     read_cifar_batch,
     read_idx,
-    write_cifar,
-    write_fake_mnist,
-    write_idx,
 )
 from scaletrain.data import datasets as datasets_mod
 from scaletrain.errors import ConfigError, DatasetError
+from scaletrain.testing import write_cifar, write_fake_mnist, write_idx
 
 REAL_FASHION = Path("/usr/share/datasets/fashion-mnist")
 

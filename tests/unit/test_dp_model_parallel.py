@@ -20,8 +20,9 @@ import scaletrain as st
 from scaletrain.env.base import ClusterEnv
 from scaletrain.runtime import Runtime
 from scaletrain.strategies import base as strategies_base
+from scaletrain.strategies import devices as devices_module
 from scaletrain.strategies import dp as dp_module
-from scaletrain.strategies import model_parallel as mp
+from scaletrain.strategies import placement as placement_module
 from scaletrain.strategies.base import Strategy, resolve_strategy
 from scaletrain.strategies.ddp import DDP
 from scaletrain.strategies.dp import DataParallel
@@ -59,7 +60,9 @@ def _names(model: nn.Module) -> list[str]:
 
 def _fake_gpus(monkeypatch: pytest.MonkeyPatch, count: int) -> None:
     """This process sees `count` GPUs, as far as the device checks can tell."""
-    monkeypatch.setattr(mp, "visible_devices", lambda: [f"cuda:{i}" for i in range(count)])
+    monkeypatch.setattr(
+        devices_module, "visible_devices", lambda: [f"cuda:{i}" for i in range(count)]
+    )
     monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
     monkeypatch.setattr(dp_module, "_gpu_count", lambda: count)
 
@@ -211,20 +214,20 @@ def test_ddp_device_map_gives_each_process_its_own_gpus(monkeypatch: pytest.Monk
     seeds = DDP(device_map={"sub_net1": "local:0", "sub_net2": "local:1"})
     for rank, owned in [(0, ["cuda:0", "cuda:1"]), (1, ["cuda:2", "cuda:3"])]:
         rt = _rt(seeds, f"cuda:{rank}", world_size=2, local_rank=rank, local_world_size=2)
-        assert seeds.process_devices(rt) == owned
+        assert seeds.process_devices(rt.topology) == owned
         assert resolve_device_map(seeds.device_map, owned, "DDP") == {  # type: ignore[arg-type]
             "sub_net1": owned[0], "sub_net2": owned[1],
         }  # fmt: skip
-        seeds.validate(rt)
+        seeds.validate(rt.topology)
     auto = DDP(device_map="auto")
     rt = _rt(auto, "cuda:1", world_size=2, local_rank=1, local_world_size=2)
-    assert auto.process_devices(rt) == ["cuda:2", "cuda:3"]
+    assert auto.process_devices(rt.topology) == ["cuda:2", "cuda:3"]
     explicit = DDP(device_map="auto", devices_per_process=1)
-    assert explicit.process_devices(rt) == ["cuda:1"]
+    assert explicit.process_devices(rt.topology) == ["cuda:1"]
     # Three processes with two GPUs each do not fit on four GPUs.
     rt = _rt(seeds, "cuda:2", world_size=3, local_rank=2, local_world_size=3)
     with pytest.raises(st.ConfigError, match="local rank 2 owns 2 devices"):
-        seeds.validate(rt)
+        seeds.validate(rt.topology)
 
 
 def test_ddp_device_map_config_is_checked() -> None:
@@ -238,7 +241,7 @@ def test_ddp_device_map_config_is_checked() -> None:
 def test_local_devices_on_a_machine_without_gpus_are_the_cpu() -> None:
     seeds = DDP(device_map={"sub_net1": "local:0", "sub_net2": "local:1"})
     rt = _rt(seeds, "cpu", world_size=2, local_rank=1, local_world_size=2)
-    assert seeds.process_devices(rt) == ["cpu", "cpu"]
+    assert seeds.process_devices(rt.topology) == ["cpu", "cpu"]
     assert resolve_device_map({"a": "local:5"}, ["cpu"], "DDP") == {"a": "cpu"}
 
 
@@ -248,7 +251,7 @@ def test_a_device_that_does_not_exist_is_named_with_the_fix(
     _fake_gpus(monkeypatch, 2)
     strategy = ModelParallel(device_map={"sub_net1": "cuda:0", "sub_net2": "cuda:3"})
     with pytest.raises(st.ConfigError) as info:
-        strategy.validate(_rt(strategy))
+        strategy.validate(_rt(strategy).topology)
     message = str(info.value)
     assert "'cuda:3'" in message and "available: cuda:0, cuda:1" in message
     assert "CUDA_VISIBLE_DEVICES" in message
@@ -315,7 +318,7 @@ def test_hooks_move_args_and_kwargs_at_the_boundary() -> None:
     model = _TwoStage()
     weight = model.first.weight
     # Private entry: place_module refuses "meta" (no data to train), the hooks do not care.
-    placement = mp._apply_plan(
+    placement = placement_module._apply_plan(
         model, plan_device_map(_names(model), {"first": "cpu", "second": "meta"})
     )
     assert model.first.weight is weight, "placement keeps the Parameter objects"
@@ -325,7 +328,9 @@ def test_hooks_move_args_and_kwargs_at_the_boundary() -> None:
     assert model.second.seen == ["meta", "meta"] and out.device.type == "meta"
     assert placement.hooked == ("", "first", "second")
     # Placing again replaces the hooks rather than stacking a second set.
-    mp._apply_plan(model, plan_device_map(_names(model), {"first": "meta", "second": "meta"}))
+    placement_module._apply_plan(
+        model, plan_device_map(_names(model), {"first": "meta", "second": "meta"})
+    )
     assert [len(m._forward_pre_hooks) for m in (model, model.first, model.second)] == [1, 1, 1]
 
 
@@ -334,8 +339,10 @@ def test_a_tied_weight_on_two_devices_is_refused() -> None:
     model[1].weight = model[0].weight
     plan = plan_device_map(_names(model), {"0": "gpu0", "1": "gpu1"})
     with pytest.raises(st.ConfigError, match=r"0\.weight and 1\.weight are the same tensor"):
-        mp._check_shared(model, plan.devices)
-    mp._check_shared(model, plan_device_map(_names(model), {"0": "gpu0", "1": "gpu0"}).devices)
+        placement_module._check_shared(model, plan.devices)
+    placement_module._check_shared(
+        model, plan_device_map(_names(model), {"0": "gpu0", "1": "gpu0"}).devices
+    )
 
 
 # -- ModelParallel on CPU ------------------------------------------------------------------
@@ -359,7 +366,7 @@ def test_model_parallel_on_cpu_places_hooks_and_unwraps_to_the_module() -> None:
 def test_model_parallel_refuses_several_processes() -> None:
     strategy = ModelParallel(device_map={"sub_net1": "cpu", "sub_net2": "cpu"})
     with pytest.raises(st.ConfigError) as info:
-        strategy.validate(_rt(strategy, world_size=2))
+        strategy.validate(_rt(strategy, world_size=2).topology)
     message = str(info.value)
     assert "2 processes" in message and "st.DDP(device_map=" in message
 
@@ -431,7 +438,7 @@ def test_dp_with_several_processes_says_use_ddp() -> None:
     rt = Runtime(env=_env(world_size=2), strategy=strategy, backend="nccl",
                  device=torch.device("cpu"))  # fmt: skip
     with pytest.raises(st.ConfigError) as info:
-        strategy.validate(rt)
+        strategy.validate(rt.topology)
     message = str(info.value)
     assert "single process" in message and "2 processes" in message and "'nccl'" in message
     assert "strategy='ddp'" in message and "faster" in message
@@ -449,5 +456,5 @@ def test_dp_device_ids_beyond_the_gpus_fail_at_validate(monkeypatch: pytest.Monk
     _fake_gpus(monkeypatch, 2)
     strategy = DataParallel(device_ids=[0, 3])
     with pytest.raises(st.ConfigError, match=r"GPU 3.*2 visible GPU\(s\)"):
-        strategy.validate(_rt(strategy))
-    DataParallel(device_ids=[1, 0]).validate(_rt(strategy))
+        strategy.validate(_rt(strategy).topology)
+    DataParallel(device_ids=[1, 0]).validate(_rt(strategy).topology)

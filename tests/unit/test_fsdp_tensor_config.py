@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
+from scaletrain.dist.topology import Topology
 from scaletrain.errors import ConfigError
-from scaletrain.precision import Precision
 from scaletrain.strategies.base import (
     STRATEGIES,
     parameter_names,
@@ -29,23 +28,14 @@ from scaletrain.train.models import GPT, MLP, Block, ConvNet, GPTConfig, SplitNe
 SMALL = GPTConfig(n_layer=2, n_embd=32, n_head=4, vocab_size=64, block_size=16)
 
 
-def _rt(world_size: int = 1, mesh_shape: dict[str, int] | None = None, **extra: Any) -> Any:
-    """The few Runtime attributes the hooks read, without a process group."""
-    return SimpleNamespace(
+def _topo(world_size: int = 1, mesh_shape: dict[str, int] | None = None, rank: int = 0) -> Topology:
+    """The topology the hooks read, without a process group: the mesh given to st.init,
+    else tensor parallel's implicit one (every rank along "tp")."""
+    return Topology(
+        rank=rank,
         world_size=world_size,
-        rank=0,
-        device=torch.device("cpu"),
-        backend="gloo",
-        mesh_shape=mesh_shape,
-        mesh_size=lambda dim: (mesh_shape or {}).get(dim, 1),
-        # Where this rank sits on a mesh dimension: the fake mesh says, else 0.
-        mesh_coordinate=lambda dim: (
-            extra["mesh"].get_local_rank(dim)
-            if "mesh" in extra and dim in (mesh_shape or {})
-            else 0
-        ),
-        precision=Precision(),
-        **extra,
+        mesh_shape=mesh_shape or {"tp": world_size},
+        mesh_given=mesh_shape is not None,
     )
 
 
@@ -143,13 +133,13 @@ def test_fsdp_in_one_process_is_the_plain_module() -> None:
     model = GPT(SMALL)
     opt = torch.optim.AdamW(model.parameters())
     s = FSDP()
-    assert s.setup_module(model, _rt()) is model
-    assert s.setup_optimizer(opt, model, _rt()) is opt
+    assert s.setup_module(model, _topo()) is model
+    assert s.setup_optimizer(opt, model, _topo()) is opt
     assert s.unwrap(model) is model
     with s.no_sync(model):  # no FSDP state: nothing to switch off
         pass
     with pytest.raises(ConfigError, match="names Blok"):
-        FSDP(wrap="Blok").setup_module(model, _rt())
+        FSDP(wrap="Blok").setup_module(model, _topo())
 
 
 def test_rebind_optimizer_points_at_the_new_parameters_in_place() -> None:
@@ -347,23 +337,23 @@ def test_tensor_in_one_process_is_a_no_op_but_still_checks() -> None:
     model = GPT(SMALL)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     s = TensorParallel()
-    assert s.setup_module(model, _rt()) is model
-    assert s.setup_optimizer(opt, model, _rt()) is opt
+    assert s.setup_module(model, _topo()) is model
+    assert s.setup_optimizer(opt, model, _topo()) is opt
     assert all(type(p) is nn.Parameter for p in model.parameters())
     with pytest.raises(ConfigError, match="no Linear pairs to shard in ConvNet"):
-        s.setup_module(ConvNet(), _rt())
+        s.setup_module(ConvNet(), _topo())
 
 
 def test_tensor_peers_share_the_data() -> None:
     s = TensorParallel()
-    assert s.data_parallel(_rt(world_size=2)) == (0, 1)
-    assert s.data_parallel(_rt(world_size=2, mesh_shape={"tp": 2})) == (0, 1)
-    mesh = SimpleNamespace(get_local_rank=lambda dim: {"dp": 1}[dim])
-    rt = _rt(world_size=4, mesh_shape={"dp": 2, "tp": 2}, mesh=mesh)
-    assert s.data_parallel(rt) == (1, 2)
+    assert s.data_parallel(_topo(world_size=2)) == (0, 1)
+    assert s.data_parallel(_topo(world_size=2, mesh_shape={"tp": 2})) == (0, 1)
+    # Rank 2 of a dp=2 x tp=2 mesh sits at dp coordinate 1.
+    topo = _topo(world_size=4, mesh_shape={"dp": 2, "tp": 2}, rank=2)
+    assert s.data_parallel(topo) == (1, 2)
 
 
 def test_tensor_needs_a_tp_mesh_dimension() -> None:
     with pytest.raises(ConfigError, match=r"needs a 'tp' dimension, but the mesh is \{'dp': 2\}"):
-        TensorParallel().validate(_rt(world_size=2, mesh_shape={"dp": 2}))
-    TensorParallel().validate(_rt(world_size=2))
+        TensorParallel().validate(_topo(world_size=2, mesh_shape={"dp": 2}))
+    TensorParallel().validate(_topo(world_size=2))

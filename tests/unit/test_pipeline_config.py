@@ -134,10 +134,10 @@ def test_layouts_torch_accepts(kwargs: dict[str, Any]) -> None:
 
 def test_validate_runs_before_the_process_group() -> None:
     with pytest.raises(ConfigError, match=r"one stage per rank"):
-        Pipeline(stages=3).validate(_rt(world_size=2))
+        Pipeline(stages=3).validate(_rt(world_size=2).topology)
     with pytest.raises(ConfigError, match=r"needs a 'pp' dimension.*\{'dp': 2\}"):
-        Pipeline().validate(_rt(world_size=2, mesh={"dp": 2}))
-    Pipeline(stages=3).validate(_rt(world_size=1))  # one process: nothing to pipeline
+        Pipeline().validate(_rt(world_size=2, mesh={"dp": 2}).topology)
+    Pipeline(stages=3).validate(_rt(world_size=1).topology)  # one process: nothing to pipeline
 
 
 # -- splitting ------------------------------------------------------------------------
@@ -212,13 +212,18 @@ def test_all_stages_of_a_replica_share_the_data(mesh: Any, expected: list[Any]) 
     from scaletrain.runtime import parse_mesh
 
     shape = parse_mesh(mesh, 4)
-    got = [Pipeline().data_parallel(_rt(rank=r, world_size=4, mesh=shape)) for r in range(4)]
+    got = [
+        Pipeline().data_parallel(_rt(rank=r, world_size=4, mesh=shape).topology) for r in range(4)
+    ]
     assert got == expected
 
 
 def test_pp_dp_tp_mesh_coordinates_follow_device_mesh_layout() -> None:
     shape = {"pp": 2, "dp": 2, "tp": 2}
-    got = [Pipeline().data_parallel(_rt(rank=r, world_size=8, mesh=shape))[0] for r in range(8)]
+    got = [
+        Pipeline().data_parallel(_rt(rank=r, world_size=8, mesh=shape).topology)[0]
+        for r in range(8)
+    ]
     assert got == [(r // 2) % 2 for r in range(8)]
 
 
@@ -233,7 +238,7 @@ def test_one_process_trains_the_model_unchanged() -> None:
     assert not loss.requires_grad and model.sub_net1.weight.grad is not None
     torch.testing.assert_close(rt.predict(wrapped, x), model(x).detach(), rtol=0, atol=0)
     with pytest.raises(ConfigError, match="not submodule"):
-        Pipeline(stages=["nope"]).setup_module(SplitNet(), rt)
+        Pipeline(stages=["nope"]).setup_module(SplitNet(), rt.topology)
 
 
 # -- tracing (local: no process group needed) --------------------------------------------

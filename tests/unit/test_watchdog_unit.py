@@ -25,7 +25,8 @@ from scaletrain.observe import (
     find_laggards,
     format_hang_message,
 )
-from scaletrain.observe.watchdog import _locate, _ranks_str
+from scaletrain.observe.diagnosis import _ranks_str
+from scaletrain.observe.stacks import _locate
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -25,10 +25,12 @@ from scaletrain.checkpoint.manifest import (
     latest_checkpoint,
     read_manifest,
 )
+from scaletrain.checkpoint.scope import CheckpointScope
 
 __all__ = [
     "FORMAT_VERSION",
     "MANIFEST",
+    "CheckpointScope",
     "Manifest",
     "PendingCheckpoint",
     "checkpoint_path",

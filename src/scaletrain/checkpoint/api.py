@@ -57,6 +57,7 @@ from scaletrain.checkpoint.manifest import (
     verify_files,
     write_manifest,
 )
+from scaletrain.checkpoint.scope import CheckpointScope, ScopeSource, as_scope
 from scaletrain.checkpoint.state import (
     State,
     Table,
@@ -73,8 +74,6 @@ from scaletrain.errors import CheckpointError, ConfigError, say
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    from scaletrain.runtime import Runtime
 
 __all__ = [
     "PendingCheckpoint",
@@ -100,7 +99,7 @@ def _buffers_file(rank: int) -> str:
     return f"buffers-rank{rank}.pt"
 
 
-def _local_buffers(rt: Runtime, state: State) -> dict[str, dict[str, torch.Tensor]]:
+def _local_buffers(scope: CheckpointScope, state: State) -> dict[str, dict[str, torch.Tensor]]:
     """Each model's plain (non-DTensor) buffers as THIS rank holds them.
 
     Under FSDP, tensor or pipeline parallel nothing keeps buffers (BatchNorm running
@@ -111,16 +110,16 @@ def _local_buffers(rt: Runtime, state: State) -> dict[str, dict[str, torch.Tenso
     for name, model in state.models.items():
         out[name] = {
             key: buf.detach().cpu().clone()
-            for key, buf in rt.unwrap(model).named_buffers()
+            for key, buf in scope.unwrap(model).named_buffers()
             if type(buf).__name__ != "DTensor"
         }
     return out
 
 
-def _views(rt: Runtime, state: dict[str, Any]) -> dict[str, Any]:
+def _views(scope: CheckpointScope, state: dict[str, Any]) -> dict[str, Any]:
     """Models as the strategy wants them saved (a pipeline rank: only its stages)."""
     return {
-        name: rt.strategy.checkpoint_module(obj) if isinstance(obj, torch.nn.Module) else obj
+        name: scope.checkpoint_module(obj) if isinstance(obj, torch.nn.Module) else obj
         for name, obj in state.items()
     }
 
@@ -142,7 +141,7 @@ def _dcp() -> Any:
     """torch.distributed.checkpoint and our wrappers, imported on first use.
 
     They add ~0.6 s to an import; `import scaletrain.checkpoint` stays cheap so
-    the runtime can import it at the top.
+    it can be imported at the top of any module.
     """
     from scaletrain.checkpoint import sharded
 
@@ -152,14 +151,14 @@ def _dcp() -> Any:
 # -- coordination -------------------------------------------------------------------
 
 
-def _distributed(rt: Runtime) -> bool:
-    return rt.world_size > 1 and dist.is_available() and dist.is_initialized()
+def _distributed(scope: CheckpointScope) -> bool:
+    return scope.topology.world_size > 1 and dist.is_available() and dist.is_initialized()
 
 
-def _all_gather(rt: Runtime, obj: Any) -> list[Any]:
-    if not _distributed(rt):
+def _all_gather(scope: CheckpointScope, obj: Any) -> list[Any]:
+    if not _distributed(scope):
         return [obj]
-    out: list[Any] = [None] * rt.world_size
+    out: list[Any] = [None] * scope.topology.world_size
     dist.all_gather_object(out, obj)
     return out
 
@@ -170,13 +169,15 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _sync(rt: Runtime, what: str, error: BaseException | None, payload: Any = None) -> list[Any]:
+def _sync(
+    scope: CheckpointScope, what: str, error: BaseException | None, payload: Any = None
+) -> list[Any]:
     """All-gather (error, payload) from every rank; if any rank failed, raise on all.
 
     A rank's own exception is re-raised as is when every failing rank reports the
     same thing (the usual case: a bad checkpoint looks bad to everyone).
     """
-    gathered = _all_gather(rt, (None if error is None else _describe(error), payload))
+    gathered = _all_gather(scope, (None if error is None else _describe(error), payload))
     failed = [(r, msg) for r, (msg, _) in enumerate(gathered) if msg is not None]
     if failed:
         messages = {msg for _, msg in failed}
@@ -250,7 +251,7 @@ def _executor() -> ThreadPoolExecutor:
     return _EXECUTOR
 
 
-def _async_group(rt: Runtime) -> Any:
+def _async_group(scope: CheckpointScope) -> Any:
     """A Gloo group for DCP's background-thread collectives (made once per process group).
 
     Collectives from two threads on one group can interleave differently on
@@ -258,7 +259,7 @@ def _async_group(rt: Runtime) -> Any:
     group for the same reason. Gloo also because dcp.async_save needs a CPU backend.
     """
     global _ASYNC_GROUP
-    if not _distributed(rt):
+    if not _distributed(scope):
         return None
     world = dist.group.WORLD
     if _ASYNC_GROUP is None or _ASYNC_GROUP[0] is not world:
@@ -309,7 +310,7 @@ def _model_infos(state: State) -> tuple[dict[str, dict[str, Any]], dict[str, Tab
 
 
 def _global_tables(
-    rt: Runtime,
+    scope: CheckpointScope,
     tables: dict[str, Table],
     dtensors: bool,
     what: str,
@@ -323,13 +324,13 @@ def _global_tables(
     ranks differ (pipeline stages), to be merged into the whole model's table.
     """
     local = {name: fingerprint(t) for name, t in tables.items()}
-    gathered = _sync(rt, what, error, (local, dtensors, extra))
+    gathered = _sync(scope, what, error, (local, dtensors, extra))
     any_dtensor = any(d for _, d, _ in gathered)
     extras = [e for _, _, e in gathered]
     differ = any(g != local for g, _, _ in gathered)
     if not differ:
         return tables, any_dtensor, False, extras
-    all_tables = _all_gather(rt, tables)
+    all_tables = _all_gather(scope, tables)
     union: dict[str, Table] = {name: {} for name in tables}
     for rank_tables in all_tables:
         for name, table in rank_tables.items():
@@ -406,15 +407,21 @@ def _write_json(path: Path, data: Any) -> FileEntry:
 
 
 def _write_per_rank(
-    rt: Runtime, path: Path, state: State, *, sharded: bool
+    scope: CheckpointScope, path: Path, state: State, *, sharded: bool
 ) -> dict[str, FileEntry]:
-    files = {_rng_file(rt.rank): _full.save_file(path / _rng_file(rt.rank), collect_rng(rt.device))}
+    files = {
+        _rng_file(scope.topology.rank): _full.save_file(
+            path / _rng_file(scope.topology.rank), collect_rng(scope.topology.device)
+        )
+    }
     if sharded and state.models:
-        name = _buffers_file(rt.rank)
-        files[name] = _full.save_file(path / name, _local_buffers(rt, state))
+        name = _buffers_file(scope.topology.rank)
+        files[name] = _full.save_file(path / name, _local_buffers(scope, state))
     if state.loaders:
         loaders = {name: obj.state_dict() for name, obj in state.loaders.items()}
-        files[_loaders_file(rt.rank)] = _write_json(path / _loaders_file(rt.rank), loaders)
+        files[_loaders_file(scope.topology.rank)] = _write_json(
+            path / _loaders_file(scope.topology.rank), loaders
+        )
     return files
 
 
@@ -463,7 +470,7 @@ def _finalize(
 
 @overload
 def save_checkpoint(
-    rt: Runtime,
+    source: CheckpointScope | ScopeSource,
     path: str | os.PathLike[str],
     *,
     keep: int | None = ...,
@@ -475,7 +482,7 @@ def save_checkpoint(
 
 @overload
 def save_checkpoint(
-    rt: Runtime,
+    source: CheckpointScope | ScopeSource,
     path: str | os.PathLike[str],
     *,
     keep: int | None = ...,
@@ -487,7 +494,7 @@ def save_checkpoint(
 
 @overload
 def save_checkpoint(
-    rt: Runtime,
+    source: CheckpointScope | ScopeSource,
     path: str | os.PathLike[str],
     *,
     keep: int | None = ...,
@@ -498,7 +505,7 @@ def save_checkpoint(
 
 
 def save_checkpoint(
-    rt: Runtime,
+    source: CheckpointScope | ScopeSource,
     path: str | os.PathLike[str],
     *,
     keep: int | None = None,
@@ -523,7 +530,10 @@ def save_checkpoint(
         writes its shards) when any parameter is a DTensor or ranks hold
         different parameters, else full (rank 0 writes plain files). True forces
         sharded (parallel writes for a big replicated model).
+    source: this rank's CheckpointScope, or what describes it (the object st.init
+        returns).
     """
+    scope = as_scope(source)
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
         raise ConfigError(
             f"save_checkpoint(keep={keep!r}): expected an int >= 1 (how many checkpoints "
@@ -532,11 +542,11 @@ def save_checkpoint(
     if not state:
         raise ConfigError(
             "save_checkpoint got nothing to save; pass the state by name, e.g. "
-            "save_checkpoint(rt, path, model=model, optimizer=optimizer, step=step)."
+            "save_checkpoint(scope, path, model=model, optimizer=optimizer, step=step)."
         )
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    parts = classify(_views(rt, state))
+    parts = classify(_views(scope, state))
     path = Path(path)
     what = f"saving checkpoint {path}"
 
@@ -547,7 +557,7 @@ def save_checkpoint(
         previous = _settle_pending()
         if previous is not None:
             raise CheckpointError(previous)
-        if rt.rank == 0:
+        if scope.topology.rank == 0:
             _prepare_dir(path)
         sds, tables = _model_infos(parts)
         dtensors = any(is_dtensor(t) for sd in sds.values() for t in sd.values())
@@ -562,7 +572,7 @@ def save_checkpoint(
     optim_split = {name: _split(sd) for name, sd in optim_sds.items()}
     optim_values = {name: values for name, (_, values) in optim_split.items()}
     tables, any_dtensor, ranks_differ, digests = _global_tables(
-        rt, local_tables, local_dt, what, error, _digest(optim_values)
+        scope, local_tables, local_dt, what, error, _digest(optim_values)
     )
     # FSDP/TP ranks hold the same hyperparameters (rank 0 writes them once);
     # pipeline stages hold their own parameters' (every rank writes its own).
@@ -578,14 +588,14 @@ def save_checkpoint(
     kind = "sharded" if (sharded or needs_sharded) else "full"
     manifest = Manifest(
         kind=kind,
-        world_size=rt.world_size,
+        world_size=scope.topology.world_size,
         step=parts.values.get("step") if isinstance(parts.values.get("step"), int) else None,
         values=list(parts.values),
     )
     for name, model in parts.models.items():
         manifest.objects[name] = {
             "kind": "model",
-            "class": _classname(rt.unwrap(model)),
+            "class": _classname(scope.unwrap(model)),
             "fingerprint": fingerprint(tables[name]),
             "table": tables[name],
         }
@@ -599,23 +609,23 @@ def save_checkpoint(
     # 2. Write. Per-rank files on every rank; rank 0 the replicated ones (full: also
     #    models and optimizers, later in the background when async); DCP on all.
     def write() -> tuple[dict[str, FileEntry], dict[str, Any] | None, dict[str, Any] | None]:
-        files = _write_per_rank(rt, path, parts, sharded=kind == "sharded")
+        files = _write_per_rank(scope, path, parts, sharded=kind == "sharded")
         dcp_state: dict[str, Any] | None = None
         payloads: dict[str, Any] | None = None
         if kind == "sharded":
             dcp_state = {**model_sds, **{n: tensors for n, (tensors, _) in optim_split.items()}}
             if optim_values and not values_shared:
-                name = _optim_values_file(rt.rank)
+                name = _optim_values_file(scope.topology.rank)
                 files[name] = _full.save_file(path / name, optim_values)
-            elif optim_values and rt.rank == 0:
+            elif optim_values and scope.topology.rank == 0:
                 files[OPTIM_VALUES] = _full.save_file(path / OPTIM_VALUES, optim_values)
-            if rt.rank == 0:
+            if scope.topology.rank == 0:
                 files.update(
                     _write_replicated(
                         path, _replicated_payloads(parts, None, None, clone=False), parts.values
                     )
                 )
-        elif rt.rank == 0:
+        elif scope.topology.rank == 0:
             payloads = _replicated_payloads(parts, model_sds, optim_sds, clone=async_save)
             if not async_save:
                 files.update(_write_replicated(path, payloads, parts.values))
@@ -626,27 +636,29 @@ def save_checkpoint(
     files, dcp_state, payloads = written if written else ({}, None, None)
     if kind == "sharded" and not async_save:
         # DCP's own collectives report a failure on any rank to all of them.
-        _sync(rt, what, error)
+        _sync(scope, what, error)
         _, error = _attempt(lambda: _dcp().save(path, dcp_state or {}))
-    all_files = _sync(rt, what, error, files)
+    all_files = _sync(scope, what, error, files)
     merged: dict[str, FileEntry] = {}
     for rank_files in all_files:
         merged.update(rank_files)
 
     if not async_save:
         _, error = _attempt(
-            lambda: _finalize(path, manifest, merged, keep) if rt.rank == 0 else path
+            lambda: _finalize(path, manifest, merged, keep) if scope.topology.rank == 0 else path
         )
-        _sync(rt, what, error)
+        _sync(scope, what, error)
         return path
 
     # 3. Async: the rest runs on this process's checkpoint thread.
     upload: Callable[[], None] | None = None
     if kind == "sharded":
         # Staging (the copy to CPU memory) happens here, on this thread.
-        upload, error = _attempt(lambda: _dcp().async_save(path, dcp_state or {}, _async_group(rt)))
-        _sync(rt, what, error)
-    is_main = rt.rank == 0
+        upload, error = _attempt(
+            lambda: _dcp().async_save(path, dcp_state or {}, _async_group(scope))
+        )
+        _sync(scope, what, error)
+    is_main = scope.topology.rank == 0
     values = dict(parts.values)
 
     def finish() -> Path:
@@ -710,7 +722,7 @@ def _check_request(path: Path, manifest: Manifest, parts: State) -> None:
 
 
 def _check_models(
-    path: Path, manifest: Manifest, tables: dict[str, Table], parts: State, rt: Runtime
+    path: Path, manifest: Manifest, tables: dict[str, Table], parts: State, scope: CheckpointScope
 ) -> None:
     for name, table in tables.items():
         saved = manifest.objects[name]
@@ -719,7 +731,7 @@ def _check_models(
         diff = diff_tables(saved.get("table", {}), table)
         raise CheckpointError(
             f"checkpoint {path} holds another model than the "
-            f"{_classname(rt.unwrap(parts.models[name]))} given as {name!r} (it saved a "
+            f"{_classname(scope.unwrap(parts.models[name]))} given as {name!r} (it saved a "
             f"{saved.get('class')}): " + "; ".join(diff) + ". Build the model with the "
             "configuration it was saved with."
         )
@@ -774,7 +786,9 @@ def _fill_from_full(template: dict[str, Any], full: dict[str, Any]) -> dict[str,
     return out
 
 
-def load_checkpoint(rt: Runtime, path: str | os.PathLike[str], **state: Any) -> dict[str, Any]:
+def load_checkpoint(
+    source: CheckpointScope | ScopeSource, path: str | os.PathLike[str], **state: Any
+) -> dict[str, Any]:
     """Restore `state` in place from the checkpoint `path`; return its plain values.
 
     Call on every rank, with the objects under the names they were saved with
@@ -788,15 +802,16 @@ def load_checkpoint(rt: Runtime, path: str | os.PathLike[str], **state: Any) -> 
     tensor's shape checked: a truncated, corrupted, foreign or mismatched
     checkpoint raises CheckpointError and leaves the state untouched. Files are
     read with weights_only=True and DCP metadata with a restricted unpickler:
-    nothing in a checkpoint can run code.
+    nothing in a checkpoint can run code. `source` is as for save_checkpoint.
     """
+    scope = as_scope(source)
     from torch.distributed.checkpoint.state_dict import (
         get_optimizer_state_dict,
         set_model_state_dict,
         set_optimizer_state_dict,
     )
 
-    parts = classify(_views(rt, state), loading=True)
+    parts = classify(_views(scope, state), loading=True)
     path = Path(path)
     what = f"loading checkpoint {path}"
 
@@ -812,11 +827,11 @@ def load_checkpoint(rt: Runtime, path: str | os.PathLike[str], **state: Any) -> 
 
     prepared, error = _attempt(prepare)
     model_sds, local_tables, local_dt = prepared if prepared else ({}, {}, False)
-    tables, any_dtensor, _, _ = _global_tables(rt, local_tables, local_dt, what, error)
+    tables, any_dtensor, _, _ = _global_tables(scope, local_tables, local_dt, what, error)
 
     # 2. The manifest: the same one on every rank.
     manifest, error = _attempt(lambda: read_manifest(path))
-    created = _sync(rt, what, error, manifest.created_ns if manifest else None)
+    created = _sync(scope, what, error, manifest.created_ns if manifest else None)
     assert manifest is not None
     if len(set(created)) > 1:
         raise CheckpointError(
@@ -824,14 +839,14 @@ def load_checkpoint(rt: Runtime, path: str | os.PathLike[str], **state: Any) -> 
             "times): every rank must read the same directory, on a shared filesystem."
         )
     _check_request(path, manifest, parts)
-    _check_models(path, manifest, tables, parts, rt)
-    same_world = manifest.world_size == rt.world_size
+    _check_models(path, manifest, tables, parts, scope)
+    same_world = manifest.world_size == scope.topology.world_size
 
     # 3. Every file's sha256, the files spread over the ranks.
     names = sorted(manifest.files)
-    mine = names[rt.rank :: rt.world_size]
+    mine = names[scope.topology.rank :: scope.topology.world_size]
     problems, error = _attempt(lambda: verify_files(path, manifest, mine))
-    all_problems = [p for ps in _sync(rt, what, error, problems) for p in ps]
+    all_problems = [p for ps in _sync(scope, what, error, problems) for p in ps]
     if all_problems:
         raise CheckpointError(
             f"checkpoint {path} is damaged: " + "; ".join(all_problems) + ". Nothing was "
@@ -850,9 +865,9 @@ def load_checkpoint(rt: Runtime, path: str | os.PathLike[str], **state: Any) -> 
         for name in parts.statefuls:
             got[name] = _full.load_file(path / f"{name}.pt")
         if same_world:
-            got["rng"] = _full.load_file(path / _rng_file(rt.rank))
-            if _buffers_file(rt.rank) in manifest.files:
-                got["buffers"] = _full.load_file(path / _buffers_file(rt.rank))
+            got["rng"] = _full.load_file(path / _rng_file(scope.topology.rank))
+            if _buffers_file(scope.topology.rank) in manifest.files:
+                got["buffers"] = _full.load_file(path / _buffers_file(scope.topology.rank))
         if parts.loaders:
             saved = [
                 json.loads((path / _loaders_file(r)).read_text())
@@ -860,7 +875,11 @@ def load_checkpoint(rt: Runtime, path: str | os.PathLike[str], **state: Any) -> 
             ]
             for name, obj in parts.loaders.items():
                 chosen, problem = loader_resume_problem(
-                    name, obj, [s[name] for s in saved], rt.rank, rt.world_size
+                    name,
+                    obj,
+                    [s[name] for s in saved],
+                    scope.topology.rank,
+                    scope.topology.world_size,
                 )
                 if problem is not None:
                     raise CheckpointError(f"checkpoint {path}: {problem}")
@@ -900,7 +919,7 @@ def load_checkpoint(rt: Runtime, path: str | os.PathLike[str], **state: Any) -> 
     fresh = [opt for opt, _ in parts.optimizers.values() if not opt.state]
     got, error = _attempt(read)
     try:
-        _sync(rt, what, error)
+        _sync(scope, what, error)
     except BaseException:
         # The optimizer templates gave never-stepped optimizers zero state (torch's
         # _init_optim_state runs a step with lr=0): undo that, the load failed.
@@ -929,7 +948,7 @@ def load_checkpoint(rt: Runtime, path: str | os.PathLike[str], **state: Any) -> 
         own = got.get("buffers", {}).get(name)
         if own:
             with torch.no_grad():
-                for key, buf in rt.unwrap(model).named_buffers():
+                for key, buf in scope.unwrap(model).named_buffers():
                     if key in own:
                         buf.copy_(own[key])
     for name, (opt, owner) in parts.optimizers.items():
@@ -939,11 +958,11 @@ def load_checkpoint(rt: Runtime, path: str | os.PathLike[str], **state: Any) -> 
     for name, obj in parts.loaders.items():
         obj.load_state_dict(got[f"loader:{name}"])
     if same_world:
-        restore_rng(got["rng"], rt.device)
-    elif rt.rank == 0:
+        restore_rng(got["rng"], scope.topology.device)
+    elif scope.topology.rank == 0:
         warnings.warn(
             f"checkpoint {path} was saved by {manifest.world_size} ranks and this job has "
-            f"{rt.world_size}: the per-rank RNG states (python, numpy, torch) cannot be "
+            f"{scope.topology.world_size}: the per-rank RNG states (python, numpy, torch) cannot be "
             "matched to ranks and were NOT restored, so random numbers (dropout, "
             "augmentation) will differ from an uninterrupted run. Weights, optimizer and "
             "the rest are restored.",

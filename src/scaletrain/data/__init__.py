@@ -1,5 +1,6 @@
 """Data for distributed training: a resumable sharded sampler, its loader, dataset readers."""
 
+from scaletrain.data.cifar import read_cifar_batch
 from scaletrain.data.datasets import (
     CLASSES,
     DATASETS,
@@ -8,12 +9,8 @@ from scaletrain.data.datasets import (
     ImageClassificationDataset,
     find_dataset_dir,
     load_dataset,
-    read_cifar_batch,
-    read_idx,
-    write_cifar,
-    write_fake_mnist,
-    write_idx,
 )
+from scaletrain.data.idx import read_idx
 from scaletrain.data.loader import ShardedLoader
 from scaletrain.data.sampler import ShardedSampler
 
@@ -29,7 +26,4 @@ __all__ = [
     "load_dataset",
     "read_cifar_batch",
     "read_idx",
-    "write_cifar",
-    "write_fake_mnist",
-    "write_idx",
 ]

@@ -1,10 +1,10 @@
-"""Readers (and small writers) for MNIST, Fashion-MNIST, CIFAR-10 and CIFAR-100 files.
+"""MNIST, Fashion-MNIST, CIFAR-10 and CIFAR-100: finding their files and loading them.
 
 The files are read in their published formats, without torchvision: IDX
-(optionally gzipped) for the MNIST family, Python pickles for CIFAR. Every
-problem a user can have with them (not found, truncated, wrong file, foreign
-pickle) is a DatasetError that names the dataset, the file or directories, what
-was expected and what to do.
+(optionally gzipped) for the MNIST family (data/idx.py), Python pickles for
+CIFAR (data/cifar.py). Every problem a user can have with them (not found,
+truncated, wrong file, foreign pickle) is a DatasetError that names the dataset,
+the file or directories, what was expected and what to do.
 
 Images are kept as one uint8 tensor and normalised per batch, so a DataLoader
 batch is one tensor index instead of a Python loop over samples.
@@ -12,37 +12,28 @@ batch is one tensor index instead of a Python loop over samples.
 
 from __future__ import annotations
 
-import functools
-import gzip
-import importlib
-import io
 import os
-import pickle
-import struct
-import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from scaletrain.data.cifar import read_cifar_batch, unpickle
+from scaletrain.data.idx import IDX_IMAGES_MAGIC, IDX_LABELS_MAGIC, read_idx_file
 from scaletrain.errors import ConfigError, DatasetError, say
 
 __all__ = [
     "CLASSES",
     "DATASETS",
+    "IDX_FILES",
     "NORMALIZATION",
     "SPLITS",
     "ImageClassificationDataset",
+    "canonical_name",
     "find_dataset_dir",
     "load_dataset",
-    "read_cifar_batch",
-    "read_idx",
-    "write_cifar",
-    "write_fake_mnist",
-    "write_idx",
 ]
 
 DATASETS: tuple[str, ...] = ("mnist", "fashion-mnist", "cifar10", "cifar100")
@@ -99,15 +90,16 @@ _ALIASES = {
     "cifar-100": "cifar100",
 }
 
-_IDX_FILES: dict[str, tuple[str, str]] = {
+IDX_FILES: dict[str, tuple[str, str]] = {
     "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
     "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
 }
+"""(images, labels) IDX file names of each split of the MNIST family (plain, or + ".gz")."""
+
 _CIFAR_FILES: dict[str, dict[str, tuple[str, ...]]] = {
     "cifar10": {"train": tuple(f"data_batch_{i}" for i in range(1, 6)), "test": ("test_batch",)},
     "cifar100": {"train": ("train",), "test": ("test",)},
 }
-_CIFAR_DIR = {"cifar10": "cifar-10-batches-py", "cifar100": "cifar-100-python"}
 _CIFAR_LABEL_KEY = {"cifar10": "labels", "cifar100": "fine_labels"}
 
 # Subdirectories of a data root where each dataset is commonly unpacked:
@@ -139,23 +131,9 @@ _HOW_TO_GET = {
 # Where distribution packages install datasets (Debian: dataset-fashion-mnist).
 _SYSTEM_DATA_DIR = Path("/usr/share/datasets")
 
-# IDX type codes (third magic byte) -> big-endian numpy dtype, and back.
-_IDX_TYPES: dict[int, str] = {
-    0x08: ">u1",
-    0x09: ">i1",
-    0x0B: ">i2",
-    0x0C: ">i4",
-    0x0D: ">f4",
-    0x0E: ">f8",
-}
-_IDX_CODES: dict[str, int] = {
-    np.dtype(t).newbyteorder("=").str[1:]: c for c, t in _IDX_TYPES.items()
-}
-_IDX_IMAGES_MAGIC = 0x00000803  # uint8, 3 dimensions (N, rows, cols)
-_IDX_LABELS_MAGIC = 0x00000801  # uint8, 1 dimension (N,)
 
-
-def _canonical(name: str) -> str:
+def canonical_name(name: str) -> str:
+    """The dataset's name in DATASETS for any accepted spelling ("FashionMNIST", "cifar-10")."""
     key = name.strip().lower().replace("_", "-")
     if key not in _ALIASES:
         raise ConfigError(
@@ -179,7 +157,7 @@ def _required(name: str, split: str | None) -> list[tuple[str, ...]]:
     """Files needed, each as the alternatives that satisfy it (plain or .gz for IDX)."""
     splits = SPLITS if split is None else (split,)
     if name in ("mnist", "fashion-mnist"):
-        return [(f, f + ".gz") for s in splits for f in _IDX_FILES[s]]
+        return [(f, f + ".gz") for s in splits for f in IDX_FILES[s]]
     return [(f,) for s in splits for f in _CIFAR_FILES[name][s]]
 
 
@@ -235,7 +213,7 @@ def find_dataset_dir(
     (where Debian's dataset-fashion-mnist installs). With `split`, only that
     split's files are required; otherwise all of them.
     """
-    name = _canonical(name)
+    name = canonical_name(name)
     if split is not None:
         _check_split(split)
     required = _required(name, split)
@@ -272,409 +250,6 @@ def find_dataset_dir(
         f"SCALETRAIN_DATA to a directory with a {_SUBDIRS[name][0]!r} subdirectory; "
         f"to get them, {_HOW_TO_GET[name]}."
     )
-
-
-# ---------------------------------------------------------------------------
-# IDX
-# ---------------------------------------------------------------------------
-
-
-def _read_bytes(path: Path, dataset: str) -> bytes:
-    try:
-        raw = path.read_bytes()
-        # Decide by content, not by name: a gzipped file saved without .gz
-        # (or the reverse) is common after manual downloads. IDX data starts
-        # with two zero bytes, gzip with 1f 8b, so the two cannot be confused.
-        if raw[:2] == b"\x1f\x8b":
-            raw = gzip.decompress(raw)
-    except (OSError, EOFError, zlib.error) as exc:
-        raise DatasetError(
-            f"{dataset}: cannot read {path}: {exc}. The file is missing, unreadable or a "
-            "truncated/corrupted gzip; replace it with a fresh copy."
-        ) from exc
-    return raw
-
-
-def _read_idx(path: Path, *, magic: int | None, dataset: str) -> np.ndarray:
-    raw = _read_bytes(path, dataset)
-    fix = "replace it with a fresh copy of the file"
-    if len(raw) < 4:
-        raise DatasetError(
-            f"{dataset}: {path} is truncated: {len(raw)} bytes, shorter than the 4-byte IDX "
-            f"magic; {fix}."
-        )
-    (got,) = struct.unpack(">I", raw[:4])
-    code, ndim = raw[2], raw[3]
-    if raw[0] != 0 or raw[1] != 0 or code not in _IDX_TYPES or ndim == 0:
-        want = f"0x{magic:08X}" if magic is not None else "0x0000TTDD (TT a type code, DD dims)"
-        raise DatasetError(
-            f"{dataset}: {path} is not an IDX file: magic 0x{got:08X}, expected {want}; {fix}."
-        )
-    if magic is not None and got != magic:
-        kinds = {_IDX_IMAGES_MAGIC: "images (uint8, 3-D)", _IDX_LABELS_MAGIC: "labels (uint8, 1-D)"}
-        raise DatasetError(
-            f"{dataset}: {path} has IDX magic 0x{got:08X} ({kinds.get(got, 'another IDX array')}), "
-            f"expected 0x{magic:08X} ({kinds.get(magic, '')}); the file is mislabelled or "
-            f"swapped; {fix}."
-        )
-    header = 4 + 4 * ndim
-    if len(raw) < header:
-        raise DatasetError(
-            f"{dataset}: {path} is truncated: {len(raw)} bytes, shorter than its {header}-byte "
-            f"IDX header; {fix}."
-        )
-    dims = struct.unpack(f">{ndim}I", raw[4:header])
-    dtype = np.dtype(_IDX_TYPES[code])
-    count = int(np.prod(dims, dtype=np.int64))
-    expected = header + count * dtype.itemsize
-    if len(raw) != expected:
-        what = "truncated" if len(raw) < expected else "longer than its header says"
-        raise DatasetError(
-            f"{dataset}: {path} is {what}: the header says shape {tuple(dims)} of {dtype.name} "
-            f"= {expected} bytes with the header, the file has {len(raw)}; {fix}."
-        )
-    data = np.frombuffer(raw, dtype=dtype, count=count, offset=header).reshape(dims)
-    # One copy, to native byte order and into writable memory (torch warns
-    # about, and must not write into, the read-only buffer of `raw`).
-    return np.array(data, dtype=dtype.newbyteorder("="))
-
-
-def read_idx(path: str | Path) -> np.ndarray:
-    """Read an IDX file (plain or gzipped) into a native-endian numpy array."""
-    return _read_idx(Path(path), magic=None, dataset="IDX")
-
-
-def write_idx(path: str | Path, array: np.ndarray | torch.Tensor) -> Path:
-    """Write `array` as an IDX file; gzipped when `path` ends with .gz."""
-    arr = array.numpy() if isinstance(array, torch.Tensor) else np.asarray(array)
-    key = arr.dtype.newbyteorder("=").str[1:]
-    if key not in _IDX_CODES:
-        raise ConfigError(
-            f"write_idx: dtype {arr.dtype} has no IDX type code; expected one of "
-            "uint8, int8, int16, int32, float32, float64"
-        )
-    if not 1 <= arr.ndim <= 255:
-        raise ConfigError(f"write_idx: arrays must have 1..255 dimensions, received {arr.ndim}")
-    code = _IDX_CODES[key]
-    payload = (
-        struct.pack(">BBBB", 0, 0, code, arr.ndim)
-        + struct.pack(f">{arr.ndim}I", *arr.shape)
-        + np.ascontiguousarray(arr, dtype=_IDX_TYPES[code]).tobytes()
-    )
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if path.name.endswith(".gz"):
-        payload = gzip.compress(payload, mtime=0)  # mtime=0: same bytes on every run
-    path.write_bytes(payload)
-    return path
-
-
-# ---------------------------------------------------------------------------
-# CIFAR pickles
-# ---------------------------------------------------------------------------
-
-
-def _numpy_function(name: str, modules: tuple[str, ...]) -> Callable[..., Any]:
-    # numpy 2 moved numpy.core to numpy._core (and warns on the old name);
-    # the real CIFAR files, pickled by numpy 1, name numpy.core.multiarray.
-    for module in modules:
-        try:
-            fn: Callable[..., Any] = getattr(importlib.import_module(module), name)
-            return fn
-        except (ImportError, AttributeError):
-            continue
-    raise ImportError(f"numpy's {name} not found in {modules}")
-
-
-def _latin1_encode(obj: str, encoding: str = "utf-8") -> bytes:
-    # Python 3 pickles bytes with protocol < 3 as _codecs.encode(str, "latin1").
-    # Only that one use is let through, not the whole codec machinery.
-    if encoding not in ("latin1", "latin-1"):
-        raise _Refused(f"_codecs.encode with encoding {encoding!r} is not allowed")
-    return obj.encode("latin1")
-
-
-class _Refused(pickle.UnpicklingError):
-    """A pickle asked for something outside the allow-list."""
-
-
-class _CifarUnpickler(pickle.Unpickler):
-    """Unpickler that can build nothing but builtin containers, bytes and numpy arrays.
-
-    Unpickling runs whatever callable the file names (a pickle can say
-    "call os.system('...')"), so loading a downloaded pickle with plain
-    `pickle.load` executes code from the internet. Every callable a pickle can
-    reach goes through `find_class`; allowing only the numpy array
-    reconstruction the CIFAR files use leaves such a file nothing to call.
-    """
-
-    def find_class(self, module: str, name: str) -> Any:
-        allowed = _allowed_globals()
-        if (module, name) not in allowed:
-            raise _Refused(
-                f"refusing to load {module}.{name}: a CIFAR file holds only dicts, lists, "
-                "bytes, ints and numpy arrays"
-            )
-        return allowed[(module, name)]
-
-
-@functools.cache
-def _allowed_globals() -> dict[tuple[str, str], Callable[..., Any]]:
-    reconstruct = _numpy_function(
-        "_reconstruct", ("numpy._core.multiarray", "numpy.core.multiarray")
-    )
-    # Pickle protocol 5 (a file re-saved by Python 3.8+) builds arrays from a buffer.
-    frombuffer = _numpy_function("_frombuffer", ("numpy._core.numeric", "numpy.core.numeric"))
-    return {
-        ("numpy.core.multiarray", "_reconstruct"): reconstruct,
-        ("numpy._core.multiarray", "_reconstruct"): reconstruct,
-        ("numpy.core.numeric", "_frombuffer"): frombuffer,
-        ("numpy._core.numeric", "_frombuffer"): frombuffer,
-        ("numpy", "ndarray"): np.ndarray,
-        ("numpy", "dtype"): np.dtype,
-        ("_codecs", "encode"): _latin1_encode,
-    }
-
-
-def _unpickle(path: Path, dataset: str) -> dict[str, Any]:
-    try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        raise DatasetError(f"{dataset}: cannot read {path}: {exc}") from exc
-    try:
-        # latin1 is the decoding numpy documents for Python 2 pickles: the
-        # original files' str objects (keys, raw array bytes) come back as
-        # str and numpy re-encodes its array data from latin1 losslessly.
-        obj = _CifarUnpickler(io.BytesIO(raw), encoding="latin1").load()
-    except _Refused as exc:
-        raise DatasetError(
-            f"{dataset}: {path} was refused: {exc}. It is not a CIFAR file (or was "
-            "tampered with); replace it with the file from the official CIFAR tarball."
-        ) from exc
-    except (
-        pickle.UnpicklingError,
-        EOFError,
-        ValueError,
-        TypeError,
-        KeyError,
-        IndexError,
-        AttributeError,
-    ) as exc:
-        raise DatasetError(
-            f"{dataset}: {path} is truncated or corrupted ({type(exc).__name__}: {exc}); "
-            "replace it with the file from the official CIFAR tarball."
-        ) from exc
-    if not isinstance(obj, dict):
-        raise DatasetError(
-            f"{dataset}: {path} holds a {type(obj).__name__}, expected a dict with keys "
-            "'data' and labels; replace it with the file from the official CIFAR tarball."
-        )
-    # Keys are bytes when written by Python 3 with bytes keys, str when the
-    # Python 2 originals are read with encoding="latin1": accept both.
-    return {k.decode("latin1") if isinstance(k, bytes) else str(k): v for k, v in obj.items()}
-
-
-def read_cifar_batch(
-    path: str | Path,
-    *,
-    label_key: str = "labels",
-    num_classes: int | None = None,
-    dataset: str = "cifar",
-) -> tuple[np.ndarray, np.ndarray]:
-    """Read one CIFAR pickle: (images uint8 N x 3 x 32 x 32, labels int64 N).
-
-    `label_key` is "labels" for CIFAR-10 and "fine_labels" or "coarse_labels"
-    for CIFAR-100.
-    """
-    path = Path(path)
-    entry = _unpickle(path, dataset)
-    fix = "replace it with the file from the official CIFAR tarball"
-    if "data" not in entry or label_key not in entry:
-        raise DatasetError(
-            f"{dataset}: {path} has keys {sorted(entry)}, expected 'data' and {label_key!r}; {fix}."
-        )
-    data = entry["data"]
-    if (
-        not isinstance(data, np.ndarray)
-        or data.dtype != np.uint8
-        or data.ndim != 2
-        or data.shape[1] != 3072
-    ):
-        shape = getattr(data, "shape", None)
-        dtype = getattr(data, "dtype", type(data).__name__)
-        raise DatasetError(
-            f"{dataset}: {path}: 'data' is {dtype} with shape {shape}, expected uint8 "
-            f"N x 3072 (3 x 32 x 32); {fix}."
-        )
-    try:
-        labels = np.asarray(entry[label_key], dtype=np.int64)
-    except (TypeError, ValueError) as exc:
-        raise DatasetError(
-            f"{dataset}: {path}: {label_key!r} is not a list of ints; {fix}."
-        ) from exc
-    if labels.shape != (data.shape[0],):
-        raise DatasetError(
-            f"{dataset}: {path} has {data.shape[0]} images but {labels.size} {label_key!r}; "
-            f"the counts must agree; {fix}."
-        )
-    if (
-        num_classes is not None
-        and labels.size
-        and (labels.min() < 0 or labels.max() >= num_classes)
-    ):
-        raise DatasetError(
-            f"{dataset}: {path}: labels range over [{labels.min()}, {labels.max()}], "
-            f"expected [0, {num_classes - 1}]; {fix}."
-        )
-    return data.reshape(-1, 3, 32, 32), labels
-
-
-# Writing: the originals were pickled by Python 2 with protocol 2, where
-# bytes were `str` and went out as (SHORT_)BINSTRING, and numpy 1 named
-# numpy.core.multiarray. Python 3's pickle cannot produce that (it wraps bytes
-# in _codecs.encode), so the few opcodes are written directly: the test files
-# then take the same path through the reader as the real ones.
-
-
-def _p2_bytes(b: bytes) -> bytes:
-    if len(b) < 256:
-        return pickle.SHORT_BINSTRING + bytes([len(b)]) + b
-    return pickle.BINSTRING + struct.pack("<i", len(b)) + b
-
-
-def _p2_int(i: int) -> bytes:
-    if 0 <= i < 256:
-        return pickle.BININT1 + bytes([i])
-    return pickle.BININT + struct.pack("<i", i)
-
-
-def _p2(obj: Any) -> bytes:
-    if isinstance(obj, bytes):
-        return _p2_bytes(obj)
-    if isinstance(obj, bool) or not isinstance(obj, int | list | dict | np.ndarray):
-        raise TypeError(f"cannot write {type(obj).__name__} in the CIFAR pickle format")
-    if isinstance(obj, int):
-        return _p2_int(obj)
-    if isinstance(obj, list):
-        return pickle.EMPTY_LIST + pickle.MARK + b"".join(_p2(x) for x in obj) + pickle.APPENDS
-    if isinstance(obj, dict):
-        items = b"".join(_p2(k) + _p2(v) for k, v in obj.items())
-        return pickle.EMPTY_DICT + pickle.MARK + items + pickle.SETITEMS
-    arr = np.ascontiguousarray(obj, dtype=np.uint8)
-    dtype = (
-        pickle.GLOBAL + b"numpy\ndtype\n"
-        + _p2_bytes(b"u1") + _p2_int(0) + _p2_int(1) + pickle.TUPLE3 + pickle.REDUCE
-        + pickle.MARK + _p2_int(3) + _p2_bytes(b"|") + pickle.NONE * 3
-        + _p2_int(-1) + _p2_int(-1) + _p2_int(0) + pickle.TUPLE + pickle.BUILD
-    )  # fmt: skip
-    shape = pickle.MARK + b"".join(_p2_int(d) for d in arr.shape) + pickle.TUPLE
-    return (
-        pickle.GLOBAL + b"numpy.core.multiarray\n_reconstruct\n"
-        + pickle.GLOBAL + b"numpy\nndarray\n"
-        + _p2_int(0) + pickle.TUPLE1 + _p2_bytes(b"b") + pickle.TUPLE3 + pickle.REDUCE
-        + pickle.MARK + _p2_int(1) + shape + dtype + pickle.NEWFALSE
-        + _p2_bytes(arr.tobytes()) + pickle.TUPLE + pickle.BUILD
-    )  # fmt: skip
-
-
-def _dump_py2(obj: dict[bytes, Any], path: Path) -> None:
-    path.write_bytes(pickle.PROTO + b"\x02" + _p2(obj) + pickle.STOP)
-
-
-def _class_images(
-    rng: np.random.Generator, labels: np.ndarray, templates: np.ndarray
-) -> np.ndarray:
-    """Class template (blocky, high contrast) plus noise: learnable in a few steps."""
-    base = templates[labels].astype(np.float32) * 150.0 + 50.0
-    noisy = base + rng.normal(0.0, 35.0, size=base.shape).astype(np.float32)
-    return np.clip(noisy, 0, 255).astype(np.uint8)
-
-
-def _templates(rng: np.random.Generator, classes: int, channels: int, size: int) -> np.ndarray:
-    block = 4
-    grid = rng.random((classes, channels, size // block, size // block)) > 0.5
-    return grid.repeat(block, axis=2).repeat(block, axis=3)
-
-
-def write_fake_mnist(
-    directory: str | Path, n_train: int = 600, n_test: int = 100, seed: int = 0, gz: bool = True
-) -> Path:
-    """Write a small MNIST-format dataset (4 IDX files, 28 x 28, 10 classes) into `directory`.
-
-    Each class is a fixed blocky pattern plus noise, so a small ConvNet learns
-    it in a few steps; useful for tests and smoke runs without the real data.
-    """
-    out = Path(directory)
-    rng = np.random.default_rng(seed)
-    templates = _templates(rng, 10, 1, 28)[:, 0]
-    suffix = ".gz" if gz else ""
-    for split, n in (("train", n_train), ("test", n_test)):
-        labels = rng.integers(0, 10, size=n).astype(np.uint8)
-        images_name, labels_name = _IDX_FILES[split]
-        write_idx(out / (images_name + suffix), _class_images(rng, labels, templates))
-        write_idx(out / (labels_name + suffix), labels)
-    return out
-
-
-def write_cifar(
-    directory: str | Path,
-    kind: str = "cifar10",
-    n_train: int = 500,
-    n_test: int = 100,
-    seed: int = 0,
-) -> Path:
-    """Write a small dataset in the exact CIFAR-10/100 file format under `directory`.
-
-    Creates `directory/cifar-10-batches-py` (data_batch_1..5, test_batch,
-    batches.meta) or `directory/cifar-100-python` (train, test, meta) and
-    returns that subdirectory.
-    """
-    kind = _canonical(kind)
-    if kind not in _CIFAR_DIR:
-        raise ConfigError(f"write_cifar: kind must be 'cifar10' or 'cifar100', received {kind!r}")
-    out = Path(directory) / _CIFAR_DIR[kind]
-    out.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
-    classes = 10 if kind == "cifar10" else 100
-    templates = _templates(rng, classes, 3, 32)
-
-    def entry(n: int, label: bytes) -> dict[bytes, Any]:
-        labels = rng.integers(0, classes, size=n)
-        d: dict[bytes, Any] = {b"batch_label": label}
-        if kind == "cifar10":
-            d[b"labels"] = labels.tolist()
-        else:
-            d[b"fine_labels"] = labels.tolist()
-            d[b"coarse_labels"] = (labels // 5).tolist()
-        d[b"data"] = _class_images(rng, labels, templates).reshape(n, 3072)
-        d[b"filenames"] = [f"img_{i:05d}.png".encode() for i in range(n)]
-        return d
-
-    if kind == "cifar10":
-        sizes = [len(part) for part in np.array_split(np.arange(n_train), 5)]
-        for i, n in enumerate(sizes, start=1):
-            _dump_py2(entry(n, f"training batch {i} of 5".encode()), out / f"data_batch_{i}")
-        _dump_py2(entry(n_test, b"testing batch 1 of 1"), out / "test_batch")
-        meta = {
-            b"label_names": [c.encode() for c in CLASSES["cifar10"]],
-            b"num_cases_per_batch": max(sizes),
-            b"num_vis": 3072,
-        }
-        _dump_py2(meta, out / "batches.meta")
-    else:
-        _dump_py2(entry(n_train, b"training"), out / "train")
-        _dump_py2(entry(n_test, b"testing"), out / "test")
-        meta = {
-            b"fine_label_names": [f"fine_{i}".encode() for i in range(100)],
-            b"coarse_label_names": [f"coarse_{i}".encode() for i in range(20)],
-        }
-        _dump_py2(meta, out / "meta")
-    return out
-
-
-# ---------------------------------------------------------------------------
-# The dataset
-# ---------------------------------------------------------------------------
 
 
 class ImageClassificationDataset(Dataset[tuple[torch.Tensor, int]]):
@@ -763,15 +338,15 @@ class ImageClassificationDataset(Dataset[tuple[torch.Tensor, int]]):
 
 
 def _load_idx_pair(name: str, directory: Path, split: str) -> tuple[np.ndarray, np.ndarray]:
-    images_name, labels_name = _IDX_FILES[split]
+    images_name, labels_name = IDX_FILES[split]
     paths = []
     for f in (images_name, labels_name):
         p = _present(directory, (f, f + ".gz"))
         if p is None:  # found a moment ago; removed since (e.g. a concurrent cleanup)
             raise DatasetError(f"{name}: {directory} lacks {f} (or {f}.gz)")
         paths.append(p)
-    images = _read_idx(paths[0], magic=_IDX_IMAGES_MAGIC, dataset=name)
-    labels = _read_idx(paths[1], magic=_IDX_LABELS_MAGIC, dataset=name)
+    images = read_idx_file(paths[0], magic=IDX_IMAGES_MAGIC, dataset=name)
+    labels = read_idx_file(paths[1], magic=IDX_LABELS_MAGIC, dataset=name)
     if images.shape[0] != labels.shape[0]:
         raise DatasetError(
             f"{name}: {paths[0]} holds {images.shape[0]} images but {paths[1]} holds "
@@ -789,7 +364,7 @@ def _load_idx_pair(name: str, directory: Path, split: str) -> tuple[np.ndarray, 
 def _cifar100_classes(directory: Path) -> tuple[str, ...]:
     meta = directory / "meta"
     if meta.is_file():
-        names = _unpickle(meta, "cifar100").get("fine_label_names")
+        names = unpickle(meta, "cifar100").get("fine_label_names")
         if isinstance(names, list) and len(names) == 100:
             return tuple(n.decode("latin1") if isinstance(n, bytes) else str(n) for n in names)
     return CLASSES["cifar100"]
@@ -803,7 +378,7 @@ def load_dataset(
     Files are found with `find_dataset_dir(name, root, split=split)`. CIFAR-100
     uses the 100 fine labels.
     """
-    name = _canonical(name)
+    name = canonical_name(name)
     _check_split(split)
     directory = find_dataset_dir(name, root, split=split)
     classes = CLASSES[name]

@@ -1,8 +1,8 @@
-"""Process groups, backend and device choice, and collectives for metrics."""
+"""Process groups, this process's topology and meshes, backend and device choice, collectives."""
 
 from scaletrain.dist.backend import BACKENDS, choose_backend, choose_device
-from scaletrain.dist.collectives import REDUCE_OPS, barrier, rank_first, reduce_values
-from scaletrain.dist.grad_norm import global_grad_norm
+from scaletrain.dist.collectives import REDUCE_OPS, any_rank, barrier, rank_first, reduce_values
+from scaletrain.dist.grad_norm import clip_grads_, global_grad_norm
 from scaletrain.dist.process_group import (
     DEFAULT_TIMEOUT_S,
     claim_first,
@@ -10,21 +10,28 @@ from scaletrain.dist.process_group import (
     init_process_group,
     is_initialized,
 )
+from scaletrain.dist.mesh import device_mesh
 from scaletrain.dist.sync_batchnorm import SyncBatchNorm
+from scaletrain.dist.topology import Topology, parse_mesh
 
 __all__ = [
     "BACKENDS",
     "DEFAULT_TIMEOUT_S",
     "REDUCE_OPS",
     "SyncBatchNorm",
+    "Topology",
+    "any_rank",
     "barrier",
     "choose_backend",
     "choose_device",
     "claim_first",
+    "clip_grads_",
     "destroy",
+    "device_mesh",
     "global_grad_norm",
     "init_process_group",
     "is_initialized",
+    "parse_mesh",
     "rank_first",
     "reduce_values",
 ]

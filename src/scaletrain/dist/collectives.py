@@ -11,11 +11,15 @@ import torch.distributed as dist
 
 from scaletrain.errors import ConfigError
 
-__all__ = ["REDUCE_OPS", "barrier", "rank_first", "reduce_values"]
+__all__ = ["REDUCE_OPS", "any_rank", "barrier", "rank_first", "reduce_values"]
 
 REDUCE_OPS = ("sum", "mean", "max", "min")
 
 Number = torch.Tensor | float | int
+
+
+# (the default process group, the Gloo group any_rank uses beside it)
+_CONTROL: tuple[Any, Any] = (None, None)
 
 
 def _active() -> bool:
@@ -120,3 +124,20 @@ def rank_first(is_first: bool, *, device: torch.device | None = None) -> Iterato
     dist.all_reduce(flag)
     if flag.item() > 0:
         raise RuntimeError("another node's first rank failed inside rank_zero_first()")
+
+
+def any_rank(flag: bool, *, world_size: int, backend: str) -> bool:
+    """True on every rank if `flag` is True on any: one tiny collective.
+
+    Runs on a CPU (Gloo) group even under NCCL, so checking it every step costs no
+    GPU synchronisation; that group is made once per default process group.
+    """
+    global _CONTROL
+    if world_size == 1:
+        return flag
+    world = dist.group.WORLD
+    if _CONTROL[0] is not world:
+        _CONTROL = (world, dist.new_group(backend="gloo") if backend != "gloo" else world)
+    t = torch.tensor([1.0 if flag else 0.0])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_CONTROL[1])
+    return bool(t.item() > 0)

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["global_grad_norm"]
+__all__ = ["clip_grads_", "global_grad_norm"]
 
 
 def _placement_key(t: torch.Tensor) -> Any:
@@ -72,3 +72,12 @@ def global_grad_norm(
     if math.isinf(p):
         return torch.stack(parts).max()
     return torch.linalg.vector_norm(torch.stack(parts), p)
+
+
+def clip_grads_(grads: Sequence[torch.Tensor], total: torch.Tensor, max_norm: float) -> None:
+    """Scale `grads` in place so that a whole-model norm of `total` becomes <= max_norm."""
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for grad in grads:
+        # A DTensor gradient cannot take a plain tensor factor: its Python value then.
+        is_dtensor = type(grad).__name__ == "DTensor"
+        grad.mul_(coef.item() if is_dtensor else coef.to(grad.device, grad.dtype))

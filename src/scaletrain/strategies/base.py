@@ -19,8 +19,8 @@ from torch import nn
 from scaletrain.errors import ConfigError
 
 if TYPE_CHECKING:
+    from scaletrain.dist.topology import Topology
     from scaletrain.precision import Precision
-    from scaletrain.runtime import Runtime
 
 __all__ = [
     "STRATEGIES",
@@ -47,26 +47,33 @@ def register(cls: type[Strategy]) -> type[Strategy]:
 
 @dataclass(kw_only=True, slots=True)
 class Strategy:
-    """Base class. Public methods own the checks; subclasses implement the `_hooks`."""
+    """Base class. Public methods own the checks; subclasses implement the `_hooks`.
+
+    Every hook is given the run's Topology (resolved once by st.init): ranks,
+    device, backend and mesh coordinates; nothing else of the run is shared.
+    """
 
     name: ClassVar[str] = "base"
+    mesh_dim: ClassVar[str] = "dp"
+    """The dimension this strategy spans when no mesh is given: the implicit mesh is
+    every rank along it (Topology.resolve)."""
 
-    def validate(self, rt: Runtime) -> None:
-        """Fail before training if this strategy cannot work on rt's backend/devices."""
-        self._validate(rt)
+    def validate(self, topo: Topology) -> None:
+        """Fail before training if this strategy cannot work on topo's backend/devices."""
+        self._validate(topo)
 
-    def setup_module(self, module: nn.Module, rt: Runtime) -> nn.Module:
+    def setup_module(self, module: nn.Module, topo: Topology) -> nn.Module:
         if not isinstance(module, nn.Module):
             raise ConfigError(
                 f"setup() expected a torch.nn.Module, got {type(module).__name__}. Pass the model "
                 "itself, e.g. rt.setup(model, optimizer)."
             )
-        return self._setup_module(module, rt)
+        return self._setup_module(module, topo)
 
     def setup_optimizer(
-        self, optimizer: torch.optim.Optimizer, module: nn.Module, rt: Runtime
+        self, optimizer: torch.optim.Optimizer, module: nn.Module, topo: Topology
     ) -> torch.optim.Optimizer:
-        return self._setup_optimizer(optimizer, module, rt)
+        return self._setup_optimizer(optimizer, module, topo)
 
     def unwrap(self, module: nn.Module) -> nn.Module:
         """The user's own module, without wrapper prefixes in its state dict."""
@@ -78,21 +85,22 @@ class Strategy:
         with self._no_sync(module):
             yield
 
-    def data_parallel(self, rt: Runtime) -> tuple[int, int]:
-        """(rank, size) among the replicas that see different data.
+    def data_parallel(self, topo: Topology) -> tuple[int, int]:
+        """(rank, size) among the replicas that see different data: the "dp" coordinate
+        of the topology's mesh (given, or this strategy's implicit one).
 
         Ranks that share a model replica (tensor or pipeline parallel peers) share
         a data-parallel rank: they must be fed the same batch.
         """
-        return self._data_parallel(rt)
+        return topo.dp_rank, topo.dp_size
 
-    def home_device(self, rt: Runtime) -> torch.device:
+    def home_device(self, topo: Topology) -> torch.device:
         """The device this process computes on (inputs go there, NCCL binds to it).
 
         One GPU per local rank by default; a strategy whose process owns several
         devices (DDP with a device map) names the first of its own.
         """
-        return self._home_device(rt)
+        return self._home_device(topo)
 
     def checkpoint_module(self, module: nn.Module) -> nn.Module:
         """The module whose state this rank saves and loads (a pipeline rank: its stages)."""
@@ -103,18 +111,18 @@ class Strategy:
         stages), so state can be loaded into it before the first step."""
         self._prepare(module, example_inputs)
 
-    def adopt_precision(self, precision: Precision) -> None:
+    def adopt_precision(self, precision: Precision, topo: Topology) -> None:
         """Let a strategy that handles precision itself (FSDP's policy) configure it."""
-        self._adopt_precision(precision)
+        self._adopt_precision(precision, topo)
 
-    def model_parallel_group(self, rt: Runtime) -> Any:
+    def model_parallel_group(self, topo: Topology) -> Any:
         """Process group over which ranks hold DIFFERENT plain (non-DTensor) parameters
         (pipeline stages), for whole-model norms; None when there is none."""
-        return self._model_parallel_group(rt)
+        return self._model_parallel_group(topo)
 
-    def full_state_dict(self, module: nn.Module, rt: Runtime) -> dict[str, torch.Tensor]:
+    def full_state_dict(self, module: nn.Module, topo: Topology) -> dict[str, torch.Tensor]:
         """Plain CPU tensors of the whole model, on every rank (a collective)."""
-        return self._full_state_dict(module, rt)
+        return self._full_state_dict(module, topo)
 
     def forward_backward(
         self,
@@ -140,14 +148,14 @@ class Strategy:
             return self._predict(module, inputs)
 
     # -- hooks -----------------------------------------------------------------
-    def _validate(self, rt: Runtime) -> None:
+    def _validate(self, topo: Topology) -> None:
         return None
 
-    def _setup_module(self, module: nn.Module, rt: Runtime) -> nn.Module:
-        return module.to(rt.device)
+    def _setup_module(self, module: nn.Module, topo: Topology) -> nn.Module:
+        return module.to(topo.device)
 
     def _setup_optimizer(
-        self, optimizer: torch.optim.Optimizer, module: nn.Module, rt: Runtime
+        self, optimizer: torch.optim.Optimizer, module: nn.Module, topo: Topology
     ) -> torch.optim.Optimizer:
         return optimizer
 
@@ -157,10 +165,7 @@ class Strategy:
     def _no_sync(self, module: nn.Module) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
 
-    def _data_parallel(self, rt: Runtime) -> tuple[int, int]:
-        return rt.rank, rt.world_size
-
-    def _adopt_precision(self, precision: Precision) -> None:
+    def _adopt_precision(self, precision: Precision, topo: Topology) -> None:
         return None
 
     def _prepare(self, module: nn.Module, example_inputs: Any) -> None:
@@ -169,13 +174,13 @@ class Strategy:
     def _checkpoint_module(self, module: nn.Module) -> nn.Module:
         return module
 
-    def _home_device(self, rt: Runtime) -> torch.device:
-        return rt.device
+    def _home_device(self, topo: Topology) -> torch.device:
+        return topo.device
 
-    def _model_parallel_group(self, rt: Runtime) -> Any:
+    def _model_parallel_group(self, topo: Topology) -> Any:
         return None
 
-    def _full_state_dict(self, module: nn.Module, rt: Runtime) -> dict[str, torch.Tensor]:
+    def _full_state_dict(self, module: nn.Module, topo: Topology) -> dict[str, torch.Tensor]:
         # torch's state-dict API gathers DTensor shards (FSDP, TP) and strips DDP's
         # `module.` prefix; on plain modules it is just state_dict().
         from torch.distributed.checkpoint.state_dict import (

@@ -9,7 +9,7 @@ parallel", `gpus = {0: [0, 1], 1: [2, 3]}[rank]`), as a one-liner:
 "local:i" is the i-th device of this process: local rank r owning k devices owns
 GPUs r*k .. r*k+k-1, with k = `devices_per_process`, or by default the number of
 local devices the map names (2 above; for "auto", the node's GPUs divided by its
-processes). Placement follows the rules of strategies/model_parallel.py; where no
+processes). Placement follows the rules of strategies/placement.py; where no
 GPU is visible every device is the CPU, so the same script runs on CPUs.
 """
 
@@ -27,16 +27,16 @@ from torch.nn.parallel import DistributedDataParallel
 
 from scaletrain.errors import ConfigError
 from scaletrain.strategies.base import Strategy, register
-from scaletrain.strategies.model_parallel import (
+from scaletrain.strategies.devices import (
     check_device_map,
     local_devices_needed,
-    place_module,
     process_devices,
     resolve_device_map,
 )
+from scaletrain.strategies.placement import place_module
 
 if TYPE_CHECKING:
-    from scaletrain.runtime import Runtime
+    from scaletrain.dist.topology import Topology
 
 __all__ = ["COMM_HOOKS", "DDP"]
 
@@ -96,40 +96,40 @@ class DDP(Strategy):
                     f"DDP(devices_per_process={self.devices_per_process!r}) must be >= 1."
                 )
 
-    def process_devices(self, rt: Runtime) -> list[str]:
+    def process_devices(self, topo: Topology) -> list[str]:
         """The devices this process owns for its device_map (all "cpu" without GPUs)."""
-        gpus = torch.cuda.device_count() if rt.device.type == "cuda" else 0
+        gpus = torch.cuda.device_count() if topo.device.type == "cuda" else 0
         if self.devices_per_process is not None:
             per_process = self.devices_per_process
         elif isinstance(self.device_map, str):  # "auto": share the node's GPUs evenly
-            per_process = max(gpus // max(rt.env.local_world_size, 1), 1)
+            per_process = max(gpus // max(topo.local_world_size, 1), 1)
         else:
             per_process = max(local_devices_needed(self.device_map or {}), 1)
-        return process_devices(rt.local_rank, per_process, gpu_count=gpus)
+        return process_devices(topo.local_rank, per_process, gpu_count=gpus)
 
-    def _home_device(self, rt: Runtime) -> torch.device:
-        if self.device_map is None or rt.device.type != "cuda":
-            return rt.device
-        return torch.device(self.process_devices(rt)[0])
+    def _home_device(self, topo: Topology) -> torch.device:
+        if self.device_map is None or topo.device.type != "cuda":
+            return topo.device
+        return torch.device(self.process_devices(topo)[0])
 
-    def _validate(self, rt: Runtime) -> None:
-        if self.comm_hook == "bf16" and (rt.backend != "nccl" or rt.device.type != "cuda"):
+    def _validate(self, topo: Topology) -> None:
+        if self.comm_hook == "bf16" and (topo.backend != "nccl" or topo.device.type != "cuda"):
             raise ConfigError(
                 "DDP(comm_hook='bf16') needs CUDA and the NCCL backend (PyTorch's "
-                f"bf16_compress_hook), but this run uses backend={rt.backend!r} on "
-                f"{rt.device.type}. Use comm_hook='fp16' on CPU/Gloo, or run on GPUs."
+                f"bf16_compress_hook), but this run uses backend={topo.backend!r} on "
+                f"{topo.device.type}. Use comm_hook='fp16' on CPU/Gloo, or run on GPUs."
             )
         if self.device_map is not None:
-            owned = self.process_devices(rt)
+            owned = self.process_devices(topo)
             if not isinstance(self.device_map, str):
                 resolve_device_map(self.device_map, owned, "DDP")
 
-    def _setup_module(self, module: nn.Module, rt: Runtime) -> nn.Module:
+    def _setup_module(self, module: nn.Module, topo: Topology) -> nn.Module:
         if self.device_map is None:
-            module = module.to(rt.device)
+            module = module.to(topo.device)
         else:
-            place_module(module, self.device_map, devices=self.process_devices(rt), owner="DDP")
-        if rt.world_size == 1:
+            place_module(module, self.device_map, devices=self.process_devices(topo), owner="DDP")
+        if topo.world_size == 1:
             # The same script runs in one process with no wrapper and no process group.
             return module
         if not any(p.requires_grad for p in module.parameters()):
@@ -151,7 +151,7 @@ class DDP(Strategy):
             kwargs["bucket_cap_mb"] = self.bucket_cap_mb
         devices = {p.device for p in module.parameters()}
         if len(devices) == 1 and (only := next(iter(devices))).type == "cuda":
-            # The module's own GPU: with a device_map it need not be rt.device.
+            # The module's own GPU: with a device_map it need not be topo.device.
             kwargs["device_ids"] = [only]
             kwargs["output_device"] = only
         # Several devices in one process (DDP with model parallel): DDP must not be

@@ -22,7 +22,7 @@ from scaletrain.errors import ConfigError
 from scaletrain.strategies.base import Strategy, register
 
 if TYPE_CHECKING:
-    from scaletrain.runtime import Runtime
+    from scaletrain.dist.topology import Topology
 
 __all__ = ["DataParallel"]
 
@@ -67,12 +67,12 @@ class DataParallel(Strategy):
             )
         self.device_ids = ids
 
-    def _validate(self, rt: Runtime) -> None:
-        if rt.world_size > 1:
+    def _validate(self, topo: Topology) -> None:
+        if topo.world_size > 1:
             raise ConfigError(
                 f"strategy 'dp' (nn.DataParallel) drives all GPUs from a single process, but "
-                f"this job has {rt.world_size} processes (world size {rt.world_size}, backend "
-                f"{rt.backend!r}): every process would replicate over every GPU. Use "
+                f"this job has {topo.world_size} processes (world size {topo.world_size}, "
+                f"backend {topo.backend!r}): every process would replicate over every GPU. Use "
                 "strategy='ddp' with one process per GPU (torchrun --nproc-per-node N), which "
                 "is also faster, or start a single process for 'dp'."
             )
@@ -84,11 +84,11 @@ class DataParallel(Strategy):
                 "below that, None for all of them, or check CUDA_VISIBLE_DEVICES."
             )
 
-    def _setup_module(self, module: nn.Module, rt: Runtime) -> nn.Module:
+    def _setup_module(self, module: nn.Module, topo: Topology) -> nn.Module:
         count = _gpu_count()
         if count == 0:
             _warn_no_gpu()
-            return module.to(rt.device)
+            return module.to(topo.device)
         ids = self.device_ids if self.device_ids is not None else list(range(count))
         # nn.DataParallel requires the parameters on device_ids[0] before it replicates.
         module = module.to(torch.device("cuda", ids[0]))

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
+from scaletrain.dist.mesh import device_mesh
 from scaletrain.errors import ConfigError
 from scaletrain.strategies.base import (
     Strategy,
@@ -33,8 +34,8 @@ from scaletrain.strategies.base import (
 if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
+    from scaletrain.dist.topology import Topology
     from scaletrain.precision import Precision
-    from scaletrain.runtime import Runtime
 
 __all__ = ["FSDP", "WrapSpec", "auto_wrap_targets", "wrap_targets"]
 
@@ -83,7 +84,7 @@ class FSDP(Strategy):
                     "reduce_dtype=torch.float32)."
                 )
 
-    def _validate(self, rt: Runtime) -> None:
+    def _validate(self, topo: Topology) -> None:
         # cpu_offload is accepted on every device. On CUDA it keeps the shards in pinned
         # host memory; on a CPU run they live there already, so it changes nothing and
         # still works (measured on Gloo), and one config file serves a laptop and a GPU
@@ -91,27 +92,26 @@ class FSDP(Strategy):
         # none is available"), so _setup_module asks for it on CUDA only.
         return None
 
-    def _setup_module(self, module: nn.Module, rt: Runtime) -> nn.Module:
-        module = module.to(rt.device)
+    def _setup_module(self, module: nn.Module, topo: Topology) -> nn.Module:
+        module = module.to(topo.device)
         # Resolved even in one process: a wrong class name fails on a laptop, not at scale.
         targets = wrap_targets(module, self.wrap)
-        if rt.world_size == 1:
-            # One process: nothing to shard; the same script runs unwrapped, and the
-            # precision that FSDP's policy would have applied falls back to autocast.
-            rt.precision.autocast = True
+        if topo.world_size == 1:
+            # One process: nothing to shard; the same script runs unwrapped (and
+            # _adopt_precision left autocast on).
             return module
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
         names = parameter_names(module)
         kwargs: dict[str, Any] = {
-            "mesh": rt.device_mesh("dp"),
+            "mesh": device_mesh(topo, "dp"),
             "reshard_after_forward": self.reshard_after_forward,
             "mp_policy": (
                 MixedPrecisionPolicy() if self.mixed_precision is None else self.mixed_precision
             ),
         }
         if self.cpu_offload:
-            kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=rt.device.type == "cuda")
+            kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=topo.device.type == "cuda")
         submodules = dict(module.named_modules())
         # Innermost first: a unit's parameters belong to the innermost unit holding them,
         # and fully_shard must see nested units before the ones around them.
@@ -124,20 +124,22 @@ class FSDP(Strategy):
         return module
 
     def _setup_optimizer(
-        self, optimizer: torch.optim.Optimizer, module: nn.Module, rt: Runtime
+        self, optimizer: torch.optim.Optimizer, module: nn.Module, topo: Topology
     ) -> torch.optim.Optimizer:
         return rebind_to_wrapped(optimizer, module)
 
     def _unwrap(self, module: nn.Module) -> nn.Module:
         return module
 
-    def _adopt_precision(self, precision: Precision) -> None:
+    def _adopt_precision(self, precision: Precision, topo: Topology) -> None:
         # FSDP casts parameters itself when it all-gathers them (MixedPrecisionPolicy):
         # cheaper than autocast re-casting every op, and gradients reduce in fp32.
         policy = precision.fsdp_policy()
         if policy is not None and self.mixed_precision is None:
             self.mixed_precision = policy
-        if self.mixed_precision is not None:
+        # One process is never sharded: the precision the policy would have applied
+        # falls back to autocast there.
+        if self.mixed_precision is not None and topo.world_size > 1:
             precision.autocast = False
 
     def _no_sync(self, module: nn.Module) -> contextlib.AbstractContextManager[None]:

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from scaletrain.dist.mesh import device_mesh
 from scaletrain.errors import ConfigError
 from scaletrain.strategies import base
 from scaletrain.strategies.base import Strategy, rebind_to_wrapped
@@ -34,8 +35,8 @@ from scaletrain.strategies.pipeline import Pipeline, PipelineModule
 from scaletrain.strategies.tensor import TensorParallel
 
 if TYPE_CHECKING:
+    from scaletrain.dist.topology import Topology
     from scaletrain.precision import Precision
-    from scaletrain.runtime import Runtime
 
 __all__ = ["FSDPxTP", "PipelinexDDP", "compose"]
 
@@ -45,34 +46,33 @@ class FSDPxTP(Strategy):
     """Tensor parallel on the "tp" mesh dimension, FSDP2 on "dp"."""
 
     name: ClassVar[str] = "fsdp+tensor"
+    # Without a mesh (built directly, not by compose) it is tensor parallel over every rank.
+    mesh_dim: ClassVar[str] = "tp"
 
     fsdp: FSDP = field(default_factory=FSDP)
     """How the data-parallel dimension shards (FSDP's options)."""
     tensor: TensorParallel = field(default_factory=TensorParallel)
     """How the tensor-parallel dimension shards (plan, sequence parallel)."""
 
-    def _validate(self, rt: Runtime) -> None:
-        self.tensor.validate(rt)
-        self.fsdp.validate(rt)
+    def _validate(self, topo: Topology) -> None:
+        self.tensor.validate(topo)
+        self.fsdp.validate(topo)
 
-    def _adopt_precision(self, precision: Precision) -> None:
-        self.fsdp.adopt_precision(precision)
+    def _adopt_precision(self, precision: Precision, topo: Topology) -> None:
+        self.fsdp.adopt_precision(precision, topo)
 
-    def _setup_module(self, module: nn.Module, rt: Runtime) -> nn.Module:
-        module = self.tensor.setup_module(module, rt)
-        if rt.mesh_size("dp") > 1:
+    def _setup_module(self, module: nn.Module, topo: Topology) -> nn.Module:
+        module = self.tensor.setup_module(module, topo)
+        if topo.size("dp") > 1:
             # FSDP2 shards the TP DTensors along the other mesh dimension (2-D DTensors).
-            module = self.fsdp.setup_module(module, rt)
+            module = self.fsdp.setup_module(module, topo)
         return module
 
     def _setup_optimizer(
-        self, optimizer: torch.optim.Optimizer, module: nn.Module, rt: Runtime
+        self, optimizer: torch.optim.Optimizer, module: nn.Module, topo: Topology
     ) -> torch.optim.Optimizer:
         # Tensor parallel remembered the names first; FSDP's wrapping keeps them.
         return rebind_to_wrapped(optimizer, module)
-
-    def _data_parallel(self, rt: Runtime) -> tuple[int, int]:
-        return rt.mesh_coordinate("dp"), rt.mesh_size("dp")
 
     def _no_sync(self, module: nn.Module) -> contextlib.AbstractContextManager[None]:
         return self.fsdp.no_sync(module)
@@ -83,42 +83,41 @@ class PipelinexDDP(Strategy):
     """Pipeline stages on the "pp" mesh dimension, data parallel (DDP semantics) on "dp"."""
 
     name: ClassVar[str] = "pipeline+ddp"
+    # Without a mesh (built directly, not by compose) it is a pipeline over every rank.
+    mesh_dim: ClassVar[str] = "pp"
 
     pipeline: Pipeline = field(default_factory=Pipeline)
     """How the model is split into stages and scheduled."""
     _syncing: bool = field(default=True, repr=False)
     _dp_group: Any = field(default=None, repr=False)
 
-    def _validate(self, rt: Runtime) -> None:
-        self.pipeline.validate(rt)
+    def _validate(self, topo: Topology) -> None:
+        self.pipeline.validate(topo)
 
-    def _setup_module(self, module: nn.Module, rt: Runtime) -> nn.Module:
-        module = module.to(rt.device)
-        if rt.mesh_size("dp") > 1:
+    def _setup_module(self, module: nn.Module, topo: Topology) -> nn.Module:
+        module = module.to(topo.device)
+        if topo.size("dp") > 1:
             # DDP's promise: every replica starts from dp-rank 0's weights and buffers.
-            group = self._dp_group = rt.device_mesh("dp").get_group()
+            group = self._dp_group = device_mesh(topo, "dp").get_group()
             src = dist.get_global_rank(group, 0)
             with torch.no_grad():
                 for tensor in [*module.parameters(), *module.buffers()]:
                     dist.broadcast(tensor.data, src=src, group=group)
-        return self.pipeline.setup_module(module, rt)
+        return self.pipeline.setup_module(module, topo)
 
     def _setup_optimizer(
-        self, optimizer: torch.optim.Optimizer, module: nn.Module, rt: Runtime
+        self, optimizer: torch.optim.Optimizer, module: nn.Module, topo: Topology
     ) -> torch.optim.Optimizer:
-        return self.pipeline.setup_optimizer(optimizer, module, rt)
+        return self.pipeline.setup_optimizer(optimizer, module, topo)
 
     def _unwrap(self, module: nn.Module) -> nn.Module:
         return self.pipeline.unwrap(module)
 
-    def _data_parallel(self, rt: Runtime) -> tuple[int, int]:
-        return rt.mesh_coordinate("dp"), rt.mesh_size("dp")
+    def _model_parallel_group(self, topo: Topology) -> Any:
+        return self.pipeline.model_parallel_group(topo)
 
-    def _model_parallel_group(self, rt: Runtime) -> Any:
-        return self.pipeline.model_parallel_group(rt)
-
-    def _full_state_dict(self, module: nn.Module, rt: Runtime) -> dict[str, torch.Tensor]:
-        return self.pipeline.full_state_dict(module, rt)
+    def _full_state_dict(self, module: nn.Module, topo: Topology) -> dict[str, torch.Tensor]:
+        return self.pipeline.full_state_dict(module, topo)
 
     @contextlib.contextmanager
     def _sync_off(self) -> Iterator[None]:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
+from scaletrain.dist.mesh import device_mesh
 from scaletrain.errors import ConfigError
 from scaletrain.strategies.base import (
     Strategy,
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.parallel import ParallelStyle
 
-    from scaletrain.runtime import Runtime
+    from scaletrain.dist.topology import Topology
 
 __all__ = [
     "ATTENTION_OUT_NAMES",
@@ -89,6 +90,9 @@ class TensorParallel(Strategy):
     """Split Linear layers over the tensor-parallel ranks with torch's DTensor."""
 
     name: ClassVar[str] = "tensor"
+    # Every tensor-parallel peer computes the same replica on the same data: alone,
+    # the strategy spans "tp" and only a "dp" mesh dimension splits the data.
+    mesh_dim: ClassVar[str] = "tp"
 
     plan: dict[str, ParallelStyle | str] | None = None
     """Module name (fnmatch wildcards per dotted part) -> ParallelStyle or "colwise" /
@@ -132,10 +136,10 @@ class TensorParallel(Strategy):
                 "your plan and leave sequence_parallel=False."
             )
 
-    def _validate(self, rt: Runtime) -> None:
-        if rt.world_size > 1 and rt.mesh_shape is not None and "tp" not in rt.mesh_shape:
+    def _validate(self, topo: Topology) -> None:
+        if topo.world_size > 1 and topo.mesh_given and "tp" not in topo.mesh_shape:
             raise ConfigError(
-                f"strategy='tensor' needs a 'tp' dimension, but the mesh is {rt.mesh_shape}. "
+                f"strategy='tensor' needs a 'tp' dimension, but the mesh is {topo.mesh_shape}. "
                 "Add it, e.g. mesh={'dp': 2, 'tp': 2}, or give no mesh to use every rank."
             )
 
@@ -155,14 +159,14 @@ class TensorParallel(Strategy):
                 )
         return dict(self.plan)
 
-    def _setup_module(self, module: nn.Module, rt: Runtime) -> nn.Module:
-        module = module.to(rt.device)
+    def _setup_module(self, module: nn.Module, topo: Topology) -> nn.Module:
+        module = module.to(topo.device)
         # Resolved and checked even in one process, so a model tensor parallel cannot
         # shard fails on a laptop with the same message as at scale.
         plan = self.resolved_plan(module)
-        if rt.world_size == 1:
+        if topo.world_size == 1:
             return module
-        mesh = rt.device_mesh("tp")
+        mesh = device_mesh(topo, "tp")
         degree = mesh.size()
         check_tp_plan(module, plan, degree)
         if degree == 1:
@@ -179,14 +183,9 @@ class TensorParallel(Strategy):
         return module
 
     def _setup_optimizer(
-        self, optimizer: torch.optim.Optimizer, module: nn.Module, rt: Runtime
+        self, optimizer: torch.optim.Optimizer, module: nn.Module, topo: Topology
     ) -> torch.optim.Optimizer:
         return rebind_to_wrapped(optimizer, module)
-
-    def _data_parallel(self, rt: Runtime) -> tuple[int, int]:
-        # Every tensor-parallel peer computes the same replica: same data. Only a "dp"
-        # mesh dimension (composed with DDP/FSDP) splits the data.
-        return rt.mesh_coordinate("dp"), rt.mesh_size("dp")
 
 
 # -- the default plan ---------------------------------------------------------------

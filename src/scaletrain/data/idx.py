@@ -1,0 +1,96 @@
+"""The IDX file format of the MNIST family: read, checked, plain or gzipped.
+
+Every problem with a file (unreadable, truncated, not IDX, images and labels
+swapped) is a DatasetError naming the dataset, the file and the fix.
+"""
+
+from __future__ import annotations
+
+import gzip
+import struct
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+from scaletrain.errors import DatasetError
+
+__all__ = ["IDX_IMAGES_MAGIC", "IDX_LABELS_MAGIC", "IDX_TYPES", "read_idx", "read_idx_file"]
+
+# IDX type codes (third magic byte) -> big-endian numpy dtype.
+IDX_TYPES: dict[int, str] = {
+    0x08: ">u1",
+    0x09: ">i1",
+    0x0B: ">i2",
+    0x0C: ">i4",
+    0x0D: ">f4",
+    0x0E: ">f8",
+}
+IDX_IMAGES_MAGIC = 0x00000803  # uint8, 3 dimensions (N, rows, cols)
+IDX_LABELS_MAGIC = 0x00000801  # uint8, 1 dimension (N,)
+
+
+def _read_bytes(path: Path, dataset: str) -> bytes:
+    try:
+        raw = path.read_bytes()
+        # Decide by content, not by name: a gzipped file saved without .gz
+        # (or the reverse) is common after manual downloads. IDX data starts
+        # with two zero bytes, gzip with 1f 8b, so the two cannot be confused.
+        if raw[:2] == b"\x1f\x8b":
+            raw = gzip.decompress(raw)
+    except (OSError, EOFError, zlib.error) as exc:
+        raise DatasetError(
+            f"{dataset}: cannot read {path}: {exc}. The file is missing, unreadable or a "
+            "truncated/corrupted gzip; replace it with a fresh copy."
+        ) from exc
+    return raw
+
+
+def read_idx_file(path: Path, *, magic: int | None, dataset: str) -> np.ndarray:
+    """The array in `path`, checked against `magic` (None: any IDX array) and its header."""
+    raw = _read_bytes(path, dataset)
+    fix = "replace it with a fresh copy of the file"
+    if len(raw) < 4:
+        raise DatasetError(
+            f"{dataset}: {path} is truncated: {len(raw)} bytes, shorter than the 4-byte IDX "
+            f"magic; {fix}."
+        )
+    (got,) = struct.unpack(">I", raw[:4])
+    code, ndim = raw[2], raw[3]
+    if raw[0] != 0 or raw[1] != 0 or code not in IDX_TYPES or ndim == 0:
+        want = f"0x{magic:08X}" if magic is not None else "0x0000TTDD (TT a type code, DD dims)"
+        raise DatasetError(
+            f"{dataset}: {path} is not an IDX file: magic 0x{got:08X}, expected {want}; {fix}."
+        )
+    if magic is not None and got != magic:
+        kinds = {IDX_IMAGES_MAGIC: "images (uint8, 3-D)", IDX_LABELS_MAGIC: "labels (uint8, 1-D)"}
+        raise DatasetError(
+            f"{dataset}: {path} has IDX magic 0x{got:08X} ({kinds.get(got, 'another IDX array')}), "
+            f"expected 0x{magic:08X} ({kinds.get(magic, '')}); the file is mislabelled or "
+            f"swapped; {fix}."
+        )
+    header = 4 + 4 * ndim
+    if len(raw) < header:
+        raise DatasetError(
+            f"{dataset}: {path} is truncated: {len(raw)} bytes, shorter than its {header}-byte "
+            f"IDX header; {fix}."
+        )
+    dims = struct.unpack(f">{ndim}I", raw[4:header])
+    dtype = np.dtype(IDX_TYPES[code])
+    count = int(np.prod(dims, dtype=np.int64))
+    expected = header + count * dtype.itemsize
+    if len(raw) != expected:
+        what = "truncated" if len(raw) < expected else "longer than its header says"
+        raise DatasetError(
+            f"{dataset}: {path} is {what}: the header says shape {tuple(dims)} of {dtype.name} "
+            f"= {expected} bytes with the header, the file has {len(raw)}; {fix}."
+        )
+    data = np.frombuffer(raw, dtype=dtype, count=count, offset=header).reshape(dims)
+    # One copy, to native byte order and into writable memory (torch warns
+    # about, and must not write into, the read-only buffer of `raw`).
+    return np.array(data, dtype=dtype.newbyteorder("="))
+
+
+def read_idx(path: str | Path) -> np.ndarray:
+    """Read an IDX file (plain or gzipped) into a native-endian numpy array."""
+    return read_idx_file(Path(path), magic=None, dataset="IDX")
