@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from scaletrain.env.base import ClusterEnv
-from scaletrain.errors import ConfigError
+from scaletrain.errors import ConfigError, say, spell
 
 __all__ = ["MESH_DIMS", "Topology", "parse_mesh"]
 
@@ -36,7 +36,9 @@ def parse_mesh(mesh: Mapping[str, int] | str | None, world_size: int) -> dict[st
             key, sep, value = part.partition("=")
             if not sep or not value.strip().isdigit():
                 raise ConfigError(
-                    f"mesh={mesh!r}: {part!r} is not NAME=SIZE. Expected e.g. 'dp=2,tp=2'."
+                    f"{spell('mesh', mesh)}: {part!r} is not NAME=SIZE. Expected e.g. "
+                    f"{spell('mesh', 'dp=2,tp=2')}.",
+                    field="mesh",
                 )
             items[key.strip()] = int(value)
     else:
@@ -44,20 +46,22 @@ def parse_mesh(mesh: Mapping[str, int] | str | None, world_size: int) -> dict[st
     unknown = [k for k in items if k not in MESH_DIMS]
     if unknown:
         raise ConfigError(
-            f"mesh={mesh!r} names dimension(s) {', '.join(map(repr, unknown))}; expected "
-            f"some of {', '.join(MESH_DIMS)} (data, tensor and pipeline parallel)."
+            f"{spell('mesh', mesh)} names dimension(s) {', '.join(map(repr, unknown))}; "
+            f"expected some of {', '.join(MESH_DIMS)} (data, tensor and pipeline parallel).",
+            field="mesh",
         )
     bad = {k: v for k, v in items.items() if v < 1}
     if bad:
-        raise ConfigError(f"mesh={mesh!r}: sizes must be >= 1, got {bad}.")
+        raise ConfigError(f"{spell('mesh', mesh)}: sizes must be >= 1, got {bad}.", field="mesh")
     product = math.prod(items.values())
     if product != world_size:
+        start = say(api=f"start {product} processes", cli=f"pass {spell('nproc', product)}")
         raise ConfigError(
-            f"mesh={mesh!r} holds {product} ranks ("
+            f"{spell('mesh', mesh)} holds {product} ranks ("
             + " x ".join(f"{k}={v}" for k, v in items.items())
             + f"), but the job has world size {world_size}. The product of the mesh sizes "
-            f"must equal the number of processes: change the mesh or start {product} "
-            "processes."
+            f"must equal the number of processes. Fix: change the mesh or {start}.",
+            field="mesh",
         )
     return {k: items[k] for k in MESH_DIMS if k in items}
 

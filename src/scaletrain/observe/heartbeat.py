@@ -7,13 +7,9 @@ import math
 from dataclasses import asdict, dataclass
 
 from scaletrain.errors import ConfigError
+from scaletrain.exitcodes import EXIT_HANG
 
 __all__ = ["DEFAULT_HANG_TIMEOUT_S", "EXIT_HANG", "Heartbeat", "WatchdogConfig"]
-
-EXIT_HANG = 86
-"""Exit status of every rank of a job the watchdog ended. Distinct from 1 (an
-exception), 2 (a usage error) and the signal codes (128 + N), so a launcher or a
-scheduler's retry policy can tell a hang from a crash."""
 
 DEFAULT_HANG_TIMEOUT_S = 300.0
 """Seconds without a beat before a rank counts as hung (`--hang-timeout`): far above a

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from scaletrain.dist.mesh import device_mesh
-from scaletrain.errors import ConfigError
+from scaletrain.errors import ConfigError, spell
 from scaletrain.strategies import base
 from scaletrain.strategies.base import Strategy, rebind_to_wrapped
 from scaletrain.strategies.ddp import DDP
@@ -179,7 +179,8 @@ def compose(strategy: Strategy, mesh: Mapping[str, int]) -> Strategy:
         raise ConfigError(
             f"mesh {{{shape}}} combines tensor and pipeline parallel; scaletrain composes "
             "two dimensions at a time: dp x tp (FSDP x tensor) or dp x pp (DDP x pipeline). "
-            "Drop one of tp/pp."
+            "Drop one of tp/pp.",
+            field="mesh",
         )
     if tp > 1:
         if isinstance(strategy, FSDP):
@@ -189,8 +190,10 @@ def compose(strategy: Strategy, mesh: Mapping[str, int]) -> Strategy:
         if isinstance(strategy, FSDPxTP):
             return strategy
         raise ConfigError(
-            f"strategy {strategy.name!r} with mesh {{{shape}}}: a 'tp' dimension composes "
-            "with FSDP on 'dp'. Use strategy='fsdp' (or 'tensor') with this mesh."
+            f"{spell('strategy', strategy.name)} with mesh {{{shape}}}: a 'tp' dimension "
+            f"composes with FSDP on 'dp'. Fix: {spell('strategy', 'fsdp')} (or "
+            f"{spell('strategy', 'tensor')}) with this mesh.",
+            field="strategy",
         )
     if isinstance(strategy, DDP):
         if strategy.device_map is not None:

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from scaletrain.errors import ConfigError, spell
+from scaletrain.observe.heartbeat import DEFAULT_HANG_TIMEOUT_S
 
 __all__ = ["SCHEDULES", "SINGLE_PROCESS_STRATEGIES", "TrainConfig"]
 
@@ -86,7 +87,7 @@ class TrainConfig:
     """Save and stop after N steps of this run; starting again resumes."""
     max_restarts: int = 0
     """Restart the workers up to N times after a failure; they resume from the last checkpoint."""
-    hang_timeout: float = 300.0
+    hang_timeout: float = DEFAULT_HANG_TIMEOUT_S
     """Seconds a rank may make no progress before the job ends with a diagnosis; 0: off."""
 
     def __post_init__(self) -> None:
