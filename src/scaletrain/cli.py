@@ -141,15 +141,19 @@ def train_config(ns: argparse.Namespace) -> TrainConfig:
 def _preflight(config: TrainConfig, env: ClusterEnv) -> int:
     """Check what can be checked before any process starts; return the processes per node.
 
-    One error here, in the parent, replaces one traceback per rank after the launch.
+    One error here, in the parent, replaces one traceback per rank after the launch:
+    the settings against the hardware (backend, precision), the mesh against the
+    process count, the data, and the recipe's model against the strategy (built on
+    the meta device: no memory, no devices, no process group).
     """
     import torch
 
-    from scaletrain.dist import choose_backend, choose_device
+    from scaletrain.dist import Topology, choose_backend, choose_device
     from scaletrain.precision import Precision
     from scaletrain.runtime import parse_mesh
     from scaletrain.strategies import resolve_strategy
     from scaletrain.train import get_recipe
+    from scaletrain.train.config import SINGLE_PROCESS_STRATEGIES
 
     recipe = get_recipe(config.resolved_recipe())
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -157,19 +161,32 @@ def _preflight(config: TrainConfig, env: ClusterEnv) -> int:
         nproc = env.procs_per_node_hint
     else:
         nproc = config.default_nproc(gpus)
-    world = nproc * (env.num_nodes if env.per_node else 1)
+    nodes = env.num_nodes if env.per_node else 1
+    world = nproc * nodes
+    if config.strategy in SINGLE_PROCESS_STRATEGIES and world > 1:
+        raise ConfigError(
+            f"{spell('strategy', config.strategy)} runs in ONE process, but this job has "
+            f"{world} ({nodes} nodes x {nproc}). Fix: {spell('nproc', 1)} on one node, or "
+            f"{spell('strategy', 'ddp')}.",
+            field="strategy",
+        )
     backend = choose_backend(config.backend)
     device = choose_device(0, backend=backend)
     Precision(name=config.precision, device=device)
     mesh = parse_mesh(config.mesh, world) if config.mesh is not None else None
     strategy = resolve_strategy(config.strategy, mesh=mesh)
-    if getattr(strategy, "single_process", False) and world > 1:
-        raise ConfigError(
-            f"{spell('strategy', config.strategy)} runs in ONE process, but this job has "
-            f"{world} ({env.num_nodes} nodes x {nproc}). Fix: {spell('nproc', 1)} on one "
-            f"node, or {spell('strategy', 'ddp')}.",
-            field="strategy",
-        )
+    topo = Topology(
+        world_size=world,
+        local_world_size=nproc,
+        device=device,
+        backend=backend,
+        mesh_shape=dict(mesh) if mesh else {strategy.mesh_dim: world},
+        mesh_given=bool(mesh),
+    )
+    strategy.validate(topo)
+    with torch.device("meta"):
+        model = recipe.build()
+    strategy.check_model(model, topo)
     recipe.locate_data(config.data_dir)
     return nproc
 

@@ -59,6 +59,34 @@ def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
 
 
+class _FixedHeadAttention(nn.Module):
+    """A user's attention whose forward hard-codes its head count (n_head)."""
+
+    def __init__(self, d: int = 32, n_head: int = 4) -> None:
+        super().__init__()
+        self.n_head = n_head
+        self.q_proj, self.k_proj = nn.Linear(d, d), nn.Linear(d, d)
+        self.v_proj, self.out_proj = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = (
+            p(x).view(b, t, self.n_head, d // self.n_head).transpose(1, 2)
+            for p in (self.q_proj, self.k_proj, self.v_proj)
+        )
+        y = nn.functional.scaled_dot_product_attention(q, k, v)
+        return self.out_proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class _UserModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = _FixedHeadAttention()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.attn(x)
+
+
 def _full(model: nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.tensor import DTensor
 
@@ -142,6 +170,9 @@ def _job() -> dict[str, Any]:
     res["seq_len"] = _error(
         rt, _model(), torch.zeros(1, 15, dtype=torch.long), sequence_parallel=True
     )
+    # Raised in the attention's forward on every rank alike, before the out_proj's
+    # all-reduce, so no rank is stranded in a collective.
+    res["fixed_heads"] = _error(rt, _UserModel(), torch.zeros(2, 8, 32))
     rt.shutdown()
     return res
 
@@ -243,3 +274,8 @@ def test_configuration_errors_name_the_problem(results: list[dict[str, Any]]) ->
         assert "out_features=33 is not divisible by the tensor-parallel degree 2" in r["width"]
         assert "input of shape (1, 15, 32)" in r["seq_len"]
         assert "divisible by 2" in r["seq_len"]
+        # A forward with a hard-coded head count: which module, why, and what to change.
+        fixed = r["fixed_heads"]
+        assert fixed.startswith("tensor parallel: attn (_FixedHeadAttention) reshapes")
+        assert "2 of its 4 heads" in fixed and "is invalid for input of size" in fixed
+        assert "q.view(b, t, -1, head_dim)" in fixed

@@ -70,7 +70,11 @@ def test_single_process_strategies_refuse_a_world_in_the_library() -> None:
         (["--precision", "fp16-mixed"], ["--precision fp16-mixed needs a CUDA GPU", "bf16-mixed"]),
         (["--backend", "nccl"], ["--backend nccl needs CUDA GPUs", "--backend gloo"]),
         (["--mesh", "dp=2,tp=2", "--strategy", "ddp", "--nproc", "4"], ["ddp", "--strategy fsdp"]),
-        (["--mesh", "dp=2,tp=2", "--nproc", "2"], ["4 ranks", "world size 2"]),
+        (["--mesh", "dp=2,tp=2", "--nproc", "2"], ["4 ranks", "world size 2", "--nproc 4"]),
+        (["--strategy", "tensor", "--recipe", "convnet"], ["no Linear pairs", "ConvNet",
+                                                          "--strategy ddp", "--recipe gpt"]),
+        (["--strategy", "pipeline", "--recipe", "split-net", "--nproc", "4"],
+         ["more stages than layers", "SplitNet"]),
         (["--nproc", "0"], ["--nproc 0", "--nproc 2"]),
         (["--max-steps", "0"], ["--max-steps 0", "--max-steps 1"]),
         (["--data-dir", "/nonexistent/fmnist"], ["--data-dir /nonexistent/fmnist", "does not exist",
@@ -78,7 +82,8 @@ def test_single_process_strategies_refuse_a_world_in_the_library() -> None:
         (["--data-dir", ""], ["--data-dir", "a directory holding the dataset"]),
         (["--recipe", "split-net", "--data-dir", "/tmp"], ["split-net", "generates its data"]),
     ],
-    ids=["fp16-on-cpu", "nccl-without-gpus", "mesh-with-ddp", "mesh-size", "nproc-0",
+    ids=["fp16-on-cpu", "nccl-without-gpus", "mesh-with-ddp", "mesh-size", "tensor-convnet",
+         "pipeline-too-deep", "nproc-0",
          "max-steps-0", "data-dir-missing", "data-dir-empty", "data-dir-not-used"],
 )  # fmt: skip
 def test_bad_settings_fail_in_the_parent_in_the_clis_words(
@@ -101,7 +106,8 @@ def test_bad_settings_fail_in_the_parent_in_the_clis_words(
         assert word in err, err
     # One paragraph from the parent: no traceback, no API spelling, no worker started.
     assert "Traceback" not in err and err.count("scaletrain: error") == 1
-    assert "precision=" not in err and "backend=" not in err and "nproc=" not in err
+    for api_name in ("precision=", "backend=", "nproc=", "mesh=", "strategy=", "plan="):
+        assert api_name not in err, err
     assert not (tmp_path / "runs").exists()
 
 

@@ -62,6 +62,13 @@ class Strategy:
         """Fail before training if this strategy cannot work on topo's backend/devices."""
         self._validate(topo)
 
+    def check_model(self, module: nn.Module, topo: Topology) -> None:
+        """The checks setup_module makes on `module`, without wrapping it, without devices
+        and without a process group (`module` may live on the meta device): a launcher
+        calls it so that a model this strategy cannot split fails before any process
+        starts, with the message a worker would give."""
+        self._check_model(module, topo)
+
     def setup_module(self, module: nn.Module, topo: Topology) -> nn.Module:
         if not isinstance(module, nn.Module):
             raise ConfigError(
@@ -149,6 +156,9 @@ class Strategy:
 
     # -- hooks -----------------------------------------------------------------
     def _validate(self, topo: Topology) -> None:
+        return None
+
+    def _check_model(self, module: nn.Module, topo: Topology) -> None:
         return None
 
     def _setup_module(self, module: nn.Module, topo: Topology) -> nn.Module:

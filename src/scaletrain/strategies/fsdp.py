@@ -92,6 +92,9 @@ class FSDP(Strategy):
         # none is available"), so _setup_module asks for it on CUDA only.
         return None
 
+    def _check_model(self, module: nn.Module, topo: Topology) -> None:
+        wrap_targets(module, self.wrap)
+
     def _setup_module(self, module: nn.Module, topo: Topology) -> nn.Module:
         module = module.to(topo.device)
         # Resolved even in one process: a wrong class name fails on a laptop, not at scale.

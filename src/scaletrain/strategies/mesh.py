@@ -61,6 +61,10 @@ class FSDPxTP(Strategy):
     def _adopt_precision(self, precision: Precision, topo: Topology) -> None:
         self.fsdp.adopt_precision(precision, topo)
 
+    def _check_model(self, module: nn.Module, topo: Topology) -> None:
+        self.tensor.check_model(module, topo)
+        self.fsdp.check_model(module, topo)
+
     def _setup_module(self, module: nn.Module, topo: Topology) -> nn.Module:
         module = self.tensor.setup_module(module, topo)
         if topo.size("dp") > 1:
@@ -93,6 +97,9 @@ class PipelinexDDP(Strategy):
 
     def _validate(self, topo: Topology) -> None:
         self.pipeline.validate(topo)
+
+    def _check_model(self, module: nn.Module, topo: Topology) -> None:
+        self.pipeline.check_model(module, topo)
 
     def _setup_module(self, module: nn.Module, topo: Topology) -> nn.Module:
         module = module.to(topo.device)

@@ -151,6 +151,15 @@ class Pipeline(Strategy):
         if pp_size > 1:
             self.check_layout(pp_size)
 
+    def _check_model(self, module: nn.Module, topo: Topology) -> None:
+        pp_size = _pp_size(topo)
+        if pp_size == 1:
+            if isinstance(self.stages, tuple):
+                _check_split_names(module, self.stages)
+            return
+        self.check_layout(pp_size)
+        self.split_points(module, pp_size)
+
     def _setup_module(self, module: nn.Module, topo: Topology) -> nn.Module:
         module = module.to(topo.device)
         pp_size = _pp_size(topo)
