@@ -359,4 +359,4 @@ def explain_fixed_head_counts(model: nn.Module, plan: Mapping[str, Any], degree:
                     "scaletrain's GPT (scaletrain.train.models) does so."
                 ) from exc
 
-        module.forward = forward  # type: ignore[method-assign]
+        module.forward = forward
