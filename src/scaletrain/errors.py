@@ -13,6 +13,7 @@ __all__ = [
     "DatasetError",
     "EnvironmentDetectionError",
     "LaunchError",
+    "PeerFailure",
     "ScaletrainError",
     "interface",
     "say",
@@ -87,3 +88,8 @@ class LaunchError(ScaletrainError):
 
 class CheckpointError(ScaletrainError):
     """A checkpoint that cannot be loaded: truncated, corrupted, foreign or mismatched."""
+
+
+class PeerFailure(ScaletrainError):
+    """Another rank failed and this one stops because of it: the other rank's error is
+    the one to read (launchers report that one, not this)."""

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from scaletrain.errors import ConfigError
+from scaletrain.errors import ConfigError, PeerFailure
 
 __all__ = ["REDUCE_OPS", "any_rank", "barrier", "rank_first", "reduce_values"]
 
@@ -110,7 +110,7 @@ def rank_first(is_first: bool, *, device: torch.device | None = None) -> Iterato
     if not is_first:
         dist.all_reduce(flag)
         if flag.item() > 0:
-            raise RuntimeError(
+            raise PeerFailure(
                 "the first rank of this node failed inside rank_zero_first(); see its error above"
             )
         yield
@@ -123,7 +123,7 @@ def rank_first(is_first: bool, *, device: torch.device | None = None) -> Iterato
         raise
     dist.all_reduce(flag)
     if flag.item() > 0:
-        raise RuntimeError("another node's first rank failed inside rank_zero_first()")
+        raise PeerFailure("another node's first rank failed inside rank_zero_first()")
 
 
 def any_rank(flag: bool, *, world_size: int, backend: str) -> bool:

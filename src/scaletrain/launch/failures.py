@@ -19,17 +19,37 @@ import time
 import traceback
 from typing import Any
 
-__all__ = ["record_failure", "summarize_failure"]
+__all__ = ["is_consequence", "record_failure", "summarize_failure"]
 
 _PROG = "scaletrain launch"
 _KEY = "scaletrain"
+
+
+# How Gloo and NCCL report a peer that went away: this rank fails because another
+# did, so its error is a consequence, not the cause.
+_PEER_GONE = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "NCCL communicator was aborted",
+)
+
+
+def is_consequence(exc: BaseException) -> bool:
+    """True for an error that only says another rank failed first."""
+    from scaletrain.errors import PeerFailure
+
+    if isinstance(exc, PeerFailure):
+        return True
+    return isinstance(exc, RuntimeError) and any(p in str(exc) for p in _PEER_GONE)
 
 
 def record_failure(exc: BaseException, *, rank: int, usage: bool, exit_code: int) -> bool:
     """Write this worker's error file for the launcher (True if there is one to write).
 
     `usage` marks an error in the user's input, shown as its message alone; anything
-    else is shown with its traceback.
+    else is shown with its traceback. Errors that only report another rank's failure
+    are marked as consequences, so the launcher shows the cause.
     """
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
@@ -49,6 +69,7 @@ def record_failure(exc: BaseException, *, rank: int, usage: bool, exit_code: int
             "type": type(exc).__name__,
             "exit_code": exit_code,
             "traceback": stack,
+            "consequence": is_consequence(exc),
         },
     }
     try:
@@ -95,9 +116,15 @@ def summarize_failure(
     """
     ours = {r: d for r, f in exc.failures.items() if (d := _ours(f)) is not None}
     if ours:
-        rank = min(ours, key=lambda r: float(ours[r].get("time", 0.0)))
+        # The cause: the earliest failure that is not just "a peer went away"; the
+        # earliest of any kind where every rank reports only that.
+        causes = {r: d for r, d in ours.items() if not d.get("consequence")} or ours
+        rank = min(causes, key=lambda r: float(causes[r].get("time", 0.0)))
         data, failure = ours[rank], exc.failures[rank]
         code, _ = _exit_code(failure)
+        # The code the worker chose: the agent may have sent it SIGTERM while it was
+        # already on its way out (a peer's failure ends the group).
+        code = int(data.get("exit_code") or code)
         if data.get("usage"):
             return f"scaletrain: error on rank {rank}: {data.get('text', '')}", code
         stack = str(data.get("traceback", "")).rstrip()

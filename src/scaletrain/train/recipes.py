@@ -21,7 +21,7 @@ def _fashion_mnist(data_dir: str | None, split: str) -> Any:
     return load_dataset("fashion-mnist", data_dir, split=split)
 
 
-def _fashion_mnist_locate(data_dir: str | None) -> str:
+def _fashion_mnist_locate(data_dir: str | None) -> str | None:
     from scaletrain.data import find_dataset_dir
 
     return str(find_dataset_dir("fashion-mnist", data_dir))
@@ -39,20 +39,20 @@ def _python_text(data_dir: str | None, split: str) -> Any:
     return load_python_corpus(split, block_size=_GPT.block_size, root=data_dir)
 
 
-def _python_text_locate(data_dir: str | None) -> str:
+def _python_text_locate(data_dir: str | None) -> str | None:
     from scaletrain.data.text import python_corpus_root
 
     return str(python_corpus_root(data_dir))
 
 
-def _generated(data_dir: str | None) -> str:
+def _generated(data_dir: str | None) -> str | None:
     if data_dir is not None:
         raise DatasetError(
             f"{spell('data_dir', data_dir)}: the split-net recipe generates its data (a fixed "
             f"random teacher network), so it reads no files. Fix: leave out "
             f"{spell('data_dir')}, or pick a recipe that reads files (convnet, wrn, gpt)."
         )
-    return "generated in memory"
+    return None
 
 
 _GPT = GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128)
@@ -70,9 +70,10 @@ class Recipe:
     """Builds the model (on CPU; the strategy places it)."""
     data: Callable[[str | None, str], Any]
     """(data_dir, split) -> Dataset of (input, target) pairs."""
-    locate_data: Callable[[str | None], str] = _generated
-    """(data_dir) -> where the data comes from (a directory, for the run header and
-    config.json); raises DatasetError before any process starts if it is not there."""
+    locate_data: Callable[[str | None], str | None] = _generated
+    """(data_dir) -> the directory the data is read from (for the run header and
+    config.json), None for data generated in memory; raises DatasetError before any
+    process starts if it is not there."""
     lr: float
     """Peak learning rate at `reference_batch`; scaled linearly with the global batch."""
     optimizer_name: str = "sgd"

@@ -190,13 +190,12 @@ class Session:
         header = [
             f"scaletrain train: recipe [bold]{recipe.name}[/] on {recipe.dataset} "
             f"({len(self.train_set):,} train / {len(self.test_set):,} test samples; "
-            f"data: {self.data_path})",
+            f"data: {self.data_path or 'generated in memory'})",
             f"  strategy {cfg.strategy}{' + sync-bn' if self.sync_bn else ''}, {layout}"
             f"{_plural(rt.world_size, 'process', 'processes')} x {rt.backend} on "
             f"{rt.device.type}, batch {self.batch_size}/replica x {rt.dp_size}{micro} (global "
-            f"{self.global_batch}), lr {self.lr:g} ({cfg.schedule}, {self.warmup} warm-up "
-            f"steps), {_plural(self.epochs, 'epoch')}, {self.total_steps} steps"
-            + (f", {', '.join(extras)}" if extras else ""),
+            f"{self.global_batch}), {self._describe_lr()}, {_plural(self.epochs, 'epoch')}, "
+            f"{self.total_steps} steps" + (f", {', '.join(extras)}" if extras else ""),
         ]
         if self.done.resumed is not None:
             header.append(
@@ -216,6 +215,16 @@ class Session:
                 config=resolved,
             )
         )
+
+    def _describe_lr(self) -> str:
+        if self.total_steps <= self.warmup:
+            # Say it: a short trial never reaches the peak, which is by design.
+            return (
+                f"lr {self.lr:g} after a {self.warmup}-step warm-up (this "
+                f"{self.total_steps}-step run ends inside it, at lr "
+                f"{self._lr(self.total_steps - 1):.3g})"
+            )
+        return f"lr {self.lr:g} ({self.warmup} warm-up steps, then {self.cfg.schedule})"
 
     # -- training -------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
