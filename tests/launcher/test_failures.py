@@ -25,7 +25,7 @@ def _failure(
     path = tmp_path / f"error-{rank}.json"
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
     monkeypatch.setattr("time.time", lambda: at)
-    usage = isinstance(exc, ConfigError) or isinstance(exc, PeerFailure)
+    usage = isinstance(exc, (ConfigError, PeerFailure))
     assert record_failure(exc, rank=rank, usage=usage, exit_code=2 if usage else 1)
     monkeypatch.undo()
     return errors.ProcessFailure(
