@@ -275,3 +275,14 @@ def test_signal_death_is_summarized_as_a_shell_would() -> None:
     assert summary.startswith("scaletrain launch: worker rank 2 (local rank 0, pid 42) was killed")
     assert "SIGKILL" in summary and "Other failed ranks: 3." in summary
     assert "log directory" in summary
+
+
+def test_cli_without_a_script_asks_for_the_script_only(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        lead_style_parser().parse_args(["launch", "--nproc-per-node", "2"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    # The script's own arguments are optional: only SCRIPT is named as missing.
+    assert err.strip().endswith("the following arguments are required: SCRIPT")

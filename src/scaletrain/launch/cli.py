@@ -14,7 +14,7 @@ import argparse
 import sys
 
 from scaletrain.errors import ScaletrainError
-from scaletrain.exitcodes import EXIT_USAGE
+from scaletrain.exitcodes import EXIT_OK, EXIT_USAGE
 from scaletrain.launch.config import DEFAULT_RDZV_TIMEOUT_S, LaunchConfig
 from scaletrain.launch.launcher import dry_run_command, launch
 
@@ -145,12 +145,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("script", metavar="SCRIPT", help="training script path (or module with -m)")
     # REMAINDER, as torchrun does, so flags after SCRIPT go to the script, not to us.
-    parser.add_argument(
+    args = parser.add_argument(
         "script_args",
         nargs=argparse.REMAINDER,
-        metavar="[ARGS ...]",
+        metavar="ARGS",
         help="arguments passed to SCRIPT (optional)",
     )
+    # argparse marks every REMAINDER positional required, so a missing SCRIPT was
+    # reported as "required: SCRIPT, ARGS"; the script's arguments are optional.
+    args.required = False
 
 
 def config_from_args(ns: argparse.Namespace) -> LaunchConfig:
@@ -182,7 +185,7 @@ def run(ns: argparse.Namespace) -> int:
         cfg = config_from_args(ns)
         if ns.dry_run:
             print(dry_run_command(cfg, ns.script, script_args))
-            return 0
+            return EXIT_OK
         return launch(cfg, ns.script, script_args)
     except ScaletrainError as exc:
         print(f"scaletrain launch: error: {exc}", file=sys.stderr)
