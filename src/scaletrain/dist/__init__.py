@@ -1,7 +1,14 @@
 """Process groups, this process's topology and meshes, backend and device choice, collectives."""
 
 from scaletrain.dist.backend import BACKENDS, choose_backend, choose_device
-from scaletrain.dist.collectives import REDUCE_OPS, any_rank, barrier, rank_first, reduce_values
+from scaletrain.dist.collectives import (
+    REDUCE_OPS,
+    any_rank,
+    barrier,
+    from_rank_zero,
+    rank_first,
+    reduce_values,
+)
 from scaletrain.dist.grad_norm import clip_grads_, global_grad_norm
 from scaletrain.dist.process_group import (
     DEFAULT_TIMEOUT_S,
@@ -28,6 +35,7 @@ __all__ = [
     "clip_grads_",
     "destroy",
     "device_mesh",
+    "from_rank_zero",
     "global_grad_norm",
     "init_process_group",
     "is_initialized",
