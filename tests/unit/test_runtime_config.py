@@ -103,9 +103,11 @@ def test_cli_flags_are_frozen() -> None:
          "--hang-timeout",
          # issue 7: one config (flags generated from TrainConfig, --config FILE)
          "--config", "--schedule", "--warmup", "--num-workers", "--eval-batch-size",
-         "--eval-batches", "--no-async-save"]
+         "--eval-batches", "--no-async-save",
+         # issue 10: many machines (the multi-node flags a torchrun user knows)
+         "--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-id", "--local-addr", "--env"]
     )  # fmt: skip
     launch = _flags(parser, "launch")
     for flag in ("--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint",
-                 "--max-restarts"):  # fmt: skip
+                 "--max-restarts", "--local-addr", "--env"):  # fmt: skip
         assert flag in launch

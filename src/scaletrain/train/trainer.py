@@ -10,12 +10,14 @@ is anything a caller passes in (a profiler, a ledger).
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from scaletrain.dist import from_rank_zero
 from scaletrain.exitcodes import EXIT_PREEMPTED
 from scaletrain.observe.events import Observer, Observers
 from scaletrain.runtime import Runtime, init
@@ -73,14 +75,22 @@ class Trainer:
     # -- set-up ---------------------------------------------------------------------
     def _prepare_out(self, rt: Runtime) -> Path:
         cfg, recipe = self.config, self.recipe
-        out = Path(cfg.out) if cfg.out else Path("runs") / recipe.name
+        if cfg.out:
+            out = Path(cfg.out)
+        else:
+            # No job id to name the run after (see scaletrain.launch.training): rank 0's
+            # clock names it for every rank, on every node.
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            out = Path(from_rank_zero(str(Path("runs") / f"{recipe.name}-{stamp}")))
+            self.config = cfg = cfg.replace(out=str(out))
         if rt.is_main:
             out.mkdir(parents=True, exist_ok=True)
             (out / PREEMPTED_MARKER).unlink(missing_ok=True)
         rt.barrier()
         # Where each worker runs, for operators (and the fault-tolerance test) to find it.
+        # parents=True: on another node's own disk, rank 0's mkdir above did not happen.
         pids = out / "pids"
-        pids.mkdir(exist_ok=True)
+        pids.mkdir(parents=True, exist_ok=True)
         (pids / f"rank{rt.rank}.pid").write_text(f"{os.getpid()}\n")
         return out
 
