@@ -52,16 +52,43 @@ def results(text: str) -> list[dict[str, str]]:
 
 def job_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """A fresh shell's environment for a job: no launcher variables, one thread, the venv
-    first on PATH. Gloo's interface is NOT set: picking it is what is tested."""
+    first on PATH. Gloo's interface is NOT set: picking it is what is tested.
+
+    SCALETRAIN_CLUSTER_SRC=DIR runs the jobs on the scaletrain under DIR (another
+    checkout's src/) while the test itself runs on this one: how a scenario is shown
+    to fail on older code.
+    """
     env = launcher_free_env()
     env.pop("GLOO_SOCKET_IFNAME", None)
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    if env.get("SCALETRAIN_CLUSTER_SRC"):
+        env["PYTHONPATH"] = env["SCALETRAIN_CLUSTER_SRC"]
     env.update(extra or {})
     return env
 
 
 def _skip_reason() -> str | None:
     return netns_available() or slurm_available()
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid`, from /proc (children first found, then theirs)."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                ppid = int(f.read().rpartition(")")[2].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        parents.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
 
 
 class Procs:
@@ -72,13 +99,19 @@ class Procs:
         self.started: list[subprocess.Popen[str]] = []
 
     def start(
-        self, host: Host | None, argv: Sequence[str], env: Mapping[str, str] | None = None
+        self,
+        host: Host | None,
+        argv: Sequence[str],
+        env: Mapping[str, str] | None = None,
+        *,
+        binds: Sequence[tuple[Path, Path]] = (),
+        cwd: Path | None = None,
     ) -> subprocess.Popen[str]:
-        command = list(argv) if host is None else host.command(argv)
+        command = list(argv) if host is None else host.command(argv, binds)
         proc = subprocess.Popen(
             command,
             env=job_env(env),
-            cwd=self.cwd,
+            cwd=cwd or self.cwd,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -100,10 +133,12 @@ class Procs:
     def close(self) -> None:
         for proc in self.started:
             if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except OSError:
-                    pass
+                # Workers run in sessions of their own: kill the whole tree, by pid.
+                for pid in [proc.pid, *descendants(proc.pid)]:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except OSError:
+                        pass
                 proc.communicate()
 
 

@@ -64,9 +64,18 @@ class Host:
     hosts_file: Path
     network: Network = field(repr=False)
 
-    def command(self, argv: Sequence[str]) -> list[str]:
-        """`argv` run on this host: in its namespace, under its hostname, with its hosts file."""
-        setup = f'hostname {self.name} && mount --bind {self.hosts_file} /etc/hosts && exec "$@"'
+    def command(self, argv: Sequence[str], binds: Sequence[tuple[Path, Path]] = ()) -> list[str]:
+        """`argv` run on this host: in its namespace, under its hostname, with its hosts file.
+
+        `binds` (source, target) mount a directory of the test over another path in this
+        host's mount namespace only: a disk of its own, as a node without a shared
+        filesystem has.
+        """
+        mounts = "".join(f" && mount --bind {src} {dst}" for src, dst in binds)
+        setup = (
+            f"hostname {self.name} && mount --bind {self.hosts_file} /etc/hosts{mounts} && "
+            'exec "$@"'
+        )
         return [
             "nsenter",
             f"--net=/run/netns/{self.netns}",

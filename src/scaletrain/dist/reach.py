@@ -67,8 +67,11 @@ def check_master(env: ClusterEnv, *, wait_s: float = MASTER_WAIT_S) -> None:
             f"Expected a name or address of rank 0's host that every node resolves. Fix: "
             f"{_fix(env)}."
         ) from None
-    agent_store = env.kind == "torchelastic"
-    if env.rank == 0 and not agent_store:
+    if env.rank == 0:
+        # Rank 0 opens the store itself, or torchrun's agent already has (its own port,
+        # or one it found free for the workers): nothing to wait for.
+        if env.kind == "torchelastic":
+            return
         if is_local(addresses) and port_in_use(port):
             raise EnvironmentDetectionError(
                 f"Port {port} on this node ({here}) is already in use, but rank 0 must open "

@@ -15,7 +15,7 @@ sagemaker-training-toolkit (environment.py, runner.py, torch_distributed.py):
 
 ENTRY is `scaletrain_entry.py` (written beside the definition, to upload as the
 source directory): it turns the hyperparameters back into `scaletrain train` flags
-(`--async-save true` into `--async-save`) and runs it. Every worker is then a
+(`--async-save True` into `--async-save`) and runs it. Every worker is then a
 torchrun rank, and the run directory defaults to SM_MODEL_DIR.
 """
 
@@ -23,20 +23,16 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from scaletrain.errors import ConfigError
 from scaletrain.launch.jobs.spec import JobSpec
-from scaletrain.settings import field_specs
-from scaletrain.train.config import TrainConfig
 
 __all__ = [
     "ENTRY_POINT",
     "ENTRY_SOURCE",
     "SageMakerOptions",
-    "hyperparameter_args",
     "training_job",
     "write_sagemaker",
 ]
@@ -44,13 +40,21 @@ __all__ = [
 ENTRY_POINT = "scaletrain_entry.py"
 ENTRY_SOURCE = """\
 # The entry point of a SageMaker training job written by `scaletrain job sagemaker`:
-# SageMaker's torchrun starts it on every host with the hyperparameters as arguments.
+# SageMaker's torchrun starts it on every host with the hyperparameters as arguments,
+# `--key value` each, booleans as True/False; `scaletrain train` takes `--key` and
+# `--no-key` for those.
 import sys
 
 from scaletrain.cli import main
-from scaletrain.launch.jobs.sagemaker import hyperparameter_args
 
-sys.exit(main(["train", *hyperparameter_args(sys.argv[1:])]))
+args, words = [], sys.argv[1:]
+while words:
+    word = words.pop(0)
+    if word.startswith("--") and words and words[0] in ("True", "False"):
+        args.append(word if words.pop(0) == "True" else "--no-" + word[2:])
+    else:
+        args.append(word)
+sys.exit(main(["train", *args]))
 """
 
 _ROLE = re.compile(r"arn:aws[a-z-]*:iam::\d{12}:role/.+")
@@ -147,23 +151,3 @@ def training_job(spec: JobSpec, opts: SageMakerOptions) -> dict[str, Any]:
 def write_sagemaker(spec: JobSpec, opts: SageMakerOptions) -> str:
     """The definition as JSON (CreateTrainingJob's --cli-input-json)."""
     return json.dumps(training_job(spec, opts), indent=2) + "\n"
-
-
-def hyperparameter_args(argv: Sequence[str]) -> list[str]:
-    """SageMaker's `--key value` arguments as `scaletrain train` flags.
-
-    The toolkit passes every hyperparameter with a value, booleans as True/False;
-    train's boolean flags take none (`--async-save`, `--no-async-save`).
-    """
-    booleans = {s.name.replace("_", "-") for s in field_specs(TrainConfig) if s.base is bool}
-    words = list(argv)
-    out: list[str] = []
-    while words:
-        word = words.pop(0)
-        key = word[2:] if word.startswith("--") else None
-        if key in booleans and words and words[0].lower() in ("true", "false"):
-            value = words.pop(0).lower() == "true"
-            out.append(f"--{key}" if value else f"--no-{key}")
-        else:
-            out.append(word)
-    return out

@@ -1,0 +1,112 @@
+"""`scaletrain launch --nnodes 2` and `scaletrain train --nnodes 1:2` across two namespace
+hosts: the torchrun way, by hand, with only the flags a torchrun user knows.
+
+No GLOO_SOCKET_IFNAME and no --local-addr: each host's name resolves to 127.0.1.1
+there (Debian's /etc/hosts), as on real Debian machines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.cluster.conftest import ALLREDUCE, SCALETRAIN, Procs, results
+from tests.cluster.netns import Host
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+
+def _free_port() -> int:
+    from scaletrain.testing.ranks import free_port
+
+    return free_port()
+
+
+def test_launch_two_nodes_across_hosts(
+    hosts_named: Callable[..., list[Host]], procs: Procs, tmp_path: Path
+) -> None:
+    # Issue 10 (5): without GLOO_SOCKET_IFNAME Gloo bound 127.0.1.1 and the job hung.
+    n0, n1 = hosts_named("n0", "n1")
+    (tmp_path / "allreduce.py").write_text(ALLREDUCE)
+    port = _free_port()
+
+    def node(host: Host, rank: int) -> object:
+        return procs.start(host, [
+            SCALETRAIN, "launch", "--nnodes", "2", "--node-rank", str(rank),
+            "--rdzv-endpoint", f"n0:{port}", "--nproc-per-node", "2", "--rdzv-timeout", "60",
+            "allreduce.py",
+        ])  # fmt: skip
+
+    started = [node(n1, 1), node(n0, 0)]
+    outputs = []
+    for proc in started:
+        code, out = procs.wait(proc, timeout=150)  # type: ignore[arg-type]
+        assert code == 0, out
+        outputs.append(out)
+    found = results("\n".join(outputs))
+    assert sorted(int(r["rank"]) for r in found) == [0, 1, 2, 3]
+    assert {r["sum"] for r in found} == {"10"} and {r["host"] for r in found} == {"n0", "n1"}
+
+
+def _wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"gave up after {timeout:g}s waiting for {what}")
+        time.sleep(0.2)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie has exited; only its parent has not collected it yet.
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rpartition(")")[2].split()[0] != "Z"
+
+
+def _steps(run: Path) -> list[int]:
+    path = run / "metrics.jsonl"
+    if not path.exists():
+        return []
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r["step"] for r in records if r.get("kind", r.get("event")) == "train" and "step" in r]
+
+
+def test_a_killed_node_leaves_and_the_job_resumes_smaller(
+    hosts_named: Callable[..., list[Host]], procs: Procs, tmp_path: Path
+) -> None:
+    # Issue 10 (6): killing a node's agent left its worker training as an orphan, and the
+    # other node then waited out torch's 300 s exit barrier for the dead agent.
+    n0, n1 = hosts_named("n0", "n1")
+    run = tmp_path / "run"
+    port = _free_port()
+    train = [
+        SCALETRAIN, "train", "--recipe", "split-net", "--nproc", "1", "--max-steps", "1500",
+        "--save-every", "100", "--log-every", "10", "--eval-batches", "1", "--out", str(run),
+        "--nnodes", "1:2", "--rdzv-endpoint", f"n0:{port}", "--rdzv-id", "elastic",
+        "--max-restarts", "2", "--hang-timeout", "60",
+    ]  # fmt: skip
+    node1 = procs.start(n1, train)
+    node0 = procs.start(n0, train)
+    pid_file = run / "pids" / "rank1.pid"
+    _wait_for(lambda: pid_file.exists() and max(_steps(run), default=0) >= 110, 120, "step 110")
+    worker = int(pid_file.read_text())
+    assert _alive(worker)
+    os.kill(node1.pid, signal.SIGKILL)  # the agent alone; its worker is in its own session
+    node1.communicate()
+    _wait_for(lambda: not _alive(worker), 15, f"node 1's worker {worker} to end with its agent")
+    start = time.monotonic()
+    code, out = procs.wait(node0, timeout=180)
+    assert code == 0, out
+    assert time.monotonic() - start < 150  # not the 300 s exit barrier
+    assert "resumed from" in out, out
+    assert json.loads((run / "config.json").read_text())["run"]["world_size"] == 1
+    assert max(_steps(run)) == 1500
