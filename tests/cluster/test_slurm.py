@@ -7,6 +7,7 @@ bounded by coreutils' `timeout` around the Slurm client and by pytest-timeout.
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -129,3 +130,35 @@ def test_unresolvable_first_node_fails_in_seconds(slurm: SlurmCluster, tmp_path:
     assert "MASTER_ADDR=<address of h1>" in got.stderr and "scontrol show node h1" in got.stderr
     assert "Traceback" not in got.stderr
     assert took < 60
+
+
+def test_generated_sbatch_is_preempted_requeued_and_resumes(
+    slurm: SlurmCluster, tmp_path: Path
+) -> None:
+    # The file `scaletrain job sbatch` writes, submitted as is: two nodes, one task per
+    # rank; USR1 (what --signal=USR1@90 sends before the time limit) makes every rank
+    # save and exit 75, the script requeues the job, and the requeued job resumes.
+    written = subprocess.run(
+        [SCALETRAIN, "job", "sbatch", "--nnodes", "2", "--name", "pre", "-o", "pre.sbatch",
+         "--recipe", "split-net", "--epochs", "6", "--log-every", "10", "--eval-batches", "1"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert written.returncode == 0, written.stderr
+    job = slurm.sbatch(tmp_path / "pre.sbatch", env=job_env())
+    run = tmp_path / "runs" / f"split-net-{job}"  # named after the job: the same once requeued
+    deadline = time.monotonic() + 120
+    while not (run / "metrics.jsonl").exists() or "step" not in (run / "metrics.jsonl").read_text():
+        assert time.monotonic() < deadline, slurm.job(job)
+        time.sleep(0.2)
+    signal = slurm.run(["scancel", "--signal=USR1", str(job)], timeout=20)
+    assert signal.returncode == 0, signal.stderr
+    # Slurm holds a requeued job for two minutes (BeginTime); release it at once.
+    requeued = slurm.wait_job(job, timeout=90, states=("PENDING",))
+    assert requeued["Restarts"] == "1", requeued
+    slurm.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], timeout=20)
+    info = slurm.wait_job(job, timeout=150)
+    log = (tmp_path / f"pre-{job}.out").read_text()
+    assert info["JobState"] == "COMPLETED", log
+    assert "preempted and saved (exit 75): requeueing job" in log
+    assert "resumed from" in log and "done: 600 steps" in log
+    assert world_size(run) == 2

@@ -10,7 +10,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from scaletrain.dist.reach import check_master, gloo_interface
+from scaletrain.dist.reach import check_master, gloo_interface, join_store
 from scaletrain.env.base import ClusterEnv
 from scaletrain.errors import ConfigError
 
@@ -77,9 +77,13 @@ def init_process_group(
         # Binding the group to this rank's GPU makes NCCL create its communicator
         # eagerly on the right device instead of guessing from the current device.
         kwargs["device_id"] = device
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun's agent hosts the store and every rank has joined it already.
+        kwargs["init_method"] = "env://"
+    else:
+        kwargs["store"] = join_store(env, timeout_s)
     dist.init_process_group(
         backend=backend,
-        init_method="env://",
         rank=env.rank,
         world_size=env.world_size,
         timeout=_dt.timedelta(seconds=timeout_s),

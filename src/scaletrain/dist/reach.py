@@ -8,8 +8,10 @@ variable is wrong. They run in every rank that torch would otherwise leave waiti
 
 from __future__ import annotations
 
+import datetime as _dt
 import os
 import socket
+from typing import Any
 
 from scaletrain.env.base import ClusterEnv
 from scaletrain.env.network import (
@@ -19,9 +21,9 @@ from scaletrain.env.network import (
     resolve,
     wait_connectable,
 )
-from scaletrain.errors import EnvironmentDetectionError
+from scaletrain.errors import EnvironmentDetectionError, LaunchError
 
-__all__ = ["MASTER_WAIT_S", "check_master", "gloo_interface"]
+__all__ = ["MASTER_WAIT_S", "check_master", "gloo_interface", "join_store"]
 
 MASTER_WAIT_S = 300.0
 """How long a rank waits for rank 0's store to listen (rank 0 may still be importing
@@ -89,6 +91,41 @@ def check_master(env: ClusterEnv, *, wait_s: float = MASTER_WAIT_S) -> None:
             f"and did not fail (its output says), that {host} is rank 0's host as seen from "
             f"this node, and that no firewall blocks TCP port {port}; or {_fix(env)}."
         )
+
+
+def join_store(env: ClusterEnv, timeout_s: float) -> Any:
+    """The job's store, joined by every rank within MASTER_WAIT_S, then patient for `timeout_s`.
+
+    What env:// does (a TCPStore on rank 0, multi-tenant, that waits for every rank),
+    except that rank 0 waits for the others only MASTER_WAIT_S, not the process
+    group's whole timeout: a rank that failed before joining (a name it could not
+    resolve, a crash at import) leaves rank 0 waiting, and srun without
+    --kill-on-bad-exit does not end it.
+    """
+    import torch.distributed as dist
+
+    join = min(timeout_s, MASTER_WAIT_S)
+    try:
+        store = dist.TCPStore(
+            host_name=env.master_addr,
+            port=env.master_port,
+            world_size=env.world_size,
+            is_master=env.rank == 0,
+            timeout=_dt.timedelta(seconds=join),
+            wait_for_workers=True,
+            multi_tenant=True,
+        )
+    except (RuntimeError, dist.DistError) as exc:
+        who = "rank 0 (this process)" if env.rank == 0 else f"rank {env.rank}"
+        raise LaunchError(
+            f"The job's ranks did not all join the store at {env.master_addr}:{env.master_port} "
+            f"within {join:g}s ({who} on {socket.gethostname()}): {exc}. Expected all "
+            f"{env.world_size} ranks to start and connect. Fix: look for the first rank that "
+            f"failed in the job's output (this is a consequence); if they all started, check "
+            f"that every node reaches {env.master_addr}:{env.master_port}."
+        ) from None
+    store.set_timeout(_dt.timedelta(seconds=timeout_s))
+    return store
 
 
 def gloo_interface(env: ClusterEnv) -> tuple[str, str] | None:

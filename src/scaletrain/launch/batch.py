@@ -5,13 +5,16 @@ placed anywhere (SLURM_JOB_ID without a task's step id). Building a process grou
 there hangs, and running alone there uses one node of what may be many. What the
 user means is one launcher per node of the allocation, which is exactly
 
-    srun --nodes=N --ntasks=N --ntasks-per-node=1 --whole --kill-on-bad-exit=1 <command>
+    srun --nodes=N --ntasks=N --ntasks-per-node=1 --whole <command>
 
 - `--whole` gives the single task every CPU, GPU and byte of memory the job has on
   its node (since Slurm 20.11 a step gets only what it asks for: one CPU per task
   by default, so the launcher's workers would share one core);
-- `--kill-on-bad-exit=1` ends the other nodes' launchers when one fails, instead of
-  leaving them in the rendezvous until its timeout;
+- no `--kill-on-bad-exit`: when the workers stop on a preemption signal, each
+  launcher exits 75 after the save, and the first one to exit would get the others
+  killed mid-exit (srun then returns 143, and the batch script cannot tell a
+  preemption). The launchers end together without it: a node whose launcher fails
+  closes its workers' connections, and the other nodes' workers fail on them;
 - srun forwards the signals Slurm sends the batch step (`scancel --signal`,
   `#SBATCH --signal=USR1@90` without `B:` reaches the step's tasks directly) and
   returns the highest exit code of the tasks, so 75 (preempted, saved) reaches the
@@ -68,7 +71,6 @@ def srun_command(nodes: int, command: Sequence[str]) -> list[str]:
         f"--ntasks={nodes}",
         "--ntasks-per-node=1",
         "--whole",
-        "--kill-on-bad-exit=1",
         *command,
     ]
 

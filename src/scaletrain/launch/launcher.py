@@ -20,7 +20,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from scaletrain.errors import LaunchError
-from scaletrain.exitcodes import EXIT_ABORTED
+from scaletrain.exitcodes import EXIT_ABORTED, EXIT_ERROR
 from scaletrain.launch.checks import check_network, check_target
 from scaletrain.launch.config import LaunchConfig
 from scaletrain.launch.failures import summarize_failure
@@ -43,6 +43,7 @@ __all__ = [
 ]
 
 _PROG = "scaletrain launch"
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 _POLL_INTERVAL_S = 0.25
 
 
@@ -190,15 +191,29 @@ class _Interrupts:
         self.quiet = quiet
         self.count = 0
         self._previous: Any = None
+        self._others: dict[signal.Signals, Any] = {}
 
     def __enter__(self) -> _Interrupts:
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGINT, self._handle)
+            # Until torch installs its own handlers (when the workers start), a stop
+            # signal during the rendezvous would end this process silently.
+            self._others = {sig: signal.signal(sig, self._stop) for sig in _STOP_SIGNALS}
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self._previous is not None:
             signal.signal(signal.SIGINT, self._previous)
+        for sig, handler in self._others.items():
+            signal.signal(sig, handler)
+
+    @staticmethod
+    def _stop(signum: int, frame: Any) -> None:
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+
+        raise SignalException(
+            f"received {signal.Signals(signum).name}", sigval=signal.Signals(signum)
+        )
 
     def _handle(self, signum: int, frame: Any) -> None:
         self.count += 1
@@ -290,34 +305,97 @@ def _hosts_store(plan: Plan) -> bool:
         return False
 
 
-@contextlib.contextmanager
-def _store_host_leaves_last(plan: Plan) -> Iterator[None]:
-    """On the node that hosts the rendezvous store, wait a moment after the agents'
-    exit barrier before the store closes.
+class _AgentWatch:
+    """What the agent did, for the message when it stops: how many rendezvous rounds
+    it entered (a second one follows a worker failure or a node leaving)."""
 
-    The last agent to reach torch's exit barrier releases the others and returns at
-    once; when that agent hosts the store, its process exits and closes the store
-    while the others are still being told, and they print a page of "Failed to recv,
-    got 0 bytes" and "Error waiting on exit barrier" although every worker succeeded.
+    def __init__(self) -> None:
+        self.rounds = 0
+        self.started = 0
+        """Times the workers were started (0: still in the first rendezvous)."""
+
+
+@contextlib.contextmanager
+def _agent_hooks(plan: Plan) -> Iterator[_AgentWatch]:
+    """Two small patches to torch's agent, for this launch only.
+
+    - Count its rendezvous rounds, so that a rendezvous that fails after a failure
+      is not reported as one that never formed.
+    - On the node that hosts the rendezvous store, wait a moment after the agents'
+      exit barrier before the store closes. The last agent to reach the barrier
+      releases the others and returns at once; when that agent hosts the store, its
+      process exits and closes the store while the others are still being told, and
+      they print a page of "Failed to recv, got 0 bytes" and "Error waiting on exit
+      barrier" although every worker succeeded.
     """
-    if not _hosts_store(plan):
-        yield
-        return
     import time
 
     from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-    original = SimpleElasticAgent._exit_barrier
+    watch = _AgentWatch()
+    rendezvous, exit_barrier = SimpleElasticAgent._rendezvous, SimpleElasticAgent._exit_barrier
+    start_workers = LocalElasticAgent._start_workers
+    linger = _hosts_store(plan)
 
-    def exit_barrier(self: Any) -> None:
-        original(self)
-        time.sleep(_LINGER_S)
+    def counted(self: Any, worker_group: Any) -> None:
+        watch.rounds += 1
+        rendezvous(self, worker_group)
 
-    SimpleElasticAgent._exit_barrier = exit_barrier  # type: ignore[method-assign]
+    def started(self: Any, worker_group: Any) -> Any:
+        watch.started += 1
+        return start_workers(self, worker_group)
+
+    def lingering(self: Any) -> None:
+        exit_barrier(self)
+        if linger:
+            time.sleep(_LINGER_S)
+
+    SimpleElasticAgent._rendezvous = counted  # type: ignore[method-assign]
+    SimpleElasticAgent._exit_barrier = lingering  # type: ignore[method-assign]
+    LocalElasticAgent._start_workers = started  # type: ignore[method-assign]
     try:
-        yield
+        yield watch
     finally:
-        SimpleElasticAgent._exit_barrier = original  # type: ignore[method-assign]
+        SimpleElasticAgent._rendezvous = rendezvous  # type: ignore[method-assign]
+        SimpleElasticAgent._exit_barrier = exit_barrier  # type: ignore[method-assign]
+        LocalElasticAgent._start_workers = start_workers  # type: ignore[method-assign]
+
+
+def _rendezvous_failure(exc: Exception, plan: Plan, cfg: LaunchConfig, rounds: int) -> int:
+    """Say why the rendezvous failed, in the words that fit when it failed; the exit code."""
+    from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
+
+    detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    where = f"{plan.host}:{plan.port}" if plan.host else "the local store"
+    if isinstance(exc, RendezvousClosedError):
+        print(
+            f"{_PROG}: another node ended the job: the rendezvous at {where} was closed "
+            f"({detail}). That node's workers failed with no restarts left, or it was "
+            f"stopped. Its own output names the first failure.",
+            file=sys.stderr,
+            flush=True,
+        )
+        return EXIT_ERROR
+    if rounds > 1:
+        print(
+            f"{_PROG}: after the workers stopped (a worker failed, or a node left), the "
+            f"nodes did not come back within --rdzv-timeout {cfg.rdzv_timeout}s for round "
+            f"{rounds} of the rendezvous at {where} ({detail}). The job ran before: a node "
+            f"was killed or its launcher exited, and fewer than the minimum of --nnodes "
+            f"{plan.nnodes} are left. Its output says why; to go on with fewer nodes, give "
+            f"--nnodes a range such as 1:{plan.nnodes.split(':')[-1]}.",
+            file=sys.stderr,
+            flush=True,
+        )
+        return EXIT_ERROR
+    raise LaunchError(
+        f"The rendezvous at {where} did not complete ({detail}). Expected --nnodes "
+        f"{plan.nnodes} node(s) to join within --rdzv-timeout {cfg.rdzv_timeout}s, all "
+        f"with the same endpoint and --rdzv-id. Fix: start the launcher on every node "
+        f"with the same --nnodes, --rdzv-endpoint and --rdzv-id (a node that exited "
+        f"early ends the rendezvous), or raise --rdzv-timeout if nodes start far apart."
+    ) from exc
 
 
 def _run_torchrun(plan: Plan, cfg: LaunchConfig, *, quiet: bool = False) -> int:
@@ -327,9 +405,10 @@ def _run_torchrun(plan: Plan, cfg: LaunchConfig, *, quiet: bool = False) -> int:
     from torch.distributed.elastic.rendezvous.api import RendezvousError
 
     interrupts = _Interrupts(quiet)
+    watch = _AgentWatch()
     try:
         # The agent's modules are imported by now, so _quiet_agent sees their loggers.
-        with interrupts, _quiet_agent(quiet), _store_host_leaves_last(plan):
+        with interrupts, _quiet_agent(quiet), _agent_hooks(plan) as watch:
             torchrun.run(_parse_torchrun_args(torchrun, plan))
     except ChildFailedError as exc:
         if interrupts.count > 1:
@@ -342,17 +421,20 @@ def _run_torchrun(plan: Plan, cfg: LaunchConfig, *, quiet: bool = False) -> int:
     except SignalException as exc:
         # The agent was told to stop (Ctrl-C, scheduler preemption); it has already
         # forwarded the signal to the workers. Exit as a shell reports a signal.
-        return EXIT_ABORTED if interrupts.count > 1 else 128 + int(exc.sigval)
+        if interrupts.count > 1:
+            return EXIT_ABORTED
+        if not quiet and exc.sigval != signal.SIGINT:
+            waiting = watch.rounds > watch.started
+            state = f"waiting for --nnodes {plan.nnodes} node(s) to join" if waiting else ""
+            print(
+                f"{_PROG}: stopped by {signal.Signals(exc.sigval).name}"
+                + (f" while {state}" if state else "; the workers were told to stop"),
+                file=sys.stderr,
+                flush=True,
+            )
+        return 128 + int(exc.sigval)
     except RendezvousError as exc:
-        detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-        where = f"{plan.host}:{plan.port}" if plan.host else "the local store"
-        raise LaunchError(
-            f"The rendezvous at {where} did not complete ({detail}). Expected --nnodes "
-            f"{plan.nnodes} node(s) to join within --rdzv-timeout {cfg.rdzv_timeout}s, all "
-            f"with the same endpoint and --rdzv-id. Fix: start the launcher on every node "
-            f"with the same --nnodes, --rdzv-endpoint and --rdzv-id (a node that exited "
-            f"early ends the rendezvous), or raise --rdzv-timeout if nodes start far apart."
-        ) from exc
+        return _rendezvous_failure(exc, plan, cfg, watch.rounds)
     return EXIT_ABORTED if interrupts.count > 1 else 0
 
 

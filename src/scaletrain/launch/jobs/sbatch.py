@@ -108,7 +108,12 @@ def write_sbatch(spec: JobSpec, opts: SbatchOptions) -> str:
     # workers to start (Slurm says it only for GPUs, as SLURM_GPUS_ON_NODE).
     nproc = ["--nproc", str(spec.nproc)] if launchers else []
     train = [opts.python, "-m", "scaletrain", "train", *spec.train_args, *nproc]
-    srun = ["srun", "--kill-on-bad-exit=1", *(["--whole"] if launchers else []), *train]
+    # No --kill-on-bad-exit: with it, the first rank to exit 75 after the agreed save
+    # gets the others killed while they exit, and the script sees 143, not 75. The
+    # ranks end together without it: a failed rank's peers fail on the closed
+    # connection, rank 0 stops waiting for ranks that never joined after 300 s, and
+    # the watchdog ends a hang (exit 86).
+    srun = ["srun", *(["--whole"] if launchers else []), *train]
     lines = [
         "#!/bin/bash",
         f"# Written by `scaletrain job sbatch` (scaletrain {__version__}): {shape}.",
