@@ -29,7 +29,7 @@ error files and leave the printing to it (once, for the first rank that failed).
 
 def _add_train(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from scaletrain.settings import add_flags
-    from scaletrain.train.config import TrainConfig
+    from scaletrain.train.config import METAVARS, TrainConfig
 
     p = sub.add_parser(
         "train",
@@ -47,17 +47,7 @@ def _add_train(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         default=None,
         help="YAML or JSON file of settings (e.g. a run's config.json); flags given too win",
     )
-    add_flags(
-        p,
-        TrainConfig,
-        metavars={
-            "nproc": "N", "epochs": "N", "max_steps": "N", "batch_size": "N", "lr": "LR",
-            "warmup": "STEPS", "accumulate": "K", "clip_grad": "NORM", "seed": "N",
-            "data_dir": "DIR", "num_workers": "N", "eval_batch_size": "N", "eval_batches": "N",
-            "out": "RUN", "log_every": "N", "save_every": "N", "keep": "K", "stop_after": "N",
-            "max_restarts": "K", "hang_timeout": "S", "mesh": "DIMS",
-        },
-    )  # fmt: skip
+    add_flags(p, TrainConfig, metavars=METAVARS)
 
 
 def _add_checkpoint(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -91,6 +91,16 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def kill_tree(pid: int) -> None:
+    """SIGKILL `pid` and everything below it, listed first: workers run in sessions of
+    their own, and once their parent is gone they are no longer found below it."""
+    for each in [pid, *descendants(pid)]:
+        try:
+            os.kill(each, signal.SIGKILL)
+        except OSError:
+            pass
+
+
 class Procs:
     """Processes started on namespace hosts, each in its own session; killed at teardown."""
 
@@ -125,7 +135,7 @@ class Procs:
         try:
             out, _ = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_tree(proc.pid)
             out, _ = proc.communicate()
             pytest.fail(f"{proc.args} timed out after {timeout:g}s; output:\n{out[-4000:]}")
         return proc.returncode, out
@@ -133,12 +143,7 @@ class Procs:
     def close(self) -> None:
         for proc in self.started:
             if proc.poll() is None:
-                # Workers run in sessions of their own: kill the whole tree, by pid.
-                for pid in [proc.pid, *descendants(proc.pid)]:
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except OSError:
-                        pass
+                kill_tree(proc.pid)
                 proc.communicate()
 
 

@@ -1,8 +1,9 @@
-"""What Kubeflow and SageMaker do with a job file, written from their sources.
+"""What Slurm, Kubeflow and SageMaker do with a job file, written from their sources.
 
-No Kubernetes or AWS here: these functions turn a PyTorchJob manifest or a SageMaker
-training-job definition into what each pod or host gets, its variables and its
-command, following:
+No Kubernetes or AWS here (the real Slurm is in tests/cluster/slurm.py): these
+functions turn an sbatch script, a PyTorchJob manifest or a SageMaker training-job
+definition into what each task, pod or host gets, its variables and its command,
+following:
 
 - Kubeflow training-operator v1.9: pkg/apis/kubeflow.org/v1/pytorch_defaults.go
   (defaults: replicas 1, port 23456 named "pytorchjob-port", nprocPerNode "auto",
@@ -24,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["INSTANCE_GPUS", "Node", "kubeflow_pods", "sagemaker_hosts"]
+__all__ = ["INSTANCE_GPUS", "Node", "kubeflow_pods", "sagemaker_hosts", "slurm_tasks"]
 
 INSTANCE_GPUS = {"ml.c5.xlarge": 0, "ml.m5.2xlarge": 0, "ml.g5.xlarge": 1, "ml.g5.12xlarge": 4,
                  "ml.p4d.24xlarge": 8}  # fmt: skip
@@ -159,3 +160,56 @@ def sagemaker_hosts(job: Mapping[str, Any], *, model_dir: str = "/opt/ml/model")
             command = ["python", entry, *_user_args(user)]
         nodes.append(Node(host, env, command, extra={"processes_per_host": per_host}))
     return nodes
+
+
+def _compress(hosts: list[str]) -> str:
+    """node1,node2,node3 -> node[1-3] (what Slurm prints for a run of one prefix)."""
+    prefix = hosts[0].rstrip("0123456789")
+    numbers = [int(h[len(prefix) :]) for h in hosts]
+    if numbers == list(range(numbers[0], numbers[0] + len(numbers))) and len(hosts) > 1:
+        return f"{prefix}[{numbers[0]}-{numbers[-1]}]"
+    return ",".join(hosts)
+
+
+def slurm_tasks(script: str, *, nodes: int | None = None, job_id: int = 4242) -> list[Node]:
+    """The tasks `srun` starts for an sbatch script's last srun line, with the variables
+    Slurm 22.05 gives each (srun's man page, ENVIRONMENT VARIABLES / OUTPUT): the job
+    gets `nodes` nodes (default: the most --nodes allows) named node1, node2, ..."""
+    directives: dict[str, str] = {}
+    srun: list[str] = []
+    for line in script.splitlines():
+        if line.startswith("#SBATCH --"):
+            key, _, value = line[len("#SBATCH --") :].partition("=")
+            directives[key] = value
+        elif line.startswith("srun "):
+            import shlex
+
+            srun = shlex.split(line)
+    low, _, high = directives["nodes"].partition("-")
+    count = nodes if nodes is not None else int(high or low)
+    per_node = int(directives.get("ntasks-per-node", "1"))
+    hosts = [f"node{i + 1}" for i in range(count)]
+    nodelist = _compress(hosts)
+    command = [word for word in srun[1:] if not word.startswith("--")][:1]
+    command = srun[srun.index(command[0]) :] if command else []
+    tasks = []
+    for node, host in enumerate(hosts):
+        for local in range(per_node):
+            rank = node * per_node + local
+            env = {
+                "SLURM_JOB_ID": str(job_id), "SLURM_JOBID": str(job_id), "SLURM_STEP_ID": "0",
+                "SLURM_STEPID": "0", "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(local),
+                "SLURM_NODEID": str(node), "SLURM_NTASKS": str(count * per_node),
+                "SLURM_NPROCS": str(count * per_node),
+                "SLURM_STEP_NUM_TASKS": str(count * per_node), "SLURM_NNODES": str(count),
+                "SLURM_JOB_NUM_NODES": str(count), "SLURM_STEP_NUM_NODES": str(count),
+                "SLURM_TASKS_PER_NODE": f"{per_node}(x{count})",
+                "SLURM_STEP_TASKS_PER_NODE": f"{per_node}(x{count})",
+                "SLURM_STEP_NODELIST": nodelist, "SLURM_JOB_NODELIST": nodelist,
+                "SLURM_NODELIST": nodelist, "SLURMD_NODENAME": host,
+                "SLURM_JOB_NAME": directives.get("job-name", ""),
+            }  # fmt: skip
+            if "gpus-per-node" in directives:
+                env["SLURM_GPUS_ON_NODE"] = directives["gpus-per-node"]
+            tasks.append(Node(host, env, command, extra={"directives": directives}))
+    return tasks

@@ -232,6 +232,7 @@ PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         )
 
     def sbatch(self, script: Path, *args: str, env: Mapping[str, str] | None = None) -> int:
+        """Submit `script` from its directory; the job id."""
         got = self.run(["sbatch", "--parsable", *args, str(script)], timeout=30, env=env,
                        cwd=script.parent)  # fmt: skip
         if got.returncode != 0:

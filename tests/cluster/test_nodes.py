@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import time
 from collections.abc import Callable
@@ -18,6 +19,7 @@ import pytest
 
 from tests.cluster.conftest import ALLREDUCE, SCALETRAIN, Procs, results
 from tests.cluster.netns import Host
+from tests.cluster.readme import example
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -52,6 +54,23 @@ def test_launch_two_nodes_across_hosts(
     found = results("\n".join(outputs))
     assert sorted(int(r["rank"]) for r in found) == [0, 1, 2, 3]
     assert {r["sum"] for r in found} == {"10"} and {r["host"] for r in found} == {"n0", "n1"}
+
+
+def test_torchrun_style_train_on_two_hosts(
+    hosts_named: Callable[..., list[Host]], procs: Procs, tmp_path: Path
+) -> None:
+    # The README's torchrun-style example, each command on the host its comment names.
+    lines = example("torchrun-style").splitlines()
+    on = {line.split()[-1]: shlex.split(lines[i + 1]) for i, line in enumerate(lines)
+          if line.startswith("# on ")}  # fmt: skip
+    hosts = dict(zip(on, hosts_named(*on), strict=True))
+    started = [procs.start(hosts[name], command) for name, command in on.items()]
+    for proc in started:
+        code, out = procs.wait(proc, timeout=150)  # type: ignore[arg-type]
+        assert code == 0, out
+    runs = sorted((tmp_path / "runs").glob("split-net-*"))  # no job id: rank 0 named it
+    assert len(runs) == 1
+    assert json.loads((runs[0] / "config.json").read_text())["run"]["world_size"] == 4
 
 
 def _wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:

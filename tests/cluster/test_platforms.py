@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.cluster.conftest import SCALETRAIN, Procs
+from tests.cluster.conftest import SCALETRAIN, Procs, job_env
 from tests.cluster.netns import Host
 from tests.cluster.platforms import kubeflow_pods, sagemaker_hosts
+from tests.cluster.readme import commands
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -52,15 +53,38 @@ def test_elastic_pytorchjob_pods_form_one_job(
     assert config["run"]["world_size"] == 4 and config["run"]["nodes"] == 2
 
 
+def test_master_worker_pytorchjob_pods_form_one_job(
+    hosts_named: Callable[..., list[Host]], procs: Procs, tmp_path: Path
+) -> None:
+    # The README's Kubeflow example (kubectl apply replaced by what the operator does).
+    write, _ = commands("kubeflow")
+    got = subprocess.run(write, cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                         env=job_env())  # fmt: skip
+    assert got.returncode == 0, got.stderr
+    manifest = yaml.safe_load((tmp_path / write[write.index("-o") + 1]).read_text())
+    pods = kubeflow_pods(manifest)
+    assert [p.name for p in pods] == ["mnist-master-0", "mnist-worker-0"]
+    hosts = hosts_named(*(p.name for p in pods))
+    started = [procs.start(h, p.command, p.env) for h, p in zip(hosts, pods, strict=True)]
+    for proc in started:
+        code, out = procs.wait(proc, timeout=180)
+        assert code == 0, out
+    config = json.loads((tmp_path / "runs" / "split-net-mnist" / "config.json").read_text())
+    assert config["run"]["world_size"] == 4 and config["run"]["nodes"] == 2
+
+
 def test_sagemaker_hosts_form_one_job_and_write_the_model_dir(
     hosts_named: Callable[..., list[Host]], procs: Procs, tmp_path: Path
 ) -> None:
-    # Issue 10 (4): SM_MODEL_DIR, what SageMaker uploads, was ignored.
-    _job(tmp_path, "sagemaker", "--nnodes", "2", "--name", "mnist",
-         "--role", "arn:aws:iam::123456789012:role/SageMakerRole", "--image", "unused",
-         "--code", "s3://bucket/code.tar.gz", "--output-s3", "s3://bucket/out",
-         "--instance-type", "ml.c5.xlarge", "-o", "sm")  # fmt: skip
-    definition = json.loads((tmp_path / "sm" / "training-job.json").read_text())
+    # The README's SageMaker example (the upload and create-training-job replaced by what
+    # SageMaker and its toolkit do). Issue 10 (4): SM_MODEL_DIR, what SageMaker
+    # uploads, was ignored.
+    write = commands("sagemaker")[0]
+    got = subprocess.run(write, cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                         env=job_env())  # fmt: skip
+    assert got.returncode == 0, got.stderr
+    folder = tmp_path / write[write.index("-o") + 1]
+    definition = json.loads((folder / "training-job.json").read_text())
     model_dir = tmp_path / "opt-ml-model"  # the same path on every host, a disk of its own
     model_dir.mkdir()
     nodes = sagemaker_hosts(definition, model_dir=str(model_dir))
@@ -72,7 +96,7 @@ def test_sagemaker_hosts_form_one_job_and_write_the_model_dir(
         disks[node.name].mkdir()
         started.append(procs.start(
             host, node.command, node.env, binds=[(disks[node.name], model_dir)],
-            cwd=tmp_path / "sm" / "code",
+            cwd=folder / "code",
         ))  # fmt: skip
     for proc in started:
         code, out = procs.wait(proc, timeout=180)

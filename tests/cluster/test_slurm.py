@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.cluster.conftest import ALLREDUCE, SCALETRAIN, job_env, results
+from tests.cluster.readme import commands, example, python_block
 from tests.cluster.slurm import SlurmCluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -26,18 +27,24 @@ def world_size(run: Path) -> int:
     return int(json.loads((run / "config.json").read_text())["run"]["world_size"])
 
 
+def _run_dir(cwd: Path) -> Path:
+    found = sorted((cwd / "runs").glob("split-net-*"))
+    assert len(found) == 1, found
+    return found[0]
+
+
 def test_srun_ranks_on_two_hosts_train_as_one_job(slurm: SlurmCluster, tmp_path: Path) -> None:
-    # Issue 10 (5): each host's name resolves to 127.0.1.1 there; Gloo bound that address
-    # and the job hung in connectFullMesh. The interface that routes to the peer is used.
-    run = tmp_path / "run"
-    got = slurm.run(
-        ["srun", "-N", "2", "-n", "2", "--kill-on-bad-exit=1", *TRAIN, "--max-steps", "5",
-         "--out", str(run)],
-        timeout=120, env=job_env(), cwd=tmp_path,
-    )  # fmt: skip
+    # The README's srun example. Issue 10 (5): each host's name resolves to 127.0.1.1
+    # there; Gloo bound that address and the job hung in connectFullMesh. The interface
+    # that routes to the peer is used.
+    (srun,) = commands("slurm-srun")
+    got = slurm.run(srun, timeout=150, env=job_env(), cwd=tmp_path)
     assert got.returncode == 0, got.stdout + got.stderr
-    assert world_size(run) == 2
-    assert "done: 5 steps" in got.stdout
+    run = _run_dir(tmp_path)  # runs/split-net-<job id>
+    assert (
+        world_size(run) == 4 and json.loads((run / "config.json").read_text())["run"]["nodes"] == 2
+    )
+    assert "done: 50 steps" in got.stdout
 
 
 def test_srun_one_launcher_per_node_forms_one_job(slurm: SlurmCluster, tmp_path: Path) -> None:
@@ -69,24 +76,25 @@ def test_several_launchers_per_node_are_refused(slurm: SlurmCluster, tmp_path: P
 
 
 def test_launch_in_a_batch_script(slurm: SlurmCluster, tmp_path: Path) -> None:
-    # Issue 10 (2): launch (even --dry-run) refused to run in a batch script, and its
-    # advice could not be followed from the command line.
+    # The README's batch script, then what the test checks. Issue 10 (2): launch (even
+    # --dry-run) refused to run in a batch script, and its advice could not be followed.
+    (tmp_path / "train_ddp.py").write_text(python_block("# train_ddp.py"))
     (tmp_path / "allreduce.py").write_text(ALLREDUCE)
     script = tmp_path / "job.sh"
     script.write_text(
-        "#!/bin/bash\n"
-        "#SBATCH --nodes=2\n"
-        f"#SBATCH --output={tmp_path}/out-%j.txt\n"
-        f"{SCALETRAIN} launch --dry-run --nproc-per-node 2 allreduce.py\n"
-        f"{SCALETRAIN} launch --nproc-per-node 2 allreduce.py\n"
-        "echo all-nodes-rc=$?\n"
-        f"{SCALETRAIN} launch --env local --nproc-per-node 2 allreduce.py\n"
-        "echo local-rc=$?\n"
+        example("slurm-batch-script")
+        + "echo readme-rc=$?\n"
+        + "scaletrain launch --dry-run --nproc-per-node 2 allreduce.py\n"
+        + "scaletrain launch --nproc-per-node 2 allreduce.py\n"
+        + "echo all-nodes-rc=$?\n"
+        + "scaletrain launch --env local --nproc-per-node 2 allreduce.py\n"
+        + "echo local-rc=$?\n"
     )
-    job = slurm.sbatch(script, env=job_env())
-    info = slurm.wait_job(job, timeout=150)
+    job = slurm.sbatch(script, f"--output={tmp_path}/out-%j.txt", env=job_env())
+    info = slurm.wait_job(job, timeout=180)
     out = (tmp_path / f"out-{job}.txt").read_text()
     assert info["JobState"] == "COMPLETED", out
+    assert "readme-rc=0" in out and "last loss" in out
     dry = next(line for line in out.splitlines() if line.startswith("srun "))
     assert dry.startswith("srun --nodes=2 --ntasks=2 --ntasks-per-node=1 --whole ")
     assert dry.endswith("-m scaletrain launch --nproc-per-node 2 allreduce.py")
@@ -135,16 +143,17 @@ def test_unresolvable_first_node_fails_in_seconds(slurm: SlurmCluster, tmp_path:
 def test_generated_sbatch_is_preempted_requeued_and_resumes(
     slurm: SlurmCluster, tmp_path: Path
 ) -> None:
-    # The file `scaletrain job sbatch` writes, submitted as is: two nodes, one task per
-    # rank; USR1 (what --signal=USR1@90 sends before the time limit) makes every rank
-    # save and exit 75, the script requeues the job, and the requeued job resumes.
-    written = subprocess.run(
-        [SCALETRAIN, "job", "sbatch", "--nnodes", "2", "--name", "pre", "-o", "pre.sbatch",
-         "--recipe", "split-net", "--epochs", "6", "--log-every", "10", "--eval-batches", "1"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    # The README's sbatch example: the file `scaletrain job sbatch` writes, submitted as
+    # is (two nodes, one task per rank). USR1 (what --signal=USR1@90 sends before the
+    # time limit) makes every rank save and exit 75, the script requeues the job, and
+    # the requeued job resumes and runs to completion.
+    write, submit = commands("slurm-sbatch")
+    written = subprocess.run(write, cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                             env=job_env())  # fmt: skip
     assert written.returncode == 0, written.stderr
-    job = slurm.sbatch(tmp_path / "pre.sbatch", env=job_env())
+    submitted = slurm.run(submit, timeout=30, env=job_env(), cwd=tmp_path)
+    assert submitted.returncode == 0, submitted.stderr
+    job = int(submitted.stdout.split()[-1])  # "Submitted batch job N"
     run = tmp_path / "runs" / f"split-net-{job}"  # named after the job: the same once requeued
     deadline = time.monotonic() + 120
     while not (run / "metrics.jsonl").exists() or "step" not in (run / "metrics.jsonl").read_text():
@@ -157,7 +166,7 @@ def test_generated_sbatch_is_preempted_requeued_and_resumes(
     assert requeued["Restarts"] == "1", requeued
     slurm.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], timeout=20)
     info = slurm.wait_job(job, timeout=150)
-    log = (tmp_path / f"pre-{job}.out").read_text()
+    log = (tmp_path / f"split-{job}.out").read_text()
     assert info["JobState"] == "COMPLETED", log
     assert "preempted and saved (exit 75): requeueing job" in log
     assert "resumed from" in log and "done: 600 steps" in log

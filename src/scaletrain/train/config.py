@@ -16,13 +16,23 @@ from typing import Any, Literal
 from scaletrain.errors import ConfigError, spell
 from scaletrain.observe.heartbeat import DEFAULT_HANG_TIMEOUT_S
 
-__all__ = ["SCHEDULES", "SINGLE_PROCESS_STRATEGIES", "TrainConfig"]
+__all__ = ["METAVARS", "SCHEDULES", "SINGLE_PROCESS_STRATEGIES", "TrainConfig"]
 
 SCHEDULES = ("cosine", "linear", "constant")
 """Learning-rate shapes after the warm-up (see scaletrain.train.schedule)."""
 
 SINGLE_PROCESS_STRATEGIES = ("dp", "model-parallel", "single")
 """Strategies that run in ONE process (driving every local device from it)."""
+
+METAVARS = {
+    "nproc": "N", "epochs": "N", "max_steps": "N", "batch_size": "N", "lr": "LR",
+    "warmup": "STEPS", "accumulate": "K", "clip_grad": "NORM", "seed": "N",
+    "data_dir": "DIR", "num_workers": "N", "eval_batch_size": "N", "eval_batches": "N",
+    "out": "RUN", "log_every": "N", "save_every": "N", "keep": "K", "stop_after": "N",
+    "max_restarts": "K", "hang_timeout": "S", "mesh": "DIMS", "nnodes": "N|MIN:MAX",
+    "node_rank": "R", "rdzv_endpoint": "HOST:PORT", "rdzv_id": "ID", "local_addr": "ADDR",
+}  # fmt: skip
+"""The placeholder each flag shows in --help."""
 
 Recipe = Literal["convnet", "split-net", "wrn", "gpt"]
 ClusterKind = Literal["auto", "local", "slurm", "mpi", "torchelastic", "sagemaker", "kubeflow"]
@@ -75,7 +85,7 @@ class TrainConfig:
     eval_batches: int | None = None
     """Evaluation batches per rank after each epoch; 0: skip evaluation; None: the whole test set."""
     out: str | None = None
-    """Run directory (metrics, checkpoints, model); None: runs/<recipe>-<time>."""
+    """Run directory (metrics, checkpoints, model); None: runs/<recipe>-<job id, else time>."""
     log_every: int = 20
     """Steps between metric records and progress lines."""
     save_every: int | None = None

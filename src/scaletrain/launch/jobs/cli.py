@@ -25,7 +25,7 @@ KINDS = ("sbatch", "pytorchjob", "sagemaker")
 def _common(p: argparse.ArgumentParser, default_out: str) -> None:
     from scaletrain.launch.jobs.spec import NODE_FIELDS
     from scaletrain.settings import add_flags
-    from scaletrain.train.config import TrainConfig
+    from scaletrain.train.config import METAVARS, TrainConfig
 
     j = p.add_argument_group("the job")
     j.add_argument(
@@ -61,7 +61,7 @@ def _common(p: argparse.ArgumentParser, default_out: str) -> None:
         default=None,
         help="YAML or JSON file of train settings; flags given too win",
     )
-    add_flags(t, TrainConfig, exclude=NODE_FIELDS)  # fmt: skip
+    add_flags(t, TrainConfig, metavars=METAVARS, exclude=NODE_FIELDS)  # fmt: skip
 
 
 def add_job_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
