@@ -6,8 +6,9 @@ here without importing torch (the CLI's --help stays instant).
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from scaletrain._lazy import lazy_attributes
 
 if TYPE_CHECKING:
     from scaletrain.observe.diagnosis import HangDiagnosis, find_laggards
@@ -55,14 +56,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module 'scaletrain.observe' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_attributes("scaletrain.observe", globals(), _WHERE)
