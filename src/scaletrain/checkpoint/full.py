@@ -17,8 +17,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map_only
 
-from scaletrain.checkpoint.manifest import FileEntry, atomic_write
-from scaletrain.errors import CheckpointError
+from scaletrain.checkpoint.manifest import FileEntry, RejectedCheckpointError, atomic_write
 
 __all__ = ["load_file", "save_file", "snapshot"]
 
@@ -52,14 +51,14 @@ def load_file(path: Path) -> Any:
     except pickle.UnpicklingError as exc:
         # weights_only raises UnpicklingError naming the global it refused to build.
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(
+        raise RejectedCheckpointError(
             f"{path} holds objects other than tensors and plain values, and was refused "
             f"without running them (torch.load weights_only=True: {first}). scaletrain never "
             "writes such files: the checkpoint was altered or not written by scaletrain. "
             "Do not load it with weights_only=False unless you trust its author."
         ) from exc
     except (RuntimeError, EOFError, OSError, zipfile.BadZipFile) as exc:
-        raise CheckpointError(
+        raise RejectedCheckpointError(
             f"{path} cannot be read ({type(exc).__name__}: {exc}). The checkpoint is damaged; "
             "load an earlier one (latest_checkpoint() skips damaged ones)."
         ) from exc
