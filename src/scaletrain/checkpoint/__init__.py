@@ -7,7 +7,7 @@ from scaletrain.checkpoint import CheckpointManager
 manager = CheckpointManager(rt, run_dir, every=100, keep=3)
 resumed = manager.resume(model=model, optimizer=opt, loader=loader)
 ...
-manager.maybe_save(step, model=model, optimizer=opt, loader=loader, step=step)
+manager.maybe_save(step, model=model, optimizer=opt, loader=loader)
 manager.close()
 
 and the one-shot functions stay for scripts: save_checkpoint, load_checkpoint,

@@ -14,7 +14,7 @@ thread and Gloo group, and the resume rule:
     resumed = manager.resume(model=model, optimizer=opt, loader=loader)
     step = resumed.values["step"] if resumed.path else 0
     ...
-    manager.maybe_save(step, model=model, optimizer=opt, loader=loader, step=step)
+    manager.maybe_save(step, model=model, optimizer=opt, loader=loader)
     manager.close()
 """
 
@@ -113,20 +113,21 @@ class CheckpointManager:
         return self.every is not None and step > 0 and step % self.every == 0
 
     def maybe_save(
-        self, step: int, *, force: bool = False, **state: Any
+        self, step: int, /, *, force: bool = False, **state: Any
     ) -> Path | PendingCheckpoint | None:
         """Save into folder/checkpoints/step-NNNNNN when the interval says so (or `force`).
 
-        An interval save is asynchronous when the manager is; a forced one (the last
-        save, a stop) is always complete when this returns. Returns the path, the
-        handle of an async save, or None when nothing was due.
+        `state` is as for save_checkpoint; the step is saved with it as the value
+        `step`. An interval save is asynchronous when the manager is; a forced one (the
+        last save, a stop) is complete when this returns. Returns the path, the handle
+        of an async save, or None when nothing was due.
         """
         if not (force or self.due(step)):
             return None
         handle = save_with(
             self.scope,
             checkpoint_path(self.folder, step),
-            state,
+            {**state, "step": step},
             saver=self._saver,
             retention=self._retention,
             async_save=self.async_save and not force,
