@@ -276,26 +276,24 @@ def _report_worker_failure(exc: Exception, trainer: Any) -> int:
 def _cmd_checkpoint(ns: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from scaletrain.checkpoint import consolidate, latest_checkpoint
+    from scaletrain.checkpoint import MANIFEST, consolidate, latest_checkpoint
+    from scaletrain.checkpoint.catalog import explain_no_checkpoint
     from scaletrain.errors import CheckpointError
 
+    source = Path(ns.dir)
+    if ns.action == "consolidate" and (source / MANIFEST).is_file():
+        # A checkpoint directory itself: consolidate() says what is wrong with it.
+        written = consolidate(source, ns.out)
+        print(f"wrote {written} from {source}")
+        return EXIT_OK
+    found = latest_checkpoint(source)
+    if found is None:
+        raise CheckpointError(f"no valid checkpoint: {explain_no_checkpoint(source)}")
     if ns.action == "latest":
-        found = latest_checkpoint(ns.dir)
-        if found is None:
-            raise CheckpointError(
-                f"{ns.dir} holds no complete, valid checkpoint (looked in {ns.dir}/checkpoints). "
-                "A run saves them with --save-every N or when it stops."
-            )
         print(found)
         return EXIT_OK
-    source = Path(ns.dir)
-    if (source / "checkpoints").is_dir():
-        newest = latest_checkpoint(source)
-        if newest is None:
-            raise CheckpointError(f"{source} holds no complete, valid checkpoint to consolidate.")
-        source = newest
-    written = consolidate(source, ns.out)
-    print(f"wrote {written} from {source}")
+    written = consolidate(found, ns.out)
+    print(f"wrote {written} from {found}")
     return EXIT_OK
 
 

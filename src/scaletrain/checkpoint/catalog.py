@@ -24,12 +24,13 @@ from scaletrain.checkpoint.manifest import (
     read_manifest,
     verify_files,
 )
-from scaletrain.errors import CheckpointError
+from scaletrain.errors import CheckpointError, spell
 
 __all__ = [
     "Found",
     "Retention",
     "checkpoint_path",
+    "explain_no_checkpoint",
     "find_checkpoints",
     "latest_checkpoint",
     "list_checkpoints",
@@ -74,7 +75,9 @@ def _found(d: Path) -> Found:
     try:
         manifest = read_manifest(d)
     except CheckpointError as exc:
-        stamp = (d / MANIFEST).stat().st_mtime_ns if (d / MANIFEST).is_file() else 0
+        # No manifest clock to go by: the time the directory last changed.
+        where = d / MANIFEST if (d / MANIFEST).is_file() else d
+        stamp = where.stat().st_mtime_ns
         return Found(d, None, str(exc), (stamp, d.name))
     return Found(d, manifest, None, (manifest.created_ns, d.name))
 
@@ -202,3 +205,50 @@ class Retention:
                 valid += 1
                 ours_seen = ours_seen or found.path.resolve() in self.written
         return removed
+
+
+def _listing(names: list[str], limit: int = 5) -> str:
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def explain_no_checkpoint(path: str | os.PathLike[str]) -> str:
+    """What `path` is, for a person who expected a valid checkpoint in it and got none."""
+    root = Path(path)
+    if not root.exists():
+        return f"{root} does not exist."
+    if not root.is_dir():
+        return f"{root} is a file, not a run or checkpoint directory."
+    found = list_checkpoints(root)
+    finished = [f for f in found if f.finished]
+    if finished:
+        lines = [
+            f"  {f.path.name}: {problem_with(f) or 'valid (checked again now)'}"
+            for f in reversed(finished)
+        ]
+        return (
+            f"{root} is a run directory; found {len(finished)} checkpoints and rejected all "
+            "of them:\n" + "\n".join(lines)
+        )
+    if found:
+        return (
+            f"{root} holds {len(found)} checkpoint save(s) that never finished (no "
+            f"{MANIFEST}: a crash, a kill, or an async save still running): "
+            + _listing([f.path.name for f in found])
+            + "."
+        )
+    entries = sorted(p.name for p in root.iterdir())
+    if not entries:
+        return f"{root} is an empty directory: no run has written there."
+    if (root / "model.pt").is_file() and (root / "metrics.jsonl").is_file():
+        return (
+            f"{root} is a finished run without checkpoints: its model.pt is already one "
+            "plain state dict (torch.load(model.pt, weights_only=True)). A run saves "
+            f"checkpoints with {spell('save_every')} N, and when it is stopped."
+        )
+    if (root / "metrics.jsonl").is_file() or (root / "config.json").is_file():
+        return (
+            f"{root} is a run directory without checkpoints (a run saves them with "
+            f"{spell('save_every')} N, and when it is stopped)."
+        )
+    return f"{root} holds no checkpoint and is not a run directory (it holds {_listing(entries)})."

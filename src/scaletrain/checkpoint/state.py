@@ -256,11 +256,10 @@ def _left(obj: Loader, state: Mapping[str, Any], rank: int) -> int:
         pad=bool(state["pad"]),
     )
     sampler.load_state_dict(state)
+    left = sampler.remaining()
     if isinstance(obj, ShardedLoader):
-        return ShardedLoader(
-            obj.dataset, batch_size=obj.batch_size, sampler=sampler, drop_last=obj.drop_last
-        ).remaining()
-    return sampler.remaining()
+        return left // obj.batch_size if obj.drop_last else -(-left // obj.batch_size)
+    return left
 
 
 def loader_resume_state(
