@@ -288,7 +288,7 @@ def _cmd_checkpoint(ns: argparse.Namespace) -> int:
         return EXIT_OK
     found = latest_checkpoint(source)
     if found is None:
-        raise CheckpointError(f"no valid checkpoint: {explain_no_checkpoint(source)}")
+        raise CheckpointError(f"no complete, valid checkpoint: {explain_no_checkpoint(source)}")
     if ns.action == "latest":
         print(found)
         return EXIT_OK

@@ -121,7 +121,7 @@ def test_a_change_of_meaning_is_refused_with_a_table(data: Path, tmp_path: Path)
     assert _snapshot(run) == before
     # What only changes how it is watched or saved is fine.
     code, log = _train(run, data, "--max-steps", "10", "--log-every", "2", "--keep", "1")
-    assert code == 0 and "resumed at step 5/10" in log, log
+    assert code == 0 and "checkpoints/step-000005 at step 5/10" in log, log
 
 
 def test_fork_starts_a_new_run_from_the_weights(data: Path, tmp_path: Path) -> None:

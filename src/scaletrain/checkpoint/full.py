@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map_only
 
 from scaletrain.checkpoint.manifest import FileEntry, RejectedCheckpointError, atomic_write
 
@@ -41,7 +40,18 @@ def snapshot(obj: Any, *, clone: bool) -> Any:
             return t.to("cpu")
         return t.clone() if clone else t
 
-    return tree_map_only(torch.Tensor, to_cpu, obj)
+    return _map_tensors(obj, to_cpu)
+
+
+def _map_tensors(obj: Any, fn: Any) -> Any:
+    """`obj` with `fn` applied to every tensor in its dicts, lists and tuples."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: _map_tensors(v, fn) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map_tensors(v, fn) for v in obj)
+    return obj
 
 
 def load_file(path: Path) -> Any:

@@ -136,7 +136,9 @@ def _check_optimizer(name: str, template: dict[str, Any], saved: dict[str, Any])
                     f"{name}: {key} is {tuple(other.shape)} {other.dtype} in the checkpoint, "
                     f"{tuple(value.shape)} {value.dtype} here"
                 )
-    extra = sorted(k for k in saved if k not in template)
+    # Extra hyperparameters are harmless (a scheduler adds initial_lr); extra tensors
+    # mean the state belongs to other parameters.
+    extra = sorted(k for k, v in saved.items() if k not in template and isinstance(v, torch.Tensor))
     if extra:
         problems.append(f"{name}: {', '.join(extra[:3])} are only in the checkpoint")
     return problems

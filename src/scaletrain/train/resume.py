@@ -149,16 +149,20 @@ def resume_lines(
         taken = "weights and optimizer state" if fork else "weights"
         return [*lines, f"  forked from {resumed.path}: its {taken}, from step 0"]
     saved_total = values.get("total_steps")
-    words = length_words(int(values["step"]), int(saved_total) if saved_total else None, total)
-    return [*lines, f"  {words} from {resumed.path}"]
+    words = length_words(
+        resumed.path, int(values["step"]), int(saved_total) if saved_total else None, total
+    )
+    return [*lines, f"  {words}"]
 
 
-def length_words(step: int, saved_total: int | None, total: int) -> str:
-    """ "resumed at step 20, extending to 40" (or shortening to, or of)."""
+def length_words(path: Path, step: int, saved_total: int | None, total: int) -> str:
+    """The header's words for a resume: "resumed at step 20, extending to 40 (it was 20)
+    from PATH" when the run's length changed (or shortening), else "resumed from PATH at
+    step 20/40"."""
     if saved_total is None or saved_total == total:
-        return f"resumed at step {step}/{total}"
+        return f"resumed from {path} at step {step}/{total}"
     verb = "extending" if total > saved_total else "shortening"
-    return f"resumed at step {step}, {verb} to {total} (it was {saved_total})"
+    return f"resumed at step {step}, {verb} to {total} (it was {saved_total}) from {path}"
 
 
 def check_meaning(
