@@ -206,3 +206,20 @@ def test_an_interrupted_start_is_found_and_said(data: Path, tmp_path: Path) -> N
     assert "interrupted before its first checkpoint" in log
     assert (run / "metrics.interrupted-1.jsonl").read_text() == '{"event": "train", "step": 3}\n'
     assert [r["step"] for r in _records(run) if r["event"] == "train"] == [5]
+
+
+def test_resume_at_another_world_size_shares_the_rest_of_the_epoch(
+    data: Path, tmp_path: Path
+) -> None:
+    """Point 5, end to end: 2 ranks stop 7 steps into the epoch (140 of 400 samples seen);
+    3 ranks deal the other 260 (86 each, 8 batches of 10) and finish the epoch in 8 steps.
+    It used to refuse: "saved mid-epoch by 2 ranks ... this job has 3"."""
+    run = tmp_path / "run"
+    code, log = _train(run, data, "--nproc", "2", "--epochs", "1", "--stop-after", "7")
+    assert code == 0 and "stopped at step 7/20" in log, log
+    code, log = _train(run, data, "--nproc", "3", "--epochs", "1")
+    assert code == 0, log
+    assert "resumed at step 7, shortening to 15 (it was 20)" in log
+    assert "data-parallel size 2 -> 3" in log and "batch 10/replica x 3" in log
+    assert [r["steps"] for r in _records(run) if r["event"] == "summary"] == [15]
+    assert [r["step"] for r in _records(run) if r["event"] == "train"][-1] == 15

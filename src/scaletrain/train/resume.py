@@ -135,7 +135,12 @@ def refuse_changes(diffs: list[tuple[str, Any, Any]], source: str) -> ConfigErro
 
 
 def resume_lines(
-    resumed: Resumed | None, values: Mapping[str, Any], total: int, *, fork: bool | None
+    resumed: Resumed | None,
+    values: Mapping[str, Any],
+    total: int,
+    *,
+    fork: bool | None,
+    dp_size: int = 1,
 ) -> list[str]:
     """The header's lines about where the run starts: checkpoints skipped (and why), the
     checkpoint resumed or forked from, and whether the run was extended or shortened.
@@ -152,7 +157,14 @@ def resume_lines(
     words = length_words(
         resumed.path, int(values["step"]), int(saved_total) if saved_total else None, total
     )
-    return [*lines, f"  {words}"]
+    lines.append(f"  {words}")
+    saved_dp = (values.get("config") or {}).get("run", {}).get("data_parallel_size")
+    if saved_dp is not None and saved_dp != dp_size:
+        lines.append(
+            f"  data-parallel size {saved_dp} -> {dp_size}: the rest of the epoch is dealt "
+            f"over {dp_size} replicas; the batch per replica and the peak learning rate stay"
+        )
+    return lines
 
 
 def length_words(path: Path, step: int, saved_total: int | None, total: int) -> str:

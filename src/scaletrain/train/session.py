@@ -259,6 +259,7 @@ class Session:
             self.done.values,
             self.total_steps,
             fork=cfg.fork_optimizer if cfg.fork else None,
+            dp_size=rt.dp_size,
         )
         self.observers.on_run_start(
             RunInfo(
