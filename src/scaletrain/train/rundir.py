@@ -123,6 +123,10 @@ def set_aside_interrupted(run: RunDir) -> str | None:
     """
     if run.finished or run.checkpoints or not run.metrics:
         return None
+    metrics = run.path / "metrics.jsonl"
+    if metrics.stat().st_size == 0:
+        metrics.unlink()  # opened by a start that failed before its first step
+        return None
     n = 1
     while (run.path / f"metrics.interrupted-{n}.jsonl").exists():
         n += 1

@@ -192,6 +192,11 @@ class Session:
             sync_bn=self.sync_bn,
             data_dir=self.data_path,
             out=str(self.out),
+            # config.json describes this run: replayed, it trains it (a fork's source is
+            # in its checkpoints' history, not a setting to fork again).
+            fork=None,
+            fork_optimizer=False,
+            overwrite=False,
         )
 
     def _prepare_model(self) -> None:

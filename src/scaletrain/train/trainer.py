@@ -115,6 +115,10 @@ class Trainer:
         with contextlib.suppress(OSError):
             pids.rmdir()  # the last rank out removes it
         if getattr(self, "_created", False):
+            metrics = self._out / "metrics.jsonl"
+            with contextlib.suppress(OSError):
+                if metrics.stat().st_size == 0:
+                    metrics.unlink()  # nothing was trained
             with contextlib.suppress(OSError):
                 self._out.rmdir()  # only if empty
 
