@@ -75,7 +75,7 @@ def test_extending_20_to_40_equals_a_straight_40(
     code, log = _train(straight, data, "--max-steps", "40", *lr)
     assert code == 0, log
     assert _same_weights(run, straight)
-    steps = [r["step"] for r in _records(run) if r["event"] == "summary"]
+    steps = [r["steps"] for r in _records(run) if r["event"] == "summary"]
     assert steps == [20, 40]
 
 

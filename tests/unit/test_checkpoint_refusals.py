@@ -17,13 +17,7 @@ import torch
 from torch import nn
 
 import scaletrain as st
-from scaletrain.checkpoint import (
-    MANIFEST,
-    CheckpointManager,
-    checkpoint_path,
-    save_checkpoint,
-    wait_pending,
-)
+from scaletrain.checkpoint import MANIFEST, checkpoint_path, save_checkpoint, wait_pending
 from scaletrain.checkpoint.manifest import sha256_file
 from scaletrain.errors import CheckpointError
 from scaletrain.testing import launcher_variables
@@ -149,6 +143,8 @@ def test_full_state_dict_is_a_snapshot(strategy: str, monkeypatch: pytest.Monkey
 
 
 def _run_with_checkpoints(rt: st.Runtime, run: Path, steps: tuple[int, ...]) -> nn.Module:
+    from scaletrain.checkpoint import CheckpointManager
+
     model = _net(8)
     opt = _stepped(model)
     manager = CheckpointManager(rt, run, every=1, keep=None)
@@ -163,6 +159,8 @@ def test_manager_falls_back_with_the_reason_and_refuses_when_none_loads(
 ) -> None:
     """Point 3, in the library: the newest valid checkpoint, each newer one with its reason;
     none valid -> an error listing all, nothing deleted."""
+    from scaletrain.checkpoint import CheckpointManager
+
     _run_with_checkpoints(rt, tmp_path, (1, 2, 3))
     (checkpoint_path(tmp_path, 4)).mkdir()  # a save that never finished
     bad = checkpoint_path(tmp_path, 3) / "optimizer.pt"
@@ -187,6 +185,8 @@ def test_pruning_keeps_older_checkpoints_while_newer_ones_are_damaged(
     rt: st.Runtime, tmp_path: Path
 ) -> None:
     """keep=2 used to count a damaged checkpoint as one of the two it keeps."""
+    from scaletrain.checkpoint import CheckpointManager
+
     _run_with_checkpoints(rt, tmp_path, (1, 2, 3))
     for step in (2, 3):
         p = checkpoint_path(tmp_path, step) / "model.pt"
