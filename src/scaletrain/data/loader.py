@@ -113,7 +113,8 @@ class ShardedLoader:
         return samples // self._batch_size if self._drop_last else -(-samples // self._batch_size)
 
     def __len__(self) -> int:
-        """Batches in a full epoch on this rank (ignores the position)."""
+        """Batches in the current epoch on this rank (ignores the position): a full
+        epoch's, or in an epoch resumed at another world size, this rank's share of it."""
         return self._batches(len(self._sampler))
 
     def remaining(self) -> int:
