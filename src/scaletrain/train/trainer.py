@@ -50,14 +50,16 @@ class Trainer:
 
     def run(self) -> dict[str, Any]:
         cfg = self.config
-        if cfg.hang_timeout > 0 and cfg.out and torch.cuda.is_available():
+        run_dir = cfg.fork or cfg.out
+        if cfg.hang_timeout > 0 and run_dir and torch.cuda.is_available():
             from scaletrain.observe import configure_flight_recorder
 
             # Before the process group exists: NCCL reads these when it is created.
-            configure_flight_recorder(cfg.out)
+            configure_flight_recorder(run_dir)
         stop = StopRequest().install()
         rt: Runtime | None = None
         self._out: Path | None = None
+        self._created = False
         try:
             rt = init(
                 strategy=cfg.strategy, backend=cfg.backend, mesh=cfg.mesh, precision=cfg.precision
@@ -89,9 +91,8 @@ class Trainer:
             self._created = not out.exists()
             out.mkdir(parents=True, exist_ok=True)
             if cfg.overwrite and found.holds_run:
-                removed = clear_run(out)
-                notes.append(f"replaced the run in {out} ({spell('overwrite', True)}: removed "
-                             f"{', '.join(removed)})")  # fmt: skip
+                removed = ", ".join(clear_run(out))
+                notes.append(f"replaced the run in {out} ({spell('overwrite', True)}: {removed})")
             else:
                 aside = set_aside_interrupted(found)
                 notes += [aside] if aside else []
@@ -114,7 +115,7 @@ class Trainer:
         (pids / f"rank{self._rank}.pid").unlink(missing_ok=True)
         with contextlib.suppress(OSError):
             pids.rmdir()  # the last rank out removes it
-        if getattr(self, "_created", False):
+        if self._created:
             metrics = self._out / "metrics.jsonl"
             with contextlib.suppress(OSError):
                 if metrics.stat().st_size == 0:
