@@ -64,7 +64,7 @@ def holdings(manifest: Manifest) -> str:
     return ", ".join(names + [f"{v} (value)" for v in manifest.values]) or "nothing"
 
 
-def _check_request(path: Path, manifest: Manifest, parts: State, scope: CheckpointScope) -> None:
+def _check_request(path: Path, manifest: Manifest, parts: State) -> None:
     kinds = {
         **{n: "model" for n in parts.models},
         **{n: "optimizer" for n in parts.optimizers},
@@ -99,7 +99,6 @@ def _check_request(path: Path, manifest: Manifest, parts: State, scope: Checkpoi
                 f"checkpoint {path} holds a {saved['class']} state for {name!r}, but a "
                 f"{classname(obj)} was given. Build the same class as the run that saved it."
             )
-    del scope
 
 
 def _model_mismatch(path: Path, name: str, saved: Table, here: Table, what: str) -> CheckpointError:
@@ -345,7 +344,7 @@ def load_with(
             f"the ranks see different checkpoints at {path} (manifests written at different "
             "times): every rank must read the same directory, on a shared filesystem."
         )
-    _check_request(path, manifest, parts, scope)
+    _check_request(path, manifest, parts)
     _check_models(path, manifest, tables, parts, scope)
     same_world = manifest.world_size == world
 

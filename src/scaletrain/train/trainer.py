@@ -84,13 +84,16 @@ class Trainer:
         named = cfg.fork or cfg.out
         out = Path(named) if named else Path("runs") / recipe.name
         found = inspect_run(out)
-        refuse_reuse(found, overwrite=cfg.overwrite, field="fork" if cfg.fork else "out")
+        # --overwrite replaces the run the command found, once: workers restarted by the
+        # elastic agent (--max-restarts) resume from what this job saved since.
+        overwrite = cfg.overwrite and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        refuse_reuse(found, overwrite=overwrite, field="fork" if cfg.fork else "out")
         rt.barrier()  # every rank has looked before rank 0 changes anything
         notes: list[str] = []
         if rt.is_main:
             self._created = not out.exists()
             out.mkdir(parents=True, exist_ok=True)
-            if cfg.overwrite and found.holds_run:
+            if overwrite and found.holds_run:
                 removed = ", ".join(clear_run(out))
                 notes.append(f"replaced the run in {out} ({spell('overwrite', True)}: {removed})")
             else:
