@@ -137,6 +137,10 @@ def test_fork_starts_a_new_run_from_the_weights(data: Path, tmp_path: Path) -> N
     # A fork never writes into a run.
     code, log = _train(run, data, "--max-steps", "6", "--fork", str(fork))
     assert code == 2 and "already holds a run" in log and "--overwrite" in log, log
+    # ... and needs a checkpoint to start from.
+    code, log = _train(fork, data, "--max-steps", "6", "--fork", str(tmp_path / "other"))
+    assert code == 2 and "but it holds none" in log and "--save-every" in log, log
+    assert not (tmp_path / "other").exists()
 
 
 def test_every_checkpoint_corrupt_stops_and_deletes_nothing(data: Path, tmp_path: Path) -> None:
