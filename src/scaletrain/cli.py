@@ -57,7 +57,7 @@ def _add_train(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
             "warmup": "STEPS", "accumulate": "K", "clip_grad": "NORM", "seed": "N",
             "data_dir": "DIR", "num_workers": "N", "eval_batch_size": "N", "eval_batches": "N",
             "out": "RUN", "log_every": "N", "save_every": "N", "keep": "K", "stop_after": "N",
-            "max_restarts": "K", "hang_timeout": "S", "mesh": "DIMS",
+            "max_restarts": "K", "hang_timeout": "S", "mesh": "DIMS", "fork": "NEW_RUN",
         },
     )  # fmt: skip
 
@@ -222,12 +222,18 @@ def _cmd_train(ns: argparse.Namespace, argv: Sequence[str]) -> int:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         config = config.replace(out=os.path.join("runs", f"{config.resolved_recipe()}-{stamp}"))
     assert config.out is not None
+    from scaletrain.train.rundir import inspect_run, refuse_reuse
+
+    # A finished run is not trained over by accident: said here, before any launch.
+    run_dir = config.fork or config.out
+    field = "fork" if config.fork else "out"
+    refuse_reuse(inspect_run(run_dir), overwrite=config.overwrite, field=field)
     if nproc == 1 and not env.per_node and config.max_restarts == 0:
         return _train_here(config, worker=False)
     from scaletrain.launch import LaunchConfig, launch
     from scaletrain.train.trainer import PREEMPTED_MARKER
 
-    marker = os.path.join(config.out, PREEMPTED_MARKER)
+    marker = os.path.join(run_dir, PREEMPTED_MARKER)
     if os.path.exists(marker):
         os.unlink(marker)
     code = launch(
@@ -287,26 +293,24 @@ def _report_worker_failure(exc: Exception, trainer: Any) -> int:
 def _cmd_checkpoint(ns: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from scaletrain.checkpoint import consolidate, latest_checkpoint
+    from scaletrain.checkpoint import MANIFEST, consolidate, latest_checkpoint
+    from scaletrain.checkpoint.catalog import explain_no_checkpoint
     from scaletrain.errors import CheckpointError
 
+    source = Path(ns.dir)
+    if ns.action == "consolidate" and (source / MANIFEST).is_file():
+        # A checkpoint directory itself: consolidate() says what is wrong with it.
+        written = consolidate(source, ns.out)
+        print(f"wrote {written} from {source}")
+        return EXIT_OK
+    found = latest_checkpoint(source)
+    if found is None:
+        raise CheckpointError(f"no complete, valid checkpoint: {explain_no_checkpoint(source)}")
     if ns.action == "latest":
-        found = latest_checkpoint(ns.dir)
-        if found is None:
-            raise CheckpointError(
-                f"{ns.dir} holds no complete, valid checkpoint (looked in {ns.dir}/checkpoints). "
-                "A run saves them with --save-every N or when it stops."
-            )
         print(found)
         return EXIT_OK
-    source = Path(ns.dir)
-    if (source / "checkpoints").is_dir():
-        newest = latest_checkpoint(source)
-        if newest is None:
-            raise CheckpointError(f"{source} holds no complete, valid checkpoint to consolidate.")
-        source = newest
-    written = consolidate(source, ns.out)
-    print(f"wrote {written} from {source}")
+    written = consolidate(found, ns.out)
+    print(f"wrote {written} from {found}")
     return EXIT_OK
 
 

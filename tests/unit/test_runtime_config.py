@@ -103,7 +103,9 @@ def test_cli_flags_are_frozen() -> None:
          "--hang-timeout",
          # issue 7: one config (flags generated from TrainConfig, --config FILE)
          "--config", "--schedule", "--warmup", "--num-workers", "--eval-batch-size",
-         "--eval-batches", "--no-async-save"]
+         "--eval-batches", "--no-async-save",
+         # issue 8: fork a run, replace a finished one
+         "--fork", "--fork-optimizer", "--no-fork-optimizer", "--overwrite", "--no-overwrite"]
     )  # fmt: skip
     launch = _flags(parser, "launch")
     for flag in ("--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint",

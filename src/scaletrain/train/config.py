@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 from scaletrain.errors import ConfigError, spell
@@ -89,6 +90,12 @@ class TrainConfig:
     """Restart the workers up to N times after a failure; they resume from the last checkpoint."""
     hang_timeout: float = DEFAULT_HANG_TIMEOUT_S
     """Seconds a rank may make no progress before the job ends with a diagnosis; 0: off."""
+    fork: str | None = None
+    """Start a NEW run in this directory from the weights of OUT's newest checkpoint, with the settings given now."""
+    fork_optimizer: bool = False
+    """With --fork: take the optimizer state (moments) too, to continue rather than fine-tune."""
+    overwrite: bool = False
+    """Replace a finished run in OUT (or in the --fork directory) instead of refusing to touch it."""
 
     def __post_init__(self) -> None:
         def bad(field: str, expected: str, fix: str) -> ConfigError:
@@ -155,6 +162,27 @@ class TrainConfig:
                 "out",
                 "a run directory",
                 "pass a directory, or leave it out for runs/<recipe>-<time>",
+            )
+        if self.fork is not None and not self.fork.strip():
+            raise bad(
+                "fork",
+                "the directory of the new run",
+                f"pass e.g. {spell('fork', 'runs/finetune')}",
+            )
+        same = self.fork is not None and self.out is not None
+        if same and Path(str(self.fork)).resolve() == Path(str(self.out)).resolve():
+            raise ConfigError(
+                f"{spell('fork', self.fork)} names the run it forks from "
+                f"({spell('out', self.out)}); a fork is a new run beside it. Fix: "
+                f"name a new directory, e.g. {spell('fork', str(self.out).rstrip('/') + '-fork')}.",
+                field="fork",
+            )
+        if self.fork_optimizer and self.fork is None:
+            raise ConfigError(
+                f"{spell('fork_optimizer', True)} takes the optimizer state into a fork, but no "
+                f"{spell('fork')} was given. Fix: add {spell('fork', 'NEW_RUN')}, or drop "
+                f"{spell('fork_optimizer', True)} (a resume restores the optimizer anyway).",
+                field="fork_optimizer",
             )
         if self.strategy in SINGLE_PROCESS_STRATEGIES and self.nproc is not None and self.nproc > 1:
             raise ConfigError(

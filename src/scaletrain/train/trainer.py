@@ -9,6 +9,7 @@ is anything a caller passes in (a profiler, a ledger).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -16,12 +17,14 @@ from typing import Any
 
 import torch
 
+from scaletrain.errors import spell
 from scaletrain.exitcodes import EXIT_PREEMPTED
 from scaletrain.observe.events import Observer, Observers
 from scaletrain.runtime import Runtime, init
 from scaletrain.train.config import TrainConfig
 from scaletrain.train.observers import MetricsLog, ProgressPrinter, WatchdogBeats
 from scaletrain.train.recipes import Recipe, get_recipe
+from scaletrain.train.rundir import clear_run, inspect_run, refuse_reuse, set_aside_interrupted
 from scaletrain.train.session import PREEMPTED_MARKER, Preempted, Session
 from scaletrain.train.signals import StopRequest
 
@@ -47,13 +50,16 @@ class Trainer:
 
     def run(self) -> dict[str, Any]:
         cfg = self.config
-        if cfg.hang_timeout > 0 and cfg.out and torch.cuda.is_available():
+        run_dir = cfg.fork or cfg.out
+        if cfg.hang_timeout > 0 and run_dir and torch.cuda.is_available():
             from scaletrain.observe import configure_flight_recorder
 
             # Before the process group exists: NCCL reads these when it is created.
-            configure_flight_recorder(cfg.out)
+            configure_flight_recorder(run_dir)
         stop = StopRequest().install()
         rt: Runtime | None = None
+        self._out: Path | None = None
+        self._created = False
         try:
             rt = init(
                 strategy=cfg.strategy, backend=cfg.backend, mesh=cfg.mesh, precision=cfg.precision
@@ -69,25 +75,61 @@ class Trainer:
             stop.restore()
             if rt is not None:
                 rt.shutdown()
+            self._tidy_out()
 
     # -- set-up ---------------------------------------------------------------------
-    def _prepare_out(self, rt: Runtime) -> Path:
+    def _prepare_out(self, rt: Runtime) -> tuple[Path, list[str]]:
+        """The run directory, checked and made; the header's notes about what it held."""
         cfg, recipe = self.config, self.recipe
-        out = Path(cfg.out) if cfg.out else Path("runs") / recipe.name
+        named = cfg.fork or cfg.out
+        out = Path(named) if named else Path("runs") / recipe.name
+        found = inspect_run(out)
+        # --overwrite replaces the run the command found, once: workers restarted by the
+        # elastic agent (--max-restarts) resume from what this job saved since.
+        overwrite = cfg.overwrite and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        refuse_reuse(found, overwrite=overwrite, field="fork" if cfg.fork else "out")
+        rt.barrier()  # every rank has looked before rank 0 changes anything
+        notes: list[str] = []
         if rt.is_main:
+            self._created = not out.exists()
             out.mkdir(parents=True, exist_ok=True)
+            if overwrite and found.holds_run:
+                removed = ", ".join(clear_run(out))
+                notes.append(f"replaced the run in {out} ({spell('overwrite', True)}: {removed})")
+            else:
+                aside = set_aside_interrupted(found)
+                notes += [aside] if aside else []
             (out / PREEMPTED_MARKER).unlink(missing_ok=True)
         rt.barrier()
-        # Where each worker runs, for operators (and the fault-tolerance test) to find it.
+        # Where each worker runs, for operators (and the fault-tolerance test) to find it;
+        # removed at exit.
+        self._out, self._rank = out, rt.rank
         pids = out / "pids"
         pids.mkdir(exist_ok=True)
         (pids / f"rank{rt.rank}.pid").write_text(f"{os.getpid()}\n")
-        return out
+        return out, notes
+
+    def _tidy_out(self) -> None:
+        """At exit: this rank's pid file goes (pids/ with the last one), and a run
+        directory this start made and left empty (it failed before writing) too."""
+        if self._out is None:
+            return
+        pids = self._out / "pids"
+        (pids / f"rank{self._rank}.pid").unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            pids.rmdir()  # the last rank out removes it
+        if self._created:
+            metrics = self._out / "metrics.jsonl"
+            with contextlib.suppress(OSError):
+                if metrics.stat().st_size == 0:
+                    metrics.unlink()  # nothing was trained
+            with contextlib.suppress(OSError):
+                self._out.rmdir()  # only if empty
 
     # -- the run --------------------------------------------------------------------
     def _run(self, rt: Runtime, stop: StopRequest) -> dict[str, Any]:
         cfg = self.config
-        out = self._prepare_out(rt)
+        out, notes = self._prepare_out(rt)
         observers = Observers()
         if rt.is_main:
             observers.add(ProgressPrinter())
@@ -99,7 +141,7 @@ class Trainer:
         for extra in self.extra_observers:
             observers.add(extra)
         try:
-            session = Session(self.config, self.recipe, rt, stop, out, observers)
+            session = Session(self.config, self.recipe, rt, stop, out, observers, notes)
             return session.run()
         finally:
             observers.close()
