@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import platform
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +24,7 @@ from scaletrain.train.config import TrainConfig
 from scaletrain.train.length import RunLength
 from scaletrain.train.loop import TimedBatches, evaluate, seed_everything, sync_buffers, train_step
 from scaletrain.train.recipes import Recipe
+from scaletrain.train.resolved import resolved_config
 from scaletrain.train.resume import (
     check_meaning,
     fork_from,
@@ -37,7 +37,7 @@ from scaletrain.train.rundir import PREEMPTED_MARKER
 from scaletrain.train.schedule import lr_at, set_lr
 from scaletrain.train.signals import StopRequest
 
-__all__ = ["PREEMPTED_MARKER", "Preempted", "Session", "resolved_config"]
+__all__ = ["PREEMPTED_MARKER", "Preempted", "Session"]
 
 
 class Preempted(Exception):
@@ -66,24 +66,6 @@ class _Progress:
     forked: Path | None = None
     values: dict[str, Any] = field(default_factory=dict)
     """The plain values of the checkpoint resumed from (its step, length, config)."""
-
-
-def resolved_config(config: TrainConfig, rt: Runtime, **values: Any) -> dict[str, Any]:
-    """config.json: every setting with its default filled in, then the run's facts."""
-    resolved = config.replace(**values).to_dict()
-    resolved["run"] = {
-        "world_size": rt.world_size,
-        "nodes": rt.env.num_nodes,
-        "data_parallel_size": rt.dp_size,
-        "device": rt.device.type,
-        "environment": rt.env.kind,
-        "versions": {
-            "scaletrain": _version(),
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-        },
-    }
-    return resolved
 
 
 class Session:
@@ -511,12 +493,3 @@ class Session:
         self.state.clear()
         del self.model, self.optimizer
         return summary
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("scaletrain")
-    except PackageNotFoundError:
-        return "unknown"
