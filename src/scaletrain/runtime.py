@@ -414,7 +414,9 @@ class Runtime:
             checkpoint_module=self.strategy.checkpoint_module,
         )
 
-    def profile(self, steps: str | tuple[int, int], out: str | os.PathLike[str] | None = None) -> None:
+    def profile(
+        self, steps: str | tuple[int, int], out: str | os.PathLike[str] | None = None
+    ) -> None:
         """Record a torch.profiler window over `steps` ("10-15") on every rank into
         OUT/traces/ (OUT: the ledger's run directory, or `out`): one trace per rank,
         merged into one after the run, and the overlap of communication with compute
@@ -512,9 +514,7 @@ def init(
         backend=chosen,
         peer_group=topo.coordinate("pp"),  # peers do the same work: one pipeline stage
         precision=prec.name,
-        gather=functools.partial(
-            _dist.all_gather_floats, world_size=rt.world_size, backend=chosen
-        ),
+        gather=functools.partial(_dist.all_gather_floats, world_size=rt.world_size, backend=chosen),
     )
     _CURRENT = rt
     return rt

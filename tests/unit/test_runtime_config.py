@@ -103,7 +103,9 @@ def test_cli_flags_are_frozen() -> None:
          "--hang-timeout",
          # issue 7: one config (flags generated from TrainConfig, --config FILE)
          "--config", "--schedule", "--warmup", "--num-workers", "--eval-batch-size",
-         "--eval-batches", "--no-async-save"]
+         "--eval-batches", "--no-async-save",
+         # issue 8: the step ledger and the profile window
+         "--ledger", "--no-ledger", "--ledger-every", "--profile"]
     )  # fmt: skip
     launch = _flags(parser, "launch")
     for flag in ("--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint",

@@ -238,4 +238,6 @@ def compute_mfu(
             + ": a measurement error (FLOPs counted for work that did not run, a step "
             "time cut short, or a peak measured while the device was shared), not a result"
         )
-    return Mfu(flops_per_step, step_s, achieved, peak_measured, peak_datasheet, measured, datasheet, error)
+    return Mfu(
+        flops_per_step, step_s, achieved, peak_measured, peak_datasheet, measured, datasheet, error
+    )

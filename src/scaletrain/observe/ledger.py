@@ -323,6 +323,13 @@ class StepLedger:
             flops.start()
         self.set_base(FORWARD)
 
+    def end_eval(self) -> None:
+        """Evaluation is over (the trainer says so; a plain loop's next training forward
+        does too)."""
+        if self._sticky_eval:
+            self._sticky_eval = False
+            self.end_mode(EVAL)
+
     def backward_begin(self) -> None:
         self._bwd_start = time.perf_counter()
         self.set_base(BACKWARD)

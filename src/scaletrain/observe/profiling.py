@@ -252,10 +252,18 @@ def merge_traces(
     events: list[dict[str, Any]] = []
     for r, trace in sorted(loaded.items()):
         host = trace.get("host_name", "")
-        events.append({"ph": "M", "name": "process_name", "pid": r, "args": {"name": f"rank {r} ({host})"}})
-        events.append({"ph": "M", "name": "process_sort_index", "pid": r, "args": {"sort_index": r}})
+        events.append(
+            {"ph": "M", "name": "process_name", "pid": r, "args": {"name": f"rank {r} ({host})"}}
+        )
+        events.append(
+            {"ph": "M", "name": "process_sort_index", "pid": r, "args": {"sort_index": r}}
+        )
         for e in trace.get("traceEvents", []):
-            if e.get("ph") == "M" and e.get("name") in ("process_name", "process_sort_index", "process_labels"):
+            if e.get("ph") == "M" and e.get("name") in (
+                "process_name",
+                "process_sort_index",
+                "process_labels",
+            ):
                 continue
             e = dict(e)
             e["pid"] = r

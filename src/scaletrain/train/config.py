@@ -89,6 +89,12 @@ class TrainConfig:
     """Restart the workers up to N times after a failure; they resume from the last checkpoint."""
     hang_timeout: float = DEFAULT_HANG_TIMEOUT_S
     """Seconds a rank may make no progress before the job ends with a diagnosis; 0: off."""
+    ledger: bool = True
+    """Step ledger: where every rank's time goes (OUT/observe/), stragglers named, a table at the end."""
+    ledger_every: int = 50
+    """Steps between the ledger's cross-rank windows (one small all-gather each)."""
+    profile: str | None = None
+    """Steps to record with torch.profiler on every rank, e.g. 10-15 (traces in OUT/traces/)."""
 
     def __post_init__(self) -> None:
         def bad(field: str, expected: str, fix: str) -> ConfigError:
@@ -107,6 +113,7 @@ class TrainConfig:
             "stop_after": "steps",
             "keep": "checkpoints to keep",
             "accumulate": "micro-batches per step (1: no accumulation)",
+            "ledger_every": "steps between the ledger's windows",
         }
         for field, what in at_least_one.items():
             value = getattr(self, field)
@@ -156,6 +163,16 @@ class TrainConfig:
                 "a run directory",
                 "pass a directory, or leave it out for runs/<recipe>-<time>",
             )
+        if self.profile is not None:
+            from scaletrain.observe.profiling import parse_steps
+
+            parse_steps(self.profile)
+            if not self.ledger:
+                raise ConfigError(
+                    f"{spell('profile', self.profile)} needs the step ledger, which "
+                    f"{spell('ledger', False)} turns off. Fix: drop {spell('ledger', False)}.",
+                    field="profile",
+                )
         if self.strategy in SINGLE_PROCESS_STRATEGIES and self.nproc is not None and self.nproc > 1:
             raise ConfigError(
                 f"{spell('strategy', self.strategy)} runs in ONE process (it drives every local "
