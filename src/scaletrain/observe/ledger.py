@@ -386,7 +386,12 @@ class StepLedger:
         for times in self._timeline.ready():
             self._record(times)
         if self.closed in EARLY_WINDOWS or self.closed % self.config.every == 0:
-            self._close_window()
+            # The ledger's own work (the gather, writing the window) counts as sync.
+            self.push(SYNC)
+            try:
+                self._close_window()
+            finally:
+                self.pop(SYNC)
         if self.profile is not None:
             self.profile.after_step(self, step)
 

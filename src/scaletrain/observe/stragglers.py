@@ -9,9 +9,11 @@ every rank equally long), each rank gets two scores, as NVIDIA's straggler detec
 - individual: (own best window median so far) / (own median now), < 1 when a rank
   degrades over time (thermal throttling, a noisy neighbour).
 
-A rank is a candidate in a window when its relative score in some phase is below
-`threshold` AND the excess (own minus fastest) is at least `min_cost` of the step: a
-tiny phase that is 2x slower but costs 0.1% of the step names nobody. It is named once
+A rank is a candidate in a window when, in some phase, its typical peer (the median of
+the others) takes less than `threshold` of its time AND the excess is at least
+`min_cost` of the step: a tiny phase that is 2x slower but costs 0.1% of the step names
+nobody, and the minimum of several noisy ranks (biased low) does not make every other
+rank look slow. It is named once
 it stays a candidate for `patience` windows in a row (one window can be noise).
 
 Unlike HTA, which always lists its top-k "stragglers" however even the ranks are, this
@@ -180,10 +182,13 @@ class StragglerDetector:
         for phase in phases:
             value = _phase_value(w, phase)
             fastest = min(_phase_value(p, phase) for p in peers)
+            # Slow against its typical peer (the median of the others), not only against
+            # the fastest: the minimum of several noisy ranks is biased low.
+            typical = statistics.median(_phase_value(p, phase) for p in peers if p is not w)
             excess = value - fastest
-            if value <= 0 or fastest / value >= opts.threshold:
+            if value <= 0 or typical / value >= opts.threshold:
                 continue
-            if excess < max(opts.min_cost * step, opts.min_excess_s):
+            if value - typical < max(opts.min_cost * step, opts.min_excess_s):
                 continue
             # "compute" only when no single phase stands out on its own.
             if phase == _COMPUTE and worst is not None:
