@@ -124,9 +124,10 @@ class ProfileWindow:
 
     def after_step(self, ledger: Any, step: int) -> None:
         if self._prof is not None:
-            self._prof.step()
             if step >= self.last:
                 self._stop(ledger, collective=True)
+            else:
+                self._prof.step()
         elif step == self.first - 1 and not self.done:
             self._start(ledger)
 
@@ -151,6 +152,11 @@ class ProfileWindow:
                 str(self.out), worker_name=self.worker, use_gzip=True
             ),
         )
+        # Without a schedule torch.profiler adds no ProfilerStep#N spans (HTA and
+        # TensorBoard split a trace into iterations by them): ask for them, numbered as
+        # the training steps are.
+        self._prof.record_steps = True
+        self._prof.step_num = self.first
         self._prof.start()
 
     def _stop(self, ledger: Any, *, collective: bool) -> None:
