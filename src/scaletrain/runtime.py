@@ -266,21 +266,12 @@ class Runtime:
         pipeline stages' norms across the stages, so every rank clips with the same
         global norm a single process would compute. Returns that norm.
         """
-        with self._phase(_phases.OPTIMIZER):
-            return self._clip_grad_norm(optimizer, max_norm, norm_type)
-
-    def _clip_grad_norm(
-        self, optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float
-    ) -> torch.Tensor:
         self.precision.unscale(optimizer)
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        total = _dist.global_grad_norm(
-            grads,
-            norm_type,
-            group=self.strategy.model_parallel_group(self.topology),
-            device=self.device,
-        )
-        _dist.clip_grads_(grads, total, max_norm)
+        group = self.strategy.model_parallel_group(self.topology)
+        with self._phase(_phases.OPTIMIZER):
+            total = _dist.global_grad_norm(grads, norm_type, group=group, device=self.device)
+            _dist.clip_grads_(grads, total, max_norm)
         return total
 
     def predict(self, model: nn.Module, inputs: Any) -> Any:

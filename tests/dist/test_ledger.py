@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -159,7 +158,6 @@ def test_ten_clean_windows_raise_no_alarm(tmp_path: Path) -> None:
 
 
 def test_ledger_off_by_environment_writes_nothing(tmp_path: Path) -> None:
-    os.environ["SCALETRAIN_LEDGER"] = "0"
     results = run_ranks(
         _plain_loop_no_ledger, 1, str(tmp_path), env={"SCALETRAIN_LEDGER": "0"}
     )

@@ -11,8 +11,8 @@ so a user's own loop is measured with no other change:
   between the two is exposed communication.
 - data: the loader's iterator is timed (`next()` is the data wait).
 - optimizer: step pre- and post-hooks; the post-hook closes the step.
-- DDP buckets (CPU/Gloo, no hook of the user's): an all-reduce hook that does what
-  DDP's default does and records when each bucket was ready and when its all-reduce
+- DDP buckets (CPU/Gloo, no comm hook of the user's or the strategy's by the first
+  forward): an all-reduce hook that does what DDP's default does and records when each bucket was ready and when its all-reduce
   completed (the future's callback runs on Gloo's thread when it does). On NCCL such a
   callback runs when the work is enqueued, not done, so buckets are not timed there.
 """
@@ -132,14 +132,15 @@ def watch_loader(ledger: StepLedger, loader: Any) -> Any:
     return loader
 
 
-def watch_ddp(ledger: StepLedger, ddp: Any) -> bool:
-    """Time each gradient bucket's all-reduce (CPU/Gloo, when no comm hook is set).
+def watch_ddp(ledger: StepLedger, ddp: Any) -> None:
+    """Time each gradient bucket's all-reduce (CPU/Gloo), unless a comm hook is set.
 
-    Returns whether the hook was installed."""
+    DDP takes one comm hook, and a user may register theirs after rt.setup: ours is
+    registered at the first forward, and only if none was by then."""
     import torch.distributed as dist
 
-    if ledger.device_type == "cuda" or getattr(ddp, "_comm_hooks", None):
-        return False
+    if ledger.device_type == "cuda":
+        return
     group = ddp.process_group
     size = dist.get_world_size(group)
 
@@ -156,5 +157,9 @@ def watch_ddp(ledger: StepLedger, ddp: Any) -> bool:
 
         return future.then(done)
 
-    ddp.register_comm_hook(None, timed_allreduce)
-    return True
+    def first_forward(_module: nn.Module, _args: Any) -> None:
+        handle.remove()
+        if not getattr(ddp, "_comm_hooks", None):
+            ddp.register_comm_hook(None, timed_allreduce)
+
+    handle = ddp.register_forward_pre_hook(first_forward)

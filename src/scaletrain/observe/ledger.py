@@ -18,11 +18,10 @@ eval).
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import sys
 import time
-import zlib
-from array import array
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,11 +40,18 @@ from scaletrain.observe.phases import (
     PHASES,
     SYNC,
 )
-from scaletrain.observe.records import FORMAT_VERSION, RankLog, rank_file
+from scaletrain.observe.records import (
+    FORMAT_VERSION,
+    RankLog,
+    append_window,
+    clean_json,
+    rank_file,
+)
+from scaletrain.observe.series import Series, mean, median, union_length
 from scaletrain.observe.stragglers import Straggler, StragglerDetector, StragglerOptions
-from scaletrain.observe.window import RankWindow, WindowStats, pack, unpack
+from scaletrain.observe.window import RankWindow, WindowStats, pack, summarize, unpack
 
-__all__ = ["EARLY_WINDOWS", "Gather", "LedgerConfig", "StepLedger", "clean_json", "in_phase"]
+__all__ = ["EARLY_WINDOWS", "Gather", "LedgerConfig", "StepLedger", "in_phase"]
 
 Gather = Callable[[list[float]], list[list[float]]]
 """Every rank's vector, by rank, from this rank's: one all-gather (a collective)."""
@@ -71,14 +77,6 @@ class LedgerConfig:
     stragglers: StragglerOptions = field(default_factory=StragglerOptions)
 
 
-def _median(values: Sequence[float]) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-
-
 @contextlib.contextmanager
 def in_phase(ledger: StepLedger | None, phase: int, *, mode: bool = False) -> Iterator[None]:
     """Count the block as `phase` in `ledger` (if any); a mode (eval, checkpoint) absorbs
@@ -91,45 +89,6 @@ def in_phase(ledger: StepLedger | None, phase: int, *, mode: bool = False) -> It
         yield
     finally:
         (ledger.end_mode if mode else ledger.pop)(phase)
-
-
-def _mean(values: Sequence[float]) -> float:
-    return sum(values) / len(values) if len(values) else float("nan")
-
-
-def _union_length(intervals: list[tuple[float, float]], lo: float, hi: float) -> float:
-    """Length of the union of `intervals` clipped to [lo, hi]."""
-    total, end = 0.0, lo
-    for a, b in sorted(intervals):
-        a, b = max(a, end), min(b, hi)
-        if b > a:
-            total += b - a
-            end = b
-    return total
-
-
-class _Series:
-    """Per-step numbers of counted steps (a window's, or the whole run's), compact."""
-
-    def __init__(self) -> None:
-        self.phases = [array("d") for _ in PHASES]
-        self.wall = array("d")
-        self.cpu = array("d")
-        self.comm_busy = array("d")
-        self.overlap = array("d")
-
-    def add(self, times: StepTimes, cpu: float, busy: float | None, overlap: float | None) -> None:
-        for i, s in enumerate(times.seconds):
-            self.phases[i].append(s)
-        self.wall.append(times.wall)
-        self.cpu.append(cpu)
-        if busy is not None:
-            self.comm_busy.append(busy)
-        if overlap is not None:
-            self.overlap.append(overlap)
-
-    def __len__(self) -> int:
-        return len(self.wall)
 
 
 class StepLedger:
@@ -185,9 +144,9 @@ class StepLedger:
         self._bwd_start = 0.0
         self._flags: list[str] = []
         self._cpu_last = time.process_time()
-        self._window = _Series()
+        self._window = Series()
         self._window_first = 1
-        self.run = _Series()
+        self.run = Series()
         self._unix_offset = time.time() - time.perf_counter()
         self._log: RankLog | None = None
         self.out: Path | None = None
@@ -212,26 +171,20 @@ class StepLedger:
             self._log.close()
         self.out = Path(out)
         self._log = RankLog(rank_file(self.out, self.rank))
-        self._log.write(
-            {
-                "kind": "run",
-                "v": FORMAT_VERSION,
-                "rank": self.rank,
-                "world_size": self.world_size,
-                "host": self.host,
-                "pid": _pid(),
-                "clock": self._timeline.kind,
-                "device": self.device_type,
-                "device_name": self.device_name,
-                "backend": self.backend,
-                "peer_group": self.peer_group,
-                "every": self.config.every,
-                "precision": self.precision,
-                "phases": list(PHASES),
-                "unix": round(time.time(), 6),
-                "start_step": self.start_step,
-            }
+        names = ("rank", "world_size", "host", "backend", "peer_group", "precision")
+        header: dict[str, Any] = {"kind": "run", "v": FORMAT_VERSION}
+        header.update({k: getattr(self, k) for k in names})
+        header.update(
+            pid=os.getpid(),
+            clock=self._timeline.kind,
+            device=self.device_type,
+            device_name=self.device_name,
+            every=self.config.every,
+            phases=list(PHASES),
+            unix=round(time.time(), 6),
+            start_step=self.start_step,
         )
+        self._log.write(header)
         self._log.flush()
 
     def set_start_step(self, step: int) -> None:
@@ -375,8 +328,8 @@ class StepLedger:
             buckets = self._buckets
             lo = min(a for a, _ in buckets)
             hi = max(b for _, b in buckets)
-            busy = _union_length(buckets, lo, hi)
-            hidden = sum(_union_length(buckets, a, b) for a, b in self._spans)
+            busy = union_length(buckets, lo, hi)
+            hidden = sum(union_length(buckets, a, b) for a, b in self._spans)
             overlap = min(hidden / busy, 1.0) if busy > 0 else None
         cpu_now = time.process_time()
         tag = (step, tuple(flags), cpu_now - self._cpu_last, busy, overlap)
@@ -414,24 +367,17 @@ class StepLedger:
             self.run.add(times, cpu, busy, overlap)
 
     def _rank_window(
-        self, series: _Series, stat: Callable[[Sequence[float]], float] = _median
+        self, series: Series, stat: Callable[[Sequence[float]], float] = median
     ) -> RankWindow:
         sample = self.memory.sample() if self.memory is not None else None
-        return RankWindow(
+        return summarize(
+            series,
+            stat,
             rank=self.rank,
             peer_group=self.peer_group,
-            steps=len(series),
-            wall=stat(series.wall),
-            phases=[stat(p) for p in series.phases],
-            comm_busy=stat(series.comm_busy),
-            overlap=stat(series.overlap),
-            cpu=stat(series.cpu),
-            allocated_peak=_num(sample.allocated_peak if sample else None),
-            reserved_peak=_num(sample.reserved_peak if sample else None),
-            rss_peak=_num(sample.rss_peak if sample else None),
-            gpu_util=_num(sample.gpu_util if sample else None),
-            flops=_num(self.flops_per_step),
-            host_id=float(zlib.crc32(self.host.encode()) % 2**24),
+            sample=sample,
+            flops=self.flops_per_step,
+            host=self.host,
         )
 
     def gather_raw(self, values: list[float]) -> list[list[float]]:
@@ -451,18 +397,11 @@ class StepLedger:
     def _close_window(self) -> None:
         mine = self._rank_window(self._window)
         if self._log is not None:
-            self._log.write(
-                {
-                    "kind": "memory",
-                    "step": self.step,
-                    "allocated_peak": _opt(mine.allocated_peak),
-                    "reserved_peak": _opt(mine.reserved_peak),
-                    "rss_peak": _opt(mine.rss_peak),
-                    "gpu_util": _opt(mine.gpu_util),
-                }
-            )
+            keys = ("allocated_peak", "reserved_peak", "rss_peak", "gpu_util")
+            memory = {k: getattr(mine, k) for k in keys}
+            self._log.write(clean_json({"kind": "memory", "step": self.step, **memory}))
         stats = WindowStats.build(self._window_first, self.step, self.gather(mine))
-        self._window = _Series()
+        self._window = Series()
         self._window_first = self.step + 1
         self.windows.append(stats)
         newly = self.detector.update(stats)
@@ -476,15 +415,8 @@ class StepLedger:
             self._log.flush()
 
     def _write_window(self, stats: WindowStats) -> None:
-        if self.out is None:
-            return
-        import json
-
-        record = stats.as_dict()
-        record["stragglers"] = [s.as_dict() for s in self.detector.candidates.values()]
-        path = self.out / "observe" / "windows.jsonl"
-        with path.open("a", encoding="utf-8") as f:
-            f.write(json.dumps(clean_json(record)) + "\n")
+        if self.out is not None:
+            append_window(self.out, stats, list(self.detector.candidates.values()))
 
     def _write_flops(self) -> None:
         if self._log is not None:
@@ -538,7 +470,7 @@ class StepLedger:
             return None
         from scaletrain.observe.summary import build_summary, print_summary
 
-        ranks = self.gather(self._rank_window(self.run, _mean))
+        ranks = self.gather(self._rank_window(self.run, mean))
         stats = WindowStats.build(self.start_step + 1, self.step, ranks)
         self.summary = build_summary(self, stats)
         if self.rank == 0:
@@ -562,28 +494,3 @@ class StepLedger:
         if self._log is not None:
             self._log.close()
             self._log = None
-
-
-def _num(x: float | int | None) -> float:
-    return float("nan") if x is None else float(x)
-
-
-def _opt(x: float) -> float | None:
-    return None if x != x else x
-
-
-def clean_json(value: Any) -> Any:
-    """NaN and infinities become null: the files stay strict JSON for any reader."""
-    if isinstance(value, float):
-        return None if value != value or value in (float("inf"), float("-inf")) else value
-    if isinstance(value, dict):
-        return {k: clean_json(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [clean_json(v) for v in value]
-    return value
-
-
-def _pid() -> int:
-    import os
-
-    return os.getpid()

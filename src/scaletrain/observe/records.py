@@ -44,6 +44,8 @@ __all__ = [
     "RankRecords",
     "RunRecords",
     "StepRecord",
+    "append_window",
+    "clean_json",
     "peak_memory",
     "phase_medians",
     "rank_file",
@@ -53,6 +55,27 @@ __all__ = [
 FORMAT_VERSION = 1
 OBSERVE_DIR = "observe"
 SKIPPED_FLAGS = frozenset({"warmup", "flops", "profiled"})
+
+
+def clean_json(value: Any) -> Any:
+    """NaN and infinities become null: the files stay strict JSON for any reader."""
+    if isinstance(value, float):
+        return None if value != value or value in (float("inf"), float("-inf")) else value
+    if isinstance(value, dict):
+        return {k: clean_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [clean_json(v) for v in value]
+    return value
+
+
+def append_window(run_dir: Path, stats: Any, candidates: list[Any]) -> None:
+    """One line of windows.jsonl (rank 0): the window's cross-rank view and this window's
+    straggler candidates."""
+    record = stats.as_dict()
+    record["stragglers"] = [s.as_dict() for s in candidates]
+    path = Path(run_dir) / OBSERVE_DIR / "windows.jsonl"
+    with path.open("a", encoding="utf-8") as f:
+        f.write(json.dumps(clean_json(record)) + "\n")
 
 
 def rank_file(run_dir: str | Path, rank: int) -> Path:

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+import zlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from scaletrain.observe.phases import COMM, PHASES, SYNC
+from scaletrain.observe.series import Series
 
-__all__ = ["PhaseSpread", "RankWindow", "WindowStats", "pack", "unpack"]
+__all__ = ["PhaseSpread", "RankWindow", "WindowStats", "pack", "summarize", "unpack"]
 
 _NAN = float("nan")
 
@@ -161,3 +163,37 @@ class WindowStats:
                 for w in self.ranks
             ],
         }
+
+
+def _num(x: float | int | None) -> float:
+    return float("nan") if x is None else float(x)
+
+
+def summarize(
+    series: Series,
+    stat: Callable[[Sequence[float]], float],
+    *,
+    rank: int,
+    peer_group: int,
+    sample: Any,
+    flops: float | None,
+    host: str,
+) -> RankWindow:
+    """This rank's window from its per-step series (`stat`: median for windows, mean for
+    the whole run) and a memory sample."""
+    return RankWindow(
+        rank=rank,
+        peer_group=peer_group,
+        steps=len(series),
+        wall=stat(series.wall),
+        phases=[stat(p) for p in series.phases],
+        comm_busy=stat(series.comm_busy),
+        overlap=stat(series.overlap),
+        cpu=stat(series.cpu),
+        allocated_peak=_num(sample.allocated_peak if sample else None),
+        reserved_peak=_num(sample.reserved_peak if sample else None),
+        rss_peak=_num(sample.rss_peak if sample else None),
+        gpu_util=_num(sample.gpu_util if sample else None),
+        flops=_num(flops),
+        host_id=float(zlib.crc32(host.encode()) % 2**24),
+    )
