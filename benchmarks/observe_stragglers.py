@@ -4,7 +4,7 @@ Scenarios (each rank's forward also sleeps `base` s, so a loaded box cannot fake
 straggler and the slowdown is exactly what is asked):
   forward+20%   2 ranks, rank 1's forward sleeps 1.2x as long   (expect: rank 1, forward)
   slow loader   4 ranks, rank 2's loader sleeps 12 ms per batch  (expect: rank 2, data)
-  clean         2 ranks, identical; 10 windows of 4 steps        (expect: nobody)
+  clean         2 ranks, identical; 10 windows of 10 steps       (expect: nobody)
 A trial detects when the expected rank is named with the expected phase; a false alarm
 is any other rank or phase named. Steps to detection: the step at which it was named.
 
@@ -70,7 +70,7 @@ def _job(steps: int, every: int, forward_s: float, slow: dict[int, dict[str, flo
 SCENARIOS = {
     "forward+20%": (2, 20, 50, 0.02, {1: {"forward": 0.024}}, (1, "forward")),
     "slow loader": (4, 20, 50, 0.01, {2: {"data": 0.012}}, (2, "data")),
-    "clean": (2, 40, 4, 0.01, {}, None),
+    "clean": (2, 100, 10, 0.01, {}, None),
 }
 
 

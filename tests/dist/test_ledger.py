@@ -152,8 +152,8 @@ def test_a_rank_with_a_slow_loader_is_named_with_data(tmp_path: Path) -> None:
 
 
 def test_ten_clean_windows_raise_no_alarm(tmp_path: Path) -> None:
-    results = run_ranks(_plain_loop, 2, str(tmp_path), 40, 4, None, {"forward": 0.01})
-    assert results[0]["windows"] >= 10
+    results = run_ranks(_plain_loop, 2, str(tmp_path), 100, 10, None, {"forward": 0.01})
+    assert results[0]["windows"] == 10
     assert all(r["named"] == {} for r in results)
 
 

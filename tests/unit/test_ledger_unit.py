@@ -22,10 +22,12 @@ class FakeClock:
         return self.now
 
 
-def _ledger(tmp_path: Path | None = None, **kwargs: object) -> tuple[StepLedger, FakeClock]:
+def _ledger(
+    tmp_path: Path | None = None, every: int = 5, **kwargs: object
+) -> tuple[StepLedger, FakeClock]:
     clock = FakeClock()
     ledger = StepLedger(
-        LedgerConfig(out=tmp_path, every=5, flops=False, summary=False),
+        LedgerConfig(out=tmp_path, every=every, flops=False, summary=False),
         timeline=WallTimeline(len(PHASES), clock=clock),
         **kwargs,  # type: ignore[arg-type]
     )
@@ -152,10 +154,10 @@ def test_window_gather_spreads_name_the_extreme_ranks(tmp_path: Path) -> None:
         rows.append(values)
         return [values, other]
 
-    ledger, clock = _ledger(tmp_path, world_size=2, gather=gather)
-    for _ in range(10):
+    ledger, clock = _ledger(tmp_path, every=10, world_size=2, gather=gather)
+    for _ in range(20):
         _step(ledger, clock)
-    assert len(ledger.windows) == 2  # steps 5 and 10
+    assert len(ledger.windows) == 2  # steps 10 and 20
     spread = ledger.windows[-1].spreads["forward"]
     assert spread.min_rank == 0 and spread.max_rank == 1
     assert spread.max == pytest.approx(3.0) and spread.min == pytest.approx(2.0)

@@ -11,7 +11,7 @@ every rank equally long), each rank gets two scores, as NVIDIA's straggler detec
 
 A rank is a candidate in a window when, in some phase, its typical peer (the median of
 the others) takes less than `threshold` of its time AND the excess is at least
-`min_cost` of the step: a tiny phase that is 2x slower but costs 0.1% of the step names
+`min_cost` (5%) of the step, in a window of at least `min_steps` steps: a tiny phase that is 2x slower but costs 0.1% of the step names
 nobody, and the minimum of several noisy ranks (biased low) does not make every other
 rank look slow. It is named once
 it stays a candidate for `patience` windows in a row (one window can be noise).
@@ -44,10 +44,12 @@ class StragglerOptions:
     """Relative score below which a rank is slow in a phase (0.9: >= 11% slower)."""
     patience: int = 2
     """Windows in a row a rank must be slow before it is named."""
-    min_cost: float = 0.03
+    min_cost: float = 0.05
     """The excess must be at least this fraction of the step's median wall time."""
     min_excess_s: float = 2e-4
     """...and at least this many seconds (timer resolution and jitter)."""
+    min_steps: int = 8
+    """Windows with fewer counted steps give no verdict (a median of 2 steps is noise)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,8 +130,9 @@ class StragglerDetector:
         opts = self.options
         groups: dict[int, list[RankWindow]] = defaultdict(list)
         for w in stats.ranks:
-            if w.steps > 0:
+            if w.steps >= opts.min_steps:
                 groups[w.peer_group].append(w)
+        judged = {w.rank for peers in groups.values() if len(peers) > 1 for w in peers}
         self.candidates = {}
         phases = [PHASES[i] for i in STRAGGLER_PHASES] + [_COMPUTE]
         for peers in groups.values():
@@ -163,6 +166,8 @@ class StragglerDetector:
                 )
         newly = []
         for w in stats.ranks:
+            if w.rank not in judged:
+                continue  # no verdict this window: the streak stands
             if w.rank in self.candidates:
                 self.streak[w.rank] += 1
                 if self.streak[w.rank] >= opts.patience and w.rank not in self.named:
