@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -102,11 +103,12 @@ def test_a_plain_loop_is_measured_and_its_phases_add_up(tmp_path: Path) -> None:
         own_total = ends[15] - ends[0]
         ledger_total = sum(sum(steps[k].phases.values()) for k in range(2, 17))
         assert abs(ledger_total - own_total) <= 0.05 * own_total
-        for s in rr.steps:
-            if s.counted:
-                # The named phases cover the step: "other" is the loop's crumbs.
-                assert s.phases["other"] <= 0.05 * s.wall + 2e-4, s
-                assert s.phases["forward"] >= 0.004 and s.phases["backward"] > 0
+        counted = [s for s in rr.steps if s.counted]
+        # The named phases cover the step: "other" is the loop's crumbs (a median: one
+        # preemption on a loaded box may land anywhere).
+        assert statistics.median(s.phases["other"] / s.wall for s in counted) <= 0.05
+        for s in counted:
+            assert s.phases["forward"] >= 0.004 and s.phases["backward"] > 0
         assert steps[7].flags == ("profiled",) and steps[1].flags[-1] == "warmup"
         assert any(s.comm_busy for s in rr.steps)  # DDP's buckets were timed
         assert rr.flops and rr.flops["flops_per_step"] > 0

@@ -22,7 +22,7 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,7 +47,7 @@ from scaletrain.observe.records import (
     clean_json,
     rank_file,
 )
-from scaletrain.observe.series import Series, mean, median, union_length
+from scaletrain.observe.series import Reduced, Series, Totals, union_length
 from scaletrain.observe.stragglers import Straggler, StragglerDetector, StragglerOptions
 from scaletrain.observe.window import RankWindow, WindowStats, pack, summarize, unpack
 
@@ -146,7 +146,7 @@ class StepLedger:
         self._cpu_last = time.process_time()
         self._window = Series()
         self._window_first = 1
-        self.run = Series()
+        self.run = Totals()
         self._unix_offset = time.time() - time.perf_counter()
         self._log: RankLog | None = None
         self.out: Path | None = None
@@ -366,13 +366,10 @@ class StepLedger:
             self._window.add(times, cpu, busy, overlap)
             self.run.add(times, cpu, busy, overlap)
 
-    def _rank_window(
-        self, series: Series, stat: Callable[[Sequence[float]], float] = median
-    ) -> RankWindow:
+    def _rank_window(self, reduced: Reduced) -> RankWindow:
         sample = self.memory.sample() if self.memory is not None else None
         return summarize(
-            series,
-            stat,
+            reduced,
             rank=self.rank,
             peer_group=self.peer_group,
             sample=sample,
@@ -395,7 +392,7 @@ class StepLedger:
         return unpack(self.gather_raw(pack(mine)))
 
     def _close_window(self) -> None:
-        mine = self._rank_window(self._window)
+        mine = self._rank_window(self._window.reduce())
         if self._log is not None:
             keys = ("allocated_peak", "reserved_peak", "rss_peak", "gpu_util")
             memory = {k: getattr(mine, k) for k in keys}
@@ -470,7 +467,7 @@ class StepLedger:
             return None
         from scaletrain.observe.summary import build_summary, print_summary
 
-        ranks = self.gather(self._rank_window(self.run, mean))
+        ranks = self.gather(self._rank_window(self.run.reduce()))
         stats = WindowStats.build(self.start_step + 1, self.step, ranks)
         self.summary = build_summary(self, stats)
         if self.rank == 0:

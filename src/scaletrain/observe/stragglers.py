@@ -11,7 +11,8 @@ every rank equally long), each rank gets two scores, as NVIDIA's straggler detec
 
 A rank is a candidate in a window when, in some phase, its typical peer (the median of
 the others) takes less than `threshold` of its time AND the excess is at least
-`min_cost` (5%) of the step, in a window of at least `min_steps` steps: a tiny phase that is 2x slower but costs 0.1% of the step names
+`min_cost` (5%) of the step, in a window of at least `min_steps` steps, and its peers wait for
+it (DeepSpeed-style, below) at least as much: a tiny phase that is 2x slower but costs 0.1% of the step names
 nobody, and the minimum of several noisy ranks (biased low) does not make every other
 rank look slow. It is named once
 it stays a candidate for `patience` windows in a row (one window can be noise).
@@ -152,6 +153,10 @@ class StragglerDetector:
                 phase, fastest, value = found
                 others = [p for p in peers if p.rank != w.rank]
                 cost = statistics.fmean(p.waited - least_wait for p in others)
+                if cost < opts.min_cost * step:
+                    # Slower, but its peers hardly wait for it (it catches up elsewhere,
+                    # or the phase overlaps): no cost to the job, no name.
+                    continue
                 self.candidates[w.rank] = Straggler(
                     rank=w.rank,
                     phase=phase,

@@ -11,12 +11,12 @@ from __future__ import annotations
 import math
 import statistics
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from scaletrain.observe.phases import COMM, PHASES, SYNC
-from scaletrain.observe.series import Series
+from scaletrain.observe.series import Reduced
 
 __all__ = ["PhaseSpread", "RankWindow", "WindowStats", "pack", "summarize", "unpack"]
 
@@ -170,8 +170,7 @@ def _num(x: float | int | None) -> float:
 
 
 def summarize(
-    series: Series,
-    stat: Callable[[Sequence[float]], float],
+    reduced: Reduced,
     *,
     rank: int,
     peer_group: int,
@@ -179,17 +178,17 @@ def summarize(
     flops: float | None,
     host: str,
 ) -> RankWindow:
-    """This rank's window from its per-step series (`stat`: median for windows, mean for
-    the whole run) and a memory sample."""
+    """This rank's window from its reduced series (medians for a window, means for the
+    whole run) and a memory sample."""
     return RankWindow(
         rank=rank,
         peer_group=peer_group,
-        steps=len(series),
-        wall=stat(series.wall),
-        phases=[stat(p) for p in series.phases],
-        comm_busy=stat(series.comm_busy),
-        overlap=stat(series.overlap),
-        cpu=stat(series.cpu),
+        steps=reduced.steps,
+        wall=reduced.wall,
+        phases=list(reduced.phases),
+        comm_busy=reduced.comm_busy,
+        overlap=reduced.overlap,
+        cpu=reduced.cpu,
         allocated_peak=_num(sample.allocated_peak if sample else None),
         reserved_peak=_num(sample.reserved_peak if sample else None),
         rss_peak=_num(sample.rss_peak if sample else None),
