@@ -168,9 +168,10 @@ def main() -> None:
         f"{time.strftime('%Y-%m-%d')}, {args.rounds} rounds x {args.steps} steps"
     )
     print(
-        "| model | step ms, off | step ms, on | on/off | CPU ms/step, off | CPU ms/step, on | on/off |"
+        "| model | step ms, off | step ms, on | on/off | paired on/off | CPU ms/step, off "
+        "| CPU ms/step, on | on/off |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for model, per, _, _ in rows:
         off, on = statistics.median(per["off"]), statistics.median(per["on"])
         coff, con = statistics.median(per["off_cpu"]), statistics.median(per["on_cpu"])
