@@ -7,11 +7,13 @@ PY := $(VENV)/bin/python
 TORCH_VERSION := 2.13.0
 STAMP := $(VENV)/.setup-stamp
 FMNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
+# Debian's Chromium: the report test opens report.html in it, headless.
+CHROMIUM := /usr/bin/chromium
 TRAIN_ARGS ?=
 
 .PHONY: setup train test lint typecheck layers unit clean
 
-setup: $(STAMP) $(FMNIST)
+setup: $(STAMP) $(FMNIST) $(CHROMIUM)
 
 # torch first and pinned: it takes the local CPU wheel, so resolving the
 # package's `torch` range afterwards installs nothing more (no CUDA wheels).
@@ -27,6 +29,15 @@ $(FMNIST):
 		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 		$$SUDO apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends dataset-fashion-mnist; \
+	fi
+
+# The report's browser test: a real headless Chromium (Debian's package, no download of
+# a browser build by a test tool).
+$(CHROMIUM):
+	@if ! dpkg -s chromium >/dev/null 2>&1; then \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends chromium fonts-liberation; \
 	fi
 
 train: setup

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
         LaunchError,
         ScaletrainError,
     )
+    from scaletrain.observe.ledger import LedgerConfig
     from scaletrain.runtime import AccumulationStep, Runtime, init, sync_batchnorm
     from scaletrain.strategies import (
         DDP,
@@ -47,6 +48,7 @@ _WHERE = {
     "ScaletrainError": "scaletrain.errors",
     "AccumulationStep": "scaletrain.runtime",
     "Runtime": "scaletrain.runtime",
+    "LedgerConfig": "scaletrain.observe.ledger",
     "init": "scaletrain.runtime",
     "sync_batchnorm": "scaletrain.runtime",
     "DDP": "scaletrain.strategies",
@@ -69,6 +71,7 @@ __all__ = [
     "DatasetError",
     "EnvironmentDetectionError",
     "LaunchError",
+    "LedgerConfig",
     "ModelParallel",
     "Pipeline",
     "Runtime",

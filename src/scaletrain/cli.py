@@ -58,6 +58,7 @@ def _add_train(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
             "data_dir": "DIR", "num_workers": "N", "eval_batch_size": "N", "eval_batches": "N",
             "out": "RUN", "log_every": "N", "save_every": "N", "keep": "K", "stop_after": "N",
             "max_restarts": "K", "hang_timeout": "S", "mesh": "DIMS", "fork": "NEW_RUN",
+            "ledger_every": "K", "profile": "STEPS",
         },
     )  # fmt: skip
 
@@ -81,6 +82,19 @@ def _add_checkpoint(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     c.add_argument("out", metavar="OUT.pt", help="file to write")
     latest = actions.add_parser("latest", help="print the newest valid checkpoint of a run")
     latest.add_argument("dir", metavar="RUN", help="a run directory (--out of scaletrain train)")
+
+
+def _add_report(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "report",
+        help="write RUN/report.html: where the time went, per rank (opens offline)",
+        description=(
+            "Write RUN/report.html from the step ledger's files (RUN/observe/): the per-rank "
+            "step breakdown, step time per rank, overlap, throughput, loss and lr, MFU, memory."
+        ),
+    )
+    p.add_argument("run", metavar="RUN", help="a run directory (--out of scaletrain train)")
+    p.add_argument("--output", metavar="FILE", default=None, help="write here instead")
 
 
 def _add_env(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -108,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train(sub)
     _add_launch(sub)
     _add_checkpoint(sub)
+    _add_report(sub)
     _add_env(sub)
     return parser
 
@@ -370,6 +385,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_train(ns, args[args.index("train") + 1 :])
         if ns.command == "checkpoint":
             return _cmd_checkpoint(ns)
+        if ns.command == "report":
+            from scaletrain.observe.report import write_report
+
+            print(f"wrote {write_report(ns.run, ns.output)}")
+            return EXIT_OK
         if ns.command == "launch":
             from scaletrain.launch.cli import run
 

@@ -105,7 +105,9 @@ def test_cli_flags_are_frozen() -> None:
          "--config", "--schedule", "--warmup", "--num-workers", "--eval-batch-size",
          "--eval-batches", "--no-async-save",
          # issue 8: fork a run, replace a finished one
-         "--fork", "--fork-optimizer", "--no-fork-optimizer", "--overwrite", "--no-overwrite"]
+         "--fork", "--fork-optimizer", "--no-fork-optimizer", "--overwrite", "--no-overwrite",
+         # issue 9: the step ledger and the profile window
+         "--ledger", "--no-ledger", "--ledger-every", "--profile"]
     )  # fmt: skip
     launch = _flags(parser, "launch")
     for flag in ("--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint",

@@ -96,6 +96,12 @@ class TrainConfig:
     """With --fork: take the optimizer state (moments) too, to continue rather than fine-tune."""
     overwrite: bool = False
     """Replace a finished run in OUT (or in the --fork directory) instead of refusing to touch it."""
+    ledger: bool = True
+    """Step ledger: where every rank's time goes (OUT/observe/), stragglers named, a table at the end."""
+    ledger_every: int = 50
+    """Steps between the ledger's cross-rank windows (one small all-gather each)."""
+    profile: str | None = None
+    """Steps to record with torch.profiler on every rank, e.g. 10-15 (traces in OUT/traces/)."""
 
     def __post_init__(self) -> None:
         def bad(field: str, expected: str, fix: str) -> ConfigError:
@@ -114,6 +120,7 @@ class TrainConfig:
             "stop_after": "steps",
             "keep": "checkpoints to keep",
             "accumulate": "micro-batches per step (1: no accumulation)",
+            "ledger_every": "steps between the ledger's windows",
         }
         for field, what in at_least_one.items():
             value = getattr(self, field)
@@ -184,6 +191,16 @@ class TrainConfig:
                 f"{spell('fork_optimizer', True)} (a resume restores the optimizer anyway).",
                 field="fork_optimizer",
             )
+        if self.profile is not None:
+            from scaletrain.observe.profiling import parse_steps
+
+            parse_steps(self.profile)
+            if not self.ledger:
+                raise ConfigError(
+                    f"{spell('profile', self.profile)} needs the step ledger, which "
+                    f"{spell('ledger', False)} turns off. Fix: drop {spell('ledger', False)}.",
+                    field="profile",
+                )
         if self.strategy in SINGLE_PROCESS_STRATEGIES and self.nproc is not None and self.nproc > 1:
             raise ConfigError(
                 f"{spell('strategy', self.strategy)} runs in ONE process (it drives every local "

@@ -20,7 +20,7 @@ import torch
 from scaletrain.errors import spell
 from scaletrain.exitcodes import EXIT_PREEMPTED
 from scaletrain.observe.events import Observer, Observers
-from scaletrain.runtime import Runtime, init
+from scaletrain.runtime import LedgerConfig, Runtime, init
 from scaletrain.train.config import TrainConfig
 from scaletrain.train.observers import MetricsLog, ProgressPrinter, WatchdogBeats
 from scaletrain.train.recipes import Recipe, get_recipe
@@ -60,21 +60,31 @@ class Trainer:
         rt: Runtime | None = None
         self._out: Path | None = None
         self._created = False
+        failed = False
         try:
             rt = init(
-                strategy=cfg.strategy, backend=cfg.backend, mesh=cfg.mesh, precision=cfg.precision
+                strategy=cfg.strategy,
+                backend=cfg.backend,
+                mesh=cfg.mesh,
+                precision=cfg.precision,
+                ledger=LedgerConfig(every=cfg.ledger_every) if cfg.ledger else False,
             )
             return self._run(rt, stop)
         except Exception:
+            failed = True
             from scaletrain.dist import claim_first
 
             # Before shutdown: the claim goes through the process group's store.
             self.first_failure = claim_first("failure")
             raise
+        except BaseException:
+            failed = True
+            raise
         finally:
             stop.restore()
             if rt is not None:
-                rt.shutdown()
+                # After a failure the ledger's summary (a collective) is skipped.
+                rt.shutdown(failed=failed)
             self._tidy_out()
 
     # -- set-up ---------------------------------------------------------------------
@@ -131,9 +141,24 @@ class Trainer:
         cfg = self.config
         out, notes = self._prepare_out(rt)
         observers = Observers()
+        printer: ProgressPrinter | None = None
         if rt.is_main:
-            observers.add(ProgressPrinter())
+            printer = ProgressPrinter()
+            observers.add(printer)
             observers.add(MetricsLog(out / "metrics.jsonl"))
+        if rt.ledger is not None:
+            from scaletrain.observe.observer import (
+                LedgerObserver,
+                TensorBoardScalars,
+                tensorboard_available,
+            )
+
+            if printer is not None:
+                # Straggler warnings and the end-of-run table above the live progress bar.
+                rt.ledger.printer = printer.print
+            observers.add(LedgerObserver(rt.ledger, profile=cfg.profile))
+            if rt.is_main and tensorboard_available():
+                observers.add(TensorBoardScalars(out / "tensorboard", rt.ledger))
         if cfg.hang_timeout > 0 and rt.world_size > 1:
             from scaletrain.observe import Watchdog
 
