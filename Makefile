@@ -7,6 +7,8 @@ PY := $(VENV)/bin/python
 TORCH_VERSION := 2.13.0
 STAMP := $(VENV)/.setup-stamp
 FMNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
+# Debian's Chromium: the report test opens report.html in it, headless.
+CHROMIUM := /usr/bin/chromium
 # The real cluster tools tests/cluster/ runs against (Debian bookworm: Slurm 22.05,
 # Open MPI 4.1, MPICH 4.0). The tests start and stop the daemons themselves.
 CLUSTER_PKGS := slurmctld slurmd slurm-client munge openmpi-bin mpich iproute2 util-linux
@@ -15,7 +17,7 @@ TRAIN_ARGS ?=
 
 .PHONY: setup train test lint typecheck layers unit clean
 
-setup: $(STAMP) $(FMNIST) $(CLUSTER_STAMP)
+setup: $(STAMP) $(FMNIST) $(CHROMIUM) $(CLUSTER_STAMP)
 
 # torch first and pinned: it takes the local CPU wheel, so resolving the
 # package's `torch` range afterwards installs nothing more (no CUDA wheels).
@@ -31,6 +33,15 @@ $(FMNIST):
 		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 		$$SUDO apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends dataset-fashion-mnist; \
+	fi
+
+# The report's browser test: a real headless Chromium (Debian's package, no download of
+# a browser build by a test tool).
+$(CHROMIUM):
+	@if ! dpkg -s chromium >/dev/null 2>&1; then \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends chromium fonts-liberation; \
 	fi
 
 # Installed only where one is missing; a second `make setup` does not call apt-get.

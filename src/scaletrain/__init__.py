@@ -11,8 +11,9 @@ The public names are imported on first use (PEP 562): `import scaletrain` and th
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from scaletrain._lazy import lazy_attributes
 
 __version__ = "0.1.0"
 
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
         LaunchError,
         ScaletrainError,
     )
+    from scaletrain.observe.ledger import LedgerConfig
     from scaletrain.runtime import AccumulationStep, Runtime, init, sync_batchnorm
     from scaletrain.strategies import (
         DDP,
@@ -46,6 +48,7 @@ _WHERE = {
     "ScaletrainError": "scaletrain.errors",
     "AccumulationStep": "scaletrain.runtime",
     "Runtime": "scaletrain.runtime",
+    "LedgerConfig": "scaletrain.observe.ledger",
     "init": "scaletrain.runtime",
     "sync_batchnorm": "scaletrain.runtime",
     "DDP": "scaletrain.strategies",
@@ -68,6 +71,7 @@ __all__ = [
     "DatasetError",
     "EnvironmentDetectionError",
     "LaunchError",
+    "LedgerConfig",
     "ModelParallel",
     "Pipeline",
     "Runtime",
@@ -81,14 +85,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module 'scaletrain' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # next time a plain attribute
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_attributes("scaletrain", globals(), _WHERE)

@@ -71,6 +71,19 @@ def _add_checkpoint(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     latest.add_argument("dir", metavar="RUN", help="a run directory (--out of scaletrain train)")
 
 
+def _add_report(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "report",
+        help="write RUN/report.html: where the time went, per rank (opens offline)",
+        description=(
+            "Write RUN/report.html from the step ledger's files (RUN/observe/): the per-rank "
+            "step breakdown, step time per rank, overlap, throughput, loss and lr, MFU, memory."
+        ),
+    )
+    p.add_argument("run", metavar="RUN", help="a run directory (--out of scaletrain train)")
+    p.add_argument("--output", metavar="FILE", default=None, help="write here instead")
+
+
 def _add_env(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     sub.add_parser(
         "env",
@@ -103,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_launch(sub)
     _add_job(sub)
     _add_checkpoint(sub)
+    _add_report(sub)
     _add_env(sub)
     return parser
 
@@ -217,6 +231,14 @@ def _cmd_train(ns: argparse.Namespace, argv: Sequence[str]) -> int:
         # Already one rank of a launched job (torchrun, srun, mpirun): train here.
         return _train_here(config.replace(out=out), worker=True)
     nproc = _preflight(config, placement.nodes, placement.procs_per_node_hint)
+    from scaletrain.train.rundir import inspect_run, refuse_reuse
+
+    # A finished run is not trained over by accident: said here, before any launch (where
+    # rank 0 names the run, None here, the workers say it).
+    run_dir = config.fork or out
+    if run_dir is not None:
+        field = "fork" if config.fork else "out"
+        refuse_reuse(inspect_run(run_dir), overwrite=config.overwrite, field=field)
     if placement.mode == "srun":
         from scaletrain.launch import LaunchConfig, launch
 
@@ -229,12 +251,11 @@ def _cmd_train(ns: argparse.Namespace, argv: Sequence[str]) -> int:
         )
     single = nproc == 1 and placement.nodes == 1 and config.max_restarts == 0
     if single and (placement.env is None or not placement.env.per_node):
-        assert out is not None
         return _train_here(config.replace(out=out), worker=False)
     from scaletrain.launch import LaunchConfig, launch
     from scaletrain.train.trainer import PREEMPTED_MARKER
 
-    marker = os.path.join(out, PREEMPTED_MARKER) if out is not None else None
+    marker = os.path.join(run_dir, PREEMPTED_MARKER) if run_dir is not None else None
     if marker is not None and os.path.exists(marker):
         os.unlink(marker)
     code = launch(
@@ -303,26 +324,24 @@ def _report_worker_failure(exc: Exception, trainer: Any) -> int:
 def _cmd_checkpoint(ns: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from scaletrain.checkpoint import consolidate, latest_checkpoint
+    from scaletrain.checkpoint import MANIFEST, consolidate, latest_checkpoint
+    from scaletrain.checkpoint.catalog import explain_no_checkpoint
     from scaletrain.errors import CheckpointError
 
+    source = Path(ns.dir)
+    if ns.action == "consolidate" and (source / MANIFEST).is_file():
+        # A checkpoint directory itself: consolidate() says what is wrong with it.
+        written = consolidate(source, ns.out)
+        print(f"wrote {written} from {source}")
+        return EXIT_OK
+    found = latest_checkpoint(source)
+    if found is None:
+        raise CheckpointError(f"no complete, valid checkpoint: {explain_no_checkpoint(source)}")
     if ns.action == "latest":
-        found = latest_checkpoint(ns.dir)
-        if found is None:
-            raise CheckpointError(
-                f"{ns.dir} holds no complete, valid checkpoint (looked in {ns.dir}/checkpoints). "
-                "A run saves them with --save-every N or when it stops."
-            )
         print(found)
         return EXIT_OK
-    source = Path(ns.dir)
-    if (source / "checkpoints").is_dir():
-        newest = latest_checkpoint(source)
-        if newest is None:
-            raise CheckpointError(f"{source} holds no complete, valid checkpoint to consolidate.")
-        source = newest
-    written = consolidate(source, ns.out)
-    print(f"wrote {written} from {source}")
+    written = consolidate(found, ns.out)
+    print(f"wrote {written} from {found}")
     return EXIT_OK
 
 
@@ -386,6 +405,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             from scaletrain.launch.jobs.cli import run_job
 
             return run_job(ns, train_config)
+        if ns.command == "report":
+            from scaletrain.observe.report import write_report
+
+            print(f"wrote {write_report(ns.run, ns.output)}")
+            return EXIT_OK
         if ns.command == "launch":
             from scaletrain.launch.cli import run
 

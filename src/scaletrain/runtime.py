@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar, overload
@@ -19,6 +20,8 @@ from scaletrain.dist.mesh import device_mesh, full_mesh
 from scaletrain.dist.topology import MESH_DIMS, Topology, parse_mesh
 from scaletrain.env import detect
 from scaletrain.env.base import ClusterEnv
+from scaletrain.observe import phases as _phases
+from scaletrain.observe.ledger import LedgerConfig, StepLedger, in_phase
 from scaletrain.precision import Precision
 from scaletrain.strategies import Strategy, resolve_strategy
 
@@ -26,7 +29,15 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 # MESH_DIMS and parse_mesh live in scaletrain.dist.topology; exported here too, as before.
-__all__ = ["MESH_DIMS", "AccumulationStep", "Runtime", "init", "parse_mesh", "sync_batchnorm"]
+__all__ = [
+    "MESH_DIMS",
+    "AccumulationStep",
+    "LedgerConfig",
+    "Runtime",
+    "init",
+    "parse_mesh",
+    "sync_batchnorm",
+]
 
 
 OptimizerT = TypeVar("OptimizerT", bound=torch.optim.Optimizer)
@@ -63,6 +74,12 @@ class Runtime:
         self._accumulation = Accumulator()
         self.strategy = strategy
         self._closed = False
+        self.ledger: StepLedger | None = None
+        """Where this rank's time goes, step by step (scaletrain.observe.ledger); made by
+        st.init, driven by hooks rt.setup and rt.loader install. None when turned off."""
+
+    def _phase(self, phase: int, *, mode: bool = False) -> contextlib.AbstractContextManager[None]:
+        return in_phase(self.ledger, phase, mode=mode)
 
     # -- device meshes -------------------------------------------------------------
     @property
@@ -152,9 +169,16 @@ class Runtime:
         """Move the model to this process's device and wrap it for the strategy."""
         model = self.precision.convert_module(model)
         wrapped = self.strategy.setup_module(model, self.topology)
-        if optimizer is None:
-            return wrapped
-        return wrapped, self.strategy.setup_optimizer(optimizer, wrapped, self.topology)
+        opt = (
+            None
+            if optimizer is None
+            else self.strategy.setup_optimizer(optimizer, wrapped, self.topology)
+        )
+        if self.ledger is not None:
+            from scaletrain.observe.attach import attach_model
+
+            attach_model(self.ledger, wrapped, opt)
+        return wrapped if opt is None else (wrapped, opt)
 
     def prepare(self, model: nn.Module, example_inputs: Any) -> None:
         """Build lazily-built parts (pipeline stages) from an example batch now, e.g.
@@ -244,17 +268,16 @@ class Runtime:
         """
         self.precision.unscale(optimizer)
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        total = _dist.global_grad_norm(
-            grads,
-            norm_type,
-            group=self.strategy.model_parallel_group(self.topology),
-            device=self.device,
-        )
-        _dist.clip_grads_(grads, total, max_norm)
+        group = self.strategy.model_parallel_group(self.topology)
+        with self._phase(_phases.OPTIMIZER):
+            total = _dist.global_grad_norm(grads, norm_type, group=group, device=self.device)
+            _dist.clip_grads_(grads, total, max_norm)
         return total
 
     def predict(self, model: nn.Module, inputs: Any) -> Any:
         """Evaluation outputs (no grad) on every rank of the model replica."""
+        if self.ledger is not None:
+            self.ledger.forward_begin(False)  # evaluation, until the next training forward
         with self.precision.forward_context():
             return self.strategy.predict(model, self.precision.convert_input(inputs))
 
@@ -290,7 +313,7 @@ class Runtime:
             drop_last=drop_last,
             pad=pad,
         )
-        return ShardedLoader(
+        loader = ShardedLoader(
             dataset,
             batch_size=batch_size,
             sampler=sampler,
@@ -299,6 +322,11 @@ class Runtime:
             drop_last=drop_last,
             collate_fn=collate_fn,
         )
+        if self.ledger is not None:
+            from scaletrain.observe.hooks import watch_loader
+
+            watch_loader(self.ledger, loader)
+        return loader
 
     # -- coordination -------------------------------------------------------------
     def reduce(
@@ -306,7 +334,8 @@ class Runtime:
     ) -> dict[str, Any]:
         """Reduce a dict of tensors/numbers over all ranks in one collective."""
         device = self.device if self.backend == "nccl" else None
-        return _dist.reduce_values(values, op, device=device)
+        with self._phase(_phases.SYNC):
+            return _dist.reduce_values(values, op, device=device)
 
     def rank_zero_first(self, local: bool = True) -> contextlib.AbstractContextManager[None]:
         """Local rank 0 of each node (or global rank 0) runs the block first, others wait."""
@@ -318,10 +347,12 @@ class Runtime:
 
         Runs on a CPU (Gloo) group even under NCCL: no GPU synchronisation.
         """
-        return _dist.any_rank(flag, world_size=self.world_size, backend=self.backend)
+        with self._phase(_phases.SYNC):
+            return _dist.any_rank(flag, world_size=self.world_size, backend=self.backend)
 
     def barrier(self) -> None:
-        _dist.barrier(self.device)
+        with self._phase(_phases.SYNC):
+            _dist.barrier(self.device)
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """print() on rank 0 only."""
@@ -347,9 +378,10 @@ class Runtime:
         """
         from scaletrain.checkpoint import save_checkpoint
 
-        return save_checkpoint(
-            self.checkpoint_scope(), path, keep=keep, async_save=async_save, **state
-        )
+        with self._phase(_phases.CHECKPOINT, mode=True):
+            return save_checkpoint(
+                self.checkpoint_scope(), path, keep=keep, async_save=async_save, **state
+            )
 
     def load(self, path: str | os.PathLike[str], **state: Any) -> dict[str, Any]:
         """Restore the objects given in `state` in place; return the saved plain values.
@@ -359,7 +391,8 @@ class Runtime:
         """
         from scaletrain.checkpoint import load_checkpoint
 
-        return load_checkpoint(self.checkpoint_scope(), path, **state)
+        with self._phase(_phases.CHECKPOINT, mode=True):
+            return load_checkpoint(self.checkpoint_scope(), path, **state)
 
     def checkpoint_scope(self) -> CheckpointScope:
         """What checkpoints need of this run: its topology and the strategy's model views.
@@ -372,11 +405,27 @@ class Runtime:
             checkpoint_module=self.strategy.checkpoint_module,
         )
 
-    def shutdown(self) -> None:
-        """Leave the job cleanly; safe to call twice."""
+    def profile(
+        self, steps: str | tuple[int, int], out: str | os.PathLike[str] | None = None
+    ) -> None:
+        """Record a torch.profiler window over `steps` ("10-15") on every rank into
+        OUT/traces/ (OUT: the ledger's run directory, or `out`): one trace per rank,
+        merged into one after the run, and the overlap of communication with compute
+        (scaletrain.observe.profiling)."""
+        from scaletrain.observe.profiling import arm_profile
+
+        arm_profile(self.ledger, steps, out, rank=self.rank, world_size=self.world_size)
+
+    def shutdown(self, *, failed: bool = False) -> None:
+        """Leave the job cleanly; safe to call twice.
+
+        The step ledger's summary is gathered from every rank first (a collective);
+        `failed=True` (a rank failed, its peers may be gone) skips that."""
         if self._closed:
             return
         self._closed = True
+        if self.ledger is not None:
+            self.ledger.finish(collective=not failed and _dist.is_initialized())
         from scaletrain.checkpoint import wait_pending
 
         # An asynchronous save still writing needs the process group to finish.
@@ -389,8 +438,8 @@ class Runtime:
     def __enter__(self) -> Runtime:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.shutdown()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.shutdown(failed=exc_type is not None)
 
 
 _CURRENT: Runtime | None = None
@@ -405,6 +454,7 @@ def init(
     env: ClusterEnv | str | None = None,
     mesh: Mapping[str, int] | str | None = None,
     precision: str = "32",
+    ledger: LedgerConfig | bool = True,
 ) -> Runtime:
     """Detect the environment, join the process group, pin the device.
 
@@ -417,6 +467,8 @@ def init(
         compose data parallel (the strategy: DDP or FSDP) with tensor ("tp") and
         pipeline ("pp") parallel. The sizes must multiply to the world size.
     precision: "32", "bf16-mixed", "fp16-mixed" (CUDA) or "bf16-true".
+    ledger: the step ledger (where each rank's time goes; on by default):
+        st.LedgerConfig(out="runs/x", every=50), or False to turn it off.
     """
     global _CURRENT
     cluster = env if isinstance(env, ClusterEnv) else detect(kind=env)
@@ -442,6 +494,19 @@ def init(
     rt = Runtime(env=cluster, strategy=strat, precision=prec, topology=topo)
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     _dist.init_process_group(cluster, backend=chosen, device=rt.device, timeout_s=timeout)
+    from scaletrain.observe.attach import create_ledger
+
+    rt.ledger = create_ledger(
+        ledger,
+        rank=rt.rank,
+        world_size=rt.world_size,
+        local_world_size=cluster.local_world_size,
+        device=rt.device,
+        backend=chosen,
+        peer_group=topo.coordinate("pp"),  # peers do the same work: one pipeline stage
+        precision=prec.name,
+        gather=functools.partial(_dist.all_gather_floats, world_size=rt.world_size, backend=chosen),
+    )
     _CURRENT = rt
     return rt
 

@@ -152,6 +152,8 @@ def _job2(run_dir: str) -> dict[str, Any]:
         rt, ddp_dir, model=a["model"], optimizer=a["opt"], scheduler=a["sched"],
         loader=a["loader"], step=3,
     )  # fmt: skip
+    sampler = a["loader"].sampler
+    res["ddp_seen"] = sampler.indices()[: sampler.position].tolist()
     res["ddp_saved"] = {k: v.clone() for k, v in rt.unwrap(a["model"]).state_dict().items()}
     res["ddp_opt_saved"] = a["opt"].state_dict()
     uninterrupted = _ddp_train(a, batches, 3)
@@ -211,7 +213,8 @@ def _job2(run_dir: str) -> dict[str, Any]:
     rt.shutdown()
     if rank == 0:
         return res
-    return {k: res[k] for k in ("ddp_losses", "ddp_values", "stage_weights", "stage_optim")}
+    keys = ("ddp_losses", "ddp_values", "stage_weights", "stage_optim", "ddp_seen")
+    return {k: res[k] for k in keys}
 
 
 def _job4(run_dir: str) -> dict[str, Any]:
@@ -240,8 +243,15 @@ def _job4(run_dir: str) -> dict[str, Any]:
     load_checkpoint(rt, ddp_dir, model=model, optimizer=opt)
     res["ddp_into_fsdp"] = _full(model)
 
-    # ... but its loader was saved mid-epoch by 2 ranks: that position does not exist here.
+    # Its loader was saved mid-epoch by 2 ranks: here the 4 ranks share what was left.
     loader = rt.loader(_dataset(), batch_size=PER_RANK_BATCH, seed=5)
+    load_checkpoint(rt, ddp_dir, loader=loader)
+    res["rest"] = list(loader.sampler)
+    res["rest_batches"] = len(list(iter(loader)))
+
+    # A loader over another dataset is refused, and nothing is changed.
+    other = torch.utils.data.TensorDataset(torch.zeros(N_SAMPLES + 1, 8, dtype=torch.long))
+    loader = rt.loader(other, batch_size=PER_RANK_BATCH, seed=5)
     fresh, fresh_opt = _fsdp(rank)
     before = _full(fresh)["model"]
     try:
@@ -334,12 +344,21 @@ def test_full_checkpoint_loads_into_fsdp_at_another_world_size(jobs: dict[str, A
     _equal(jobs["w4"][0]["ddp_into_fsdp"]["model"], jobs["w2"][0]["ddp_saved"])
 
 
-def test_mid_epoch_loader_at_another_world_size_is_refused(jobs: dict[str, Any]) -> None:
+def test_mid_epoch_loader_resumes_at_another_world_size(jobs: dict[str, Any]) -> None:
+    """2 ranks saved 3 batches into the epoch; 4 ranks see every other sample once."""
+    seen = [i for r in jobs["w2"] for i in r["ddp_seen"]]
+    rest = [i for r in jobs["w4"] for i in r["rest"]]
+    assert len(seen) == 2 * 3 * PER_RANK_BATCH
+    assert sorted(seen + rest) == list(range(N_SAMPLES))
+    # (64 - 24) / 4 ranks = 10 samples each: 3 batches of 4 (the last one partial).
+    assert [r["rest_batches"] for r in jobs["w4"]] == [3, 3, 3, 3]
+
+
+def test_loader_of_another_dataset_is_refused_and_changes_nothing(jobs: dict[str, Any]) -> None:
     for r in jobs["w4"]:
         error = r["loader_error"]
         assert error is not None
-        assert "saved mid-epoch by 2 ranks" in error and "this job has 4" in error
-        assert "resume with 2 ranks" in error
+        assert "cannot resume" in error and "dataset_len=64" in error
         assert r["untouched"] and r["opt_untouched"] and r["position"] == 0
 
 

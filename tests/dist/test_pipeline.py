@@ -75,7 +75,11 @@ def _job() -> dict[str, Any]:
     from scaletrain.strategies.pipeline import Pipeline, PipelineModule
 
     rt = st.init(strategy=Pipeline())
-    res: dict[str, Any] = {"rank": rt.rank, "cases": {}, "dp": rt.strategy.data_parallel(rt.topology)}
+    res: dict[str, Any] = {
+        "rank": rt.rank,
+        "cases": {},
+        "dp": rt.strategy.data_parallel(rt.topology),
+    }
     for kind, schedule, stages, _ in CASES:
         # One process group for every case: swap the strategy the runtime uses.
         rt.strategy = Pipeline(stages=stages, schedule=schedule, microbatches=MICROBATCHES)

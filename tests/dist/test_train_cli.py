@@ -112,7 +112,9 @@ def test_checkpoint_latest_and_consolidate_commands(tmp_path: Path) -> None:
     assert all(torch.equal(state[k], final[k]) for k in final)
     empty = _scaletrain("checkpoint", "latest", str(tmp_path / "data"), cwd=tmp_path)
     assert empty.returncode == 2
-    assert "no complete, valid checkpoint" in empty.stderr and "--save-every" in empty.stderr
+    assert "no complete, valid checkpoint" in empty.stderr
+    # It says what the path is (issue 8): a dataset, not a run.
+    assert "is not a run directory (it holds t10k-images-idx3-ubyte" in empty.stderr
 
 
 def test_train_mesh_that_does_not_fit_nproc_fails_before_starting(tmp_path: Path) -> None:

@@ -98,7 +98,10 @@ def test_first_ctrl_c_saves_and_the_same_command_resumes(
     assert step >= 3
     again = _Run(out, data, "--nproc", nproc, "--max-steps", str(step + 2))
     assert again.finish() == 0, again.output
-    assert f"resumed from {saved[-1].parent}" in again.output
+    # A new --max-steps: the header says the run was shortened (issue 8).
+    planned = 360 * 2 // int(nproc)  # 3 epochs of 2,400 samples at batch 10 per rank
+    assert f"resumed at step {step}, shortening to {step + 2} (it was {planned})" in again.output
+    assert f"from {saved[-1].parent}" in again.output
 
 
 def test_second_ctrl_c_aborts_at_once(data: Path, tmp_path: Path) -> None:

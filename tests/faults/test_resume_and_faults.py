@@ -126,8 +126,8 @@ def test_killed_worker_restarts_resumes_and_matches(
     code, log = _finish(proc)
     assert code == 0, log
     assert "resumed from" in log
-    # The restarted workers are new processes.
-    assert int((out / "pids" / "rank1.pid").read_text()) != victim
+    # The workers' pid files go when they exit (issue 8: pids/ is removed at exit).
+    assert not (out / "pids").exists()
     _assert_same_run(reference, out)
 
 

@@ -38,7 +38,7 @@ from scaletrain.checkpoint import (
     wait_pending,
 )
 from scaletrain.checkpoint.manifest import sha256_file
-from scaletrain.checkpoint.state import loader_resume_problem
+from scaletrain.checkpoint.state import loader_resume_state
 from scaletrain.data import ShardedLoader, ShardedSampler
 from scaletrain.errors import CheckpointError, ConfigError
 from scaletrain.testing import launcher_variables
@@ -406,26 +406,31 @@ def test_optimizer_that_does_not_fit_is_refused_and_left_fresh(
     _assert_untouched(fresh, before, rng)
 
 
-def test_loader_position_does_not_map_to_another_world_size() -> None:
-    # Saved by 2 ranks mid-epoch (position 3 of 10 each), resumed by 4 ranks.
-    saved = [
-        ShardedSampler(20, num_replicas=2, rank=r, shuffle=True, seed=1).state_dict()
-        for r in range(2)
-    ]
-    for s in saved:
-        s["position"] = 3
-    here = ShardedSampler(20, num_replicas=4, rank=1, shuffle=True, seed=1)
-    chosen, problem = loader_resume_problem("loader", here, saved, rank=1, world_size=4)
-    assert chosen is None and problem is not None
-    assert "saved mid-epoch by 2 ranks" in problem and "this job has 4" in problem
-    assert "rank 0: epoch 0 position 3/10" in problem
-    assert "resume with 2 ranks" in problem
-    # At an epoch boundary it maps: all done -> the next epoch from its start.
-    for s in saved:
-        s["position"] = 10
-    chosen, problem = loader_resume_problem("loader", here, saved, rank=1, world_size=4)
+def test_loader_position_maps_to_another_world_size() -> None:
+    # Saved by 2 ranks mid-epoch (position 3 of 10 each), resumed by 4 ranks: the 14
+    # samples neither rank reached are dealt over the 4 new ranks.
+    old = [ShardedSampler(20, num_replicas=2, rank=r, seed=1, pad=False) for r in range(2)]
+    seen = [i for s in old for i in s.indices().tolist()[:3]]
+    saved = [dict(s.state_dict(), position=3) for s in old]
+    for rank in range(4):
+        here = ShardedSampler(20, num_replicas=4, rank=rank, seed=1, pad=False)
+        chosen, problem = loader_resume_state("loader", here, saved, rank=rank, world_size=4)
+        assert problem is None and chosen is not None
+        assert (chosen["epoch"], chosen["position"], chosen["num_replicas"]) == (0, 0, 4)
+        here.load_state_dict(chosen)
+        seen += list(here)
+    assert sorted(seen) == list(range(20))
+    # At an epoch boundary: all done -> the next epoch from its start.
+    done = [dict(s, position=10) for s in saved]
+    here = ShardedSampler(20, num_replicas=4, rank=1, seed=1, pad=False)
+    chosen, problem = loader_resume_state("loader", here, done, rank=1, world_size=4)
     assert problem is None and chosen is not None
-    assert (chosen["epoch"], chosen["position"]) == (1, 0)
+    assert (chosen["epoch"], chosen["position"], chosen["reshard"]) == (1, 0, [])
+    # Another dataset (or seed) is refused before anything changes.
+    other = ShardedSampler(21, num_replicas=4, rank=1, seed=1, pad=False)
+    chosen, problem = loader_resume_state("loader", other, saved, rank=1, world_size=4)
+    assert chosen is None and problem is not None and "dataset_len=20" in problem
+    assert other.position == 0 and other.epoch == 0
 
 
 _EVIL_MARKER = "scaletrain-pwned.txt"

@@ -104,6 +104,10 @@ def test_cli_flags_are_frozen() -> None:
          # issue 7: one config (flags generated from TrainConfig, --config FILE)
          "--config", "--schedule", "--warmup", "--num-workers", "--eval-batch-size",
          "--eval-batches", "--no-async-save",
+         # issue 8: fork a run, replace a finished one
+         "--fork", "--fork-optimizer", "--no-fork-optimizer", "--overwrite", "--no-overwrite",
+         # issue 9: the step ledger and the profile window
+         "--ledger", "--no-ledger", "--ledger-every", "--profile",
          # issue 10: many machines (the multi-node flags a torchrun user knows)
          "--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-id", "--local-addr", "--env"]
     )  # fmt: skip

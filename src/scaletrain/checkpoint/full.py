@@ -15,10 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map_only
 
-from scaletrain.checkpoint.manifest import FileEntry, atomic_write
-from scaletrain.errors import CheckpointError
+from scaletrain.checkpoint.manifest import FileEntry, RejectedCheckpointError, atomic_write
 
 __all__ = ["load_file", "save_file", "snapshot"]
 
@@ -42,7 +40,18 @@ def snapshot(obj: Any, *, clone: bool) -> Any:
             return t.to("cpu")
         return t.clone() if clone else t
 
-    return tree_map_only(torch.Tensor, to_cpu, obj)
+    return _map_tensors(obj, to_cpu)
+
+
+def _map_tensors(obj: Any, fn: Any) -> Any:
+    """`obj` with `fn` applied to every tensor in its dicts, lists and tuples."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: _map_tensors(v, fn) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map_tensors(v, fn) for v in obj)
+    return obj
 
 
 def load_file(path: Path) -> Any:
@@ -52,14 +61,14 @@ def load_file(path: Path) -> Any:
     except pickle.UnpicklingError as exc:
         # weights_only raises UnpicklingError naming the global it refused to build.
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(
+        raise RejectedCheckpointError(
             f"{path} holds objects other than tensors and plain values, and was refused "
             f"without running them (torch.load weights_only=True: {first}). scaletrain never "
             "writes such files: the checkpoint was altered or not written by scaletrain. "
             "Do not load it with weights_only=False unless you trust its author."
         ) from exc
     except (RuntimeError, EOFError, OSError, zipfile.BadZipFile) as exc:
-        raise CheckpointError(
+        raise RejectedCheckpointError(
             f"{path} cannot be read ({type(exc).__name__}: {exc}). The checkpoint is damaged; "
             "load an earlier one (latest_checkpoint() skips damaged ones)."
         ) from exc

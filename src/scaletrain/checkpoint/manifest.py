@@ -16,8 +16,6 @@ import contextlib
 import hashlib
 import json
 import os
-import re
-import shutil
 import time
 import uuid
 from collections.abc import Callable, Iterable
@@ -35,13 +33,10 @@ __all__ = [
     "MANIFEST",
     "FileEntry",
     "Manifest",
+    "RejectedCheckpointError",
     "atomic_write",
     "atomic_write_bytes",
-    "checkpoint_path",
-    "find_checkpoints",
     "fsync_dir",
-    "latest_checkpoint",
-    "prune",
     "read_manifest",
     "sha256_file",
     "verify_files",
@@ -52,6 +47,12 @@ MANIFEST = "manifest.json"
 FORMAT = "scaletrain-checkpoint"
 FORMAT_VERSION = 1
 """Bumped when a reader of the old version could misread the new layout."""
+
+
+class RejectedCheckpointError(CheckpointError):
+    """This checkpoint cannot be used (unfinished, damaged, of a newer format), though
+    an older one of the same run may: what a resume falls back over, saying why."""
+
 
 _CHUNK = 1 << 22  # 4 MiB: large enough that hashlib releases the GIL while hashing
 
@@ -106,14 +107,14 @@ class Manifest:
     @classmethod
     def from_json(cls, data: Any, where: Path) -> Manifest:
         if not isinstance(data, dict) or data.get("format") != FORMAT:
-            raise CheckpointError(
+            raise RejectedCheckpointError(
                 f"{where} is not a scaletrain checkpoint manifest (no "
                 f'"format": "{FORMAT}" entry). Point at a directory written by '
                 "scaletrain.checkpoint.save_checkpoint."
             )
         version = data.get("version")
         if not isinstance(version, int) or version > FORMAT_VERSION:
-            raise CheckpointError(
+            raise RejectedCheckpointError(
                 f"{where} has format version {version!r}; this scaletrain reads versions up "
                 f"to {FORMAT_VERSION}. Upgrade scaletrain to load it."
             )
@@ -132,7 +133,7 @@ class Manifest:
                 },
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise CheckpointError(
+            raise RejectedCheckpointError(
                 f"{where} is damaged: {type(exc).__name__}: {exc}. The checkpoint cannot be "
                 "trusted; load an earlier one (latest_checkpoint() skips damaged ones)."
             ) from exc
@@ -223,7 +224,7 @@ def read_manifest(ckpt: Path) -> Manifest:
         )
     path = ckpt / MANIFEST
     if not path.is_file():
-        raise CheckpointError(
+        raise RejectedCheckpointError(
             f"checkpoint {ckpt} is incomplete: it has no {MANIFEST}, which is written last, "
             "so its save never finished (crash, kill, or an async save still running). "
             "Load the previous checkpoint instead: latest_checkpoint() returns the newest "
@@ -232,7 +233,7 @@ def read_manifest(ckpt: Path) -> Manifest:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(
+        raise RejectedCheckpointError(
             f"{path} is unreadable ({type(exc).__name__}: {exc}); the checkpoint cannot be "
             "trusted. Load an earlier one (latest_checkpoint() skips damaged ones)."
         ) from exc
@@ -262,84 +263,3 @@ def verify_files(ckpt: Path, manifest: Manifest, names: Iterable[str]) -> list[s
         if sha256_file(path).sha256 != entry.sha256:
             problems.append(f"{name} is corrupted: its sha256 differs from the manifest's")
     return problems
-
-
-def checkpoint_path(run_dir: str | os.PathLike[str], step: int) -> Path:
-    """The conventional place for step `step`'s checkpoint: RUN/checkpoints/step-000120."""
-    return Path(run_dir) / "checkpoints" / f"step-{int(step):06d}"
-
-
-def _candidate_dirs(root: Path) -> list[Path]:
-    dirs: list[Path] = []
-    for parent in (root / "checkpoints", root):
-        if parent.is_dir():
-            dirs.extend(p for p in parent.iterdir() if p.is_dir() and not p.name.startswith("."))
-    if (root / MANIFEST).is_file():
-        dirs.append(root)
-    return dirs
-
-
-def find_checkpoints(root: Path) -> list[tuple[Path, Manifest]]:
-    """Directories under `root` (or root/checkpoints) with a readable manifest, oldest first."""
-    found = []
-    for d in _candidate_dirs(Path(root)):
-        try:
-            found.append((d, read_manifest(d)))
-        except CheckpointError:
-            continue
-    found.sort(key=lambda item: (item[1].created_ns, item[0].name))
-    return found
-
-
-def latest_checkpoint(run_dir: str | os.PathLike[str], *, verify: bool = True) -> Path | None:
-    """The newest complete, undamaged checkpoint in `run_dir`, or None if there is none.
-
-    Looks in `run_dir/checkpoints/*`, `run_dir/*` and `run_dir` itself. Newest is by
-    the time rank 0 finished writing it (kept in the manifest, so copying a run
-    keeps the order). Directories without a manifest (unfinished saves) are
-    skipped; with `verify` (default) every file's sha256 is checked too and a
-    damaged checkpoint is skipped for the one before it, which reads the whole
-    checkpoint once; `verify=False` checks only that the files exist with the
-    recorded sizes.
-    """
-    for ckpt, manifest in reversed(find_checkpoints(Path(run_dir))):
-        if verify:
-            if not verify_files(ckpt, manifest, manifest.files):
-                return ckpt
-        elif all(
-            (ckpt / name).is_file() and (ckpt / name).stat().st_size == entry.size
-            for name, entry in manifest.files.items()
-        ):
-            return ckpt
-    return None
-
-
-def _series(name: str) -> str:
-    return re.sub(r"\d+", "#", name)
-
-
-def prune(parent: Path, keep: int, *, protect: Path) -> list[Path]:
-    """Delete all but the newest `keep` complete checkpoints of `protect`'s series.
-
-    The series is the directories in `parent` named like `protect` up to its
-    numbers (step-000120: every step-NNNNNN), so a `best/` or `final/` beside
-    them is never pruned. Called only after the new checkpoint's manifest is on
-    disk, so a crash here still leaves at least `keep` complete checkpoints. The
-    manifest goes first: a deletion cut short leaves an incomplete directory,
-    which loaders ignore. Directories without a manifest are left alone (one
-    may be a save in progress).
-    """
-    series = _series(protect.name)
-    complete = [
-        d for d, _ in find_checkpoints(parent) if d.parent == parent and _series(d.name) == series
-    ]
-    newest = complete[-keep:]
-    removed = []
-    for d in complete:
-        if d in newest or d.resolve() == protect.resolve():
-            continue
-        (d / MANIFEST).unlink(missing_ok=True)
-        fsync_dir(d)
-        shutil.rmtree(d, ignore_errors=True)
-        removed.append(d)
-    return removed

@@ -10,12 +10,18 @@ DCP itself reads its `.metadata` with `pickle.load` and non-tensor values with
 a doctored checkpoint could run code on load. The reader and planners here use
 a restricted unpickler for the metadata (only DCP's own metadata classes,
 torch.Size, dtypes and paths may be built) and `weights_only=True` for values.
+
+Only DCP's public API is used (save, load, async_save, the planner and storage
+classes), so the module works across the torch versions pyproject allows: whole
+tensors are read without a model by giving dcp.load empty tensors shaped from the
+metadata, and the state dict is flattened here rather than with DCP's private helper.
 """
 
 from __future__ import annotations
 
 import io
 import pickle
+import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -26,12 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint.default_planner import (
-    DefaultLoadPlanner,
-    _EmptyStateDictLoadPlanner,
-)
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
@@ -39,9 +40,6 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import ReadItem
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse, _save_state_dict
-from torch.utils._pytree import tree_map_only
 
 from scaletrain.errors import CheckpointError
 
@@ -136,13 +134,8 @@ class SafeFileSystemReader(FileSystemReader):
         return metadata
 
 
-class _WeightsOnlyBytes:
-    """Planner mixin: non-tensor values are unpickled with weights_only=True."""
-
-    flatten_state_dict: bool
-    original_state_dict: dict[str, Any]
-    mappings: dict[str, Any]
-    state_dict: dict[str, Any]
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DefaultLoadPlanner (resharding into the given state dict), weights_only for values."""
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         fqn = read_item.dest_index.fqn
@@ -153,18 +146,15 @@ class _WeightsOnlyBytes:
                 f"the value {fqn!r} in the sharded checkpoint is not plain data and was "
                 f"refused without running it ({str(exc).splitlines()[0]})."
             ) from exc
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[fqn], obj)
-        else:
-            self.state_dict[fqn] = obj
+        # DefaultLoadPlanner puts the value where it belongs (nested state dicts
+        # included); what it unpickles now is our own plain copy of it.
+        again = io.BytesIO()
+        torch.save(obj, again)
+        again.seek(0)
+        super().load_bytes(read_item, again)
 
 
-class SafeLoadPlanner(_WeightsOnlyBytes, DefaultLoadPlanner):
-    """DefaultLoadPlanner (resharding into the given state dict), weights_only for values."""
-
-
-class _SafeEmptyPlanner(_WeightsOnlyBytes, _EmptyStateDictLoadPlanner):
-    """Rebuilds whole tensors from the metadata alone: no model, no process group needed."""
+_SINGLE_PROCESS = "torch.distributed is disabled"
 
 
 @contextmanager
@@ -172,7 +162,7 @@ def _quiet_single_process() -> Iterator[None]:
     # DCP warns on every call without a process group that it assumes one
     # process; that is exactly the intent here.
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS)
         yield
 
 
@@ -189,10 +179,14 @@ def save(ckpt: Path, state_dict: dict[str, Any]) -> None:
 
 
 def _save_one_process(ckpt: Path, state_dict: dict[str, Any]) -> None:
-    # dcp.save without a process group warns that it assumes one process, from
-    # whatever thread it runs in (where catch_warnings cannot be used safely);
-    # the function behind it takes no_dist without comment.
-    _save_state_dict(state_dict, storage_writer=FileSystemWriter(ckpt), no_dist=True)
+    if threading.current_thread() is threading.main_thread():
+        with _quiet_single_process():
+            dcp.save(state_dict, storage_writer=FileSystemWriter(ckpt), no_dist=True)
+        return
+    # An async save's thread: catch_warnings is not thread-safe, so the warning that
+    # one process is assumed (which it is) is filtered for the whole process.
+    warnings.filterwarnings("ignore", message=_SINGLE_PROCESS)
+    dcp.save(state_dict, storage_writer=FileSystemWriter(ckpt), no_dist=True)
 
 
 def async_save(ckpt: Path, state_dict: dict[str, Any], process_group: Any) -> Callable[[], None]:
@@ -204,12 +198,13 @@ def async_save(ckpt: Path, state_dict: dict[str, Any], process_group: Any) -> Ca
     training loop's collectives on the default group.
     """
     if not _distributed():
-        staged = tree_map_only(torch.Tensor, lambda t: t.detach().to("cpu", copy=True), state_dict)
+        staged = _map_tensors(state_dict, lambda t: t.detach().to("cpu", copy=True))
         return lambda: _save_one_process(ckpt, staged)
     result = dcp.async_save(state_dict, checkpoint_id=ckpt, process_group=process_group)
     # With the default (synchronous) staging DCP returns a plain Future; the
-    # response object only appears with async staging, which we do not ask for.
-    future = result.upload_completion if isinstance(result, AsyncSaveResponse) else result
+    # response object (AsyncSaveResponse, torch >= 2.8) only appears with async
+    # staging, which we do not ask for.
+    future: Any = getattr(result, "upload_completion", result)
 
     def finish() -> None:
         future.result()
@@ -219,7 +214,7 @@ def async_save(ckpt: Path, state_dict: dict[str, Any], process_group: Any) -> Ca
 
 def check_against(metadata: Metadata, state_dict: Mapping[str, Any]) -> list[str]:
     """What in `state_dict` (what we will load into) the checkpoint lacks or shapes otherwise."""
-    flat, _ = flatten_state_dict(dict(state_dict))
+    flat = _flatten(state_dict)
     saved = metadata.state_dict_metadata
     problems = []
     for key, value in flat.items():
@@ -250,21 +245,44 @@ def load(ckpt: Path, state_dict: dict[str, Any]) -> None:
 
 
 def read_entries(ckpt: Path, prefix: str) -> dict[str, Any]:
-    """Whole tensors/values saved under `prefix` (e.g. "model"), in this process alone."""
+    """Whole tensors/values saved under `prefix` (e.g. "model"), in this process alone.
+
+    Empty tensors of each entry's global shape and dtype (from the metadata) are given
+    to dcp.load, which fills them from every rank's shards.
+    """
     metadata = read_metadata(ckpt)
-    keys = {k for k in metadata.state_dict_metadata if k.startswith(prefix + ".")}
-    if not keys:
+    start = prefix + "."
+    entries = {k: m for k, m in metadata.state_dict_metadata.items() if k.startswith(start)}
+    if not entries:
         raise CheckpointError(f"the sharded checkpoint {ckpt} holds no entries under {prefix!r}.")
-    out: dict[str, Any] = {}
-    with _quiet_single_process():
-        _load_state_dict(
-            out,
-            storage_reader=SafeFileSystemReader(ckpt),
-            planner=_SafeEmptyPlanner(keys=keys),
-            no_dist=True,
+    inner: dict[str, Any] = {
+        key[len(start) :]: (
+            torch.empty(tuple(m.size), dtype=m.properties.dtype)
+            if isinstance(m, TensorStorageMetadata)
+            else None
         )
-    nested = out.get(prefix)
-    if not isinstance(nested, dict):
-        # Saved without planner data (flat keys): strip the prefix ourselves.
-        nested = {k[len(prefix) + 1 :]: v for k, v in out.items() if k.startswith(prefix + ".")}
-    return nested
+        for key, m in entries.items()
+    }
+    target = {prefix: inner}
+    load(ckpt, target)
+    return target[prefix]
+
+
+def _flatten(state_dict: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested dicts as DCP stores them: one level of keys joined with dots."""
+    flat: dict[str, Any] = {}
+    for key, value in state_dict.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat.update(_flatten(value, name + "."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, Mapping):
+        return {k: _map_tensors(v, fn) for k, v in obj.items()}
+    return obj

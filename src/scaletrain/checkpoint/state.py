@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from scaletrain.data import ShardedLoader, ShardedSampler
+from scaletrain.data.sampler import resume_state
 from scaletrain.errors import ConfigError
 
 __all__ = [
@@ -33,7 +34,7 @@ __all__ = [
     "diff_tables",
     "fingerprint",
     "is_dtensor",
-    "loader_resume_problem",
+    "loader_resume_state",
     "model_table",
     "restore_rng",
 ]
@@ -242,55 +243,53 @@ def _sampler(obj: Loader) -> ShardedSampler:
     return obj.sampler if isinstance(obj, ShardedLoader) else obj
 
 
-def _shard_len(state: Mapping[str, Any], rank: int) -> int:
-    return len(
-        ShardedSampler(
-            int(state["dataset_len"]),
-            num_replicas=int(state["num_replicas"]),
-            rank=rank,
-            drop_last=bool(state["drop_last"]),
-            pad=bool(state["pad"]),
-        )
+def _left(obj: Loader, state: Mapping[str, Any], rank: int) -> int:
+    """What the saving rank `rank` had left of its epoch: batches for a loader (one
+    whose last partial batch is dropped is done without it), else samples."""
+    sampler = ShardedSampler(
+        int(state["dataset_len"]),
+        num_replicas=int(state["num_replicas"]),
+        rank=rank,
+        seed=int(state["seed"]),
+        shuffle=bool(state["shuffle"]),
+        drop_last=bool(state["drop_last"]),
+        pad=bool(state["pad"]),
     )
+    sampler.load_state_dict(state)
+    left = sampler.remaining()
+    if isinstance(obj, ShardedLoader):
+        return left // obj.batch_size if obj.drop_last else -(-left // obj.batch_size)
+    return left
 
 
-def loader_resume_problem(
+def loader_resume_state(
     name: str, obj: Loader, saved: list[dict[str, Any]], rank: int, world_size: int
 ) -> tuple[dict[str, Any] | None, str | None]:
     """The state `obj` (on `rank`) should load from the per-rank `saved` states, or a problem.
 
-    Same world size: this rank's own state. Another world size: only an epoch
-    boundary maps (every rank at position 0, or every rank done with the epoch,
-    which resumes as the next epoch at 0); a mid-epoch position belongs to a
-    shard that no longer exists. Either way the state is tried on a copy of the
-    sampler first, so a mismatch (another dataset, seed...) fails before
+    Same world size: this rank's own state. Another world size: at an epoch boundary
+    (every saving rank at position 0, or every one done with the epoch, which resumes
+    as the next epoch at 0) the new ranks start that epoch afresh; mid-epoch, the
+    samples no saving rank had reached are dealt over the new ranks
+    (scaletrain.data.sampler.resume_state). Either way the state is tried on a copy
+    of the sampler first, so a mismatch (another dataset, seed...) fails before
     anything is changed.
     """
-    if len(saved) == world_size:
-        chosen = dict(saved[rank])
-    else:
-        done = [int(s["position"]) >= _shard_len(s, r) for r, s in enumerate(saved)]
-        fresh = [int(s["position"]) == 0 for s in saved]
-        epochs = {int(s["epoch"]) for s in saved}
-        if len(epochs) == 1 and (all(fresh) or all(done)):
-            chosen = dict(saved[0], position=0)
-            if all(done) and not all(fresh):
-                chosen["epoch"] = int(saved[0]["epoch"]) + 1
-        else:
-            positions = ", ".join(
-                f"rank {r}: epoch {s['epoch']} position {s['position']}/{_shard_len(s, r)}"
-                for r, s in enumerate(saved)
-            )
-            return None, (
-                f"the loader {name!r} was saved mid-epoch by {len(saved)} ranks ({positions}) "
-                f"and this job has {world_size}: a position inside another rank's shard of "
-                f"another world size does not exist. Fix: resume with {len(saved)} ranks, or "
-                "from a checkpoint saved at an epoch boundary, or leave the loader out of "
-                "load_checkpoint (it then starts its epoch over)."
-            )
-    trial = copy.deepcopy(_sampler(obj))
     try:
+        if len(saved) == world_size:
+            chosen = dict(saved[rank])
+        else:
+            epochs = {int(s["epoch"]) for s in saved}
+            fresh = all(int(s["position"]) == 0 and not s.get("reshard") for s in saved)
+            done = len(epochs) == 1 and all(_left(obj, s, r) == 0 for r, s in enumerate(saved))
+            if len(epochs) == 1 and (fresh or done):
+                chosen = dict(saved[0], position=0, reshard=[])
+                if done and not fresh:
+                    chosen["epoch"] = int(saved[0]["epoch"]) + 1
+            else:
+                chosen = resume_state(saved, world_size, rank)
+        trial = copy.deepcopy(_sampler(obj))
         trial.load_state_dict(chosen)
-    except ConfigError as exc:
+    except (ConfigError, KeyError, TypeError, ValueError) as exc:
         return None, f"the loader {name!r} cannot resume: {exc}"
     return chosen, None

@@ -97,6 +97,11 @@ class ShardedLoader:
         return self._batch_size
 
     @property
+    def drop_last(self) -> bool:
+        """Whether a last partial batch is dropped."""
+        return self._drop_last
+
+    @property
     def epoch(self) -> int:
         return self._sampler.epoch
 
@@ -108,12 +113,25 @@ class ShardedLoader:
         return samples // self._batch_size if self._drop_last else -(-samples // self._batch_size)
 
     def __len__(self) -> int:
-        """Batches in a full epoch on this rank (ignores the position)."""
+        """Batches in the current epoch on this rank (ignores the position): a full
+        epoch's, or in an epoch resumed at another world size, this rank's share of it."""
         return self._batches(len(self._sampler))
 
     def remaining(self) -> int:
         """Batches still to come in the current epoch, from the sampler's position."""
         return self._batches(self._sampler.remaining())
+
+    def epoch_done_everywhere(self) -> bool:
+        """Whether every rank has handed out all its batches of the current epoch.
+
+        Ranks hand out batches in step, so this rank's count stands for everyone's.
+        With pad=False shards differ by one sample, and a rank whose shorter shard is
+        used up may still be one batch behind the longest: it stays in this epoch
+        (and yields nothing more) until the others are done, so that every rank,
+        restored from a checkpoint or not, starts the next epoch on the same pass.
+        """
+        handed_out = self._batches(self._sampler.position)
+        return handed_out >= self._batches(self._sampler.longest_shard())
 
     def state_dict(self) -> dict[str, Any]:
         return self._sampler.state_dict()
@@ -123,7 +141,7 @@ class ShardedLoader:
 
     def __iter__(self) -> Iterator[Any]:
         sampler = self._sampler
-        if len(self) > 0 and self.remaining() == 0:
+        if len(self) > 0 and self.remaining() == 0 and self.epoch_done_everywhere():
             # Every batch of the epoch was handed out, but the consumer stopped at the
             # last one without exhausting the iterator (`if i == last: break`): this
             # pass is the next epoch, not an empty one.

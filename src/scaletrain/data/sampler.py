@@ -3,13 +3,15 @@
 It produces the same order as `torch.utils.data.DistributedSampler` for the same
 seed and epoch (so switching to it changes no result), and adds what that
 sampler lacks for long jobs: a consumed-`position` inside the epoch that is
-saved in `state_dict` and honoured by `__iter__`, and an evaluation mode
-(`pad=False`) where every sample is seen exactly once across all ranks.
+saved in `state_dict` and honoured by `__iter__`, an evaluation mode
+(`pad=False`) where every sample is seen exactly once across all ranks, and
+resharding: an epoch interrupted at one world size goes on at another with the
+samples no rank had reached (`reshard`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sized
+from collections.abc import Iterator, Mapping, Sequence, Sized
 from typing import Any
 
 import torch
@@ -17,7 +19,7 @@ from torch.utils.data import Sampler
 
 from scaletrain.errors import ConfigError
 
-__all__ = ["ShardedSampler"]
+__all__ = ["ShardedSampler", "reshard", "resume_state"]
 
 # Keys a state_dict must hold. Kept as a tuple so the error for a foreign or
 # truncated state can list them.
@@ -93,6 +95,10 @@ class ShardedSampler(Sampler[int]):
         self._pad = bool(pad)
         self._epoch = 0
         self._position = 0
+        # Resharding of the current epoch: each earlier layout of it (its world size and
+        # how far each of its ranks got), oldest first. Empty for an ordinary epoch.
+        self._layers: list[dict[str, Any]] = []
+        self._cache: tuple[Any, ...] | None = None
 
     # -- read-only settings ------------------------------------------------
 
@@ -148,15 +154,30 @@ class ShardedSampler(Sampler[int]):
         """Indices this rank still has to yield in the current epoch."""
         return len(self) - self._position
 
-    def __len__(self) -> int:
-        """Indices this rank yields in a full epoch (ignores `position`)."""
-        n, r = self._n, self._num_replicas
+    def _shard_len(self, n: int, rank: int) -> int:
+        r = self._num_replicas
         if self._drop_last:
             return n // r
         if self._pad:
             return -(-n // r)
         # Eval mode: rank r holds positions r, r+R, ... < n.
-        return max(0, -(-(n - self._rank) // r))
+        return max(0, -(-(n - rank) // r))
+
+    def __len__(self) -> int:
+        """Indices this rank yields in the current epoch (ignores `position`).
+
+        That is len(dataset) / world size, rounded as drop_last/pad say, except in an
+        epoch resumed at another world size: then this rank's share of what was left.
+        """
+        if self._layers:
+            return len(self._resharded()[0])
+        return self._shard_len(self._n, self._rank)
+
+    def longest_shard(self) -> int:
+        """The most indices any rank has in the current epoch (rank 0's with pad=False)."""
+        if self._layers:
+            return self._resharded()[1]
+        return self._shard_len(self._n, 0)
 
     # -- epoch / progress --------------------------------------------------
 
@@ -168,6 +189,8 @@ class ShardedSampler(Sampler[int]):
         if epoch != self._epoch:
             self._epoch = epoch
             self._position = 0
+            self._layers = []
+            self._cache = None
 
     def advance(self, n: int) -> None:
         """Record that `n` more of this rank's indices were consumed."""
@@ -178,24 +201,48 @@ class ShardedSampler(Sampler[int]):
             )
         self._position += n
 
-    def indices(self, epoch: int | None = None) -> torch.Tensor:
-        """All of this rank's indices for `epoch` (default: current), ignoring position."""
-        epoch = self._epoch if epoch is None else epoch
-        n, r = self._n, self._num_replicas
+    def _fit(self, order: torch.Tensor, replicas: int) -> torch.Tensor:
+        """`order` cut (drop_last) or repeated cyclically (pad) to divide by `replicas`."""
+        n = len(order)
+        if self._drop_last:
+            return order[: n - n % replicas]
+        total = -(-n // replicas) * replicas
+        if self._pad and n and total > n:
+            # Cyclic repetition equals DistributedSampler's padding in both of its
+            # branches (padding shorter or longer than the data).
+            return order[torch.arange(total) % n]
+        return order
+
+    def _order(self, epoch: int) -> torch.Tensor:
         if self._shuffle:
             g = torch.Generator()
             g.manual_seed(self._seed + epoch)
-            order = torch.randperm(n, generator=g)
-        else:
-            order = torch.arange(n)
-        total = self.total_size
-        if total < n:
-            order = order[:total]
-        elif total > n:
-            # Cyclic repetition equals DistributedSampler's padding in both of its
-            # branches (padding shorter or longer than the data).
-            order = order[torch.arange(total) % n]
-        return order[self._rank :: r]
+            return torch.randperm(self._n, generator=g)
+        return torch.arange(self._n)
+
+    def _resharded(self) -> tuple[torch.Tensor, int]:
+        """(this rank's indices, the longest rank's count) in a resharded epoch."""
+        key = (self._epoch, self._rank, self._num_replicas, repr(self._layers))
+        if self._cache is None or self._cache[0] != key:
+            replicas = int(self._layers[0]["num_replicas"])
+            shards = _split(self._fit(self._order(self._epoch), replicas), replicas)
+            for i, layer in enumerate(self._layers):
+                left = reshard(shards, [int(p) for p in layer["positions"]])
+                after = (
+                    int(self._layers[i + 1]["num_replicas"])
+                    if i + 1 < len(self._layers)
+                    else self._num_replicas
+                )
+                shards = _split(self._fit(left, after), after)
+            self._cache = (key, shards[self._rank], max((len(s) for s in shards), default=0))
+        return self._cache[1], self._cache[2]
+
+    def indices(self, epoch: int | None = None) -> torch.Tensor:
+        """All of this rank's indices for `epoch` (default: current), ignoring position."""
+        epoch = self._epoch if epoch is None else epoch
+        if self._layers and epoch == self._epoch:
+            return self._resharded()[0]
+        return self._fit(self._order(epoch), self._num_replicas)[self._rank :: self._num_replicas]
 
     def __iter__(self) -> Iterator[int]:
         # Computed eagerly so that the epoch and position are those at the time
@@ -216,6 +263,7 @@ class ShardedSampler(Sampler[int]):
             "drop_last": self._drop_last,
             "pad": self._pad,
             "dataset_len": self._n,
+            "reshard": [dict(layer) for layer in self._layers],
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -240,14 +288,15 @@ class ShardedSampler(Sampler[int]):
                 f"ShardedSampler.load_state_dict: epoch and position must be >= 0, "
                 f"received epoch={epoch}, position={position}"
             )
-        if position > 0:
+        layers = [dict(layer) for layer in state.get("reshard") or []]
+        if position > 0 or layers:
             here = self.state_dict()
             for key in ("dataset_len", "num_replicas", "seed", "shuffle", "drop_last", "pad"):
                 if state[key] != here[key]:
                     hint = (
-                        " Resuming at another world size is only exact at an epoch "
-                        "boundary: resume from a checkpoint saved at the end of an epoch, "
-                        "or keep the world size."
+                        " At another world size, load the state through "
+                        "scaletrain.checkpoint.load_checkpoint (or resume_state()), which "
+                        "shares the epoch's remaining samples among the new ranks."
                         if key == "num_replicas"
                         else ""
                     )
@@ -257,7 +306,53 @@ class ShardedSampler(Sampler[int]):
                         f"(position={position}) cannot be resumed with a different order.{hint}"
                     )
         self._epoch = epoch
+        self._layers = layers
+        self._cache = None
         # With pad=False shards differ by one, so a state saved on a longer shard
         # (e.g. rank 0's, shared by all ranks) may say one more than this rank
         # has; beyond len(self) means "this epoch is finished" either way.
         self._position = min(position, len(self))
+
+
+def _split(order: torch.Tensor, replicas: int) -> list[torch.Tensor]:
+    return [order[r::replicas] for r in range(replicas)]
+
+
+def reshard(shards: Sequence[torch.Tensor], positions: Sequence[int]) -> torch.Tensor:
+    """The indices no rank has reached, in the order the ranks would have taken them.
+
+    `shards[r]` is rank r's indices for the epoch and `positions[r]` how many it
+    consumed. Read column by column (every rank's next index, then every rank's one
+    after), so the order stays the round-robin the epoch was dealt in; dealing it out
+    again with `[r::new_world]` gives each new rank an even share.
+    """
+    rest = [s[int(p) :] for s, p in zip(shards, positions, strict=True)]
+    longest = max((len(r) for r in rest), default=0)
+    columns = [r[k] for k in range(longest) for r in rest if k < len(r)]
+    return torch.stack(columns) if columns else torch.zeros(0, dtype=torch.long)
+
+
+def resume_state(saved: Sequence[Mapping[str, Any]], world_size: int, rank: int) -> dict[str, Any]:
+    """The state rank `rank` of `world_size` loads from the per-rank states `saved`.
+
+    Same world size: that rank's own state. Another one, mid-epoch: the epoch goes on
+    with the samples no saving rank had reached, dealt round-robin over the new ranks
+    (each saved state's own reshard history is kept, so this repeats any number of
+    times inside one epoch). Exact with pad=False: no sample is seen twice or skipped;
+    drop_last drops fewer than `world_size` more of them and pad repeats some, as they
+    do in any epoch.
+    """
+    if len(saved) == world_size:
+        return dict(saved[rank])
+    first = saved[0]
+    epochs = {int(s["epoch"]) for s in saved}
+    if len(epochs) != 1 or any(s.get("reshard") != first.get("reshard") for s in saved):
+        raise ConfigError(
+            "the saved loader states disagree on the epoch ("
+            + ", ".join(f"rank {r}: epoch {s['epoch']}" for r, s in enumerate(saved))
+            + "); every rank of a job saves the same epoch. The checkpoint's loader files "
+            "were not written together."
+        )
+    layers = [dict(layer) for layer in first.get("reshard") or []]
+    layers.append({"num_replicas": len(saved), "positions": [int(s["position"]) for s in saved]})
+    return dict(first, num_replicas=world_size, position=0, reshard=layers)

@@ -3,6 +3,7 @@
 from scaletrain.dist.backend import BACKENDS, choose_backend, choose_device
 from scaletrain.dist.collectives import (
     REDUCE_OPS,
+    all_gather_floats,
     any_rank,
     barrier,
     from_rank_zero,
@@ -10,6 +11,7 @@ from scaletrain.dist.collectives import (
     reduce_values,
 )
 from scaletrain.dist.grad_norm import clip_grads_, global_grad_norm
+from scaletrain.dist.mesh import device_mesh
 from scaletrain.dist.process_group import (
     DEFAULT_TIMEOUT_S,
     claim_first,
@@ -17,7 +19,6 @@ from scaletrain.dist.process_group import (
     init_process_group,
     is_initialized,
 )
-from scaletrain.dist.mesh import device_mesh
 from scaletrain.dist.sync_batchnorm import SyncBatchNorm
 from scaletrain.dist.topology import Topology, parse_mesh
 
@@ -27,6 +28,7 @@ __all__ = [
     "REDUCE_OPS",
     "SyncBatchNorm",
     "Topology",
+    "all_gather_floats",
     "any_rank",
     "barrier",
     "choose_backend",

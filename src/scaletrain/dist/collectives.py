@@ -11,7 +11,15 @@ import torch.distributed as dist
 
 from scaletrain.errors import ConfigError, PeerFailure
 
-__all__ = ["REDUCE_OPS", "any_rank", "barrier", "from_rank_zero", "rank_first", "reduce_values"]
+__all__ = [
+    "REDUCE_OPS",
+    "all_gather_floats",
+    "any_rank",
+    "barrier",
+    "from_rank_zero",
+    "rank_first",
+    "reduce_values",
+]
 
 REDUCE_OPS = ("sum", "mean", "max", "min")
 
@@ -139,18 +147,35 @@ def rank_first(is_first: bool, *, device: torch.device | None = None) -> Iterato
         raise PeerFailure("another node's first rank failed inside rank_zero_first()")
 
 
+def _control_group(backend: str) -> Any:
+    """A CPU (Gloo) group over every rank: the default group itself under Gloo, one
+    more group (made once per default process group) under NCCL."""
+    global _CONTROL
+    world = dist.group.WORLD
+    if _CONTROL[0] is not world:
+        _CONTROL = (world, dist.new_group(backend="gloo") if backend != "gloo" else world)
+    return _CONTROL[1]
+
+
 def any_rank(flag: bool, *, world_size: int, backend: str) -> bool:
     """True on every rank if `flag` is True on any: one tiny collective.
 
     Runs on a CPU (Gloo) group even under NCCL, so checking it every step costs no
     GPU synchronisation; that group is made once per default process group.
     """
-    global _CONTROL
     if world_size == 1:
         return flag
-    world = dist.group.WORLD
-    if _CONTROL[0] is not world:
-        _CONTROL = (world, dist.new_group(backend="gloo") if backend != "gloo" else world)
     t = torch.tensor([1.0 if flag else 0.0])
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_CONTROL[1])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_control_group(backend))
     return bool(t.item() > 0)
+
+
+def all_gather_floats(values: list[float], *, world_size: int, backend: str) -> list[list[float]]:
+    """Every rank's `values` (same length everywhere), by rank: one all-gather on the CPU
+    (Gloo) group, so it never synchronises a GPU (the step ledger's window gather)."""
+    if world_size == 1 or not _active():
+        return [list(values)]
+    mine = torch.tensor(values, dtype=torch.float64)
+    rows = [torch.empty_like(mine) for _ in range(world_size)]
+    dist.all_gather(rows, mine, group=_control_group(backend))
+    return [r.tolist() for r in rows]

@@ -128,8 +128,16 @@ class Strategy:
         return self._model_parallel_group(topo)
 
     def full_state_dict(self, module: nn.Module, topo: Topology) -> dict[str, torch.Tensor]:
-        """Plain CPU tensors of the whole model, on every rank (a collective)."""
-        return self._full_state_dict(module, topo)
+        """Plain CPU tensors of the whole model, on every rank (a collective).
+
+        A snapshot under every strategy: no tensor shares memory with the live
+        parameters or buffers, so later steps do not change it. (On the CPU,
+        `.cpu()` of a replicated model's tensors is the tensor itself; gathered
+        shards are new tensors already and are not copied again.)
+        """
+        state = self._full_state_dict(module, topo)
+        live = _storages(module)
+        return {k: v.clone() if _storage(v) in live else v for k, v in state.items()}
 
     def forward_backward(
         self,
@@ -341,3 +349,13 @@ def resolve_strategy(
         f"strategy={spec!r} is not known; expected one of {', '.join(sorted(STRATEGIES))} "
         "or a strategy object such as st.DDP(bucket_cap_mb=50)."
     )
+
+
+def _storage(t: torch.Tensor) -> int:
+    local = t.to_local() if hasattr(t, "to_local") else t  # a DTensor's own shard
+    return int(local.untyped_storage().data_ptr())
+
+
+def _storages(module: nn.Module) -> set[int]:
+    """Where the live parameters and buffers of `module` keep their data."""
+    return {_storage(t) for t in (*module.parameters(), *module.buffers())}

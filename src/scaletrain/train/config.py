@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 from scaletrain.errors import ConfigError, spell
@@ -31,6 +32,7 @@ METAVARS = {
     "out": "RUN", "log_every": "N", "save_every": "N", "keep": "K", "stop_after": "N",
     "max_restarts": "K", "hang_timeout": "S", "mesh": "DIMS", "nnodes": "N|MIN:MAX",
     "node_rank": "R", "rdzv_endpoint": "HOST:PORT", "rdzv_id": "ID", "local_addr": "ADDR",
+    "fork": "NEW_RUN", "ledger_every": "K", "profile": "STEPS",
 }  # fmt: skip
 """The placeholder each flag shows in --help."""
 
@@ -100,6 +102,18 @@ class TrainConfig:
     """Restart the workers up to N times after a failure; they resume from the last checkpoint."""
     hang_timeout: float = DEFAULT_HANG_TIMEOUT_S
     """Seconds a rank may make no progress before the job ends with a diagnosis; 0: off."""
+    fork: str | None = None
+    """Start a NEW run in this directory from the weights of OUT's newest checkpoint, with the settings given now."""
+    fork_optimizer: bool = False
+    """With --fork: take the optimizer state (moments) too, to continue rather than fine-tune."""
+    overwrite: bool = False
+    """Replace a finished run in OUT (or in the --fork directory) instead of refusing to touch it."""
+    ledger: bool = True
+    """Step ledger: where every rank's time goes (OUT/observe/), stragglers named, a table at the end."""
+    ledger_every: int = 50
+    """Steps between the ledger's cross-rank windows (one small all-gather each)."""
+    profile: str | None = None
+    """Steps to record with torch.profiler on every rank, e.g. 10-15 (traces in OUT/traces/)."""
     nnodes: str | None = None
     """Nodes in the job, N or an elastic range MIN:MAX; None: 1, or what the cluster says."""
     node_rank: int | None = None
@@ -130,6 +144,7 @@ class TrainConfig:
             "stop_after": "steps",
             "keep": "checkpoints to keep",
             "accumulate": "micro-batches per step (1: no accumulation)",
+            "ledger_every": "steps between the ledger's windows",
         }
         for field, what in at_least_one.items():
             value = getattr(self, field)
@@ -179,6 +194,37 @@ class TrainConfig:
                 "a run directory",
                 "pass a directory, or leave it out for runs/<recipe>-<time>",
             )
+        if self.fork is not None and not self.fork.strip():
+            raise bad(
+                "fork",
+                "the directory of the new run",
+                f"pass e.g. {spell('fork', 'runs/finetune')}",
+            )
+        same = self.fork is not None and self.out is not None
+        if same and Path(str(self.fork)).resolve() == Path(str(self.out)).resolve():
+            raise ConfigError(
+                f"{spell('fork', self.fork)} names the run it forks from "
+                f"({spell('out', self.out)}); a fork is a new run beside it. Fix: "
+                f"name a new directory, e.g. {spell('fork', str(self.out).rstrip('/') + '-fork')}.",
+                field="fork",
+            )
+        if self.fork_optimizer and self.fork is None:
+            raise ConfigError(
+                f"{spell('fork_optimizer', True)} takes the optimizer state into a fork, but no "
+                f"{spell('fork')} was given. Fix: add {spell('fork', 'NEW_RUN')}, or drop "
+                f"{spell('fork_optimizer', True)} (a resume restores the optimizer anyway).",
+                field="fork_optimizer",
+            )
+        if self.profile is not None:
+            from scaletrain.observe.profiling import parse_steps
+
+            parse_steps(self.profile)
+            if not self.ledger:
+                raise ConfigError(
+                    f"{spell('profile', self.profile)} needs the step ledger, which "
+                    f"{spell('ledger', False)} turns off. Fix: drop {spell('ledger', False)}.",
+                    field="profile",
+                )
         self._check_nodes(bad)
         if self.strategy in SINGLE_PROCESS_STRATEGIES and self.nproc is not None and self.nproc > 1:
             raise ConfigError(

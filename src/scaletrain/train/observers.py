@@ -27,7 +27,8 @@ class ProgressPrinter(Observer):
         self._epochs = 1
         self._label = ""
 
-    def print(self, message: str) -> None:
+    def print(self, message: Any) -> None:
+        """A line (or a rich renderable: the ledger's table) above the live bar."""
         self.progress.print(message)
 
     def on_run_start(self, info: RunInfo) -> None:

@@ -6,9 +6,8 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
-import math
-import platform
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,20 +15,29 @@ from typing import Any
 
 import torch
 
-from scaletrain.checkpoint import checkpoint_path, latest_checkpoint
+from scaletrain.checkpoint import CheckpointManager, Resumed
+from scaletrain.checkpoint.full import save_file
 from scaletrain.errors import ConfigError, spell
 from scaletrain.observe.events import EvalEvent, Observers, RunInfo, StepEvent
 from scaletrain.runtime import Runtime, sync_batchnorm
 from scaletrain.train.config import TrainConfig
+from scaletrain.train.length import RunLength
 from scaletrain.train.loop import TimedBatches, evaluate, seed_everything, sync_buffers, train_step
 from scaletrain.train.recipes import Recipe
+from scaletrain.train.resolved import resolved_config
+from scaletrain.train.resume import (
+    check_meaning,
+    fork_from,
+    has_checkpoints,
+    read_json,
+    refuse_length,
+    resume_lines,
+)
+from scaletrain.train.rundir import PREEMPTED_MARKER
 from scaletrain.train.schedule import lr_at, set_lr
 from scaletrain.train.signals import StopRequest
 
-__all__ = ["PREEMPTED_MARKER", "Preempted", "Session", "resolved_config"]
-
-PREEMPTED_MARKER = "PREEMPTED"
-"""File rank 0 writes into the run directory when a signal stopped the run."""
+__all__ = ["PREEMPTED_MARKER", "Preempted", "Session"]
 
 
 class Preempted(Exception):
@@ -54,26 +62,10 @@ class _Progress:
     stopped_by: str | None = None
     last_eval: EvalEvent | None = None
     saved: Path | None = None
-    resumed: Path | None = None
+    resumed: Resumed | None = None
+    forked: Path | None = None
     values: dict[str, Any] = field(default_factory=dict)
-
-
-def resolved_config(config: TrainConfig, rt: Runtime, **values: Any) -> dict[str, Any]:
-    """config.json: every setting with its default filled in, then the run's facts."""
-    resolved = config.replace(**values).to_dict()
-    resolved["run"] = {
-        "world_size": rt.world_size,
-        "nodes": rt.env.num_nodes,
-        "data_parallel_size": rt.dp_size,
-        "device": rt.device.type,
-        "environment": rt.env.kind,
-        "versions": {
-            "scaletrain": _version(),
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-        },
-    }
-    return resolved
+    """The plain values of the checkpoint resumed from (its step, length, config)."""
 
 
 class Session:
@@ -87,6 +79,7 @@ class Session:
         stop: StopRequest,
         out: Path,
         observers: Observers,
+        notes: list[str] | None = None,
     ) -> None:
         self.cfg = cfg = config
         self.recipe = recipe
@@ -96,6 +89,8 @@ class Session:
         self.sync_bn = recipe.sync_bn if cfg.sync_bn is None else cfg.sync_bn
         self.warmup = recipe.warmup if cfg.warmup is None else cfg.warmup
         self.done = _Progress()
+        self.notes = list(notes or [])
+        """Header lines about what the run directory held (set aside, overwritten)."""
 
     # -- set-up ---------------------------------------------------------------------
     def _build(self) -> None:
@@ -138,34 +133,34 @@ class Session:
                 field="accumulate",
             )
         self.epochs_wanted = cfg.epochs or recipe.epochs
-        total = self.steps_per_epoch * self.epochs_wanted
-        self.total_steps = min(total, cfg.max_steps) if cfg.max_steps is not None else total
-        self.epochs = math.ceil(self.total_steps / self.steps_per_epoch)
         self.state: dict[str, Any] = {
             "model": self.model,
             "optimizer": self.optimizer,
             "loader": self.loader,
         }
-
-    def _resume(self) -> None:
-        rt, out = self.rt, self.out
-        resumed = latest_checkpoint(out) if (out / "checkpoints").is_dir() else None
-        if resumed is None:
-            return
-        # Pipeline stages are traced from a batch; build them before loading into them.
-        example = next(
-            iter(torch.utils.data.DataLoader(self.train_set, batch_size=self.batch_size))
+        self.manager = CheckpointManager(
+            rt, self.out, every=cfg.save_every, keep=cfg.keep, async_save=cfg.async_save
         )
-        rt.prepare(self.model, example[0].to(rt.device))
-        values = rt.load(resumed, **self.state)
-        self.done.step = int(values["step"])
-        self.done.train_time = float(values.get("train_time", 0.0))
-        self.done.samples = int(values.get("samples", 0))
-        self.done.resumed = resumed
 
-    def _announce(self) -> None:
-        cfg, rt, recipe = self.cfg, self.rt, self.recipe
-        resolved = resolved_config(
+    def _plan(self) -> None:
+        """The run's length from the config (and, after a resume, where its epoch stands)."""
+        cfg, resumed = self.cfg, self.done.resumed
+        at_checkpoint = resumed is not None and resumed.path is not None and not cfg.fork
+        self.length = RunLength.plan(
+            steps_per_epoch=self.steps_per_epoch,
+            epochs=self.epochs_wanted,
+            max_steps=cfg.max_steps,
+            step=self.done.step,
+            loader_epoch=self.loader.epoch,
+            steps_left_in_epoch=self.loader.remaining() // cfg.accumulate
+            if at_checkpoint
+            else None,
+        )
+        self.total_steps, self.epochs = self.length.total_steps, self.length.epochs
+
+    def _resolved(self) -> dict[str, Any]:
+        rt, recipe = self.rt, self.recipe
+        return resolved_config(
             self.cfg,
             rt,
             recipe=recipe.name,
@@ -179,9 +174,56 @@ class Session:
             sync_bn=self.sync_bn,
             data_dir=self.data_path,
             out=str(self.out),
+            # config.json describes this run: replayed, it trains it (a fork's source is
+            # in its checkpoints' history, not a setting to fork again).
+            fork=None,
+            fork_optimizer=False,
+            overwrite=False,
         )
+
+    def _prepare_model(self) -> None:
+        # Pipeline stages are traced from a batch; build them before loading into them.
+        example = next(
+            iter(torch.utils.data.DataLoader(self.train_set, batch_size=self.batch_size))
+        )
+        self.rt.prepare(self.model, example[0].to(self.rt.device))
+
+    def _resume(self) -> None:
+        """Continue the run in OUT from its newest valid checkpoint, or fork from it."""
+        cfg, out, done = self.cfg, self.out, self.done
+        self._prepare_model()
+        if cfg.fork is not None:
+            state: dict[str, Any] = {"model": self.model}
+            if cfg.fork_optimizer:
+                state["optimizer"] = self.optimizer
+            done.resumed = fork_from(self.rt, Path(cfg.out or ""), state, fork=cfg.fork)
+            done.forked = done.resumed.path
+            return
+        lr_given = cfg.lr is not None
+        if has_checkpoints(out):
+            # Before loading: a model of another shape would fail the load with less to say.
+            check_meaning(read_json(out / "config.json"), self._resolved(), lr_given, str(out))
+        done.resumed = resumed = self.manager.resume(**self.state)
+        if resumed.path is None:
+            return
+        done.values = values = resumed.values
+        saved = values.get("config") if isinstance(values.get("config"), dict) else None
+        check_meaning(saved, self._resolved(), lr_given, str(resumed.path))
+        done.step = int(values["step"])
+        done.train_time = float(values.get("train_time", 0.0))
+        done.samples = int(values.get("samples", 0))
+        if saved is not None and not lr_given:
+            # The run's own peak learning rate, also at another data-parallel size
+            # (where the recipe would scale it to the new global batch).
+            self.lr = float(saved.get("lr", self.lr))
+
+    def _announce(self) -> None:
+        cfg, rt, recipe = self.cfg, self.rt, self.recipe
+        resolved = self._resolved()
         if rt.is_main:
+            # Written once the start is accepted: a refused resume leaves it as it was.
             (self.out / "config.json").write_text(json.dumps(resolved, indent=2) + "\n")
+        self.resolved = resolved
         layout = f"mesh {rt.mesh_shape}, " if rt.mesh_shape else ""
         extras = [f"precision {cfg.precision}"] if cfg.precision != "32" else []
         if cfg.accumulate > 1:
@@ -197,10 +239,14 @@ class Session:
             f"{self.global_batch}), {self._describe_lr()}, {_plural(self.epochs, 'epoch')}, "
             f"{self.total_steps} steps" + (f", {', '.join(extras)}" if extras else ""),
         ]
-        if self.done.resumed is not None:
-            header.append(
-                f"  resumed from {self.done.resumed} at step {self.done.step}/{self.total_steps}"
-            )
+        header += [f"  {note}" for note in self.notes]
+        header += resume_lines(
+            self.done.resumed,
+            self.done.values,
+            self.total_steps,
+            fork=cfg.fork_optimizer if cfg.fork else None,
+            dp_size=rt.dp_size,
+        )
         self.observers.on_run_start(
             RunInfo(
                 out=self.out,
@@ -229,7 +275,23 @@ class Session:
     # -- training -------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         self._build()
+        try:
+            result = self._run()
+        except BaseException:
+            # The saves in flight finish (or fail) before the process group goes; the
+            # error that stopped the run is the one to report.
+            with contextlib.suppress(Exception):
+                self.manager.close()
+            raise
+        self.manager.close()
+        return result
+
+    def _run(self) -> dict[str, Any]:
         self._resume()
+        self._plan()
+        resumed = self.done.resumed
+        if resumed is not None and resumed.path is not None and self.done.forked is None:
+            refuse_length(self.cfg, self.out, resumed.path, self.done.step, self.total_steps)
         self._announce()
         rt, done = self.rt, self.done
         self.run_start_step = done.step
@@ -238,11 +300,12 @@ class Session:
         if rt.any_rank(self.stop.signal is not None):
             done.stopped_by = self.stop.reason or "a signal on another rank"
         while done.step < self.total_steps and done.stopped_by is None:
-            epoch = done.step // self.steps_per_epoch
+            epoch = self.length.epoch_of(done.step)
             self._train_epoch(epoch)
             if done.stopped_by is None:
                 done.last_eval = self._evaluate(epoch)
-        trained = done.step > self.run_start_step or done.resumed is not None
+        # Nothing trained (resumed at the last step): the checkpoint there stays as it is.
+        trained = done.step > self.run_start_step
         if (self.cfg.save_every is not None or done.stopped_by is not None) and trained:
             self._save(final=True)
         if done.stopped_by is not None:
@@ -260,8 +323,7 @@ class Session:
 
     def _train_epoch(self, epoch: int) -> None:
         cfg, rt, done, observers = self.cfg, self.rt, self.done, self.observers
-        first = epoch * self.steps_per_epoch
-        epoch_end = min(first + self.steps_per_epoch, self.total_steps)
+        first, epoch_end = self.length.span(epoch)
         self.model.train()
         # The same epoch keeps a restored mid-epoch position; a new one restarts.
         self.loader.set_epoch(epoch)
@@ -324,7 +386,7 @@ class Session:
                 window_start = now
             if self._agree_to_stop() or finished:
                 break
-            if cfg.save_every and done.step % cfg.save_every == 0:
+            if self.manager.due(done.step):
                 done.train_time += time.perf_counter() - epoch_start
                 done.samples += epoch_samples
                 epoch_start, epoch_samples = time.perf_counter(), 0
@@ -349,17 +411,17 @@ class Session:
 
     def _save(self, *, final: bool = False) -> Path:
         done = self.done
-        path = checkpoint_path(self.out, done.step)
-        values = {"step": done.step, "train_time": done.train_time, "samples": done.samples}
-        handle = self.rt.save(
-            path,
-            keep=self.cfg.keep,
-            async_save=self.cfg.async_save and not final,
-            **self.state,
-            **values,
-        )
-        if final and hasattr(handle, "wait"):
-            handle.wait()
+        values = {
+            "train_time": done.train_time,
+            "samples": done.samples,
+            # What a later resume compares (settings that alter the run) and reports
+            # (extending or shortening).
+            "total_steps": self.total_steps,
+            "config": self.resolved,
+        }
+        handle = self.manager.maybe_save(done.step, force=final, **self.state, **values)
+        assert handle is not None
+        path = handle if isinstance(handle, Path) else handle.path
         done.saved = path
         self.observers.on_save(done.step, path)
         return path
@@ -425,17 +487,9 @@ class Session:
         # A collective (it gathers shards and stages): every rank takes part.
         weights = rt.full_state_dict(self.model)
         if rt.is_main:
-            torch.save(weights, self.out / "model.pt")
+            # Atomic: model.pt marks a finished run, so it is there whole or not at all.
+            save_file(self.out / "model.pt", weights)
         self.observers.on_run_end(summary)
         self.state.clear()
         del self.model, self.optimizer
         return summary
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("scaletrain")
-    except PackageNotFoundError:
-        return "unknown"

@@ -9,6 +9,7 @@ is anything a caller passes in (a profiler, a ledger).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Iterable
@@ -18,12 +19,14 @@ from typing import Any
 import torch
 
 from scaletrain.dist import from_rank_zero
+from scaletrain.errors import spell
 from scaletrain.exitcodes import EXIT_PREEMPTED
 from scaletrain.observe.events import Observer, Observers
-from scaletrain.runtime import Runtime, init
+from scaletrain.runtime import LedgerConfig, Runtime, init
 from scaletrain.train.config import TrainConfig
 from scaletrain.train.observers import MetricsLog, ProgressPrinter, WatchdogBeats
 from scaletrain.train.recipes import Recipe, get_recipe
+from scaletrain.train.rundir import clear_run, inspect_run, refuse_reuse, set_aside_interrupted
 from scaletrain.train.session import PREEMPTED_MARKER, Preempted, Session
 from scaletrain.train.signals import StopRequest
 
@@ -49,59 +52,123 @@ class Trainer:
 
     def run(self) -> dict[str, Any]:
         cfg = self.config
-        if cfg.hang_timeout > 0 and cfg.out and torch.cuda.is_available():
+        run_dir = cfg.fork or cfg.out
+        if cfg.hang_timeout > 0 and run_dir and torch.cuda.is_available():
             from scaletrain.observe import configure_flight_recorder
 
             # Before the process group exists: NCCL reads these when it is created.
-            configure_flight_recorder(cfg.out)
+            configure_flight_recorder(run_dir)
         stop = StopRequest().install()
         rt: Runtime | None = None
+        self._out: Path | None = None
+        self._created = False
+        failed = False
         try:
             rt = init(
-                strategy=cfg.strategy, backend=cfg.backend, mesh=cfg.mesh, precision=cfg.precision
+                strategy=cfg.strategy,
+                backend=cfg.backend,
+                mesh=cfg.mesh,
+                precision=cfg.precision,
+                ledger=LedgerConfig(every=cfg.ledger_every) if cfg.ledger else False,
             )
             return self._run(rt, stop)
         except Exception:
+            failed = True
             from scaletrain.dist import claim_first
 
             # Before shutdown: the claim goes through the process group's store.
             self.first_failure = claim_first("failure")
             raise
+        except BaseException:
+            failed = True
+            raise
         finally:
             stop.restore()
             if rt is not None:
-                rt.shutdown()
+                # After a failure the ledger's summary (a collective) is skipped.
+                rt.shutdown(failed=failed)
+            self._tidy_out()
 
     # -- set-up ---------------------------------------------------------------------
-    def _prepare_out(self, rt: Runtime) -> Path:
+    def _prepare_out(self, rt: Runtime) -> tuple[Path, list[str]]:
+        """The run directory, checked and made; the header's notes about what it held."""
         cfg, recipe = self.config, self.recipe
-        if cfg.out:
-            out = Path(cfg.out)
+        named = cfg.fork or cfg.out
+        if named:
+            out = Path(named)
         else:
             # No job id to name the run after (see scaletrain.launch.training): rank 0's
             # clock names it for every rank, on every node.
             stamp = time.strftime("%Y%m%d-%H%M%S")
             out = Path(from_rank_zero(str(Path("runs") / f"{recipe.name}-{stamp}")))
             self.config = cfg = cfg.replace(out=str(out))
+        found = inspect_run(out)
+        # --overwrite replaces the run the command found, once: workers restarted by the
+        # elastic agent (--max-restarts) resume from what this job saved since.
+        overwrite = cfg.overwrite and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        refuse_reuse(found, overwrite=overwrite, field="fork" if cfg.fork else "out")
+        rt.barrier()  # every rank has looked before rank 0 changes anything
+        notes: list[str] = []
         if rt.is_main:
+            self._created = not out.exists()
             out.mkdir(parents=True, exist_ok=True)
+            if overwrite and found.holds_run:
+                removed = ", ".join(clear_run(out))
+                notes.append(f"replaced the run in {out} ({spell('overwrite', True)}: {removed})")
+            else:
+                aside = set_aside_interrupted(found)
+                notes += [aside] if aside else []
             (out / PREEMPTED_MARKER).unlink(missing_ok=True)
         rt.barrier()
-        # Where each worker runs, for operators (and the fault-tolerance test) to find it.
-        # parents=True: on another node's own disk, rank 0's mkdir above did not happen.
+        # Where each worker runs, for operators (and the fault-tolerance test) to find it;
+        # removed at exit. parents=True: on another node's own disk, rank 0's mkdir
+        # above did not happen.
+        self._out, self._rank = out, rt.rank
         pids = out / "pids"
         pids.mkdir(parents=True, exist_ok=True)
         (pids / f"rank{rt.rank}.pid").write_text(f"{os.getpid()}\n")
-        return out
+        return out, notes
+
+    def _tidy_out(self) -> None:
+        """At exit: this rank's pid file goes (pids/ with the last one), and a run
+        directory this start made and left empty (it failed before writing) too."""
+        if self._out is None:
+            return
+        pids = self._out / "pids"
+        (pids / f"rank{self._rank}.pid").unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            pids.rmdir()  # the last rank out removes it
+        if self._created:
+            metrics = self._out / "metrics.jsonl"
+            with contextlib.suppress(OSError):
+                if metrics.stat().st_size == 0:
+                    metrics.unlink()  # nothing was trained
+            with contextlib.suppress(OSError):
+                self._out.rmdir()  # only if empty
 
     # -- the run --------------------------------------------------------------------
     def _run(self, rt: Runtime, stop: StopRequest) -> dict[str, Any]:
         cfg = self.config
-        out = self._prepare_out(rt)
+        out, notes = self._prepare_out(rt)
         observers = Observers()
+        printer: ProgressPrinter | None = None
         if rt.is_main:
-            observers.add(ProgressPrinter())
+            printer = ProgressPrinter()
+            observers.add(printer)
             observers.add(MetricsLog(out / "metrics.jsonl"))
+        if rt.ledger is not None:
+            from scaletrain.observe.observer import (
+                LedgerObserver,
+                TensorBoardScalars,
+                tensorboard_available,
+            )
+
+            if printer is not None:
+                # Straggler warnings and the end-of-run table above the live progress bar.
+                rt.ledger.printer = printer.print
+            observers.add(LedgerObserver(rt.ledger, profile=cfg.profile))
+            if rt.is_main and tensorboard_available():
+                observers.add(TensorBoardScalars(out / "tensorboard", rt.ledger))
         if cfg.hang_timeout > 0 and rt.world_size > 1:
             from scaletrain.observe import Watchdog
 
@@ -109,7 +176,7 @@ class Trainer:
         for extra in self.extra_observers:
             observers.add(extra)
         try:
-            session = Session(self.config, self.recipe, rt, stop, out, observers)
+            session = Session(self.config, self.recipe, rt, stop, out, observers, notes)
             return session.run()
         finally:
             observers.close()

@@ -1,0 +1,34 @@
+"""Package attributes imported on first use (PEP 562), so importing a package is cheap.
+
+`import scaletrain` and the CLI's `--help` must not pay for torch (seconds); the
+public names still read as `scaletrain.init`, `scaletrain.train.Trainer`, ...
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+__all__ = ["lazy_attributes"]
+
+
+def lazy_attributes(
+    package: str, namespace: dict[str, Any], where: Mapping[str, str]
+) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+    """`__getattr__` and `__dir__` for `package`: each name in `where` is imported from
+    the module it maps to when first read, then kept in `namespace` (the package's
+    globals) so the next read is a plain attribute."""
+
+    def __getattr__(name: str) -> Any:
+        module = where.get(name)
+        if module is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(module), name)
+        namespace[name] = value
+        return value
+
+    def __dir__() -> list[str]:
+        return sorted(set(namespace) | set(where))
+
+    return __getattr__, __dir__

@@ -1,0 +1,156 @@
+"""CheckpointManager: one run's checkpoints, from resume to the last save.
+
+It owns what a training loop would otherwise spread around: the save interval, keep-K
+pruning (with the memory of what it wrote and verified), async saving with its own
+thread and Gloo group, and the resume rule:
+
+* the newest checkpoint that loads is used; each newer one that did not is
+  reported with the reason it was rejected (unfinished save, truncated file...);
+* a folder that holds finished checkpoints of which none loads is an error that
+  lists each one and why, and deletes nothing: a run never silently starts over
+  on top of checkpoints it could not read.
+
+    manager = CheckpointManager(rt, run_dir, every=100, keep=3, async_save=True)
+    resumed = manager.resume(model=model, optimizer=opt, loader=loader)
+    step = resumed.values["step"] if resumed.path else 0
+    ...
+    manager.maybe_save(step, model=model, optimizer=opt, loader=loader)
+    manager.close()
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from scaletrain.checkpoint.asynchronous import AsyncSaver, PendingCheckpoint
+from scaletrain.checkpoint.catalog import Retention, checkpoint_path, list_checkpoints
+from scaletrain.checkpoint.load import load_with
+from scaletrain.checkpoint.manifest import RejectedCheckpointError
+from scaletrain.checkpoint.save import check_keep, save_with
+from scaletrain.checkpoint.scope import CheckpointScope, ScopeSource, as_scope
+from scaletrain.errors import CheckpointError, ConfigError
+
+__all__ = ["CheckpointManager", "Resumed"]
+
+
+@dataclass(slots=True)
+class Resumed:
+    """What `resume()` found: the checkpoint loaded (None: none to load) and why newer
+    ones were passed over."""
+
+    path: Path | None
+    values: dict[str, Any] = field(default_factory=dict)
+    """The plain values saved with it (step, ...)."""
+    rejected: list[tuple[Path, str]] = field(default_factory=list)
+    """Newer checkpoints (or unfinished saves) that were not used, each with the reason."""
+
+
+class CheckpointManager:
+    """The checkpoints of the run in `folder` (kept in folder/checkpoints/step-NNNNNN)."""
+
+    def __init__(
+        self,
+        source: CheckpointScope | ScopeSource,
+        folder: str | os.PathLike[str],
+        *,
+        every: int | None = None,
+        keep: int | None = None,
+        async_save: bool = False,
+    ) -> None:
+        check_keep(keep, "CheckpointManager")
+        if every is not None and (
+            isinstance(every, bool) or not isinstance(every, int) or every < 1
+        ):
+            raise ConfigError(
+                f"CheckpointManager(every={every!r}): expected an int >= 1 (steps between "
+                "checkpoints) or None to save only when asked (force=True)."
+            )
+        self.scope = as_scope(source)
+        self.folder = Path(folder)
+        self.every = every
+        self.async_save = async_save
+        self._saver = AsyncSaver()
+        self._retention = Retention(keep)
+
+    def resume(self, **state: Any) -> Resumed:
+        """Load the newest checkpoint that loads into `state`; say what was passed over.
+
+        A checkpoint that is unfinished, damaged or of a newer format is skipped for the
+        one before it, with the reason; one that does not fit `state` (another model,
+        optimizer or loader) is an error, not a reason to go back in time. Raises
+        CheckpointError listing every checkpoint when the folder holds finished ones
+        and none of them loads; nothing is deleted.
+        """
+        rejected: list[tuple[Path, str]] = []
+        finished = 0
+        for found in reversed(list_checkpoints(self.folder)):
+            finished += found.finished
+            if found.manifest is None:
+                rejected.append((found.path, found.problem or "it has no manifest"))
+                continue
+            try:
+                values = load_with(self.scope, found.path, state, saver=self._saver)
+            except RejectedCheckpointError as exc:
+                rejected.append((found.path, str(exc)))
+                continue
+            self._retention.trust(found.path, written=False)
+            return Resumed(found.path, values, rejected)
+        if finished:
+            listing = "\n".join(f"  {path}: {why}" for path, why in rejected)
+            raise CheckpointError(
+                f"{self.folder} holds {finished} checkpoint(s) and none of them can be "
+                f"loaded; nothing was deleted and the run did not start over from step 0:\n"
+                f"{listing}\nFix: restore the files from a backup, or start a new run in "
+                "another directory (the damaged ones stay here for inspection)."
+            )
+        return Resumed(None, {}, rejected)
+
+    def due(self, step: int) -> bool:
+        """Whether the interval asks for a checkpoint at `step`."""
+        return self.every is not None and step > 0 and step % self.every == 0
+
+    def maybe_save(
+        self, step: int, /, *, force: bool = False, **state: Any
+    ) -> Path | PendingCheckpoint | None:
+        """Save into folder/checkpoints/step-NNNNNN when the interval says so (or `force`).
+
+        `state` is as for save_checkpoint; the step is saved with it as the value
+        `step`. An interval save is asynchronous when the manager is; a forced one (the
+        last save, a stop) is complete when this returns. Returns the path, the handle
+        of an async save, or None when nothing was due.
+        """
+        if not (force or self.due(step)):
+            return None
+        handle = save_with(
+            self.scope,
+            checkpoint_path(self.folder, step),
+            {**state, "step": step},
+            saver=self._saver,
+            retention=self._retention,
+            async_save=self.async_save and not force,
+            sharded=None,
+        )
+        return handle
+
+    def wait(self) -> None:
+        """Finish the saves in flight; raise CheckpointError if one failed."""
+        self._saver.wait()
+
+    def close(self) -> None:
+        """Finish the saves in flight and stop the saving thread. Call on every rank."""
+        self._saver.close()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"CheckpointManager({str(self.folder)!r}, every={self.every}, "
+            f"keep={self._retention.keep}, async_save={self.async_save})"
+        )

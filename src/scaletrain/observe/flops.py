@@ -1,0 +1,243 @@
+"""Model FLOPs utilisation: FLOPs per step counted once, against a measured and a datasheet peak.
+
+- FLOPs per step: `torch.utils.flop_counter.FlopCounterMode` around one whole step
+  (every micro-batch's forward and backward), on every rank, once.
+- Measured peak: a short matmul benchmark in the training dtype at start, cached per
+  device, dtype, threads, processes per node and torch version
+  ($XDG_CACHE_HOME/scaletrain/peak_flops.json), so later runs skip it.
+- Datasheet peak: dense (not the "with sparsity" figure) for the GPUs in DATASHEET,
+  matched by name. An unknown device has NO datasheet peak: MFU is then given against
+  the measured one only. (torchtitan falls back to the A100's figure for unknown
+  devices, which is how users have seen 563% MFU.)
+- An MFU above 100% is flagged as a measurement error, never shown as a result.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "DATASHEET",
+    "FlopCounter",
+    "Mfu",
+    "compute_mfu",
+    "datasheet_peak",
+    "measure_peak",
+    "peak_dtype",
+]
+
+_T = 1e12
+
+# Dense tensor-core/FP32 peaks in FLOP/s, from the vendors' datasheets (the "*with
+# sparsity" figures halved):
+#   A100: "NVIDIA A100 Tensor Core GPU" datasheet (SXM4 and PCIe: FP32 19.5, TF32 156,
+#     BF16/FP16 312 TFLOPS).
+#   H100: "NVIDIA H100 Tensor Core GPU" datasheet: SXM5 FP32 67, TF32 494.5, BF16/FP16
+#     989.5; PCIe FP32 51, TF32 378, BF16/FP16 756.5; NVL FP32 60, TF32 417.5,
+#     BF16/FP16 835.5 (TFLOPS).
+#   H200: "NVIDIA H200 Tensor Core GPU" datasheet: SXM as H100 SXM5; NVL as H100 NVL.
+#   V100: "NVIDIA Tesla V100 GPU Accelerator" datasheet: SXM2 FP32 15.7, tensor 125;
+#     PCIe FP32 14, tensor 112; V100S FP32 16.4, tensor 130 (no BF16).
+#   A10: "NVIDIA A10 Tensor Core GPU" datasheet: FP32 31.2, TF32 62.5, BF16/FP16 125.
+#   L4: "NVIDIA L4 Tensor Core GPU" datasheet: FP32 30.3, TF32 60, BF16/FP16 121.
+#   L40S: "NVIDIA L40S GPU" datasheet: FP32 91.6, TF32 183, BF16/FP16 362.05.
+#   T4: "NVIDIA T4 Tensor Core GPU" datasheet: FP32 8.1, FP16 65 (no BF16).
+_A100 = {"fp32": 19.5 * _T, "tf32": 156 * _T, "bf16": 312 * _T, "fp16": 312 * _T}
+_H100_SXM = {"fp32": 67 * _T, "tf32": 494.5 * _T, "bf16": 989.5 * _T, "fp16": 989.5 * _T}
+_H100_PCIE = {"fp32": 51 * _T, "tf32": 378 * _T, "bf16": 756.5 * _T, "fp16": 756.5 * _T}
+_H100_NVL = {"fp32": 60 * _T, "tf32": 417.5 * _T, "bf16": 835.5 * _T, "fp16": 835.5 * _T}
+DATASHEET: tuple[tuple[str, dict[str, float]], ...] = (
+    (r"h100.*nvl", _H100_NVL),
+    (r"h100.*pcie", _H100_PCIE),
+    (r"h100", _H100_SXM),
+    (r"h200.*nvl", _H100_NVL),
+    (r"h200", _H100_SXM),
+    (r"a100", _A100),
+    (r"v100s", {"fp32": 16.4 * _T, "fp16": 130 * _T}),
+    (r"v100.*pcie", {"fp32": 14 * _T, "fp16": 112 * _T}),
+    (r"v100", {"fp32": 15.7 * _T, "fp16": 125 * _T}),
+    (r"l40s", {"fp32": 91.6 * _T, "tf32": 183 * _T, "bf16": 362.05 * _T, "fp16": 362.05 * _T}),
+    (r"\bl4\b", {"fp32": 30.3 * _T, "tf32": 60 * _T, "bf16": 121 * _T, "fp16": 121 * _T}),
+    (r"\ba10\b", {"fp32": 31.2 * _T, "tf32": 62.5 * _T, "bf16": 125 * _T, "fp16": 125 * _T}),
+    (r"\bt4\b", {"fp32": 8.1 * _T, "fp16": 65 * _T}),
+)
+"""(regular expression on the lower-cased device name, peaks by dtype), first match wins."""
+
+
+def datasheet_peak(device_name: str, dtype: str) -> float | None:
+    """The datasheet's dense peak FLOP/s for `dtype` on this device; None if the device
+    is not in the table or the table has no such dtype for it (never another device's)."""
+    name = device_name.lower()
+    for pattern, peaks in DATASHEET:
+        if re.search(pattern, name):
+            return peaks.get(dtype)
+    return None
+
+
+def peak_dtype(precision: str, device_type: str) -> str:
+    """The matmul dtype a precision setting trains in: "bf16", "fp16", "tf32" or "fp32"."""
+    if precision.startswith("bf16"):
+        return "bf16"
+    if precision.startswith("fp16"):
+        return "fp16"
+    if device_type == "cuda":
+        import torch
+
+        if torch.backends.cuda.matmul.allow_tf32:
+            return "tf32"
+    return "fp32"
+
+
+def _cache_file() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "scaletrain" / "peak_flops.json"
+
+
+def measure_peak(
+    device: Any,
+    dtype: str,
+    *,
+    device_name: str,
+    processes: int = 1,
+    seconds: float = 0.3,
+    cache: bool = True,
+) -> float:
+    """FLOP/s of a square matmul in `dtype` on `device`, measured for ~`seconds` (cached).
+
+    `processes`: ranks sharing this node, which run it at the same time (on CPU they
+    share the cores, and so they will while training)."""
+    import torch
+
+    key = (
+        f"{device_name}|{dtype}|threads={torch.get_num_threads()}|procs={processes}|"
+        f"torch={torch.__version__}"
+    )
+    path = _cache_file()
+    known: dict[str, float] = {}
+    if cache:
+        with contextlib.suppress(OSError, ValueError):
+            known = json.loads(path.read_text(encoding="utf-8"))
+        if key in known:
+            return float(known[key])
+    cuda = getattr(device, "type", "cpu") == "cuda"
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.float32)
+    n = 4096 if cuda else 512
+    a = torch.randn(n, n, device=device, dtype=torch_dtype)
+    b = torch.randn(n, n, device=device, dtype=torch_dtype)
+    previous_tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = dtype == "tf32"
+    try:
+        for _ in range(2):
+            torch.mm(a, b)
+        if cuda:
+            torch.cuda.synchronize(device)
+        iters, start = 0, time.perf_counter()
+        while True:
+            for _ in range(4):
+                torch.mm(a, b)
+            iters += 4
+            if cuda:
+                torch.cuda.synchronize(device)
+            elapsed = time.perf_counter() - start
+            if elapsed >= seconds:
+                break
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous_tf32
+    peak = 2.0 * n**3 * iters / elapsed
+    if cache:
+        known[key] = peak
+        with contextlib.suppress(OSError):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                json.dump(known, f, indent=1)
+            os.replace(tmp, path)
+    return peak
+
+
+class FlopCounter:
+    """FLOPs of whatever runs between `start()` and `stop()` on this thread (and the
+    autograd threads it starts): one training step, once."""
+
+    def __init__(self) -> None:
+        self._mode: Any = None
+        self.total: int | None = None
+
+    @property
+    def active(self) -> bool:
+        return self._mode is not None
+
+    def start(self) -> None:
+        from torch.utils.flop_counter import FlopCounterMode
+
+        self._mode = FlopCounterMode(display=False)
+        self._mode.__enter__()
+
+    def stop(self) -> int:
+        mode, self._mode = self._mode, None
+        if mode is None:
+            return self.total or 0
+        mode.__exit__(None, None, None)
+        self.total = int(mode.get_total_flops())
+        return self.total
+
+
+@dataclass(frozen=True, slots=True)
+class Mfu:
+    flops_per_step: float
+    step_s: float
+    achieved: float
+    """FLOP/s this rank achieved (flops_per_step / step_s)."""
+    peak_measured: float | None
+    peak_datasheet: float | None
+    mfu_measured: float | None
+    mfu_datasheet: float | None
+    error: str | None = None
+    """Set when an MFU came out above 100%: the measurement is wrong, not the GPU fast."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "flops_per_step": self.flops_per_step,
+            "step_s": self.step_s,
+            "achieved": self.achieved,
+            "peak_measured": self.peak_measured,
+            "peak_datasheet": self.peak_datasheet,
+            "mfu_measured": self.mfu_measured,
+            "mfu_datasheet": self.mfu_datasheet,
+            "error": self.error,
+        }
+
+
+def compute_mfu(
+    flops_per_step: float,
+    step_s: float,
+    peak_measured: float | None,
+    peak_datasheet: float | None,
+) -> Mfu:
+    achieved = flops_per_step / step_s if step_s > 0 else 0.0
+    measured = achieved / peak_measured if peak_measured else None
+    datasheet = achieved / peak_datasheet if peak_datasheet else None
+    error = None
+    over = [
+        (name, v)
+        for name, v in (("measured", measured), ("datasheet", datasheet))
+        if v is not None and v > 1.0
+    ]
+    if over:
+        error = (
+            "MFU above 100% against the "
+            + " and ".join(f"{name} peak ({v:.0%})" for name, v in over)
+            + ": a measurement error (FLOPs counted for work that did not run, a step "
+            "time cut short, or a peak measured while the device was shared), not a result"
+        )
+    return Mfu(
+        flops_per_step, step_s, achieved, peak_measured, peak_datasheet, measured, datasheet, error
+    )

@@ -1,0 +1,244 @@
+"""The whole run in one table: phase x (min, median, max over ranks, the rank named), plus
+overlap, MFU, memory, the stragglers and one line of advice when a pattern is clear.
+
+Per rank, a phase's value is its MEAN seconds per step over the counted steps (warm-up
+and profiled steps left out): means add up to the mean step, and rare phases
+(checkpoints, evaluation) count for what they cost. Windows use medians instead (a
+straggler must be slow typically, not once).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+from scaletrain.errors import spell
+from scaletrain.observe.flops import compute_mfu
+from scaletrain.observe.phases import PHASES
+from scaletrain.observe.window import WindowStats
+
+__all__ = ["advice", "build_summary", "print_summary", "summary_table"]
+
+
+def _finite(x: float) -> float | None:
+    return None if x is None or math.isnan(x) else x
+
+
+def build_summary(ledger: Any, stats: WindowStats) -> dict[str, Any]:
+    """summary.json's content from the ledger and the run-level gather."""
+    ranks = []
+    mfus = []
+    for w in stats.ranks:
+        entry: dict[str, Any] = {
+            "rank": w.rank,
+            "peer_group": w.peer_group,
+            "steps": w.steps,
+            "step": w.wall,
+            "phases": dict(zip(PHASES, w.phases, strict=True)),
+            "comm_busy": _finite(w.comm_busy),
+            "overlap": _finite(w.overlap),
+            "cpu": _finite(w.cpu),
+            "allocated_peak": _finite(w.allocated_peak),
+            "reserved_peak": _finite(w.reserved_peak),
+            "rss_peak": _finite(w.rss_peak),
+            "gpu_util": _finite(w.gpu_util),
+            "flops_per_step": _finite(w.flops),
+        }
+        if not math.isnan(w.flops) and w.wall > 0 and w.steps > 0:
+            mfu = compute_mfu(w.flops, w.wall, ledger.peak_measured, ledger.peak_datasheet)
+            entry["mfu"] = mfu.as_dict()
+            mfus.append(mfu)
+        ranks.append(entry)
+    named = [s.as_dict() for s in ledger.detector.named.values()]
+    summary: dict[str, Any] = {
+        "v": 1,
+        "world_size": ledger.world_size,
+        "first_step": stats.first_step,
+        "last_step": stats.last_step,
+        "clock": ledger._timeline.kind,
+        "device": ledger.device_type,
+        "device_name": ledger.device_name,
+        "statistic": "mean seconds per step",
+        "phases": {k: v.as_dict() for k, v in stats.spreads.items()},
+        "ranks": ranks,
+        "stragglers": named,
+        "peak": {
+            "dtype": ledger.peak_dtype,
+            "measured": ledger.peak_measured,
+            "datasheet": ledger.peak_datasheet,
+        },
+        "mfu": _mfu_overall(mfus),
+    }
+    summary["advice"] = advice(summary)
+    return summary
+
+
+def _mfu_overall(mfus: list[Any]) -> dict[str, Any] | None:
+    if not mfus:
+        return None
+
+    def med(key: str) -> float | None:
+        values = [getattr(m, key) for m in mfus if getattr(m, key) is not None]
+        return statistics.median(values) if values else None
+
+    errors = sorted({m.error for m in mfus if m.error})
+    return {
+        "measured": med("mfu_measured"),
+        "datasheet": med("mfu_datasheet"),
+        "achieved": med("achieved"),
+        "error": errors[0] if errors else None,
+    }
+
+
+def _share(summary: dict[str, Any], phase: str) -> float:
+    step = summary["phases"]["step"]["median"]
+    value = summary["phases"][phase]["median"]
+    if not step or step != step or value != value:
+        return 0.0
+    return float(value / step)
+
+
+def advice(summary: dict[str, Any]) -> str | None:
+    """One line when a pattern is clear: a straggler, data-bound, communication-bound,
+    checkpoint or evaluation stalls; None when nothing stands out."""
+    if summary["stragglers"]:
+        s = max(summary["stragglers"], key=lambda x: x["cost_s"])
+        fix = (
+            f"its loader is slower than its peers' (its node's disk or CPUs; "
+            f"{spell('num_workers')} helps if the CPUs are free)"
+            if s["phase"] == "data"
+            else "check that rank's device and node (clocks, temperature, other jobs)"
+        )
+        return (
+            f"Straggler: rank {s['rank']} is {s['slower']:.2f}x slower than its fastest peer "
+            f"in {s['phase']}; its peers wait {s['cost_s'] * 1e3:.1f} ms per step for it "
+            f"({s['cost_fraction']:.0%} of the step). {fix[0].upper()}{fix[1:]}."
+        )
+    data, comm = _share(summary, "data"), _share(summary, "comm")
+    sync = _share(summary, "sync")
+    if data >= 0.15:
+        return (
+            f"Data-bound: ranks wait {data:.0%} of each step for the next batch. Raise "
+            f"{spell('num_workers')} (loader processes per rank) or make the dataset's "
+            "__getitem__ cheaper."
+        )
+    if comm >= 0.2:
+        overlaps = [r["overlap"] for r in summary["ranks"] if r.get("overlap") is not None]
+        hidden = f" (overlap {statistics.median(overlaps):.0%})" if overlaps else ""
+        return (
+            f"Communication-bound: {comm:.0%} of each step is blocked on the gradient "
+            f"all-reduce after backward{hidden}. A larger batch per rank, DDP(bucket_cap_mb=...) "
+            "or comm_hook='fp16' hide or shrink it."
+        )
+    checkpoint, evaluation = _share(summary, "checkpoint"), _share(summary, "eval")
+    if checkpoint >= 0.1:
+        return (
+            f"Checkpoints stall training {checkpoint:.0%} of the time: "
+            f"{spell('async_save', True)} writes them in the background, or save less often."
+        )
+    if evaluation >= 0.25:
+        return (
+            f"Evaluation takes {evaluation:.0%} of the time: {spell('eval_batches')} "
+            "evaluates on part of the test set."
+        )
+    if sync >= 0.1:
+        return (
+            f"Per-step synchronisation (stop agreement, reductions) takes {sync:.0%} of each "
+            "step: reduce less often."
+        )
+    return None
+
+
+def _ms(seconds: float | None) -> str:
+    if seconds is None or seconds != seconds:
+        return "-"
+    return f"{seconds * 1e3:,.2f}"
+
+
+def summary_table(summary: dict[str, Any]) -> Any:
+    """A rich Table of phase x min / median / max over ranks."""
+    from rich.table import Table
+
+    world = summary["world_size"]
+    counted = max((r["steps"] for r in summary["ranks"]), default=0)
+    table = Table(
+        title=f"where the time goes: ms per step (mean of {counted} steps in "
+        f"{summary['first_step']}-{summary['last_step']}, warm-up and profiled steps left "
+        f"out; min / median / max over {world} rank{'s' if world != 1 else ''})",
+        title_justify="left",
+    )
+    for name, justify in (
+        ("phase", "left"),
+        ("min", "right"),
+        ("rank", "right"),
+        ("median", "right"),
+        ("max", "right"),
+        ("rank", "right"),
+        ("share", "right"),
+    ):
+        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    step = summary["phases"]["step"]["median"]
+    for name in (*PHASES, "step"):
+        s = summary["phases"][name]
+        if name != "step" and not (s["max"] or 0) > 0:
+            continue
+        share = f"{s['median'] / step:.0%}" if step and s["median"] is not None else "-"
+        table.add_row(
+            name if name != "step" else "[bold]step[/]",
+            _ms(s["min"]),
+            str(s["min_rank"]),
+            _ms(s["median"]),
+            _ms(s["max"]),
+            str(s["max_rank"]),
+            share if name != "step" else "",
+        )
+    return table
+
+
+def _lines(summary: dict[str, Any]) -> list[str]:
+    lines = []
+    overlaps = [(r["rank"], r["overlap"]) for r in summary["ranks"] if r.get("overlap") is not None]
+    if overlaps:
+        lo = min(overlaps, key=lambda x: x[1])
+        lines.append(
+            f"gradient all-reduce hidden behind backward: median "
+            f"{statistics.median(v for _, v in overlaps):.0%}, lowest {lo[1]:.0%} (rank {lo[0]})"
+        )
+    mfu = summary.get("mfu")
+    if mfu:
+        peak = summary["peak"]
+        parts = []
+        if mfu.get("measured") is not None:
+            parts.append(f"{mfu['measured']:.1%} of the measured {peak['dtype']} peak")
+        if mfu.get("datasheet") is not None:
+            parts.append(f"{mfu['datasheet']:.1%} of the datasheet peak")
+        else:
+            parts.append(f"no datasheet peak known for {summary['device_name']}")
+        lines.append(f"MFU: {', '.join(parts)} ({(mfu.get('achieved') or 0) / 1e12:.3f} TFLOP/s)")
+        if mfu.get("error"):
+            lines.append(f"[bold red]measurement error:[/] {mfu['error']}")
+    mem = [
+        (r["rank"], r.get("allocated_peak") or r.get("rss_peak"))
+        for r in summary["ranks"]
+        if (r.get("allocated_peak") or r.get("rss_peak"))
+    ]
+    if mem:
+        what = "CUDA allocated" if summary["ranks"][0].get("allocated_peak") else "RSS"
+        top = max(mem, key=lambda x: x[1])
+        lines.append(f"peak memory ({what}): max {top[1] / 2**20:,.0f} MiB (rank {top[0]})")
+    for s in summary["stragglers"]:
+        lines.append(
+            f"straggler: rank {s['rank']} slow in {s['phase']} ({s['slower']:.2f}x, named at "
+            f"steps {s['first_step']}-{s['last_step']}), peers wait {s['cost_s'] * 1e3:.1f} ms/step"
+        )
+    if summary.get("advice"):
+        lines.append(f"[bold]advice:[/] {summary['advice']}")
+    return lines
+
+
+def print_summary(summary: dict[str, Any], say: Callable[[Any], None]) -> None:
+    say(summary_table(summary))
+    for line in _lines(summary):
+        say(line)

@@ -1,0 +1,251 @@
+"""What a resume may change, and how it says what it did.
+
+A checkpoint holds the step, not a frozen learning-rate schedule: the schedule is
+a function of the step and the run's length (scaletrain.train.schedule), so a resume
+with another --max-steps or --epochs extends or shortens the run. Other settings
+change what the run *means*, and resuming with them would silently produce a run
+that neither configuration describes:
+
+  recipe, batch_size, accumulate    the model, data and samples per step
+  lr (when given), schedule, warmup the learning-rate curve
+  seed                              the order of the epochs still to come
+  precision, clip_grad, sync_bn     the arithmetic of every step
+  strategy family                   data-parallel, sharded, tensor, pipeline...
+
+Those are refused with a table of what differs; `--fork NEW_RUN` starts a new run
+from the checkpoint's weights with the new settings. Everything else may change on
+resume: how long (max_steps, epochs), how it is watched or saved (log_every,
+save_every, keep, async_save, hang_timeout, eval_batches, eval_batch_size), and how
+many processes run it (nproc, nodes, backend): at another data-parallel size the
+per-replica batch stays, the peak learning rate is the checkpoint's, and the loader
+deals the epoch's remaining samples over the new ranks.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from scaletrain.checkpoint import CheckpointManager, Resumed
+from scaletrain.checkpoint.state import collect_rng, restore_rng
+from scaletrain.errors import ConfigError, spell
+from scaletrain.runtime import Runtime
+from scaletrain.train.config import TrainConfig
+
+__all__ = [
+    "MEANING",
+    "changed_meaning",
+    "check_meaning",
+    "fork_from",
+    "has_checkpoints",
+    "length_words",
+    "read_json",
+    "refuse_changes",
+    "refuse_length",
+    "resume_lines",
+    "strategy_family",
+]
+
+MEANING = (
+    "recipe",
+    "batch_size",
+    "accumulate",
+    "lr",
+    "schedule",
+    "warmup",
+    "seed",
+    "precision",
+    "clip_grad",
+    "sync_bn",
+)
+"""Resolved settings a resume must keep (and the strategy's family, compared apart)."""
+
+_FAMILIES = {
+    "ddp": "data-parallel",
+    "dp": "data-parallel",
+    "single": "data-parallel",
+    "fsdp": "sharded",
+    "tensor": "tensor-parallel",
+    "pipeline": "pipeline",
+    "model-parallel": "model-parallel",
+}
+
+
+def strategy_family(strategy: str, mesh: str | None) -> str:
+    """DDP, DP and one process train the same replicated model; FSDP, tensor and
+    pipeline parallel (and meshes of them) each split it their own way."""
+    if mesh:
+        dims = sorted(part.split("=")[0].strip() for part in mesh.split(",") if part.strip())
+        return "mesh " + "x".join(dims)
+    return _FAMILIES.get(strategy, strategy)
+
+
+def changed_meaning(
+    saved: Mapping[str, Any], now: Mapping[str, Any], *, lr_given: bool
+) -> list[tuple[str, Any, Any]]:
+    """(setting, checkpoint's value, this run's) for every setting that alters the run.
+
+    `saved` and `now` are resolved configurations (config.json). The peak learning
+    rate counts only when given now: otherwise the checkpoint's is kept.
+    """
+    diffs = []
+    for key in MEANING:
+        if key == "lr" and not lr_given:
+            continue
+        if key in saved and saved[key] != now.get(key):
+            diffs.append((key, saved[key], now.get(key)))
+    was = strategy_family(str(saved.get("strategy")), saved.get("mesh"))
+    is_ = strategy_family(str(now.get("strategy")), now.get("mesh"))
+    if "strategy" in saved and was != is_:
+        diffs.append(("strategy", f"{saved['strategy']} ({was})", f"{now.get('strategy')} ({is_})"))
+    return diffs
+
+
+def _shown(value: Any) -> str:
+    return "(default)" if value is None else str(value)
+
+
+def refuse_changes(diffs: list[tuple[str, Any, Any]], source: str) -> ConfigError:
+    """The error for a resume whose settings alter the run: a table and two ways out."""
+    rows = [(spell(key), _shown(old), _shown(new)) for key, old, new in diffs]
+    widths = [max(len(r[i]) for r in [("setting", "checkpoint", "now"), *rows]) for i in range(3)]
+    table = "\n".join(
+        "  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        for row in [("setting", "checkpoint", "now"), *rows]
+    )
+    revert = ", ".join(
+        spell(key, old)
+        if not isinstance(old, str) or key != "strategy"
+        else spell(key, old.split()[0])
+        for key, old, _ in diffs
+        if old is not None
+    )
+    return ConfigError(
+        f"the run in {source} was trained with other settings, and resuming it with these "
+        "would change what the run means:\n"
+        f"{table}\n"
+        f"Fix: resume with the checkpoint's settings ({revert or 'leave them out'}), or start "
+        f"a new run from this checkpoint's weights with the new ones: "
+        f"{spell('fork', 'NEW_RUN')} (add {spell('fork_optimizer', True)} to take the "
+        "optimizer state too).",
+        field=diffs[0][0],
+    )
+
+
+def resume_lines(
+    resumed: Resumed | None,
+    values: Mapping[str, Any],
+    total: int,
+    *,
+    fork: bool | None,
+    dp_size: int = 1,
+) -> list[str]:
+    """The header's lines about where the run starts: checkpoints skipped (and why), the
+    checkpoint resumed or forked from, and whether the run was extended or shortened.
+    `fork`: None for a resume, else whether the optimizer state came along."""
+    if resumed is None:
+        return []
+    lines = [f"  skipped {path}: {why}" for path, why in resumed.rejected]
+    if resumed.path is None:
+        return lines
+    if fork is not None:
+        taken = "weights and optimizer state" if fork else "weights"
+        return [*lines, f"  forked from {resumed.path}: its {taken}, from step 0"]
+    saved_total = values.get("total_steps")
+    words = length_words(
+        resumed.path, int(values["step"]), int(saved_total) if saved_total else None, total
+    )
+    lines.append(f"  {words}")
+    saved_dp = (values.get("config") or {}).get("run", {}).get("data_parallel_size")
+    if saved_dp is not None and saved_dp != dp_size:
+        lines.append(
+            f"  data-parallel size {saved_dp} -> {dp_size}: the rest of the epoch is dealt "
+            f"over {dp_size} replicas; the batch per replica and the peak learning rate stay"
+        )
+    return lines
+
+
+def length_words(path: Path, step: int, saved_total: int | None, total: int) -> str:
+    """The header's words for a resume: "resumed at step 20, extending to 40 (it was 20)
+    from PATH" when the run's length changed (or shortening), else "resumed from PATH at
+    step 20/40"."""
+    if saved_total is None or saved_total == total:
+        return f"resumed from {path} at step {step}/{total}"
+    verb = "extending" if total > saved_total else "shortening"
+    return f"resumed at step {step}, {verb} to {total} (it was {saved_total}) from {path}"
+
+
+def check_meaning(
+    saved: Mapping[str, Any] | None, now: Mapping[str, Any], lr_given: bool, source: str
+) -> None:
+    """Raise the table of `refuse_changes` if `now` alters the run `saved` describes."""
+    if saved is None:
+        return
+    diffs = changed_meaning(saved, now, lr_given=lr_given)
+    if diffs:
+        raise refuse_changes(diffs, source)
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    """A JSON object from `path`, or None if there is none to read."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def has_checkpoints(out: Path) -> bool:
+    """Whether OUT/checkpoints holds a checkpoint whose save finished (valid or not)."""
+    folder = out / "checkpoints"
+    return folder.is_dir() and any((d / "manifest.json").is_file() for d in folder.iterdir())
+
+
+def fork_from(rt: Runtime, source: Path, state: dict[str, Any], *, fork: str) -> Resumed:
+    """Load `state` (the model; the optimizer too when asked) from the newest valid
+    checkpoint of `source`, leaving this run's RNG as it was: a fork is a new run."""
+    rng = collect_rng(rt.device)
+    found = CheckpointManager(rt, source).resume(**state)
+    restore_rng(rng, rt.device)
+    if found.path is None:
+        raise ConfigError(
+            f"{spell('fork', fork)} starts from the newest checkpoint of "
+            f"{spell('out', str(source))}, but it holds none. Fix: point {spell('out')} at "
+            f"a run saved with {spell('save_every')} (which saves its last step too), or "
+            "leave the fork out to start from scratch.",
+            field="out",
+        )
+    return found
+
+
+def refuse_length(cfg: TrainConfig, out: Path, path: Path, step: int, total: int) -> None:
+    """Stop a resume past the run's (new) end before anything is written.
+
+    At the run's last step it finishes at once when it had not (a save, then a crash
+    before model.pt); one that finished is refused: there is nothing to train.
+    """
+    if step < total:
+        return
+    finished = (out / "model.pt").is_file()
+    if step == total and not finished:
+        return
+    field = "max_steps" if cfg.max_steps is not None else "epochs"
+    if step == total:
+        raise ConfigError(
+            f"the run in {out} already finished at step {step} of {total}; there is "
+            f"nothing left to train. Fix: extend it ({spell('max_steps')} or "
+            f"{spell('epochs')} beyond its length), start a new run from its weights with "
+            f"{spell('fork', 'NEW_RUN')}, or add {spell('overwrite', True)} to train it "
+            "again from step 0.",
+            field=field,
+        )
+    length = spell(field, getattr(cfg, field)) if getattr(cfg, field) is not None else "the recipe"
+    raise ConfigError(
+        f"the run in {out} resumes at step {step} ({path.name}), past the {total} steps "
+        f"that {length} now gives it; a run cannot be shortened to before its checkpoint. "
+        f"Fix: ask for at least {step} steps, or start a new, shorter run from these "
+        f"weights with {spell('fork', 'NEW_RUN')}.",
+        field=field,
+    )

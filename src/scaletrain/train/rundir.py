@@ -1,0 +1,139 @@
+"""What a run directory already holds, and what a new start may do with it.
+
+A run directory (`--out`) is one run: its checkpoints, metrics.jsonl, config.json and,
+once it finished, model.pt. Starting again on it resumes from its checkpoints; what
+else it may hold decides the rest:
+
+* finished (model.pt) with no checkpoint to continue from: refused, since training
+  again would replace its model.pt and add a second summary to its metrics, unless
+  `--overwrite`, which removes the run's files first;
+* interrupted with no checkpoint (a crash or Ctrl-C before the first save): started
+  over, its metrics.jsonl kept aside as metrics.interrupted-N.jsonl, and said so.
+
+This module imports no torch: the CLI checks a directory before it launches anything.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from scaletrain.errors import ConfigError, spell
+
+__all__ = ["RunDir", "clear_run", "inspect_run", "refuse_reuse", "set_aside_interrupted"]
+
+PREEMPTED_MARKER = "PREEMPTED"
+"""File rank 0 writes into the run directory when a signal stopped the run."""
+
+_RUN_FILES = ("checkpoints", "model.pt", "metrics.jsonl", "config.json", PREEMPTED_MARKER, "pids")
+
+
+@dataclass(frozen=True, slots=True)
+class RunDir:
+    """What is in a run directory, by name only (nothing is read or verified here)."""
+
+    path: Path
+    finished: bool
+    """model.pt is there: the run ended (written last, by the run's end)."""
+    checkpoints: int
+    """Checkpoints whose save finished (a manifest.json; valid or not)."""
+    metrics: bool
+    """metrics.jsonl is there: the run trained (or began to)."""
+
+    @property
+    def holds_run(self) -> bool:
+        return self.finished or self.checkpoints > 0 or self.metrics
+
+    def what(self) -> str:
+        """The run's files, as a person would list them."""
+        parts = []
+        if self.finished:
+            parts.append("model.pt")
+        if self.metrics:
+            parts.append("metrics.jsonl")
+        if self.checkpoints:
+            parts.append(f"{self.checkpoints} checkpoint(s)")
+        return ", ".join(parts) or "nothing"
+
+
+def inspect_run(path: str | Path) -> RunDir:
+    path = Path(path)
+    folder = path / "checkpoints"
+    checkpoints = (
+        sum(1 for d in folder.iterdir() if d.is_dir() and (d / "manifest.json").is_file())
+        if folder.is_dir()
+        else 0
+    )
+    return RunDir(
+        path=path,
+        finished=(path / "model.pt").is_file(),
+        checkpoints=checkpoints,
+        metrics=(path / "metrics.jsonl").is_file(),
+    )
+
+
+def refuse_reuse(run: RunDir, *, overwrite: bool, field: str = "out") -> None:
+    """Raise ConfigError when starting on `run` would replace a finished run's results.
+
+    `field` is the setting that named the directory: "out" for a run, "fork" for the
+    directory a fork would start in (which must not hold a run at all).
+    """
+    if overwrite:
+        return
+    if field == "fork" and run.holds_run:
+        raise ConfigError(
+            f"{spell('fork', str(run.path))}: that directory already holds a run "
+            f"({run.what()}); a fork starts a new run and never writes into another. Fix: "
+            f"name a new directory, or add {spell('overwrite', True)} to replace that run.",
+            field="fork",
+        )
+    if field == "out" and run.finished and run.checkpoints == 0:
+        raise ConfigError(
+            f"{spell('out', str(run.path))} holds a finished run ({run.what()}) and no "
+            "checkpoint to continue from: training again would replace its model.pt and add "
+            f"a second summary to its metrics. Fix: pass a new {spell('out')}, or add "
+            f"{spell('overwrite', True)} to replace that run.",
+            field="out",
+        )
+
+
+def clear_run(path: Path) -> list[str]:
+    """Remove a run's own files (for --overwrite); anything else in the directory stays."""
+    removed = []
+    for name in _RUN_FILES:
+        target = path / name
+        if target.is_dir():
+            shutil.rmtree(target)
+        elif target.exists():
+            target.unlink()
+        else:
+            continue
+        removed.append(name)
+    for old in sorted(path.glob("metrics.interrupted-*.jsonl")):
+        old.unlink()
+        removed.append(old.name)
+    return removed
+
+
+def set_aside_interrupted(run: RunDir) -> str | None:
+    """A run that began and left no checkpoint: keep its metrics aside, say what was found.
+
+    Returns the sentence for the run's header, or None when there was nothing to find.
+    """
+    if run.finished or run.checkpoints or not run.metrics:
+        return None
+    metrics = run.path / "metrics.jsonl"
+    if metrics.stat().st_size == 0:
+        metrics.unlink()  # opened by a start that failed before its first step
+        return None
+    n = 1
+    while (run.path / f"metrics.interrupted-{n}.jsonl").exists():
+        n += 1
+    kept = run.path / f"metrics.interrupted-{n}.jsonl"
+    (run.path / "metrics.jsonl").rename(kept)
+    (run.path / "config.json").unlink(missing_ok=True)
+    return (
+        f"{run.path} held a run that was interrupted before its first checkpoint: starting "
+        f"over from step 0 (its metrics are kept in {kept.name})"
+    )

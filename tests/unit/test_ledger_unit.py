@@ -1,0 +1,207 @@
+"""The step ledger without processes: phase accounting, CUDA events read late (fakes),
+windows, the on-disk format and its reader."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from scaletrain.observe.clocks import CudaTimeline, WallTimeline
+from scaletrain.observe.ledger import LedgerConfig, StepLedger
+from scaletrain.observe.phases import BACKWARD, COMM, DATA, FORWARD, OPTIMIZER, OTHER, PHASES
+from scaletrain.observe.records import peak_memory, phase_medians, read_run
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _ledger(
+    tmp_path: Path | None = None, every: int = 5, **kwargs: object
+) -> tuple[StepLedger, FakeClock]:
+    clock = FakeClock()
+    ledger = StepLedger(
+        LedgerConfig(out=tmp_path, every=every, flops=False, summary=False),
+        timeline=WallTimeline(len(PHASES), clock=clock),
+        **kwargs,  # type: ignore[arg-type]
+    )
+    return ledger, clock
+
+
+def _step(ledger: StepLedger, clock: FakeClock, data: float = 1, fwd: float = 2, bwd: float = 3,
+          comm: float = 0.5, opt: float = 0.25) -> None:  # fmt: skip
+    ledger.push(DATA)
+    clock.now += data
+    ledger.data_arrived()
+    clock.now += 0.1  # h2d
+    ledger.forward_begin(True)
+    clock.now += fwd
+    ledger.backward_begin()
+    clock.now += bwd
+    ledger.compute_end()
+    clock.now += comm
+    ledger.backward_end()
+    clock.now += 0.05  # zero_grad: other
+    ledger.optimizer_begin()
+    clock.now += opt
+    ledger.optimizer_end()
+
+
+def test_phases_tile_the_step_and_land_where_they_belong(tmp_path: Path) -> None:
+    ledger, clock = _ledger(tmp_path)
+    for _ in range(3):
+        _step(ledger, clock)
+    ledger.finish(collective=False)
+    records = read_run(tmp_path)
+    steps = records.ranks[0].steps
+    assert [s.step for s in steps] == [1, 2, 3]
+    s = steps[1]
+    assert s.phases["data"] == pytest.approx(1) and s.phases["h2d"] == pytest.approx(0.1)
+    assert s.phases["forward"] == pytest.approx(2) and s.phases["backward"] == pytest.approx(3)
+    assert s.phases["comm"] == pytest.approx(0.5) and s.phases["optimizer"] == pytest.approx(0.25)
+    assert s.phases["other"] == pytest.approx(0.05)
+    assert sum(s.phases.values()) == pytest.approx(s.wall)
+    assert s.wall == pytest.approx(6.9)
+    assert steps[0].flags == ("warmup",) and steps[1].counted
+
+
+def test_eval_and_checkpoint_absorb_what_runs_inside_them() -> None:
+    ledger, clock = _ledger()
+    _step(ledger, clock)
+    ledger.begin_mode(7)  # checkpoint
+    ledger.push(DATA)  # a loader inside a save still counts as the save
+    clock.now += 4
+    ledger.pop(DATA)
+    ledger.end_mode(7)
+    ledger.forward_begin(False)  # a no-grad forward: evaluation until training resumes
+    clock.now += 2
+    ledger.push(DATA)
+    clock.now += 1
+    ledger.data_arrived()
+    ledger.end_eval()
+    _step(ledger, clock, data=0)
+    last = ledger.run.last
+    assert last is not None
+    assert last.seconds[PHASES.index("checkpoint")] == pytest.approx(4)
+    assert last.seconds[PHASES.index("eval")] == pytest.approx(3)
+
+
+class FakeEvent:
+    """A CUDA event on a fake stream: completes when the test says the GPU got there."""
+
+    gpu_time = 0.0
+    done_upto = 0.0
+
+    def __init__(self) -> None:
+        self.t: float | None = None
+
+    def record(self) -> None:
+        self.t = FakeEvent.gpu_time
+
+    def query(self) -> bool:
+        return self.t is not None and self.t <= FakeEvent.done_upto
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        assert self.query() and end.query(), "read before it completed: a synchronize"
+        assert end.t is not None and self.t is not None
+        return (end.t - self.t) * 1e3
+
+    def synchronize(self) -> None:
+        FakeEvent.done_upto = max(FakeEvent.done_upto, self.t or 0.0)
+
+
+def test_cuda_timeline_reads_events_one_step_late_and_never_waits() -> None:
+    FakeEvent.gpu_time = FakeEvent.done_upto = 0.0
+    made: list[FakeEvent] = []
+
+    def factory() -> FakeEvent:
+        made.append(FakeEvent())
+        return made[-1]
+
+    timeline = CudaTimeline(len(PHASES), event_factory=factory)
+    for step in range(3):
+        for phase, seconds in ((FORWARD, 0.2), (BACKWARD, 0.3), (COMM, 0.1)):
+            FakeEvent.gpu_time += seconds
+            timeline.switch(phase)
+        FakeEvent.gpu_time += 0.05
+        timeline.close(OPTIMIZER, step)
+        # The GPU lags: only the previous step has completed.
+        FakeEvent.done_upto = FakeEvent.gpu_time - 0.6
+        ready = timeline.ready()
+        assert [t.tag for t in ready] == ([] if step == 0 else [step - 1])
+    rest = timeline.flush()
+    assert [t.tag for t in rest] == [2]
+    assert rest[0].seconds[BACKWARD] == pytest.approx(0.3)
+    assert rest[0].wall == pytest.approx(0.65)
+    assert sum(rest[0].seconds) == pytest.approx(rest[0].wall)
+    # Events are reused: 3 steps x 4 marks + 1 start would be 13 without the pool.
+    assert len(made) < 13
+
+
+def test_window_gather_spreads_name_the_extreme_ranks(tmp_path: Path) -> None:
+    rows: list[list[float]] = []
+
+    def gather(values: list[float]) -> list[list[float]]:
+        # Rank 1 is 50% slower in forward than this rank (0).
+        other = list(values)
+        other[0] = 1.0
+        other[4 + FORWARD] *= 1.5
+        other[4 + COMM] = 0.0  # the slow rank arrives last and waits least
+        rows.append(values)
+        return [values, other]
+
+    ledger, clock = _ledger(tmp_path, every=10, world_size=2, gather=gather)
+    for _ in range(20):
+        _step(ledger, clock)
+    assert len(ledger.windows) == 2  # steps 10 and 20
+    spread = ledger.windows[-1].spreads["forward"]
+    assert spread.min_rank == 0 and spread.max_rank == 1
+    assert spread.max == pytest.approx(3.0) and spread.min == pytest.approx(2.0)
+    lines = (tmp_path / "observe" / "windows.jsonl").read_text().splitlines()
+    assert json.loads(lines[-1])["spreads"]["forward"]["max_rank"] == 1
+    ledger.finish()
+    summary = json.loads((tmp_path / "observe" / "summary.json").read_text())
+    assert summary["phases"]["forward"]["max_rank"] == 1
+    # Forward 3.0 vs 2.0 s of a ~7 s step: named, with forward as the phase.
+    assert [s["rank"] for s in summary["stragglers"]] == [1]
+    assert summary["stragglers"][0]["phase"] == "forward"
+
+
+def test_reader_helpers_give_what_a_planner_compares_with(tmp_path: Path) -> None:
+    ledger, clock = _ledger(tmp_path)
+    for _ in range(6):
+        _step(ledger, clock)
+    ledger.finish(collective=False)
+    medians = phase_medians(tmp_path)
+    assert medians[0]["forward"] == pytest.approx(2.0)
+    assert medians[0]["step"] == pytest.approx(6.9)
+    peaks = peak_memory(tmp_path)
+    assert peaks[0]["allocated_peak"] is None  # no memory sampler given here
+    with pytest.raises(FileNotFoundError, match="no ledger files"):
+        read_run(tmp_path / "elsewhere")
+
+
+def test_a_killed_process_leaves_a_readable_file(tmp_path: Path) -> None:
+    ledger, clock = _ledger(tmp_path)
+    for _ in range(2):
+        _step(ledger, clock)
+    ledger.close()
+    path = tmp_path / "observe" / "rank0.jsonl"
+    path.write_text(path.read_text() + '{"kind":"step","step":3,"t"')  # cut mid-line
+    assert [s.step for s in read_run(tmp_path).ranks[0].steps] == [1, 2]
+
+
+def test_other_is_the_rest_and_starts_after_the_first_hook() -> None:
+    ledger, clock = _ledger()
+    clock.now += 100  # building the model: no step's time
+    _step(ledger, clock)
+    assert ledger.run.steps == 0  # step 1 is warm-up: not counted
+    _step(ledger, clock)
+    assert ledger.run.last is not None and ledger.run.last.wall == pytest.approx(6.9)
+    assert ledger.run.last.seconds[OTHER] == pytest.approx(0.05)

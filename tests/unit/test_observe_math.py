@@ -1,0 +1,141 @@
+"""Stragglers on synthetic windows, HTA's overlap on hand-built intervals, MFU and peaks."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from scaletrain.observe.flops import compute_mfu, datasheet_peak, measure_peak
+from scaletrain.observe.overlap import intersection_length, overlap_stats, union
+from scaletrain.observe.phases import COMM, DATA, FORWARD, PHASES
+from scaletrain.observe.stragglers import StragglerDetector
+from scaletrain.observe.window import RankWindow, WindowStats
+
+
+def _window(rank: int, forward: float = 10e-3, data: float = 1e-3, comm: float = 2e-3,
+            noise: float = 0.0, rng: random.Random | None = None) -> RankWindow:  # fmt: skip
+    jitter = (lambda: 1 + rng.gauss(0, noise)) if rng else (lambda: 1.0)
+    phases = [0.0] * len(PHASES)
+    phases[DATA] = data * jitter()
+    phases[FORWARD] = forward * jitter()
+    phases[PHASES.index("backward")] = 2 * 10e-3 * jitter()
+    phases[COMM] = comm
+    return RankWindow(rank=rank, peer_group=0, steps=10, wall=sum(phases), phases=phases)
+
+
+def _run(windows: list[list[RankWindow]]) -> tuple[StragglerDetector, list[int]]:
+    detector = StragglerDetector()
+    named_at = []
+    for i, ranks in enumerate(windows):
+        if detector.update(WindowStats.build(i * 10 + 1, i * 10 + 10, ranks)):
+            named_at.append(i)
+    return detector, named_at
+
+
+def test_a_rank_20_percent_slower_in_forward_is_named_after_two_windows() -> None:
+    rng = random.Random(0)
+    windows = []
+    for _ in range(4):
+        # forward is 20 of the ~43 ms step: 20% slower costs ~9% of the step.
+        ranks = [_window(r, forward=20e-3, noise=0.02, rng=rng) for r in range(4)]
+        slow = ranks[2]
+        slow.phases[FORWARD] *= 1.2
+        slow.wall = sum(slow.phases)
+        # Its peers wait for it in the all-reduce (DeepSpeed's measure of the cost).
+        for r in ranks:
+            if r.rank != 2:
+                r.phases[COMM] += 4e-3
+        windows.append(ranks)
+    detector, named_at = _run(windows)
+    assert named_at == [1]  # patience: two windows in a row
+    s = detector.named[2]
+    assert s.phase == "forward" and 0.78 < s.score < 0.9
+    assert s.cost_s == pytest.approx(4e-3)
+    assert "rank 2" in s.describe() and "forward" in s.describe()
+
+
+def test_a_slow_loader_is_named_with_data() -> None:
+    windows = []
+    for _ in range(2):
+        ranks = [_window(r) for r in range(2)]
+        ranks[1].phases[DATA] = 8e-3
+        ranks[0].phases[COMM] += 7e-3  # rank 0 waits for it in the all-reduce
+        windows.append(ranks)
+    detector, _ = _run(windows)
+    assert detector.named[1].phase == "data"
+
+
+def test_balanced_noisy_ranks_raise_no_alarm() -> None:
+    rng = random.Random(1)
+    # 3% noise on every phase's window median, independently per rank (medians of 10+
+    # steps on a loaded 2-core box move less), 200 windows of 4 ranks.
+    windows = [[_window(r, noise=0.03, rng=rng) for r in range(4)] for _ in range(200)]
+    detector, _ = _run(windows)
+    assert detector.named == {}
+
+
+def test_a_tiny_phase_twice_as_slow_costs_nothing_and_names_nobody() -> None:
+    windows = []
+    for _ in range(3):
+        ranks = [_window(r, data=0.1e-3) for r in range(2)]
+        ranks[1].phases[DATA] = 0.2e-3  # 2x slower, 0.3% of the step
+        windows.append(ranks)
+    detector, _ = _run(windows)
+    assert detector.named == {}
+
+
+def test_pipeline_stages_are_not_compared_with_each_other() -> None:
+    windows = []
+    for _ in range(3):
+        a, b = _window(0), _window(1, forward=30e-3)  # the heavier stage
+        b.peer_group = 1
+        windows.append([a, b])
+    detector, _ = _run(windows)
+    assert detector.named == {}
+
+
+def test_overlap_follows_hta_definitions_on_hand_built_intervals() -> None:
+    # compute [0,10] and [20,30]; comm [5,25]: 5+5 of 20 overlapped.
+    stats = overlap_stats(comm=[(5, 25)], compute=[(0, 10), (20, 30)])
+    assert stats.comm_s == 20 and stats.overlapped_s == 10 and stats.exposed_s == 10
+    assert stats.overlap == pytest.approx(0.5)
+    # Nested and overlapping compute spans count once; comm fully inside: 100%.
+    assert overlap_stats([(2, 3)], [(0, 5), (1, 4), (4, 6)]).overlap == 1.0
+    # Nothing overlaps: all exposed.
+    assert overlap_stats([(10, 12)], [(0, 5)]).exposed_s == 2
+    assert overlap_stats([], [(0, 1)]).overlap is None
+    assert union([(3, 4), (0, 1), (0.5, 2), (5, 5)]) == [(0, 2), (3, 4)]
+    assert intersection_length([(0, 2), (3, 4)], [(1, 3.5)]) == pytest.approx(1.5)
+
+
+def test_datasheet_peaks_are_dense_and_never_another_devices() -> None:
+    assert datasheet_peak("NVIDIA H100 80GB HBM3", "bf16") == pytest.approx(989.5e12)
+    assert datasheet_peak("NVIDIA H100 PCIe", "bf16") == pytest.approx(756.5e12)
+    assert datasheet_peak("NVIDIA H100 NVL", "bf16") == pytest.approx(835.5e12)
+    assert datasheet_peak("NVIDIA A100-SXM4-80GB", "bf16") == pytest.approx(312e12)
+    assert datasheet_peak("NVIDIA H200", "fp32") == pytest.approx(67e12)
+    assert datasheet_peak("NVIDIA L40S", "bf16") == pytest.approx(362.05e12)
+    assert datasheet_peak("NVIDIA L4", "bf16") == pytest.approx(121e12)
+    # Unknown devices and dtypes a device lacks: no figure at all (torchtitan's A100
+    # fallback is how 563% MFU happens).
+    assert datasheet_peak("NVIDIA GeForce RTX 9090", "bf16") is None
+    assert datasheet_peak("Tesla V100-SXM2-16GB", "bf16") is None
+    assert datasheet_peak("Tesla T4", "fp16") == pytest.approx(65e12)
+
+
+def test_mfu_over_100_percent_is_a_measurement_error() -> None:
+    ok = compute_mfu(1e12, 1.0, peak_measured=4e12, peak_datasheet=8e12)
+    assert ok.mfu_measured == pytest.approx(0.25) and ok.mfu_datasheet == pytest.approx(0.125)
+    assert ok.error is None
+    bad = compute_mfu(1e12, 0.1, peak_measured=4e12, peak_datasheet=None)
+    assert bad.mfu_datasheet is None
+    assert bad.error is not None and "measurement error" in bad.error and "250%" in bad.error
+
+
+def test_measured_peak_is_cached(tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    first = measure_peak("cpu", "fp32", device_name="cpu (test)", seconds=0.05)
+    assert first > 1e8  # any CPU does more than 0.1 GFLOP/s
+    # The second call reads the cache: the same number, no benchmark.
+    assert measure_peak("cpu", "fp32", device_name="cpu (test)", seconds=5) == first
