@@ -73,6 +73,43 @@ def test_torchrun_style_train_on_two_hosts(
     assert json.loads((runs[0] / "config.json").read_text())["run"]["world_size"] == 4
 
 
+def test_each_node_its_own_disk_checkpoints_and_resumes(
+    hosts_named: Callable[..., list[Host]], procs: Procs, tmp_path: Path
+) -> None:
+    # Issue 10 (4): with the run directory on each node's own disk, node 1's ranks failed
+    # creating RUN/pids and writing their RNG files. Each node now writes its part of
+    # every checkpoint, and a restart resumes from the parts.
+    n0, n1 = hosts_named("n0", "n1")
+    run = tmp_path / "run"  # the same path on both hosts; a different disk under it
+    run.mkdir()
+    disks = {h.name: tmp_path / f"disk-{h.name}" for h in (n0, n1)}
+    for disk in disks.values():
+        disk.mkdir()
+    port = _free_port()
+
+    def start(host: Host, rank: int, *extra: str) -> object:
+        return procs.start(host, [
+            SCALETRAIN, "train", "--recipe", "split-net", "--nproc", "1", "--max-steps", "40",
+            "--save-every", "10", "--eval-batches", "1", "--out", str(run), "--nnodes", "2",
+            "--node-rank", str(rank), "--rdzv-endpoint", f"n0:{port}", *extra,
+        ], binds=[(disks[host.name], run)])  # fmt: skip
+
+    for extra in (("--stop-after", "25"), ()):
+        started = [start(n1, 1, *extra), start(n0, 0, *extra)]
+        outputs = []
+        for proc in started:
+            code, out = procs.wait(proc, timeout=150)  # type: ignore[arg-type]
+            assert code == 0, out
+            outputs.append(out)
+    assert "resumed from" in outputs[1] and "at step 25/" in outputs[1]
+    for name, disk in disks.items():
+        latest = sorted((disk / "checkpoints").iterdir())[-1]
+        assert latest.name == "step-000040", name
+        assert (latest / "manifest.json").is_file() and (latest / "model.pt").is_file()
+    assert (disks["n1"] / "checkpoints" / "step-000040" / "rng-rank1.pt").is_file()
+    assert not (disks["n0"] / "checkpoints" / "step-000040" / "rng-rank1.pt").exists()
+
+
 def _wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
