@@ -98,7 +98,7 @@ def test_a_full_checkpoint_is_written_on_each_disk_and_resumes_from_them(tmp_pat
         assert torch.equal(value, r1["weights"][key])  # both loaded the same step
 
 
-def _sharded_job(base: str) -> str:
+def _sharded_job(base: str) -> list[str]:
     import scaletrain as st
     from scaletrain.checkpoint import CheckpointManager
     from scaletrain.errors import CheckpointError
@@ -109,18 +109,26 @@ def _sharded_job(base: str) -> str:
     bare = GPT(GPTConfig(vocab_size=16, block_size=8, n_layer=2, n_head=2, n_embd=32))
     model, opt = rt.setup(bare, torch.optim.AdamW(bare.parameters(), lr=1e-3))
     manager = CheckpointManager(rt, Path(base) / f"disk{rt.rank}")
-    try:
-        manager.maybe_save(1, force=True, model=model, optimizer=opt)
-    except CheckpointError as exc:
-        return str(exc)
-    finally:
-        manager.close()
-        rt.shutdown()
-    return "saved"
+    messages = []
+    # At the start (resume), before any training; and at a save for a loop without one.
+    for call in (
+        lambda: manager.resume(model=model, optimizer=opt),
+        lambda: manager.maybe_save(1, force=True, model=model, optimizer=opt),
+    ):
+        try:
+            call()
+            messages.append("accepted")
+        except CheckpointError as exc:
+            messages.append(str(exc))
+    manager.close()
+    rt.shutdown()
+    return messages
 
 
 def test_a_sharded_checkpoint_without_a_shared_filesystem_is_refused(tmp_path: Path) -> None:
-    messages = run_ranks(_sharded_job, 2, str(tmp_path), timeout=240)
-    for message in messages:
-        assert "do not share the run directory" in message and "Nothing was written" in message
+    for messages in run_ranks(_sharded_job, 2, str(tmp_path), timeout=240):
+        assert len(messages) == 2
+        for message in messages:
+            assert "do not share this directory" in message, message
+            assert "model is split across ranks" in message and "Fix: put the run" in message
     assert not any((tmp_path / f"disk{r}" / "checkpoints").exists() for r in (0, 1))

@@ -21,14 +21,17 @@ the first save, before anything is written.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import secrets
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from scaletrain.dist.agreement import all_gather_objects
 from scaletrain.errors import CheckpointError
 
-__all__ = ["PROBES", "Disks", "find_disks"]
+__all__ = ["PROBES", "Disks", "check_splittable", "find_disks", "sharded_refusal"]
 
 PROBES = ".scaletrain-disks"
 """The directory, inside the run directory, that holds the probe files for a moment."""
@@ -95,3 +98,33 @@ def find_disks(folder: Path, rank: int, world_size: int) -> Disks:
             "run directory on a filesystem every node shares, or on each node's own disk."
         )
     return Disks(groups, rank)
+
+
+def sharded_refusal(folder: Path, disks: Disks) -> str:
+    """Why a sharded checkpoint cannot go onto a disk per node, and what to do."""
+    return (
+        f"checkpoints in {folder}: the ranks do not share this directory (one disk per "
+        f"node: {disks.describe()}), and this model is split across ranks, so its "
+        "checkpoints are sharded (torch.distributed.checkpoint writes each tensor once, "
+        "from one rank): no node would hold what it needs to resume. Nothing was written. "
+        "Fix: put the run directory on a filesystem every node shares (NFS, Lustre, an "
+        "S3/GCS mount), or train with a strategy whose checkpoints are full (ddp)."
+    )
+
+
+def check_splittable(disks: Disks, folder: Path, modules: Iterable[Any], world_size: int) -> None:
+    """Before training (at resume): refuse a model split across ranks (DTensor parameters,
+    or ranks holding different parameters: pipeline stages) when the ranks do not share
+    `folder`. Call on every rank; one small gather, only without a shared filesystem."""
+    if disks.shared:
+        return
+    from torch.distributed.tensor import DTensor
+
+    names, split = hashlib.sha256(), False
+    for module in modules:
+        for name, param in module.named_parameters():
+            names.update(name.encode() + b"\0")
+            split = split or isinstance(param, DTensor)
+    views = all_gather_objects((split, names.hexdigest()), world_size)
+    if any(s for s, _ in views) or len({n for _, n in views}) > 1:
+        raise CheckpointError(sharded_refusal(folder, disks))

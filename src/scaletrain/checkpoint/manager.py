@@ -25,9 +25,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from torch import nn
+
 from scaletrain.checkpoint.asynchronous import AsyncSaver, PendingCheckpoint
 from scaletrain.checkpoint.catalog import Found, Retention, checkpoint_path, list_checkpoints
-from scaletrain.checkpoint.disks import find_disks
+from scaletrain.checkpoint.disks import check_splittable, find_disks
+from scaletrain.checkpoint.layout import views
 from scaletrain.checkpoint.load import load_with
 from scaletrain.checkpoint.manifest import RejectedCheckpointError
 from scaletrain.checkpoint.save import check_keep, save_with
@@ -89,6 +92,10 @@ class CheckpointManager:
         CheckpointError listing every checkpoint when the folder holds finished ones
         and none of them loads; nothing is deleted.
         """
+        # Without a shared filesystem a model split across ranks is refused here, at
+        # the start, rather than at its first save.
+        modules = [m for m in views(self.scope, state).values() if isinstance(m, nn.Module)]
+        check_splittable(self.disks, self.folder, modules, self.scope.topology.world_size)
         rejected: list[tuple[Path, str]] = []
         finished = 0
         for found in reversed(self._everywhere(list_checkpoints(self.folder), rejected)):

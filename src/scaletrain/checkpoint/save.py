@@ -23,7 +23,7 @@ from typing import Any, Literal, overload
 from scaletrain.checkpoint import full as _full
 from scaletrain.checkpoint.asynchronous import AsyncSaver, PendingCheckpoint, default_saver
 from scaletrain.checkpoint.catalog import Retention
-from scaletrain.checkpoint.disks import Disks
+from scaletrain.checkpoint.disks import Disks, sharded_refusal
 from scaletrain.checkpoint.layout import (
     OPTIM_VALUES,
     VALUES,
@@ -260,14 +260,7 @@ def save_with(
     kind = "sharded" if (sharded or needs_sharded) else "full"
     if local and kind == "sharded":
         assert disks is not None
-        raise CheckpointError(
-            f"checkpoint {path}: the ranks do not share the run directory (one disk per node: "
-            f"{disks.describe()}), and this checkpoint is sharded (torch.distributed.checkpoint "
-            "writes each tensor once, from one rank), so no node would hold what it needs to "
-            "resume. Nothing was written. Fix: put the run directory on a filesystem every "
-            "node shares (NFS, Lustre, an S3/GCS mount), or train with a strategy whose "
-            "checkpoints are full (ddp)."
-        )
+        raise CheckpointError(sharded_refusal(path.parent, disks))
     manifest = _manifest(scope, parts, kind, tables)
     # The directory, once it is known what goes into it; before anyone writes there.
     _, error = attempt(lambda: prepare_dir(path) if leader else None)
