@@ -11,6 +11,7 @@ say why.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -41,13 +42,14 @@ dist.destroy_process_group()
 """Every rank prints its host, rank, world size and the all-reduced sum of rank+1."""
 
 
+_RESULT = re.compile(r"RESULT host=(\S+?) rank=(\d+) world=(\d+) sum=([0-9.e+-]+)")
+
+
 def results(text: str) -> list[dict[str, str]]:
-    """The RESULT lines of ALLREDUCE's output, parsed."""
-    found = []
-    for line in text.splitlines():
-        if line.startswith("RESULT "):
-            found.append(dict(item.split("=", 1) for item in line.split()[1:]))
-    return found
+    """ALLREDUCE's RESULT lines, parsed. Found anywhere in a line: the workers share one
+    pipe with c10d's warnings, which C++ may write in pieces around a RESULT line."""
+    keys = ("host", "rank", "world", "sum")
+    return [dict(zip(keys, m.groups(), strict=True)) for m in _RESULT.finditer(text)]
 
 
 def job_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
