@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from scaletrain.dist.agreement import all_gather_objects
-from scaletrain.errors import CheckpointError
+from scaletrain.errors import CheckpointError, ConfigError, say
 
 __all__ = ["PROBES", "Disks", "check_splittable", "find_disks", "sharded_refusal"]
 
@@ -101,19 +101,25 @@ def find_disks(folder: Path, rank: int, world_size: int) -> Disks:
 
 
 def sharded_refusal(folder: Path, disks: Disks) -> str:
-    """Why a sharded checkpoint cannot go onto a disk per node, and what to do."""
+    """Why a sharded checkpoint cannot go onto a disk per node, and what to do, in the
+    words of the interface in use."""
+    fix = say(
+        api="put the CheckpointManager's folder on a filesystem every node shares (NFS, "
+        'Lustre, an S3/GCS mount), or use a strategy whose checkpoints are full ("ddp")',
+        cli="give --out a directory on a filesystem every node shares (NFS, Lustre, an "
+        "S3/GCS mount), or train with --strategy ddp",
+    )
     return (
         f"checkpoints in {folder}: the ranks do not share this directory (one disk per "
         f"node: {disks.describe()}), and this model is split across ranks, so its "
         "checkpoints are sharded (torch.distributed.checkpoint writes each tensor once, "
         "from one rank): no node would hold what it needs to resume. Nothing was written. "
-        "Fix: put the run directory on a filesystem every node shares (NFS, Lustre, an "
-        "S3/GCS mount), or train with a strategy whose checkpoints are full (ddp)."
+        f"Fix: {fix}."
     )
 
 
 def check_splittable(disks: Disks, folder: Path, modules: Iterable[Any], world_size: int) -> None:
-    """Before training (at resume): refuse a model split across ranks (DTensor parameters,
+    """Before training (at resume): refuse, as bad input, a model split across ranks (DTensor parameters,
     or ranks holding different parameters: pipeline stages) when the ranks do not share
     `folder`. Call on every rank; one small gather, only without a shared filesystem."""
     if disks.shared:
@@ -127,4 +133,4 @@ def check_splittable(disks: Disks, folder: Path, modules: Iterable[Any], world_s
             split = split or isinstance(param, DTensor)
     views = all_gather_objects((split, names.hexdigest()), world_size)
     if any(s for s, _ in views) or len({n for _, n in views}) > 1:
-        raise CheckpointError(sharded_refusal(folder, disks))
+        raise ConfigError(sharded_refusal(folder, disks), field="out")
