@@ -110,6 +110,15 @@ def test_each_node_its_own_disk_checkpoints_and_resumes(
     assert (disks["n1"] / "checkpoints" / "step-000040" / "rng-rank1.pt").is_file()
     assert not (disks["n0"] / "checkpoints" / "step-000040" / "rng-rank1.pt").exists()
 
+    # A model split across ranks cannot be checkpointed that way: refused at the start.
+    sharded = ("--strategy", "fsdp", "--out", str(run / "sharded"))
+    started = [start(n1, 1, *sharded), start(n0, 0, *sharded)]
+    for proc in started:
+        code, out = procs.wait(proc, timeout=150)  # type: ignore[arg-type]
+        assert code == 2, out
+        assert "do not share this directory" in out and "--strategy ddp" in out, out
+        assert "step 1/" not in out and "Traceback" not in out, out
+
 
 def _wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
