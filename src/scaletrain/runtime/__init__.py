@@ -1,0 +1,23 @@
+"""`scaletrain.init()` and the Runtime it returns: the whole public training API.
+
+core.py holds the Runtime (the methods a training loop calls), start.py `init` (what
+builds it) and `sync_batchnorm` (which reads the current one).
+"""
+
+from scaletrain.accumulation import AccumulationStep
+from scaletrain.dist.topology import MESH_DIMS, parse_mesh
+from scaletrain.observe.ledger import LedgerConfig
+from scaletrain.runtime.core import Runtime, current
+from scaletrain.runtime.start import init, sync_batchnorm
+
+# MESH_DIMS and parse_mesh live in scaletrain.dist.topology; exported here too, as before.
+__all__ = [
+    "MESH_DIMS",
+    "AccumulationStep",
+    "LedgerConfig",
+    "Runtime",
+    "current",
+    "init",
+    "parse_mesh",
+    "sync_batchnorm",
+]
