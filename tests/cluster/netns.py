@@ -48,8 +48,11 @@ def netns_available() -> str | None:
     probe = f"{_PREFIX}{os.getpid()}probe"
     try:
         _ip("netns", "add", probe)
-    except (subprocess.CalledProcessError, OSError) as exc:
-        return f"cannot create a network namespace: {exc}"
+    except subprocess.CalledProcessError as exc:
+        said = (exc.stderr or "").strip() or f"exit status {exc.returncode}"
+        return f"cannot create a network namespace here (`ip netns add`: {said})"
+    except OSError as exc:
+        return f"cannot create a network namespace here: {exc}"
     _ip("netns", "del", probe)
     return None
 
