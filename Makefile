@@ -70,7 +70,7 @@ layers: setup
 # pytest exits 5 when it collects no test: that is a failure for CI here,
 # never a silent pass, so it is reported as such.
 test: lint typecheck layers
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q; rc=$$?; \
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=15; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 clean:

@@ -161,13 +161,17 @@ def test_generated_sbatch_is_preempted_requeued_and_resumes(
         time.sleep(0.2)
     signal = slurm.run(["scancel", "--signal=USR1", str(job)], timeout=20)
     assert signal.returncode == 0, signal.stderr
-    # Slurm holds a requeued job for two minutes (BeginTime); release it at once.
+    # Slurm holds a requeued job for two minutes (BeginTime); release it sooner, but
+    # not within the second its first run was killed: slurmd compares the job
+    # credential's creation time with the kill's time in whole seconds, and a batch
+    # launched in that same second is refused ("Job N already killed, do not launch
+    # batch job"), which ends the requeued job FAILED with exit code 1.
     requeued = slurm.wait_job(job, timeout=90, states=("PENDING",))
     assert requeued["Restarts"] == "1", requeued
-    slurm.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], timeout=20)
+    slurm.run(["scontrol", "update", f"JobId={job}", "StartTime=now+2"], timeout=20)
     info = slurm.wait_job(job, timeout=150)
     log = (tmp_path / f"split-{job}.out").read_text()
-    assert info["JobState"] == "COMPLETED", log
+    assert info["JobState"] == "COMPLETED", f"{info}\n{log}\n{slurm.logs()}"
     assert "preempted and saved (exit 75): requeueing job" in log
     assert "resumed from" in log and "done: 600 steps" in log
     assert world_size(run) == 2
