@@ -13,7 +13,13 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["MemorySample", "MemorySampler"]
+__all__ = [
+    "MemorySample",
+    "MemorySampler",
+    "current_rss_bytes",
+    "reset_rss_peak",
+    "rss_peak_bytes",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +28,27 @@ class MemorySample:
     reserved_peak: int | None
     rss_peak: int
     gpu_util: float | None
+
+
+def current_rss_bytes() -> int | None:
+    """The process's resident set size now (Linux /proc/self/statm); None elsewhere."""
+    try:
+        with open("/proc/self/statm", encoding="ascii") as f:
+            pages = int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return pages * resource.getpagesize()
+
+
+def reset_rss_peak() -> bool:
+    """Start the process's peak RSS (VmHWM, getrusage's ru_maxrss) again from its RSS
+    now (Linux: /proc/self/clear_refs); False where that cannot be done."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
 
 
 def rss_peak_bytes() -> int:
