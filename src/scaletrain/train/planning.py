@@ -21,7 +21,8 @@ from torch import nn
 
 from scaletrain.errors import ConfigError, spell
 from scaletrain.plan.api import Plan, check_request, plan_model
-from scaletrain.plan.estimate import Estimate
+from scaletrain.plan.comm import CommModel
+from scaletrain.plan.estimate import Compute, Estimate
 from scaletrain.plan.layouts import Layout, layouts_for
 from scaletrain.plan.partition import list_layers
 
@@ -113,6 +114,8 @@ def plan(
     precision: str = "32",
     overlap: float | None = None,
     layouts: list[Layout] | None = None,
+    compute: Compute | None = None,
+    comm: CommModel | None = None,
 ) -> Plan:
     """Memory per device and step time of every layout of `devices` for a recipe or a
     model ("module:factory"); see scaletrain.plan. Returns data (`Plan.rows`,
@@ -120,7 +123,8 @@ def plan(
 
     hardware=None measures this machine (a calibration of the model and a Gloo probe,
     a few seconds); a profile name ("h100-sxm", "a100-sxm", "a100-pcie", "ethernet")
-    plans on paper.
+    plans on paper. `layouts` picks rows; `compute` and `comm` replace this machine's
+    measurements (a benchmark measures them once for many plans).
     """
     name, build, example, loss, optimizer, default_batch = resolve_model(recipe, model)
     batch = default_batch if batch_size is None else batch_size
@@ -138,7 +142,8 @@ def plan(
     return plan_model(
         build, example, loss_fn=loss, optimizer=optimizer, batch_size=batch,
         devices=devices, nodes=nodes, hardware=hardware, precision=precision,
-        tp_plan=tp_plan, overlap=overlap, name=name, layouts=layouts,
+        tp_plan=tp_plan, overlap=overlap, name=name, layouts=layouts, compute=compute,
+        comm=comm,
     )  # fmt: skip
 
 
@@ -200,29 +205,41 @@ class Check:
         )
 
 
+_NOT_PLANNED = ("data", "h2d", "checkpoint", "eval")
+"""Ledger phases the plan does not predict: the input pipeline, saving, evaluating."""
+
+
 def measured(run: str | Path) -> tuple[float, int | None, float | None]:
-    """(median step seconds of the slowest rank, RSS growth after setup of the largest
-    rank, median hidden fraction of gradient communication) from RUN/observe/."""
-    from scaletrain.observe.records import phase_medians, read_run
+    """(median seconds of training work per step on the slowest rank, RSS growth after
+    setup on the largest rank, median hidden fraction of gradient communication) from
+    RUN/observe/. Training work is the step's wall time less its data, h2d, checkpoint
+    and eval phases (what the plan predicts)."""
+    from scaletrain.observe.records import read_run
 
     records = read_run(run)
-    medians = phase_medians(records)
-    if not medians:
+    work: list[float] = []
+    growths: list[int] = []
+    overlaps: list[float] = []
+    for rr in records.ranks.values():
+        steps = [s for s in rr.steps if s.counted] or rr.steps
+        if steps:
+            work.append(
+                statistics.median(
+                    s.wall - sum(s.phases.get(p, 0.0) for p in _NOT_PLANNED) for s in steps
+                )
+            )
+        for m in rr.memory:
+            if m.get("rss_setup") and m.get("rss_peak"):
+                growths.append(int(m["rss_peak"]) - int(m["rss_setup"]))
+        overlaps += [s.overlap for s in steps if s.overlap is not None]
+    if not work:
         raise ConfigError(
             f"{spell('check', str(run))}: the run's ledger (RUN/observe/) holds no step. "
             "Fix: a run trained with the ledger on (the default) for some steps.",
             field="check",
         )
-    step = max(m["step"] for m in medians.values())
-    growths = []
-    overlaps = []
-    for rr in records.ranks.values():
-        for m in rr.memory:
-            if m.get("rss_setup") and m.get("rss_peak"):
-                growths.append(int(m["rss_peak"]) - int(m["rss_setup"]))
-        overlaps += [s.overlap for s in rr.steps if s.counted and s.overlap is not None]
     growth = max(growths) if growths else None
-    return step, growth, (statistics.median(overlaps) if overlaps else None)
+    return max(work), growth, (statistics.median(overlaps) if overlaps else None)
 
 
 def check_run(run: str | Path) -> Check:

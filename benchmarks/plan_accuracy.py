@@ -1,0 +1,183 @@
+"""How right `scaletrain plan` is here: predicted vs measured step time and memory.
+
+For the convnet and gpt recipes at 1, 2 and 4 Gloo processes (one thread each) under
+ddp, fsdp, tensor and pipeline (where the model allows: tensor parallel needs Linear
+pairs, a pipeline of N stages N layers), each round:
+
+1. calibrates: the planner's own calibration of each model in this process, and its
+   Gloo probe at 2 and 4 processes (alpha and bandwidth per collective);
+2. measures: trains every configuration for --steps steps with the step ledger on
+   (records in a temporary RUN/observe/), the configurations in a shuffled order,
+   and reads back what `scaletrain plan --check RUN` reads: the median training work
+   per step (slowest rank) and the RSS growth after setup (largest rank);
+3. predicts the same configurations from that round's calibration.
+
+Calibration and measurement alternate round by round, so the machine's load hits both
+alike. Reported per row: medians over rounds, the error in %, and per recipe and
+process count whether the predicted ranking of strategies is the measured one.
+
+    .venv/bin/python benchmarks/plan_accuracy.py --rounds 2 --steps 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import random
+import statistics
+import tempfile
+import time
+from typing import Any
+
+BATCH = {"convnet": 32, "gpt": 8}
+"""Samples per replica: small, so 4 processes on 2 cores finish in seconds."""
+STRATEGIES = ("ddp", "fsdp", "tensor", "pipeline")
+
+
+def _job(recipe_name: str, strategy: str, steps: int, out: str) -> None:
+    import torch
+
+    import scaletrain as st
+    from scaletrain.train.recipes import get_recipe
+
+    recipe = get_recipe(recipe_name)
+    ledger = st.LedgerConfig(out=out, every=10, flops=False, summary=False)
+    rt = st.init(strategy=strategy, ledger=ledger)
+    torch.manual_seed(0)
+    bare = recipe.build()
+    model, opt = rt.setup(bare, recipe.optimizer(bare.parameters(), 1e-3))
+    batch = BATCH[recipe_name]
+    x, y = recipe.example(batch)
+    rt.prepare(model, x)
+    for _ in range(steps):
+        rt.forward_backward(model, x, y, recipe.loss)
+        rt.step(opt)
+        opt.zero_grad(set_to_none=True)
+    rt.shutdown()
+
+
+def _configs() -> list[tuple[str, int, str]]:
+    out = []
+    for recipe in ("convnet", "gpt"):
+        out.append((recipe, 1, "ddp"))
+        for n in (2, 4):
+            for strategy in STRATEGIES:
+                if strategy == "tensor" and recipe != "gpt":
+                    continue  # the ConvNet has no Linear pairs
+                if strategy == "pipeline" and recipe == "convnet" and n > 3:
+                    continue  # 3 layers: no 4 stages
+                out.append((recipe, n, strategy))
+    return out
+
+
+def _measure(recipe: str, n: int, strategy: str, steps: int) -> tuple[float, int | None]:
+    from scaletrain.testing import run_ranks
+    from scaletrain.train.planning import measured
+
+    with tempfile.TemporaryDirectory() as tmp:
+        run_ranks(_job, n, recipe, strategy, steps, tmp, timeout=600)
+        step, growth, _ = measured(tmp)
+    return step, growth
+
+
+def _predict(recipe: str, n: int, strategy: str, calib: dict[str, Any]) -> tuple[float, int]:
+    from scaletrain.train.planning import layout_of, plan
+
+    layout = layout_of(strategy, None, n)
+    p = plan(
+        recipe, devices=n, batch_size=BATCH[recipe], layouts=[layout],
+        compute=calib[recipe], comm=calib["comm"].get(n),
+    )  # fmt: skip
+    row = p.rows[0]
+    return row.time.total, row.memory.growth
+
+
+def _calibrate() -> dict[str, Any]:
+    from scaletrain.plan.api import calibrate
+    from scaletrain.plan.comm import CommModel, probe
+    from scaletrain.train.planning import resolve_model
+
+    calib: dict[str, Any] = {"comm": {1: CommModel()}}
+    sizes = [4096]
+    for recipe in BATCH:
+        _, build, example, loss, optimizer, _ = resolve_model(recipe, None)
+        b = BATCH[recipe]
+        calib[recipe] = calibrate(build, example, loss, optimizer, [b, b // 4])
+        with_grads = sum(p.numel() * 4 for p in build().parameters())
+        sizes += [with_grads, with_grads // 8]
+    for n in (2, 4):
+        calib["comm"][n] = probe(n, sizes)
+    return calib
+
+
+def _pct(pred: float, meas: float | None) -> float | None:
+    return None if not meas else (pred - meas) / meas * 100
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=20)
+    args = ap.parse_args()
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+
+    torch.set_num_threads(1)
+    configs = _configs()
+    results: dict[tuple[str, int, str], dict[str, list[float]]] = {
+        c: {"pt": [], "mt": [], "pm": [], "mm": []} for c in configs
+    }
+    loads = [os.getloadavg()[0]]
+    start = time.time()
+    for r in range(args.rounds):
+        calib = _calibrate()
+        order = configs[:]
+        random.Random(r).shuffle(order)
+        for c in order:
+            mt, mm = _measure(*c, args.steps)
+            pt, pm = _predict(*c, calib)
+            res = results[c]
+            res["pt"].append(pt)
+            res["mt"].append(mt)
+            res["pm"].append(pm)
+            if mm:
+                res["mm"].append(mm)
+            loads.append(os.getloadavg()[0])
+            print(f"round {r} {c}: step {pt * 1e3:.1f}/{mt * 1e3:.1f} ms, growth "
+                  f"{pm / 2**20:.1f}/{(mm or 0) / 2**20:.1f} MiB", flush=True)  # fmt: skip
+    med = statistics.median
+    print(
+        f"\n{platform.node()} {platform.machine()}, {os.cpu_count()} cores, torch "
+        f"{torch.__version__}, Gloo; {args.rounds} rounds x {args.steps} steps, "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {time.time() - start:.0f} s, "
+        f"load average {min(loads):.1f}-{max(loads):.1f} (median {med(loads):.1f})\n"
+    )
+    print("| recipe | procs | strategy | step ms pred | step ms meas | err % | growth MiB pred "
+          "| growth MiB meas | err % |")  # fmt: skip
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
+    summary: dict[tuple[str, int, str], tuple[float, float]] = {}
+    for c in configs:
+        res = results[c]
+        pt, mt, pm = med(res["pt"]), med(res["mt"]), med(res["pm"])
+        mm = med(res["mm"]) if res["mm"] else None
+        summary[c] = (pt, mt)
+        et, em = _pct(pt, mt), _pct(pm, mm)
+        print(
+            f"| {c[0]} | {c[1]} | {c[2]} | {pt * 1e3:.1f} | {mt * 1e3:.1f} | {et:+.0f} | "
+            f"{pm / 2**20:.1f} | {(mm or 0) / 2**20:.1f} | "
+            f"{'n/a' if em is None else f'{em:+.0f}'} |"
+        )
+    print("\n| recipe | procs | predicted ranking | measured ranking | match |")
+    print("|---|---:|---|---|---|")
+    for recipe in BATCH:
+        for n in (2, 4):
+            rows = [c for c in configs if c[0] == recipe and c[1] == n]
+            pred = [c[2] for c in sorted(rows, key=lambda c: summary[c][0])]
+            meas = [c[2] for c in sorted(rows, key=lambda c: summary[c][1])]
+            ok = "yes" if pred == meas else "no"
+            print(f"| {recipe} | {n} | {' < '.join(pred)} | {' < '.join(meas)} | {ok} |")
+
+
+if __name__ == "__main__":
+    main()
