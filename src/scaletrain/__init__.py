@@ -38,7 +38,7 @@ if TYPE_CHECKING:
         Strategy,
         TensorParallel,
     )
-    from scaletrain.train.planning import plan
+    from scaletrain.train.planning import plan  # st.plan: the scaletrain.plan package, callable
 
 _WHERE = {
     "CheckpointError": "scaletrain.errors",
@@ -51,7 +51,7 @@ _WHERE = {
     "Runtime": "scaletrain.runtime",
     "LedgerConfig": "scaletrain.observe.ledger",
     "init": "scaletrain.runtime",
-    "plan": "scaletrain.train.planning",
+    "plan": "scaletrain.plan",
     "sync_batchnorm": "scaletrain.runtime",
     "DDP": "scaletrain.strategies",
     "FSDP": "scaletrain.strategies",
