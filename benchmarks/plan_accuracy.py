@@ -93,19 +93,28 @@ def _predict(recipe: str, n: int, strategy: str, calib: dict[str, Any]) -> tuple
     return row.time.total, row.memory.growth
 
 
-def _calibrate() -> dict[str, Any]:
+def _calibrate_job(recipe: str) -> Any:
+    """The planner's calibration, in a fresh process (as `scaletrain plan` runs it)."""
     from scaletrain.plan.api import calibrate
+    from scaletrain.train.planning import resolve_model
+
+    _, build, example, loss, optimizer, _ = resolve_model(recipe, None)
+    b = BATCH[recipe]
+    return calibrate(build, example, loss, optimizer, [b, b // 4])
+
+
+def _calibrate() -> dict[str, Any]:
     from scaletrain.plan.comm import CommModel, probe
+    from scaletrain.testing import run_ranks
     from scaletrain.train.planning import resolve_model
 
     calib: dict[str, Any] = {"comm": {1: CommModel()}}
     sizes = [4096]
     for recipe in BATCH:
-        _, build, example, loss, optimizer, _ = resolve_model(recipe, None)
-        b = BATCH[recipe]
-        calib[recipe] = calibrate(build, example, loss, optimizer, [b, b // 4])
-        with_grads = sum(p.numel() * 4 for p in build().parameters())
-        sizes += [with_grads, with_grads // 8]
+        calib[recipe] = run_ranks(_calibrate_job, 1, recipe, timeout=300)[0]
+        build = resolve_model(recipe, None)[1]
+        grads = sum(p.numel() * 4 for p in build().parameters())
+        sizes += [grads, grads // 8]
     for n in (2, 4):
         calib["comm"][n] = probe(n, sizes)
     return calib

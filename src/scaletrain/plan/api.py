@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -56,7 +56,7 @@ class Plan:
         mib = 2**20
         head = (
             f"{'layout':<28} {'fits':<5} {'params':>8} {'grads':>8} {'optim':>8} {'acts':>8} "
-            f"{'buffers':>8} {'total':>8} | {'compute':>8} {'comm':>8} {'bubble':>8} {'step':>8}"
+            f"{'buffers':>8} {'runtime':>8} {'total':>8} | {'compute':>8} {'comm':>8} {'bubble':>8} {'step':>8}"
         )
         lines = [
             f"{self.model} on {self.devices} device(s) x {self.nodes} node(s), "
@@ -72,7 +72,8 @@ class Plan:
             lines.append(
                 f"{(r.layout.label + mark):<28} {('yes' if r.fits else 'NO'):<5} "
                 f"{m.params / mib:8.1f} {m.grads / mib:8.1f} {m.optimizer / mib:8.1f} "
-                f"{m.activations / mib:8.1f} {m.buffers / mib:8.1f} {m.total / mib:8.1f} | "
+                f"{m.activations / mib:8.1f} {m.buffers / mib:8.1f} {m.runtime / mib:8.1f} "
+                f"{m.total / mib:8.1f} | "
                 f"{t.compute * 1e3:8.1f} {t.exposed * 1e3:8.1f} {t.bubble * 1e3:8.1f} "
                 f"{t.total * 1e3:8.1f}"
             )
@@ -118,14 +119,16 @@ def check_request(devices: Any, nodes: Any, hardware: Any, precision: Any, batch
         )
 
 
-def _median_time(fn: Callable[[], Any], repeats: int) -> float:
+def _median_time(fn: Callable[[], Any], repeats: int) -> tuple[float, float]:
+    """Median (CPU seconds, wall seconds) of `fn` after one warm-up call."""
     fn()
-    times = []
+    cpu, wall = [], []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        cpu.append(time.process_time() - c0)
+        wall.append(time.perf_counter() - t0)
+    return statistics.median(cpu), statistics.median(wall)
 
 
 def calibrate(
@@ -138,7 +141,15 @@ def calibrate(
     repeats: int = 5,
 ) -> Compute:
     """Time the real model here: forward+backward at each batch size, and the optimizer
-    step, in this process with one thread (as every rank of a CPU job runs)."""
+    step, in this process with one thread (as every rank of a CPU job runs).
+
+    Times are CPU seconds (what a rank needs of a core); their ratio to wall time is the
+    share of a core this process got (the machine's other load). The RSS the steps add
+    is measured too (from a restarted peak): in a fresh process it holds the runtime's
+    first-step overhead that no tensor accounting sees.
+    """
+    from scaletrain.observe.memory import current_rss_bytes, reset_rss_peak, rss_peak_bytes
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -146,18 +157,27 @@ def calibrate(
         model = build()
         opt = optimizer(model.parameters())
         points: dict[int, float] = {}
-        for b in sorted(set(sizes)):
+        cpu_total = wall_total = 0.0
+        start = current_rss_bytes() if reset_rss_peak() else None
+        for b in sorted(set(sizes), reverse=True):
             x, y = example(b)
 
-            def fwd_bwd(x: Any = x, y: Any = y) -> None:
-                model.zero_grad(set_to_none=True)
+            def step(x: Any = x, y: Any = y) -> None:
+                opt.zero_grad(set_to_none=True)
                 loss_fn(model(x), y).backward()
 
-            points[b] = _median_time(fwd_bwd, repeats)
-        step = _median_time(opt.step, repeats)
+            cpu, wall = _median_time(step, repeats)
+            points[b] = cpu
+            cpu_total, wall_total = cpu_total + cpu, wall_total + wall
+        growth = rss_peak_bytes() - start if start is not None else None
+        opt_cpu, opt_wall = _median_time(opt.step, repeats)
     finally:
         torch.set_num_threads(threads)
-    return Compute.fit(points, step, "calibrated here, 1 thread")
+    share = min(1.0, (cpu_total + opt_cpu) / max(wall_total + opt_wall, 1e-9))
+    return Compute.fit(
+        points, opt_cpu, "calibrated here: CPU seconds, 1 thread", share=share,
+        measured_growth=growth,
+    )  # fmt: skip
 
 
 def _recommend(rows: list[Estimate]) -> tuple[Estimate | None, str]:
@@ -221,6 +241,10 @@ def plan_model(
         if hardware is None:
             sizes = [batch_size] + [batch_size // (x.microbatches or 1) for x in layouts]
             compute = calibrate(build, example, loss_fn, optimizer, sizes)
+            assumptions.append(
+                f"calibration got {compute.share:.0%} of a core (other load here: "
+                f"{compute.background(hw.cores or 1):.1f} runnable threads)"
+            )
         else:
             compute = Compute.from_flops(profile, hw, precision)
             assumptions.append(
@@ -239,10 +263,21 @@ def plan_model(
                 f"links at datasheet bandwidth; alpha {hw.intra.alpha * 1e6:.0f} us inside a "
                 f"node, {hw.inter.alpha * 1e6:.0f} us between nodes (typical, not measured)"
             )
-    if hw.cores is not None and devices > hw.cores:
-        assumptions.append(
-            f"{devices} processes on {hw.cores} cores take turns: compute x{devices / hw.cores:.1f}"
+    if compute.measured_growth is not None and not compute.runtime_bytes:
+        one = estimate(
+            Layout("ddp"), profile, layers=layers, tp_plan=None, compute=compute,
+            comm=CommModel(), hw=hw, overlap=0.0,
+        )  # fmt: skip
+        compute = replace(
+            compute, runtime_bytes=max(0, compute.measured_growth - one.memory.growth)
         )
+    if hw.cores is not None:
+        wanted = compute.background(hw.cores) + devices
+        if wanted > hw.cores:
+            assumptions.append(
+                f"{devices} processes and the other load on {hw.cores} cores take turns: "
+                f"compute x{wanted / hw.cores:.1f}"
+            )
     if overlap is None:
         overlap = DEFAULT_OVERLAP["this-machine" if hardware is None else "datasheet"]
         assumptions.append(

@@ -78,6 +78,8 @@ class CommModel:
     links: dict[tuple[str, int], Link] = field(default_factory=dict)
     default: Link | None = None
     source: str = "measured"
+    runtime_bytes: dict[int, int] = field(default_factory=dict)
+    """RSS a rank's process group and collectives added (bytes), by group size."""
 
     def time(self, kind: str, nbytes: float, n: int, link: Link | None = None) -> float:
         if n <= 1 or nbytes <= 0:
@@ -108,8 +110,12 @@ def _probe_rank(rank: int, n: int, port: int, sizes: list[int], repeats: int, q:
     warnings.filterwarnings("ignore", category=FutureWarning)  # *_tensor's new names
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+    from scaletrain.observe.memory import current_rss_bytes, reset_rss_peak, rss_peak_bytes
+
+    reset_rss_peak()
+    before = current_rss_bytes() or 0
     dist.init_process_group("gloo", rank=rank, world_size=n)
-    out: dict[str, list[tuple[float, float]]] = {k: [] for k in KINDS[:3]}
+    out: dict[str, Any] = {k: [] for k in KINDS[:3]}
     try:
         for size in sizes:
             numel = max(n, size // 4 // n * n)
@@ -129,6 +135,12 @@ def _probe_rank(rank: int, n: int, port: int, sizes: list[int], repeats: int, q:
                     op()
                     times.append(time.perf_counter() - t0)
                 out[kind].append((float(numel * 4), statistics.median(times)))
+        # Beyond the probe's own tensors (the largest size, whole and one shard).
+        own = max(sizes) * (1 + 1 / n)
+        out["growth"] = max(0, int(rss_peak_bytes() - before - own)) if before else 0
+        grown = torch.tensor([out["growth"]], dtype=torch.float64)
+        dist.all_reduce(grown, op=dist.ReduceOp.MAX)
+        out["growth"] = int(grown.item())
     finally:
         dist.destroy_process_group()
     if rank == 0:
@@ -175,6 +187,7 @@ def probe(n: int, sizes: Sequence[int], *, repeats: int = 5, timeout: float = 12
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
+    model.runtime_bytes[n] = int(result.pop("growth"))
     for kind, samples in result.items():
         model.links[(kind, n)] = fit_link(kind, n, samples)
     # A point-to-point send moves the same bytes once: an all-gather between 2 is one.

@@ -37,26 +37,50 @@ DDP_BUCKET_BYTES = 25 * 2**20
 @dataclass(frozen=True, slots=True)
 class Compute:
     """Seconds of one device's forward+backward (fixed + per sample) and optimizer step,
-    for the whole model on one device."""
+    for the whole model on one device: CPU seconds on this machine (what a rank needs
+    of a core), device seconds for a profile."""
 
     fixed: float
     per_sample: float
     optimizer: float
     source: str
+    share: float = 1.0
+    """Fraction of a core the calibration got (CPU time / wall time): below 1 when the
+    machine was busy with other work, whose load the estimate then accounts for."""
+    measured_growth: int | None = None
+    """RSS the calibration's real steps added in a fresh process (bytes)."""
+    runtime_bytes: int = 0
+    """What the runtime adds beyond the model's tensors in a fresh process (the first
+    step's kernel workspaces, allocator and autograd state): measured growth less the
+    profile's prediction for one device."""
 
     def fwd_bwd(self, samples: float) -> float:
         return self.fixed + self.per_sample * samples
 
+    def background(self, cores: int) -> float:
+        """Runnable threads of other programs during the calibration (a CPU machine
+        shared with others): a core share s with `cores` cores means cores/s threads
+        wanted them, the calibration's own one among them."""
+        return max(0.0, cores / self.share - 1) if self.share < 0.95 else 0.0
+
     @classmethod
-    def fit(cls, points: Mapping[int, float], optimizer: float, source: str) -> Compute:
+    def fit(
+        cls,
+        points: Mapping[int, float],
+        optimizer: float,
+        source: str,
+        *,
+        share: float = 1.0,
+        measured_growth: int | None = None,
+    ) -> Compute:
         """From measured forward+backward seconds at two or more sample counts."""
         xs = sorted(points)
         if len(xs) == 1:
-            return cls(0.0, points[xs[0]] / xs[0], optimizer, source)
+            return cls(0.0, points[xs[0]] / xs[0], optimizer, source, share, measured_growth)
         lo, hi = xs[0], xs[-1]
         per = max(0.0, (points[hi] - points[lo]) / (hi - lo))
         fixed = max(0.0, points[hi] - per * hi)
-        return cls(fixed, per, optimizer, source)
+        return cls(fixed, per, optimizer, source, share, measured_growth)
 
     @classmethod
     def from_flops(cls, profile: ModelProfile, hw: Hardware, precision: str) -> Compute:
@@ -71,18 +95,24 @@ class Memory:
     optimizer: int
     activations: int
     buffers: int
+    runtime: int = 0
+    """This machine's runtime overhead per process (measured; 0 for a profile, whose
+    device memory already leaves room for the CUDA context)."""
     grads_at_setup: bool = False
     """DDP: gradients are views of buckets allocated when the model is wrapped."""
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.activations + self.buffers
+        return (
+            self.params + self.grads + self.optimizer + self.activations + self.buffers
+            + self.runtime
+        )  # fmt: skip
 
     @property
     def growth(self) -> int:
         """Bytes training adds after setup (parameters, and DDP's buckets, exist before)."""
         grads = 0 if self.grads_at_setup else self.grads
-        return grads + self.optimizer + self.activations + self.buffers
+        return grads + self.optimizer + self.activations + self.buffers + self.runtime
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,13 +243,14 @@ def estimate(
         comm_s += n_buckets * comm.time("all_reduce", grads / n_buckets, dp, outer)
     fwd_bwd = compute.fwd_bwd(samples / m) * m * frac_f
     work = fwd_bwd + compute.optimizer * frac_p / (dp if layout.strategy.startswith("fsdp") else 1)
-    if hw.cores is not None and layout.devices > hw.cores:
-        work *= layout.devices / hw.cores
-    bubble = (
-        fwd_bwd
-        * bubble_units
-        * (layout.devices / hw.cores if hw.cores and layout.devices > hw.cores else 1)
-    )
+    slowdown = 1.0
+    if hw.cores is not None:
+        # Every rank wants a core, and so do other programs (their load inferred from
+        # the calibration's share of a core): the ranks get cores / (load + ranks) each.
+        wanted = compute.background(hw.cores) + layout.devices
+        slowdown = max(1.0, wanted / hw.cores)
+    work *= slowdown
+    bubble = fwd_bwd * bubble_units * slowdown
     exposed = comm_s * (1 - overlap) + exposed_free
     memory = Memory(
         params=int(params),
@@ -227,6 +258,7 @@ def estimate(
         optimizer=int(opt),
         activations=int(acts),
         buffers=int(buffers),
+        runtime=compute.runtime_bytes + comm.runtime_bytes.get(layout.devices, 0),
         grads_at_setup=layout.strategy in ("ddp", "ddp x pp") and dp > 1,
     )
     fits = memory.total <= hw.device_memory
