@@ -71,36 +71,46 @@ def _configs() -> list[tuple[str, int, str]]:
     return out
 
 
-def _measure(recipe: str, n: int, strategy: str, steps: int) -> tuple[float, int | None]:
+def _measure(recipe: str, n: int, strategy: str, steps: int) -> tuple[float, int | None, float]:
     from scaletrain.testing import run_ranks
-    from scaletrain.train.planning import measured
+    from scaletrain.train.planning import measured, measured_cpu
 
     with tempfile.TemporaryDirectory() as tmp:
         run_ranks(_job, n, recipe, strategy, steps, tmp, timeout=600)
         step, growth, _ = measured(tmp)
-    return step, growth
+        cpu = measured_cpu(tmp) or 0.0
+    return step, growth, cpu
 
 
-def _predict(recipe: str, n: int, strategy: str, calib: dict[str, Any]) -> tuple[float, int]:
-    from scaletrain.train.planning import layout_of, plan
+def _predict(recipe: str, n: int, strategy: str, calib: dict[str, Any]) -> tuple[float, int, float]:
+    from dataclasses import replace
+
+    from scaletrain.plan.api import calibrate
+    from scaletrain.train.planning import layout_of, plan, resolve_model
+
+    # The machine's load right now: a short in-process calibration just before the
+    # run (CPU seconds and the share of a core); the runtime's first-step memory from
+    # the round's fresh-process calibration.
+    _, build, example, loss, optimizer, _ = resolve_model(recipe, None)
+    b = BATCH[recipe]
+    now = calibrate(build, example, loss, optimizer, [b, b // 4], repeats=3)
+    compute = replace(now, runtime_bytes=calib[recipe].runtime)
 
     layout = layout_of(strategy, None, n)
     p = plan(
         recipe, devices=n, batch_size=BATCH[recipe], layouts=[layout],
-        compute=calib[recipe], comm=calib["comm"].get(n),
+        compute=compute, comm=calib["comm"].get(n),
     )  # fmt: skip
     row = p.rows[0]
-    return row.time.total, row.memory.growth
+    return row.time.total, row.memory.growth, row.time.cpu
 
 
 def _calibrate_job(recipe: str) -> Any:
-    """The planner's calibration, in a fresh process (as `scaletrain plan` runs it)."""
-    from scaletrain.plan.api import calibrate
-    from scaletrain.train.planning import resolve_model
+    """The planner's calibration, in a fresh process (as `scaletrain plan` runs it):
+    `runtime_bytes` is what its steps added beyond the model's own tensors."""
+    from scaletrain.train.planning import plan
 
-    _, build, example, loss, optimizer, _ = resolve_model(recipe, None)
-    b = BATCH[recipe]
-    return calibrate(build, example, loss, optimizer, [b, b // 4])
+    return plan(recipe, devices=1, batch_size=BATCH[recipe]).rows[0]
 
 
 def _calibrate() -> dict[str, Any]:
@@ -111,12 +121,17 @@ def _calibrate() -> dict[str, Any]:
     calib: dict[str, Any] = {"comm": {1: CommModel()}}
     sizes = [4096]
     for recipe in BATCH:
-        calib[recipe] = run_ranks(_calibrate_job, 1, recipe, timeout=300)[0]
+        row = run_ranks(_calibrate_job, 1, recipe, timeout=300)[0]
+        calib[recipe] = row.memory
+        print(f"calibration {recipe}: runtime {row.memory.runtime / 2**20:.1f} MiB", flush=True)
         build = resolve_model(recipe, None)[1]
         grads = sum(p.numel() * 4 for p in build().parameters())
         sizes += [grads, grads // 8]
     for n in (2, 4):
         calib["comm"][n] = probe(n, sizes)
+        print(f"probe {n}: process group {calib['comm'][n].runtime_bytes[n] / 2**20:.1f} MiB, "
+              + ", ".join(f"{k}: alpha {v.alpha * 1e6:.0f} us, {v.bandwidth / 1e9:.2f} GB/s"
+                          for (k, m), v in calib["comm"][n].links.items() if m == n), flush=True)  # fmt: skip
     return calib
 
 
@@ -135,7 +150,7 @@ def main() -> None:
     torch.set_num_threads(1)
     configs = _configs()
     results: dict[tuple[str, int, str], dict[str, list[float]]] = {
-        c: {"pt": [], "mt": [], "pm": [], "mm": []} for c in configs
+        c: {"pt": [], "mt": [], "pm": [], "mm": [], "pc": [], "mc": []} for c in configs
     }
     loads = [os.getloadavg()[0]]
     start = time.time()
@@ -144,17 +159,20 @@ def main() -> None:
         order = configs[:]
         random.Random(r).shuffle(order)
         for c in order:
-            mt, mm = _measure(*c, args.steps)
-            pt, pm = _predict(*c, calib)
+            pt, pm, pc = _predict(*c, calib)
+            mt, mm, mc = _measure(*c, args.steps)
             res = results[c]
             res["pt"].append(pt)
             res["mt"].append(mt)
             res["pm"].append(pm)
+            res["pc"].append(pc)
+            res["mc"].append(mc)
             if mm:
                 res["mm"].append(mm)
             loads.append(os.getloadavg()[0])
             print(f"round {r} {c}: step {pt * 1e3:.1f}/{mt * 1e3:.1f} ms, growth "
-                  f"{pm / 2**20:.1f}/{(mm or 0) / 2**20:.1f} MiB", flush=True)  # fmt: skip
+                  f"{pm / 2**20:.1f}/{(mm or 0) / 2**20:.1f} MiB, cpu {pc * 1e3:.1f}/{mc * 1e3:.1f} ms",
+                  flush=True)  # fmt: skip
     med = statistics.median
     print(
         f"\n{platform.node()} {platform.machine()}, {os.cpu_count()} cores, torch "
@@ -163,8 +181,8 @@ def main() -> None:
         f"load average {min(loads):.1f}-{max(loads):.1f} (median {med(loads):.1f})\n"
     )
     print("| recipe | procs | strategy | step ms pred | step ms meas | err % | growth MiB pred "
-          "| growth MiB meas | err % |")  # fmt: skip
-    print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
+          "| growth MiB meas | err % | CPU ms pred | CPU ms meas | err % |")  # fmt: skip
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     summary: dict[tuple[str, int, str], tuple[float, float]] = {}
     for c in configs:
         res = results[c]
@@ -175,7 +193,8 @@ def main() -> None:
         print(
             f"| {c[0]} | {c[1]} | {c[2]} | {pt * 1e3:.1f} | {mt * 1e3:.1f} | {et:+.0f} | "
             f"{pm / 2**20:.1f} | {(mm or 0) / 2**20:.1f} | "
-            f"{'n/a' if em is None else f'{em:+.0f}'} |"
+            f"{'n/a' if em is None else f'{em:+.0f}'} | {med(res['pc']) * 1e3:.1f} | "
+            f"{med(res['mc']) * 1e3:.1f} | {_pct(med(res['pc']), med(res['mc'])) or 0:+.0f} |"
         )
     print("\n| recipe | procs | predicted ranking | measured ranking | match |")
     print("|---|---:|---|---|---|")

@@ -123,10 +123,19 @@ class StepTime:
     exposed: float
     """The part of `comm` the step waits for."""
     bubble: float
+    slowdown: float = 1.0
+    """Compute and bubble are multiplied by this: ranks and other programs sharing
+    this machine's cores (1 for a profile)."""
 
     @property
     def total(self) -> float:
         return self.compute + self.exposed + self.bubble
+
+    @property
+    def cpu(self) -> float:
+        """CPU seconds a rank spends per step on this machine: its compute without the
+        waiting for a core, plus the communication (Gloo's copies and reductions)."""
+        return self.compute / self.slowdown + self.exposed
 
 
 @dataclass(frozen=True, slots=True)
@@ -270,7 +279,13 @@ def estimate(
     return Estimate(
         layout=layout,
         memory=memory,
-        time=StepTime(compute=work, comm=comm_s + exposed_free, exposed=exposed, bubble=bubble),
+        time=StepTime(
+            compute=work,
+            comm=comm_s + exposed_free,
+            exposed=exposed,
+            bubble=bubble,
+            slowdown=slowdown,
+        ),
         fits=fits,
         overflow=overflow,
     )

@@ -26,7 +26,7 @@ from scaletrain.plan.estimate import Compute, Estimate
 from scaletrain.plan.layouts import Layout, layouts_for
 from scaletrain.plan.partition import list_layers
 
-__all__ = ["Check", "check_run", "layout_of", "measured", "plan", "resolve_model"]
+__all__ = ["Check", "check_run", "layout_of", "measured", "measured_cpu", "plan", "resolve_model"]
 
 
 def resolve_model(
@@ -240,6 +240,18 @@ def measured(run: str | Path) -> tuple[float, int | None, float | None]:
         )
     growth = max(growths) if growths else None
     return max(work), growth, (statistics.median(overlaps) if overlaps else None)
+
+
+def measured_cpu(run: str | Path) -> float | None:
+    """Median CPU seconds per step (all threads of the process) of the busiest rank."""
+    from scaletrain.observe.records import read_run
+
+    per_rank = []
+    for rr in read_run(run).ranks.values():
+        cpus = [s.cpu for s in rr.steps if s.counted and s.cpu is not None]
+        if cpus:
+            per_rank.append(statistics.median(cpus))
+    return max(per_rank) if per_rank else None
 
 
 def check_run(run: str | Path) -> Check:
