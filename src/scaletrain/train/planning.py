@@ -176,6 +176,7 @@ class Check:
     step_s: float
     growth: int | None
     overlap: float | None
+    cpu_s: float | None = None
 
     @property
     def step_error(self) -> float:
@@ -201,6 +202,20 @@ class Check:
                 f"  step time   {p.time.total * 1e3:.1f} ms predicted, {self.step_s * 1e3:.1f} "
                 f"ms measured ({self.step_error:+.1f}%)",
                 f"  memory      {mem} (growth after setup, busiest rank)",
+                *(
+                    [
+                        f"  CPU time    {p.time.cpu * 1e3:.1f} ms predicted, {self.cpu_s * 1e3:.1f} "
+                        f"ms measured per step ({(p.time.cpu - self.cpu_s) / self.cpu_s:+.1%})"
+                    ]
+                    if self.cpu_s
+                    else []
+                ),
+                "  overlap     "
+                + (
+                    f"{self.overlap:.0%} of gradient communication hidden (measured, used)"
+                    if self.overlap is not None
+                    else "not measured by the run: the plan's assumption is used"
+                ),
             ]
         )
 
@@ -273,4 +288,4 @@ def check_run(run: str | Path) -> Check:
         cfg.get("recipe"), devices=world, batch_size=int(cfg["batch_size"]),
         precision=str(cfg.get("precision", "32")), overlap=overlap, layouts=[layout],
     )  # fmt: skip
-    return Check(layout, result.rows[0], step, growth, overlap)
+    return Check(layout, result.rows[0], step, growth, overlap, measured_cpu(base))
