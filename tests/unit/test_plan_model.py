@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from scaletrain.plan.api import throughput
 from scaletrain.plan.comm import CommModel, collective_time, fit_link
 from scaletrain.plan.estimate import Compute, estimate
 from scaletrain.plan.hardware import PROFILES, Hardware, Link
@@ -124,7 +125,8 @@ def test_paper_plan_for_a_cluster_recommends_the_fastest_that_fits() -> None:
     plan = st.plan("gpt", devices=16, hardware="h100-sxm")
     assert plan.nodes == 2  # 8 H100 per node
     fitting = [r for r in plan.rows if r.fits]
-    assert plan.recommended is min(fitting, key=lambda r: r.time.total)
+    # Compared by throughput: a dp=16 step takes 16 batches, a pp=16 step one.
+    assert plan.recommended is max(fitting, key=lambda r: throughput(r, 32))
     assert plan.recommended.layout.label in plan.reason
     labels = [r.layout.label for r in plan.rows]
     assert "tensor tp=16" not in labels  # 4 heads do not split 16 ways

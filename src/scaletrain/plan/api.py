@@ -19,7 +19,7 @@ from scaletrain.plan.layouts import Layout, layouts_for
 from scaletrain.plan.partition import list_layers
 from scaletrain.plan.profile import ModelProfile, profile_model
 
-__all__ = ["PRECISIONS", "Plan", "calibrate", "check_request", "plan_model"]
+__all__ = ["PRECISIONS", "Plan", "calibrate", "check_request", "plan_model", "throughput"]
 
 PRECISIONS = ("32", "bf16-mixed", "fp16-mixed", "bf16-true")
 _AUTOCAST = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
@@ -56,7 +56,7 @@ class Plan:
         mib = 2**20
         head = (
             f"{'layout':<28} {'fits':<5} {'params':>8} {'grads':>8} {'optim':>8} {'acts':>8} "
-            f"{'buffers':>8} {'runtime':>8} {'total':>8} | {'compute':>8} {'comm':>8} {'bubble':>8} {'step':>8}"
+            f"{'buffers':>8} {'runtime':>8} {'total':>8} | {'compute':>8} {'comm':>8} {'bubble':>8} {'step':>8} {'samples/s':>10}"
         )
         lines = [
             f"{self.model} on {self.devices} device(s) x {self.nodes} node(s), "
@@ -75,7 +75,7 @@ class Plan:
                 f"{m.activations / mib:8.1f} {m.buffers / mib:8.1f} {m.runtime / mib:8.1f} "
                 f"{m.total / mib:8.1f} | "
                 f"{t.compute * 1e3:8.1f} {t.exposed * 1e3:8.1f} {t.bubble * 1e3:8.1f} "
-                f"{t.total * 1e3:8.1f}"
+                f"{t.total * 1e3:8.1f} {throughput(r, self.profile.batch_size):10,.0f}"
             )
             if r.overflow:
                 lines.append(f"    does not fit: {r.overflow}")
@@ -180,20 +180,28 @@ def calibrate(
     )  # fmt: skip
 
 
-def _recommend(rows: list[Estimate]) -> tuple[Estimate | None, str]:
-    fitting = sorted((r for r in rows if r.fits), key=lambda r: r.time.total)
+def throughput(row: Estimate, batch: int) -> float:
+    """Samples per second: every data-parallel replica (dp of them) takes `batch`."""
+    return batch * row.layout.dp / max(row.time.total, 1e-12)
+
+
+def _recommend(rows: list[Estimate], batch: int) -> tuple[Estimate | None, str]:
+    # Rows differ in samples per step (dp replicas x batch): compared by throughput.
+    fitting = sorted((r for r in rows if r.fits), key=lambda r: -throughput(r, batch))
     if not fitting:
         return None, "nothing fits: every layout overflows a device (see the rows marked NO)"
     best = fitting[0]
     t = best.time
     why = (
-        f"{best.layout.label}: fastest that fits, {t.total * 1e3:.1f} ms per step "
-        f"(compute {t.compute * 1e3:.1f}, exposed comm {t.exposed * 1e3:.1f}, bubble "
-        f"{t.bubble * 1e3:.1f})"
+        f"{best.layout.label}: the highest throughput that fits, "
+        f"{throughput(best, batch):,.0f} samples/s ({t.total * 1e3:.1f} ms per step of "
+        f"{batch * best.layout.dp} samples: compute {t.compute * 1e3:.1f}, exposed comm "
+        f"{t.exposed * 1e3:.1f}, bubble {t.bubble * 1e3:.1f})"
     )
     if len(fitting) > 1:
         nxt = fitting[1]
-        why += f", {nxt.time.total / max(t.total, 1e-12):.2f}x faster than {nxt.layout.label}"
+        ratio = throughput(best, batch) / max(throughput(nxt, batch), 1e-12)
+        why += f", {ratio:.2f}x {nxt.layout.label}"
     return best, why
 
 
@@ -298,7 +306,7 @@ def plan_model(
         )
         for x in layouts
     ]
-    best, reason = _recommend(rows)
+    best, reason = _recommend(rows, batch_size)
     return Plan(
         model=profile.model, devices=devices, nodes=nodes, hardware=hw, precision=precision,
         profile=profile, rows=rows, recommended=best, reason=reason, assumptions=assumptions,

@@ -212,6 +212,7 @@ def estimate(
         bwd = comm.time("all_reduce", parts["bwd_bytes"] / max(1, parts["bwd_msgs"]), tp, inner)
         exposed_free += parts["fwd_msgs"] * fwd + parts["bwd_msgs"] * bwd  # on the critical path
     m = layout.microbatches or 1
+    virtual_split = layout.schedule == "interleaved-1f1b"
     stage_share = 1.0
     if pp > 1:
         stages = _stages(layers, pp)
@@ -256,7 +257,10 @@ def estimate(
     if hw.cores is not None:
         # Every rank wants a core, and so do other programs (their load inferred from
         # the calibration's share of a core): the ranks get cores / (load + ranks) each.
-        wanted = compute.background(hw.cores) + layout.devices
+        # A pipeline's ranks idle in the bubble: on average devices x M / (M + pp - 1)
+        # of them want a core.
+        active = layout.devices * (m / (m + (pp - 1) / max(1, 2 if virtual_split else 1)))
+        wanted = compute.background(hw.cores) + active
         slowdown = max(1.0, wanted / hw.cores)
     work *= slowdown
     bubble = fwd_bwd * bubble_units * slowdown
