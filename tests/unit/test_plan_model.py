@@ -133,3 +133,28 @@ def test_paper_plan_for_a_cluster_recommends_the_fastest_that_fits() -> None:
     assert "fsdp x tp dp=4,tp=4" in labels
     table = plan.table()
     assert "recommended:" in table and "assumption:" in table
+
+
+def test_other_programs_load_slows_compute_down() -> None:
+    p = profile_model(_mlp, _example(8), nn.functional.cross_entropy, _adam)
+    with torch.device("meta"):
+        layers = list_layers(_mlp())
+    two = Hardware("cpu", "2 cores", 10**12, {}, Link(0, 1e9), Link(0, 1e9), cores=2)
+    idle = Compute(fixed=0.0, per_sample=0.01, optimizer=0.0, source="t", load=1.0)
+    busy = Compute(fixed=0.0, per_sample=0.01, optimizer=0.0, source="t", load=3.0)
+    rows = [
+        estimate(
+            Layout("ddp", dp=2),
+            p,
+            layers=layers,
+            tp_plan=None,
+            compute=c,
+            comm=CommModel(default=Link(0, 1e12)),
+            hw=two,
+            overlap=0.0,
+        )
+        for c in (idle, busy)
+    ]
+    # Load 3 = the calibration + 2 other threads: 2 ranks + 2 others on 2 cores.
+    assert rows[0].time.slowdown == 1.0 and rows[1].time.slowdown == pytest.approx(2.0)
+    assert rows[1].time.cpu == pytest.approx(rows[0].time.cpu)

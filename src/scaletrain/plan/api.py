@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -176,7 +177,7 @@ def calibrate(
     share = min(1.0, (cpu_total + opt_cpu) / max(wall_total + opt_wall, 1e-9))
     return Compute.fit(
         points, opt_cpu, "calibrated here: CPU seconds, 1 thread", share=share,
-        measured_growth=growth,
+        load=os.getloadavg()[0] if hasattr(os, "getloadavg") else None, measured_growth=growth,
     )  # fmt: skip
 
 
@@ -250,8 +251,9 @@ def plan_model(
             sizes = [batch_size] + [batch_size // (x.microbatches or 1) for x in layouts]
             compute = calibrate(build, example, loss_fn, optimizer, sizes)
             assumptions.append(
-                f"calibration got {compute.share:.0%} of a core (other load here: "
-                f"{compute.background(hw.cores or 1):.1f} runnable threads)"
+                f"calibration got {compute.share:.0%} of a core; other load here "
+                f"{compute.background(hw.cores or 1):.1f} runnable threads (load average less "
+                "this process)"
             )
         else:
             compute = Compute.from_flops(profile, hw, precision)

@@ -47,6 +47,8 @@ class Compute:
     share: float = 1.0
     """Fraction of a core the calibration got (CPU time / wall time): below 1 when the
     machine was busy with other work, whose load the estimate then accounts for."""
+    load: float | None = None
+    """The machine's 1-minute load average when calibrated (None: not measured)."""
     measured_growth: int | None = None
     """RSS the calibration's real steps added in a fresh process (bytes)."""
     runtime_bytes: int = 0
@@ -58,9 +60,11 @@ class Compute:
         return self.fixed + self.per_sample * samples
 
     def background(self, cores: int) -> float:
-        """Runnable threads of other programs during the calibration (a CPU machine
-        shared with others): a core share s with `cores` cores means cores/s threads
-        wanted them, the calibration's own one among them."""
+        """Runnable threads of other programs (a CPU machine shared with others): the
+        1-minute load average at the calibration less the calibration itself, or, without
+        it, what the calibration's share s of a core implies (cores/s wanted them)."""
+        if self.load is not None:
+            return max(0.0, self.load - 1)
         return max(0.0, cores / self.share - 1) if self.share < 0.95 else 0.0
 
     @classmethod
@@ -71,16 +75,17 @@ class Compute:
         source: str,
         *,
         share: float = 1.0,
+        load: float | None = None,
         measured_growth: int | None = None,
     ) -> Compute:
         """From measured forward+backward seconds at two or more sample counts."""
         xs = sorted(points)
         if len(xs) == 1:
-            return cls(0.0, points[xs[0]] / xs[0], optimizer, source, share, measured_growth)
+            return cls(0.0, points[xs[0]] / xs[0], optimizer, source, share, load, measured_growth)
         lo, hi = xs[0], xs[-1]
         per = max(0.0, (points[hi] - points[lo]) / (hi - lo))
         fixed = max(0.0, points[hi] - per * hi)
-        return cls(fixed, per, optimizer, source, share, measured_growth)
+        return cls(fixed, per, optimizer, source, share, load, measured_growth)
 
     @classmethod
     def from_flops(cls, profile: ModelProfile, hw: Hardware, precision: str) -> Compute:
