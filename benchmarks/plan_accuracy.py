@@ -143,12 +143,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument(
+        "--only", default=None, metavar="R:N:S,...",
+        help="only these configurations, e.g. convnet:1:ddp,gpt:1:ddp",
+    )  # fmt: skip
     args = ap.parse_args()
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
 
     torch.set_num_threads(1)
     configs = _configs()
+    if args.only:
+        wanted = {tuple(x.split(":")) for x in args.only.split(",")}
+        configs = [c for c in configs if (c[0], str(c[1]), c[2]) in wanted]
     results: dict[tuple[str, int, str], dict[str, list[float]]] = {
         c: {"pt": [], "mt": [], "pm": [], "mm": [], "pc": [], "mc": []} for c in configs
     }
@@ -201,6 +208,8 @@ def main() -> None:
     for recipe in BATCH:
         for n in (2, 4):
             rows = [c for c in configs if c[0] == recipe and c[1] == n]
+            if len(rows) < 2:
+                continue
 
             # By samples per second: ddp and fsdp steps take n batches, tensor and
             # pipeline steps one (the batch is per data-parallel replica).

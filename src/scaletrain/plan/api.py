@@ -231,10 +231,6 @@ def plan_model(
     `comm` replace the measurements (a benchmark measures them once for many plans).
     """
     check_request(devices, nodes, hardware, precision, batch_size)
-    profile = profile_model(
-        build, example(batch_size), loss_fn, optimizer,
-        autocast_dtype=_AUTOCAST.get(precision), name=name,
-    )  # fmt: skip
     with torch.device("meta"):
         layers = list_layers(build())
     if layouts is None:
@@ -246,21 +242,27 @@ def plan_model(
         # A cluster of the profile's nodes: devices beyond one node's are on others.
         nodes = -(-devices // hw.devices_per_node)
     assumptions: list[str] = []
+    if compute is None and hardware is None:
+        # First, in a fresh process: the real steps' RSS growth then holds the runtime's
+        # first-step overhead (kernel workspaces, allocator and autograd state), which
+        # the fake forward/backward below would otherwise have paid in part already.
+        sizes = [batch_size] + [batch_size // (x.microbatches or 1) for x in layouts]
+        compute = calibrate(build, example, loss_fn, optimizer, sizes)
+        assumptions.append(
+            f"calibration got {compute.share:.0%} of a core; other load here "
+            f"{compute.background(hw.cores or 1):.1f} runnable threads (load average less "
+            "this process)"
+        )
+    profile = profile_model(
+        build, example(batch_size), loss_fn, optimizer,
+        autocast_dtype=_AUTOCAST.get(precision), name=name,
+    )  # fmt: skip
     if compute is None:
-        if hardware is None:
-            sizes = [batch_size] + [batch_size // (x.microbatches or 1) for x in layouts]
-            compute = calibrate(build, example, loss_fn, optimizer, sizes)
-            assumptions.append(
-                f"calibration got {compute.share:.0%} of a core; other load here "
-                f"{compute.background(hw.cores or 1):.1f} runnable threads (load average less "
-                "this process)"
-            )
-        else:
-            compute = Compute.from_flops(profile, hw, precision)
-            assumptions.append(
-                f"compute at {hw.compute_efficiency:.0%} of the datasheet peak "
-                f"({hw.peak_flops[precision] / 1e12:.0f} TFLOP/s at precision {precision})"
-            )
+        compute = Compute.from_flops(profile, hw, precision)
+        assumptions.append(
+            f"compute at {hw.compute_efficiency:.0%} of the datasheet peak "
+            f"({hw.peak_flops[precision] / 1e12:.0f} TFLOP/s at precision {precision})"
+        )
     if comm is None:
         if hardware is None:
             from scaletrain.plan.comm import probe
