@@ -52,6 +52,17 @@ def reset_rss_peak() -> bool:
 
 
 def rss_peak_bytes() -> int:
+    """The process's peak RSS: VmHWM on Linux (restarted by `reset_rss_peak`), else
+    getrusage's ru_maxrss. Not ru_maxrss on Linux: after fork and exec it never drops
+    below the parent's RSS at the fork, so a small child of a large parent would report
+    the parent's size."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     # Linux reports KiB, macOS bytes.
     return int(peak if sys.platform == "darwin" else peak * 1024)
