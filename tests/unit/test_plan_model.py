@@ -158,3 +158,21 @@ def test_other_programs_load_slows_compute_down() -> None:
     # Load 3 = the calibration + 2 other threads: 2 ranks + 2 others on 2 cores.
     assert rows[0].time.slowdown == 1.0 and rows[1].time.slowdown == pytest.approx(2.0)
     assert rows[1].time.cpu == pytest.approx(rows[0].time.cpu)
+
+
+def test_a_small_child_of_a_large_parent_reports_its_own_peak_rss() -> None:
+    # ru_maxrss would report the parent's RSS at the fork (Linux keeps it across exec);
+    # the ledger's and the planner's peak is VmHWM, the child's own.
+    import subprocess
+    import sys
+
+    from scaletrain.observe.memory import current_rss_bytes
+
+    ballast = bytearray(400 * 2**20)
+    ballast[::4096] = b"x" * len(ballast[::4096])  # touch every page
+    parent = current_rss_bytes()
+    code = "from scaletrain.observe.memory import rss_peak_bytes; print(rss_peak_bytes())"
+    child = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                               check=True).stdout)  # fmt: skip
+    del ballast
+    assert parent is not None and child < parent - 300 * 2**20
