@@ -6,6 +6,7 @@ from scaletrain.dist.collectives import (
     all_gather_floats,
     any_rank,
     barrier,
+    from_rank_zero,
     rank_first,
     reduce_values,
 )
@@ -36,6 +37,7 @@ __all__ = [
     "clip_grads_",
     "destroy",
     "device_mesh",
+    "from_rank_zero",
     "global_grad_norm",
     "init_process_group",
     "is_initialized",
