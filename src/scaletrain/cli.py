@@ -57,7 +57,7 @@ def _add_train(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
             "warmup": "STEPS", "accumulate": "K", "clip_grad": "NORM", "seed": "N",
             "data_dir": "DIR", "num_workers": "N", "eval_batch_size": "N", "eval_batches": "N",
             "out": "RUN", "log_every": "N", "save_every": "N", "keep": "K", "stop_after": "N",
-            "max_restarts": "K", "hang_timeout": "S", "mesh": "DIMS", "fork": "NEW_RUN",
+            "max_restarts": "K", "monitor_interval": "S", "hang_timeout": "S", "mesh": "DIMS", "fork": "NEW_RUN",
             "ledger_every": "K", "profile": "STEPS",
         },
     )  # fmt: skip
@@ -256,6 +256,7 @@ def _cmd_train(ns: argparse.Namespace, argv: Sequence[str]) -> int:
             nproc_per_node=nproc,
             run_as_module=True,
             max_restarts=config.max_restarts,
+            monitor_interval=config.monitor_interval,
             extra_env={_SUPERVISED: "1"},
         ),
         "scaletrain",

@@ -17,6 +17,7 @@ import torch
 
 from scaletrain.checkpoint import CheckpointManager, Resumed
 from scaletrain.checkpoint.full import save_file
+from scaletrain.dist import PendingFlag
 from scaletrain.errors import ConfigError, spell
 from scaletrain.observe.events import EvalEvent, Observers, RunInfo, StepEvent
 from scaletrain.runtime import Runtime, sync_batchnorm
@@ -89,6 +90,7 @@ class Session:
         self.sync_bn = recipe.sync_bn if cfg.sync_bn is None else cfg.sync_bn
         self.warmup = recipe.warmup if cfg.warmup is None else cfg.warmup
         self.done = _Progress()
+        self._pending_stop: PendingFlag | None = None
         self.notes = list(notes or [])
         """Header lines about what the run directory held (set aside, overwritten)."""
 
@@ -391,23 +393,39 @@ class Session:
                 done.samples += epoch_samples
                 epoch_start, epoch_samples = time.perf_counter(), 0
                 self._save()
+        # The last step's stop flag, still in flight: every rank collects it here.
+        self._collect_stop()
         done.train_time += time.perf_counter() - epoch_start
         done.samples += epoch_samples
         observers.on_epoch_end(epoch)
 
     def _agree_to_stop(self) -> bool:
-        """Every rank must stop at the same step: one tiny collective agrees (a signal
-        reaches ranks at different times)."""
+        """Every rank must stop at the same step.
+
+        --stop-after counts steps, the same on every rank: no agreement needed. A signal
+        reaches ranks at different times, so each step starts a tiny all-reduce of this
+        rank's flag without waiting for it, and collects the previous step's: every rank
+        sees the same answer at the same step (one step after the signal), and the round
+        trip runs on the control group's threads, off the training loop's path.
+        """
         cfg, done = self.cfg, self.done
+        signalled = self._collect_stop()
         by_count = cfg.stop_after is not None and done.step - self.run_start_step >= cfg.stop_after
-        if self.rt.any_rank(self.stop.signal is not None or by_count):
-            if self.stop.signal is not None:
-                done.stopped_by = self.stop.reason
-            elif by_count:
-                done.stopped_by = spell("stop_after", cfg.stop_after)
-            else:
-                done.stopped_by = "a signal on another rank"
+        if not signalled and by_count:
+            done.stopped_by = spell("stop_after", cfg.stop_after)
+        if done.stopped_by is None:
+            self._pending_stop = self.rt.any_rank_async(self.stop.signal is not None)
         return done.stopped_by is not None
+
+    def _collect_stop(self) -> bool:
+        """The stop flag started by the previous step (False if none is in flight); sets
+        `stopped_by` when any rank was signalled."""
+        pending, self._pending_stop = self._pending_stop, None
+        if pending is None or not pending.result():
+            return False
+        self.done.stopped_by = self.stop.reason if self.stop.signal is not None else None
+        self.done.stopped_by = self.done.stopped_by or "a signal on another rank"
+        return True
 
     def _save(self, *, final: bool = False) -> Path:
         done = self.done
