@@ -12,6 +12,7 @@ one that does not is marked WRONG and its speed does not count.
   train       `scaletrain train` (the Trainer, its dataset, the ledger and the watchdog)
   accelerate  Hugging Face Accelerate under torchrun        } only if benchmarks/.venv-peers
   fabric      Lightning Fabric, its own launcher             } exists (`make peers-venv`)
+  train-base  `scaletrain train` from another source tree (--baseline-src DIR: before/after)
 
 Rounds interleave the contenders (each round in a rotated order) so the machine's noise
 hits all alike. Per contender: median/min/max samples/s over rounds (training steps
@@ -23,6 +24,8 @@ to the first step (from the command's start to the end of every rank's first ste
     .venv/bin/python benchmarks/peers.py                           # the full comparison
     .venv/bin/python benchmarks/peers.py --rounds 3 --steps 150    # a few minutes
     .venv/bin/python benchmarks/peers.py --scaling 1,2,4 --only raw,train
+    git archive main src | tar -x -C /tmp/base   # then, old code against new:
+    .venv/bin/python benchmarks/peers.py --only raw,train --baseline-src /tmp/base/src
 """
 
 from __future__ import annotations
@@ -94,13 +97,13 @@ def _command(name: str, a: argparse.Namespace, nproc: int, tmp: Path) -> list[li
         if a.monitor_interval is not None:
             launch += ["--monitor-interval", str(a.monitor_interval)]
         return [[*launch, str(HERE / "scaletrain_ddp.py"), *script]]
-    if name == "train":
+    if name in ("train", "train-base"):
         cmd = [
             py, "-m", "scaletrain", "train", "--nproc", str(nproc), "--max-steps", str(a.steps),
             "--epochs", "1000", "--batch-size", str(a.batch_size), "--eval-batches", "0",
             "--data-dir", a.data_dir, "--out", str(tmp / "run"),
         ]  # fmt: skip
-        if a.monitor_interval is not None:
+        if a.monitor_interval is not None and name == "train":
             cmd += ["--monitor-interval", str(a.monitor_interval)]
         return [cmd]
     if name == "accelerate":
@@ -115,7 +118,7 @@ def _records(
 ) -> tuple[list[list[float]], list[list[float]], float]:
     """Every rank's end-of-step times and cumulative CPU seconds, and rank 0's final loss
     (the mean of its last 20 steps)."""
-    if name != "train":
+    if name not in ("train", "train-base"):
         recs = [json.loads((tmp / f"rec.rank{r}.json").read_text()) for r in range(nproc)]
         return [r["t"] for r in recs], [r["cpu"] for r in recs], float(recs[0]["loss"])
     times, cpus = [], []
@@ -138,6 +141,8 @@ def run_once(name: str, a: argparse.Namespace, nproc: int) -> Sample:
     try:
         env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
         env["PYTHONPATH"] = str(HERE)
+        if name == "train-base":
+            env["PYTHONPATH"] = f"{a.baseline_src}{os.pathsep}{HERE}"
         cmds = _command(name, a, nproc, tmp)
         if len(cmds) > 1:
             env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
@@ -264,6 +269,10 @@ def main(argv: list[str] | None = None) -> int:
         "--monitor-interval", type=float, default=None,
         help="pass --monitor-interval S to `scaletrain launch` and `scaletrain train`",
     )  # fmt: skip
+    p.add_argument(
+        "--baseline-src", default=None, metavar="DIR",
+        help="also run `scaletrain train` with scaletrain imported from DIR (train-base)",
+    )  # fmt: skip
     p.add_argument("--scaling", default=None, metavar="N,N,...", help="process counts to compare")
     p.add_argument("--timeout", type=float, default=600, help="seconds per run before giving up")
     a = p.parse_args(argv)
@@ -277,6 +286,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--only: unknown contender(s) {unknown}; expected some of {','.join(ALL)}")
     if "raw" not in names:
         names.insert(0, "raw")
+    if a.baseline_src is not None:
+        if not (Path(a.baseline_src) / "scaletrain" / "__init__.py").is_file():
+            p.error(f"--baseline-src {a.baseline_src}: expected a directory holding scaletrain/")
+        names.append("train-base")
     if not PEERS_PY.exists():
         for n in [n for n in names if n in NEEDS_PEERS_VENV]:
             print(f"note: {n} skipped: no {PEERS_PY} (run `make peers-venv` to compare with it)")
