@@ -61,6 +61,8 @@ class Sample:
     command_cpu_s: float
     startup_s: float
     loss: float
+    phases: dict[str, float] = field(default_factory=dict)
+    """The step ledger's median ms per phase (scaletrain's contenders only)."""
 
 
 @dataclass
@@ -141,6 +143,7 @@ def run_once(name: str, a: argparse.Namespace, nproc: int) -> Sample:
     try:
         env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
         env["PYTHONPATH"] = str(HERE)
+        env["SCALETRAIN_RUN_DIR"] = str(tmp / "run")  # where the library's ledger writes
         if name == "train-base":
             env["PYTHONPATH"] = f"{a.baseline_src}{os.pathsep}{HERE}"
         cmds = _command(name, a, nproc, tmp)
@@ -168,6 +171,7 @@ def run_once(name: str, a: argparse.Namespace, nproc: int) -> Sample:
             codes = [p.returncode for p in procs]
             sys.exit(f"{name} failed (exit {codes}): {cmds[0]}\n" + "\n".join(outputs)[-4000:])
         times, cpus, loss = _records(name, tmp, nproc)
+        phases = _ledger_phases(tmp / "run")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     k = a.skip
@@ -181,7 +185,27 @@ def run_once(name: str, a: argparse.Namespace, nproc: int) -> Sample:
         command_cpu_s=command_cpu,
         startup_s=max(t[0] for t in times) - start,
         loss=loss,
+        phases=phases,
     )
+
+
+def _ledger_phases(run: Path) -> dict[str, float]:
+    """Median ms per phase over the counted steps of every rank (empty without a ledger)."""
+    ranks = sorted((run / "observe").glob("rank*.jsonl"))
+    if not ranks:
+        return {}
+    names: list[str] = []
+    rows: list[list[float]] = []
+    for path in ranks:
+        for rec in map(json.loads, path.read_text().splitlines()):
+            if rec.get("kind") == "run":
+                names = rec["phases"]
+            elif rec.get("kind") == "step" and not rec.get("flags"):
+                rows.append([*rec["p"], rec["wall"], rec["cpu"]])
+    if not rows:
+        return {}
+    cols = [*names, "step", "cpu"]
+    return {c: 1e3 * statistics.median(r[i] for r in rows) for i, c in enumerate(cols)}
 
 
 def _rounds(names: list[str], a: argparse.Namespace, nproc: int) -> dict[str, Contender]:
@@ -233,6 +257,19 @@ def _print_peers(table: dict[str, Contender], a: argparse.Namespace) -> bool:
         "raw's CPU per step over this one's (> 1: cheaper). same loss: within "
         f"{LOSS_RTOL:g} of raw's (rank 0's mean loss over its last 20 steps)."
     )
+    ledgers = {n: c for n, c in table.items() if all(s.phases for s in c.results)}
+    if ledgers:
+        cols = [k for k in next(iter(ledgers.values())).results[0].phases]
+        cols = [k for k in cols if any(_med([s.phases.get(k, 0) for s in c.results]) >= 0.05
+                                       for c in ledgers.values())]  # fmt: skip
+        print(
+            "\nThe step ledger (median ms per step over rounds of the median over ranks x steps):"
+        )
+        print("| contender | " + " | ".join(cols) + " |")
+        print("|---|" + "---:|" * len(cols))
+        for n, c in ledgers.items():
+            cells = [f"{_med([s.phases.get(k, 0.0) for s in c.results]):.1f}" for k in cols]
+            print(f"| {n} | " + " | ".join(cells) + " |")
     return all_same
 
 
