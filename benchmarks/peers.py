@@ -152,20 +152,20 @@ def run_once(name: str, a: argparse.Namespace, nproc: int) -> Sample:
             env.update(WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         start = time.time()
-        procs = []
+        procs, logs = [], []
         for rank, cmd in enumerate(cmds):
             rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank)) if len(cmds) > 1 else env
+            logs.append((tmp / f"out{rank}.txt").open("w"))  # a file: no pipe fills and blocks
             procs.append(
                 subprocess.Popen(
-                    cmd,
-                    cwd=tmp,
-                    env=rank_env,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    text=True,
+                    cmd, cwd=tmp, env=rank_env, stdout=logs[-1], stderr=subprocess.STDOUT
                 )
             )
-        outputs = [p.communicate(timeout=a.timeout)[0] for p in procs]
+        for proc in procs:
+            proc.wait(timeout=a.timeout)
+        for log in logs:
+            log.close()
+        outputs = [(tmp / f"out{rank}.txt").read_text() for rank in range(len(cmds))]
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         if any(p.returncode for p in procs):
             codes = [p.returncode for p in procs]
