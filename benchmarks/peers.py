@@ -291,6 +291,17 @@ def _print_scaling(by_n: dict[int, dict[str, Contender]], names: list[str]) -> N
     )
 
 
+def _autogroup() -> str:
+    try:
+        return (
+            "on"
+            if Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() == "1"
+            else "off"
+        )
+    except OSError:
+        return "unknown"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default: 5)")
@@ -334,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{platform.node()} {platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} cores, python {platform.python_version()}, "
-        f"{time.strftime('%Y-%m-%d %H:%M %Z')}, load average {_load()}"
+        f"{time.strftime('%Y-%m-%d %H:%M %Z')}, load average {_load()}, "
+        f"autogroup scheduling {_autogroup()}"
     )
     print(f"command: {' '.join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])])}")
     if a.scaling is not None:
