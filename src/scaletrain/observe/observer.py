@@ -81,11 +81,22 @@ class TensorBoardScalars(Observer):
     as TensorBoard scalars in `logdir` (written only where `tensorboard` is installed)."""
 
     def __init__(self, logdir: Path, ledger: StepLedger | None = None) -> None:
-        from torch.utils.tensorboard import SummaryWriter
-
-        self.writer: Any = SummaryWriter(log_dir=str(logdir))
+        self.logdir = logdir
+        self._writer: Any = None
         if ledger is not None:
             ledger.listeners.append(self._window)
+
+    @property
+    def writer(self) -> Any:
+        # Opened at the first scalar, not here: a start that is refused (a resume
+        # whose settings change the run's meaning, no valid checkpoint) must leave
+        # the run directory exactly as it found it, and SummaryWriter creates an
+        # events file the moment it is constructed.
+        if self._writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(log_dir=str(self.logdir))
+        return self._writer
 
     def on_log(self, record: Mapping[str, Any]) -> None:
         step = int(record["step"])
@@ -106,5 +117,6 @@ class TensorBoardScalars(Observer):
                 self.writer.add_scalar(f"ledger/{name}_ms_max", s.max * 1e3, step)
 
     def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self.writer.close()
+        if self._writer is not None:
+            with contextlib.suppress(Exception):
+                self._writer.close()
