@@ -9,11 +9,15 @@ STAMP := $(VENV)/.setup-stamp
 FMNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 # Debian's Chromium: the report test opens report.html in it, headless.
 CHROMIUM := /usr/bin/chromium
+# The real cluster tools tests/cluster/ runs against (Debian bookworm: Slurm 22.05,
+# Open MPI 4.1, MPICH 4.0). The tests start and stop the daemons themselves.
+CLUSTER_PKGS := slurmctld slurmd slurm-client munge openmpi-bin mpich iproute2 util-linux
+CLUSTER_STAMP := /usr/sbin/slurmctld /usr/bin/mpirun.openmpi /usr/bin/mpiexec.mpich /usr/sbin/ip
 TRAIN_ARGS ?=
 
 .PHONY: setup train test lint typecheck layers unit clean peers-venv peers
 
-setup: $(STAMP) $(FMNIST) $(CHROMIUM)
+setup: $(STAMP) $(FMNIST) $(CHROMIUM) $(CLUSTER_STAMP)
 
 # torch first and pinned: it takes the local CPU wheel, so resolving the
 # package's `torch` range afterwards installs nothing more (no CUDA wheels).
@@ -38,6 +42,15 @@ $(CHROMIUM):
 		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 		$$SUDO apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends chromium fonts-liberation; \
+	fi
+
+# Installed only where one is missing; a second `make setup` does not call apt-get.
+$(CLUSTER_STAMP):
+	@missing=""; for p in $(CLUSTER_PKGS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends $$missing; \
 	fi
 
 train: setup

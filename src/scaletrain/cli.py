@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +18,6 @@ from scaletrain.errors import ConfigError, ScaletrainError, spell, use_cli_names
 from scaletrain.exitcodes import EXIT_ABORTED, EXIT_ERROR, EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE
 
 if TYPE_CHECKING:
-    from scaletrain.env.base import ClusterEnv
     from scaletrain.train import TrainConfig
 
 __all__ = ["build_parser", "main", "train_config"]
@@ -31,7 +29,7 @@ error files and leave the printing to it (once, for the first rank that failed).
 
 def _add_train(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from scaletrain.settings import add_flags
-    from scaletrain.train.config import TrainConfig
+    from scaletrain.train.config import METAVARS, TrainConfig
 
     p = sub.add_parser(
         "train",
@@ -49,18 +47,7 @@ def _add_train(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         default=None,
         help="YAML or JSON file of settings (e.g. a run's config.json); flags given too win",
     )
-    add_flags(
-        p,
-        TrainConfig,
-        metavars={
-            "nproc": "N", "epochs": "N", "max_steps": "N", "batch_size": "N", "lr": "LR",
-            "warmup": "STEPS", "accumulate": "K", "clip_grad": "NORM", "seed": "N",
-            "data_dir": "DIR", "num_workers": "N", "eval_batch_size": "N", "eval_batches": "N",
-            "out": "RUN", "log_every": "N", "save_every": "N", "keep": "K", "stop_after": "N",
-            "max_restarts": "K", "monitor_interval": "S", "hang_timeout": "S", "mesh": "DIMS", "fork": "NEW_RUN",
-            "ledger_every": "K", "profile": "STEPS",
-        },
-    )  # fmt: skip
+    add_flags(p, TrainConfig, metavars=METAVARS)
 
 
 def _add_checkpoint(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -112,6 +99,12 @@ def _add_launch(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     add_arguments(p)
 
 
+def _add_job(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from scaletrain.launch.jobs.cli import add_job_parsers
+
+    add_job_parsers(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="scaletrain",
@@ -121,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_train(sub)
     _add_launch(sub)
+    _add_job(sub)
     _add_checkpoint(sub)
     _add_report(sub)
     _add_env(sub)
@@ -153,7 +147,7 @@ def train_config(ns: argparse.Namespace) -> TrainConfig:
         raise
 
 
-def _preflight(config: TrainConfig, env: ClusterEnv) -> int:
+def _preflight(config: TrainConfig, nodes: int, hint: int | None) -> int:
     """Check what can be checked before any process starts; return the processes per node.
 
     One error here, in the parent, replaces one traceback per rank after the launch:
@@ -172,11 +166,7 @@ def _preflight(config: TrainConfig, env: ClusterEnv) -> int:
 
     recipe = get_recipe(config.resolved_recipe())
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if env.per_node and config.nproc is None and env.procs_per_node_hint:
-        nproc = env.procs_per_node_hint
-    else:
-        nproc = config.default_nproc(gpus)
-    nodes = env.num_nodes if env.per_node else 1
+    nproc = hint if config.nproc is None and hint else config.default_nproc(gpus)
     world = nproc * nodes
     if config.strategy in SINGLE_PROCESS_STRATEGIES and world > 1:
         raise ConfigError(
@@ -206,65 +196,91 @@ def _preflight(config: TrainConfig, env: ClusterEnv) -> int:
     return nproc
 
 
-def _worker_args(argv: Sequence[str], out: str) -> list[str]:
-    """The user's train flags minus --out (replaced by the resolved run directory)."""
+# Flags with a value that the launcher consumes; the workers it starts are ranks of the
+# job it formed, so they get neither these nor an --env that would make them launchers.
+_LAUNCHER_FLAGS = (
+    "--out", "--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-id", "--local-addr", "--env",
+)  # fmt: skip
+
+
+def _worker_args(argv: Sequence[str], out: str | None) -> list[str]:
+    """The user's train flags minus --out (replaced by the resolved run directory; None:
+    rank 0 chooses it) and the topology flags, which are this launcher's, not theirs."""
     args: list[str] = []
     skip = False
     for arg in argv:
         if skip:
             skip = False
             continue
-        if arg == "--out":
+        if arg in _LAUNCHER_FLAGS:
             skip = True
             continue
-        if arg.startswith("--out="):
+        if arg.split("=", 1)[0] in _LAUNCHER_FLAGS:
             continue
         args.append(arg)
-    return [*args, "--out", out]
+    return [*args, "--out", out] if out is not None else args
 
 
 def _cmd_train(ns: argparse.Namespace, argv: Sequence[str]) -> int:
-    from scaletrain.env import detect
+    from scaletrain.launch.training import default_out, place
 
     config = train_config(ns)
-    env = detect()
-    if env.kind != "local" and not env.per_node:
+    placement = place(config)
+    out = default_out(config, placement, os.environ)
+    if placement.mode == "rank":
         # Already one rank of a launched job (torchrun, srun, mpirun): train here.
-        return _train_here(config, worker=True)
-    nproc = _preflight(config, env)
-    if config.out is None:
-        # Resolved once, here, so every worker writes to the same directory.
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        config = config.replace(out=os.path.join("runs", f"{config.resolved_recipe()}-{stamp}"))
-    assert config.out is not None
+        return _train_here(config.replace(out=out), worker=True)
+    nproc = _preflight(config, placement.nodes, placement.procs_per_node_hint)
     from scaletrain.train.rundir import inspect_run, refuse_reuse
 
-    # A finished run is not trained over by accident: said here, before any launch.
-    run_dir = config.fork or config.out
-    field = "fork" if config.fork else "out"
-    refuse_reuse(inspect_run(run_dir), overwrite=config.overwrite, field=field)
-    if nproc == 1 and not env.per_node and config.max_restarts == 0:
-        return _train_here(config, worker=False)
+    # A finished run is not trained over by accident: said here, before any launch (where
+    # rank 0 names the run, None here, the workers say it).
+    run_dir = config.fork or out
+    if run_dir is not None:
+        field = "fork" if config.fork else "out"
+        refuse_reuse(inspect_run(run_dir), overwrite=config.overwrite, field=field)
+    if placement.mode == "srun":
+        from scaletrain.launch import LaunchConfig, launch
+
+        # A batch script: the same command on every node of the allocation (this never
+        # returns); the checks above ran once, here, before any node started.
+        return launch(
+            LaunchConfig(),
+            "scaletrain",
+            relaunch=[sys.executable, "-m", "scaletrain", "train", *argv],
+        )
+    single = nproc == 1 and placement.nodes == 1 and config.max_restarts == 0
+    if single and (placement.env is None or not placement.env.per_node):
+        return _train_here(config.replace(out=out), worker=False)
     from scaletrain.launch import LaunchConfig, launch
     from scaletrain.train.trainer import PREEMPTED_MARKER
 
-    marker = os.path.join(run_dir, PREEMPTED_MARKER)
-    if os.path.exists(marker):
+    marker = os.path.join(run_dir, PREEMPTED_MARKER) if run_dir is not None else None
+    if marker is not None and os.path.exists(marker):
         os.unlink(marker)
     code = launch(
         LaunchConfig(
             nproc_per_node=nproc,
+            nnodes=config.nnodes,
+            node_rank=config.node_rank,
+            rdzv_endpoint=config.rdzv_endpoint,
+            rdzv_id=config.rdzv_id,
+            local_addr=config.local_addr,
+            cluster=config.env,
             run_as_module=True,
-            max_restarts=config.max_restarts,
+            # 0 (the default) lets a platform's own setting apply (a Kubeflow elasticPolicy).
+            max_restarts=config.max_restarts or None,
             monitor_interval=config.monitor_interval,
             extra_env={_SUPERVISED: "1"},
         ),
         "scaletrain",
-        ["train", *_worker_args(argv, config.out)],
+        ["train", *_worker_args(argv, out)],
+        env=placement.env,
         quiet=True,
     )
     # A signal to the launcher reaches the workers too: they saved and stopped.
-    return EXIT_PREEMPTED if code != 0 and os.path.exists(marker) else code
+    preempted = code != 0 and marker is not None and os.path.exists(marker)
+    return EXIT_PREEMPTED if preempted else code
 
 
 def _train_here(config: TrainConfig, *, worker: bool) -> int:
@@ -386,6 +402,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_train(ns, args[args.index("train") + 1 :])
         if ns.command == "checkpoint":
             return _cmd_checkpoint(ns)
+        if ns.command == "job":
+            from scaletrain.launch.jobs.cli import run_job
+
+            return run_job(ns, train_config)
         if ns.command == "report":
             from scaletrain.observe.report import write_report
 
@@ -394,7 +414,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if ns.command == "launch":
             from scaletrain.launch.cli import run
 
-            return run(ns)
+            return run(ns, args[args.index("launch") + 1 :])
     except ScaletrainError as exc:
         print(f"scaletrain: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

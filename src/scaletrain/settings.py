@@ -28,7 +28,7 @@ import itertools
 import textwrap
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
@@ -129,11 +129,18 @@ def _help(spec: FieldSpec) -> str:
 
 
 def add_flags(
-    parser: argparse.ArgumentParser | Any, cls: type, *, metavars: Mapping[str, str] = {}
+    parser: argparse.ArgumentParser | Any,
+    cls: type,
+    *,
+    metavars: Mapping[str, str] = {},
+    exclude: Collection[str] = (),
 ) -> None:
-    """One flag per field of `cls` (a parser or an argument group). Defaults are not
-    stored in the namespace: `typed_flags` tells what the user typed."""
+    """One flag per field of `cls` (a parser or an argument group), except the fields
+    named in `exclude`. Defaults are not stored in the namespace: `typed_flags` tells
+    what the user typed."""
     for spec in field_specs(cls):
+        if spec.name in exclude:
+            continue
         kwargs: dict[str, Any] = {"dest": spec.name, "default": _SUPPRESS, "help": _help(spec)}
         if spec.base is bool:
             kwargs["action"] = argparse.BooleanOptionalAction

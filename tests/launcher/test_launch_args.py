@@ -11,7 +11,7 @@ import scaletrain.env
 from scaletrain.env.base import ClusterEnv
 from scaletrain.errors import ConfigError
 from scaletrain.launch import LaunchConfig, add_arguments, build_torchrun_args, run
-from scaletrain.launch import launcher as launcher_mod
+from scaletrain.launch import plan as plan_mod
 from scaletrain.launch.cli import config_from_args
 from scaletrain.launch.failures import summarize_failure
 
@@ -172,7 +172,7 @@ def test_env_is_detected_lazily(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_without_detect_it_acts_as_plain_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delattr(scaletrain.env, "detect", raising=False)
-    assert launcher_mod._detect_cluster({}) is None
+    assert plan_mod._detect_cluster({}, None) is None
 
 
 def test_torchrun_accepts_the_arguments() -> None:

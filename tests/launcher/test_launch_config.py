@@ -12,7 +12,8 @@ from scaletrain.launch.config import parse_endpoint, parse_nnodes
 def test_defaults_are_valid() -> None:
     cfg = LaunchConfig()
     assert cfg.nproc_per_node is None and cfg.nnodes is None and cfg.node_rank is None
-    assert cfg.max_restarts == 0 and not cfg.run_as_module and dict(cfg.extra_env) == {}
+    # None: the platform's restarts (a Kubeflow elasticPolicy), else 0.
+    assert cfg.max_restarts is None and not cfg.run_as_module and dict(cfg.extra_env) == {}
 
 
 def test_is_kw_only_and_slotted() -> None:

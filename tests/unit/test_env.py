@@ -592,6 +592,8 @@ def test_srun_task() -> None:
         num_nodes=2,
         master_addr="gpu01",
         master_port=port_from_job_id(4242),
+        job_id="4242",
+        hosts=("gpu01", "gpu02"),
         reasons=found.reasons,
     )
     assert found.reasons[0].startswith("SLURM_PROCID=5, SLURM_STEP_ID=0: a task launched by srun")
@@ -763,7 +765,8 @@ def test_openmpi_rank() -> None:
     assert (found.rank, found.world_size, found.local_rank, found.local_world_size) == (6, 8, 2, 4)
     # OMPI_COMM_WORLD_NODE_RANK=2 is the rank on the node, not the node index.
     assert (found.node_rank, found.num_nodes) == (1, 2)
-    assert (found.master_addr, found.master_port) == ("gpu01", 29500)
+    # The port comes from the mpirun's job id (PMIX_NAMESPACE), not torch's 29500.
+    assert (found.master_addr, found.master_port) == ("gpu01", port_from_job_id("1234567890"))
     assert any("OMPI_COMM_WORLD_RANK=6" in r for r in found.reasons)
 
 
@@ -841,14 +844,18 @@ def test_sagemaker_host() -> None:
         master_port=29500,
         per_node=True,
         procs_per_node_hint=8,
+        job_id="pytorch-training-2024-05-01-12-00-00-000",
+        hosts=("algo-1", "algo-2"),
         reasons=found.reasons,
     )
     assert any("SM_CURRENT_HOST='algo-2'" in r for r in found.reasons)
 
 
-def test_sagemaker_cpu_host_hints_cpus() -> None:
-    found = detect(_env(SAGEMAKER, SM_NUM_GPUS="0", SM_NUM_CPUS="4"))
-    assert found.procs_per_node_hint == 4
+def test_sagemaker_cpu_host_runs_one_worker_as_the_toolkit_does() -> None:
+    # Issue 10: SM_NUM_CPUS=96 used to start 96 workers; the toolkit starts one.
+    found = detect(_env(SAGEMAKER, SM_NUM_GPUS="0", SM_NUM_CPUS="96"))
+    assert found.procs_per_node_hint == 1
+    assert any("SM_NUM_CPUS=96" in r for r in found.reasons)
 
 
 def test_sagemaker_first_host_and_port() -> None:
@@ -900,6 +907,7 @@ def test_kubeflow_worker_pod() -> None:
         master_addr="mnist-master-0",
         master_port=23456,
         per_node=True,
+        job_id="mnist",
         reasons=found.reasons,
     )
     assert any("KUBERNETES_SERVICE_HOST" in r for r in found.reasons)

@@ -107,9 +107,11 @@ def test_cli_flags_are_frozen() -> None:
          # issue 8: fork a run, replace a finished one
          "--fork", "--fork-optimizer", "--no-fork-optimizer", "--overwrite", "--no-overwrite",
          # issue 9: the step ledger and the profile window
-         "--ledger", "--no-ledger", "--ledger-every", "--profile"]
+         "--ledger", "--no-ledger", "--ledger-every", "--profile",
+         # issue 10: many machines (the multi-node flags a torchrun user knows)
+         "--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-id", "--local-addr", "--env"]
     )  # fmt: skip
     launch = _flags(parser, "launch")
     for flag in ("--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint",
-                 "--max-restarts"):  # fmt: skip
+                 "--max-restarts", "--local-addr", "--env"):  # fmt: skip
         assert flag in launch

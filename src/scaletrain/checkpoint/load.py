@@ -20,6 +20,7 @@ import torch
 
 from scaletrain.checkpoint import full as _full
 from scaletrain.checkpoint.asynchronous import AsyncSaver, default_saver
+from scaletrain.checkpoint.disks import Disks
 from scaletrain.checkpoint.layout import (
     OPTIM_VALUES,
     VALUES,
@@ -312,9 +313,15 @@ def _apply(path: Path, manifest: Manifest, parts: State, scope: CheckpointScope,
 
 
 def load_with(
-    scope: CheckpointScope, path: Path, state: dict[str, Any], *, saver: AsyncSaver
+    scope: CheckpointScope,
+    path: Path,
+    state: dict[str, Any],
+    *,
+    saver: AsyncSaver,
+    disks: Disks | None = None,
 ) -> dict[str, Any]:
-    """load_checkpoint, waiting first for the saves in flight of `saver`."""
+    """load_checkpoint, waiting first for the saves in flight of `saver`; `disks` says
+    which ranks share a filesystem (None: all of them)."""
     parts = classify(views(scope, state), loading=True)
     world = scope.topology.world_size
     what = f"loading checkpoint {path}"
@@ -342,14 +349,18 @@ def load_with(
     if len(set(created)) > 1:
         raise CheckpointError(
             f"the ranks see different checkpoints at {path} (manifests written at different "
-            "times): every rank must read the same directory, on a shared filesystem."
+            "times): it was written by another job, or copied onto some nodes only. Every "
+            "rank must read the same checkpoint: one directory on a shared filesystem, or "
+            "the parts one save wrote on each node's own disk."
         )
     _check_request(path, manifest, parts)
     _check_models(path, manifest, tables, parts, scope)
     same_world = manifest.world_size == world
 
-    # 3. Every file's sha256, the files spread over the ranks.
-    mine = sorted(manifest.files)[scope.topology.rank :: world]
+    # 3. Every file's sha256, the files spread over the ranks (of each disk: without a
+    #    shared filesystem each disk holds its own part, under its own manifest).
+    group = disks.mine if disks is not None else tuple(range(world))
+    mine = sorted(manifest.files)[group.index(scope.topology.rank) :: len(group)]
     problems, error = attempt(lambda: verify_files(path, manifest, mine))
     damage = [p for ps in agree(what, error, problems, world_size=world, wrap=failure) for p in ps]
     if damage:

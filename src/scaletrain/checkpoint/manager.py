@@ -25,12 +25,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from torch import nn
+
 from scaletrain.checkpoint.asynchronous import AsyncSaver, PendingCheckpoint
-from scaletrain.checkpoint.catalog import Retention, checkpoint_path, list_checkpoints
+from scaletrain.checkpoint.catalog import Found, Retention, checkpoint_path, list_checkpoints
+from scaletrain.checkpoint.disks import check_splittable, find_disks
+from scaletrain.checkpoint.layout import views
 from scaletrain.checkpoint.load import load_with
 from scaletrain.checkpoint.manifest import RejectedCheckpointError
 from scaletrain.checkpoint.save import check_keep, save_with
 from scaletrain.checkpoint.scope import CheckpointScope, ScopeSource, as_scope
+from scaletrain.dist.agreement import all_gather_objects
 from scaletrain.errors import CheckpointError, ConfigError
 
 __all__ = ["CheckpointManager", "Resumed"]
@@ -74,6 +79,9 @@ class CheckpointManager:
         self.async_save = async_save
         self._saver = AsyncSaver()
         self._retention = Retention(keep)
+        topo = self.scope.topology
+        self.disks = find_disks(self.folder, topo.rank, topo.world_size)
+        """Which ranks share the folder's filesystem (see scaletrain.checkpoint.disks)."""
 
     def resume(self, **state: Any) -> Resumed:
         """Load the newest checkpoint that loads into `state`; say what was passed over.
@@ -84,15 +92,21 @@ class CheckpointManager:
         CheckpointError listing every checkpoint when the folder holds finished ones
         and none of them loads; nothing is deleted.
         """
+        # Without a shared filesystem a model split across ranks is refused here, at
+        # the start, rather than at its first save.
+        modules = [m for m in views(self.scope, state).values() if isinstance(m, nn.Module)]
+        check_splittable(self.disks, self.folder, modules, self.scope.topology.world_size)
         rejected: list[tuple[Path, str]] = []
         finished = 0
-        for found in reversed(list_checkpoints(self.folder)):
+        for found in reversed(self._everywhere(list_checkpoints(self.folder), rejected)):
             finished += found.finished
             if found.manifest is None:
                 rejected.append((found.path, found.problem or "it has no manifest"))
                 continue
             try:
-                values = load_with(self.scope, found.path, state, saver=self._saver)
+                values = load_with(
+                    self.scope, found.path, state, saver=self._saver, disks=self.disks
+                )
             except RejectedCheckpointError as exc:
                 rejected.append((found.path, str(exc)))
                 continue
@@ -107,6 +121,29 @@ class CheckpointManager:
                 "another directory (the damaged ones stay here for inspection)."
             )
         return Resumed(None, {}, rejected)
+
+    def _everywhere(self, found: list[Found], rejected: list[tuple[Path, str]]) -> list[Found]:
+        """The checkpoints every rank sees, and sees the same (same manifest time): with a
+        disk per node, a checkpoint is complete only when every node's part is. Every rank
+        then tries the same ones in the same order."""
+        world = self.scope.topology.world_size
+        if world == 1:
+            return found
+        mine = [(f.path.name, f.manifest.created_ns if f.manifest else None) for f in found]
+        views = [set(v) for v in all_gather_objects(mine, world)]
+        common = set.intersection(*views)
+        kept = []
+        for f, key in zip(found, mine, strict=True):
+            if key in common:
+                kept.append(f)
+                continue
+            if key[1] is None:
+                why = f"its save did not finish on this node's disk ({f.problem})"
+            else:
+                missing = [r for r, view in enumerate(views) if key not in view]
+                why = f"ranks {missing} do not hold its part of it (their save did not finish)"
+            rejected.append((f.path, why))
+        return kept
 
     def due(self, step: int) -> bool:
         """Whether the interval asks for a checkpoint at `step`."""
@@ -132,6 +169,7 @@ class CheckpointManager:
             retention=self._retention,
             async_save=self.async_save and not force,
             sharded=None,
+            disks=self.disks,
         )
         return handle
 

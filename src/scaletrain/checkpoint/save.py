@@ -16,12 +16,14 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal, overload
 
 from scaletrain.checkpoint import full as _full
 from scaletrain.checkpoint.asynchronous import AsyncSaver, PendingCheckpoint, default_saver
 from scaletrain.checkpoint.catalog import Retention
+from scaletrain.checkpoint.disks import Disks, sharded_refusal
 from scaletrain.checkpoint.layout import (
     OPTIM_VALUES,
     VALUES,
@@ -149,19 +151,29 @@ def _write_replicated(
 
 
 def _finalize(
-    path: Path, manifest: Manifest, files: dict[str, FileEntry], retention: Retention
+    path: Path,
+    manifest: Manifest,
+    files: dict[str, FileEntry],
+    retention: Retention,
+    created_ns: int | None = None,
 ) -> Path:
-    """Rank 0, once every rank's files are on disk: hash DCP's files, write the manifest, prune."""
+    """Rank 0 (each disk's first rank, without a shared filesystem), once every rank's
+    files are on disk: hash DCP's files, write the manifest, prune."""
     if manifest.kind == "sharded":
         for f in sorted(path.iterdir()):
             if f.name not in files and f.name != MANIFEST and ".tmp-" not in f.name and f.is_file():
                 files[f.name] = sha256_file(f)
         fsync_dir(path)
     manifest.files = files
-    manifest.created_ns = time.time_ns()
+    manifest.created_ns = created_ns if created_ns is not None else time.time_ns()
     write_manifest(path, manifest)
     retention.prune(path)
     return path
+
+
+def _stateful_sds(state: State) -> dict[str, Any]:
+    """The user's objects' state dicts (rank 0's are the checkpoint's)."""
+    return {name: obj.state_dict() for name, obj in state.statefuls.items()}
 
 
 def _manifest(
@@ -199,23 +211,26 @@ def save_with(
     retention: Retention,
     async_save: bool,
     sharded: bool | None,
+    disks: Disks | None = None,
 ) -> Path | PendingCheckpoint:
-    """save_checkpoint with the saver (thread, group) and keep-K memory given."""
+    """save_checkpoint with the saver (thread, group) and keep-K memory given, onto
+    `disks` (None: one filesystem every rank shares; see scaletrain.checkpoint.disks)."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     parts = classify(views(scope, state))
     world, rank = scope.topology.world_size, scope.topology.rank
     what = f"saving checkpoint {path}"
+    local = disks is not None and not disks.shared
+    # The rank that writes the shared files: rank 0, or each disk's first rank.
+    leader = disks.leader if disks is not None else rank == 0
 
-    # 1. Finish a pending async save, prepare the directory, learn the model layout.
+    # 1. Finish a pending async save, learn the model layout.
     def prepare() -> tuple[
         dict[str, dict[str, Any]], dict[str, Table], bool, dict[str, dict[str, Any]]
     ]:
         previous = saver.settle()
         if previous is not None:
             raise CheckpointError(previous)
-        if rank == 0:
-            prepare_dir(path)
         sds, tables = model_infos(parts)
         dtensors = any(is_dtensor(t) for sd in sds.values() for t in sd.values())
         optim_sds = {
@@ -243,7 +258,32 @@ def save_with(
             "the sharded checkpoint into one plain state dict afterwards."
         )
     kind = "sharded" if (sharded or needs_sharded) else "full"
+    if local and kind == "sharded":
+        assert disks is not None
+        raise CheckpointError(sharded_refusal(path.parent, disks))
     manifest = _manifest(scope, parts, kind, tables)
+    # The directory, once it is known what goes into it; before anyone writes there.
+    _, error = attempt(lambda: prepare_dir(path) if leader else None)
+    agree(what, error, world_size=world, wrap=failure)
+    # Without a shared filesystem each disk's first rank writes the other disks' ranks'
+    # sampler positions (a resume at another world size reads them all) and rank 0's
+    # values and objects (what rank 0 alone writes on one shared disk: every disk then
+    # resumes the same run), and the manifests of all disks carry rank 0's time:
+    # together they are one checkpoint. One gather, only without a shared filesystem.
+    everyone: list[dict[str, Any]] = []
+    created: int | None = None
+    statefuls0: dict[str, Any] = {}
+    if local:
+        gathered = all_gather_objects(
+            (
+                {n: o.state_dict() for n, o in parts.loaders.items()},
+                (time.time_ns(), parts.values, _stateful_sds(parts)) if rank == 0 else None,
+            ),
+            world,
+        )
+        everyone = [loaders for loaders, _ in gathered]
+        created, values0, statefuls0 = gathered[0][1]
+        parts = replace(parts, values=values0)
 
     # 2. Write. Per-rank files on every rank; rank 0 the replicated ones (full: also
     #    models and optimizers, later in the background when async); DCP on all.
@@ -261,11 +301,18 @@ def save_with(
             if rank == 0:
                 replicated = _replicated_payloads(parts, None, None, clone=False)
                 files.update(_write_replicated(path, replicated, parts.values))
-        elif rank == 0:
+        elif leader:
             payloads = _replicated_payloads(parts, model_sds, optim_sds, clone=async_save)
+            if local:
+                payloads.update({f"{n}.pt": sd for n, sd in statefuls0.items()})
             if not async_save:
                 files.update(_write_replicated(path, payloads, parts.values))
                 payloads = None
+        if local and leader and parts.loaders:
+            assert disks is not None
+            for other, loaders in enumerate(everyone):
+                if other not in disks.mine:  # those write their own
+                    files[loaders_file(other)] = write_json(path / loaders_file(other), loaders)
         return files, dcp_state, payloads
 
     written, error = attempt(write)
@@ -274,13 +321,16 @@ def save_with(
         # DCP's own collectives report a failure on any rank to all of them.
         agree(what, error, world_size=world, wrap=failure)
         _, error = attempt(lambda: dcp().save(path, dcp_state or {}))
+    # What is on this rank's disk: the files its ranks wrote (every rank's, on one
+    # shared filesystem).
     merged: dict[str, FileEntry] = {}
-    for rank_files in agree(what, error, files, world_size=world, wrap=failure):
-        merged.update(rank_files)
+    for other, rank_files in enumerate(agree(what, error, files, world_size=world, wrap=failure)):
+        if disks is None or other in disks.mine:
+            merged.update(rank_files)
 
     if not async_save:
         _, error = attempt(
-            lambda: _finalize(path, manifest, merged, retention) if rank == 0 else path
+            lambda: _finalize(path, manifest, merged, retention, created) if leader else path
         )
         agree(what, error, world_size=world, wrap=failure)
         return path
@@ -296,10 +346,10 @@ def save_with(
     def finish() -> Path:
         if upload is not None:
             upload()
-        if rank == 0:
+        if leader:
             if payloads is not None:
                 merged.update(_write_replicated(path, payloads, values))
-            _finalize(path, manifest, merged, retention)
+            _finalize(path, manifest, merged, retention, created)
         return path
 
     return saver.submit(path, finish)

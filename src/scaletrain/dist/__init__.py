@@ -8,6 +8,7 @@ from scaletrain.dist.collectives import (
     any_rank,
     any_rank_async,
     barrier,
+    from_rank_zero,
     rank_first,
     reduce_values,
 )
@@ -40,6 +41,7 @@ __all__ = [
     "clip_grads_",
     "destroy",
     "device_mesh",
+    "from_rank_zero",
     "global_grad_norm",
     "init_process_group",
     "is_initialized",

@@ -18,6 +18,7 @@ __all__ = [
     "any_rank",
     "any_rank_async",
     "barrier",
+    "from_rank_zero",
     "rank_first",
     "reduce_values",
 ]
@@ -43,6 +44,19 @@ def barrier(device: torch.device | None = None) -> None:
         dist.barrier(device_ids=[device.index or 0])
     else:
         dist.barrier()
+
+
+def from_rank_zero(text: str) -> str:
+    """Rank 0's `text` on every rank (one broadcast); `text` itself at world size 1.
+
+    For a choice one process must make for all: a name stamped from rank 0's clock,
+    where each rank reading its own could straddle a second.
+    """
+    if not _active():
+        return text
+    box: list[Any] = [text]
+    dist.broadcast_object_list(box, src=0)
+    return str(box[0])
 
 
 def reduce_values(

@@ -10,6 +10,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from scaletrain.dist.reach import check_master, gloo_interface, join_store
 from scaletrain.env.base import ClusterEnv
 from scaletrain.errors import ConfigError
 
@@ -64,23 +65,25 @@ def init_process_group(
             )
         return
     _export_env(env)
-    # On one node every peer is local: binding to loopback avoids Gloo picking an
-    # interface whose address other ranks cannot reach (containers, VPNs).
-    if (
-        backend == "gloo"
-        and env.num_nodes == 1
-        and "GLOO_SOCKET_IFNAME" not in os.environ
-        and _is_loopback(env.master_addr)
-    ):
-        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    if env.num_nodes > 1 or not _is_loopback(env.master_addr):
+        # Seconds instead of torch's silent retries until `timeout_s`.
+        check_master(env)
+    if backend == "gloo":
+        choice = gloo_interface(env)
+        if choice is not None:
+            os.environ["GLOO_SOCKET_IFNAME"] = choice[0]
     kwargs: dict[str, object] = {}
     if backend == "nccl" and device.type == "cuda":
         # Binding the group to this rank's GPU makes NCCL create its communicator
         # eagerly on the right device instead of guessing from the current device.
         kwargs["device_id"] = device
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun's agent hosts the store and every rank has joined it already.
+        kwargs["init_method"] = "env://"
+    else:
+        kwargs["store"] = join_store(env, timeout_s)
     dist.init_process_group(
         backend=backend,
-        init_method="env://",
         rank=env.rank,
         world_size=env.world_size,
         timeout=_dt.timedelta(seconds=timeout_s),

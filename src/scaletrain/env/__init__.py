@@ -33,6 +33,7 @@ __all__ = [
     "TorchElasticEnvironment",
     "detect",
     "expand_nodelist",
+    "job_id",
 ]
 
 _KINDS: tuple[type[ClusterEnvironment], ...] = (
@@ -50,6 +51,30 @@ ENVIRONMENTS: dict[str, type[ClusterEnvironment]] = {
 """User-facing name -> reader class, in the order `detect` tries them."""
 
 _AUTO = ("auto", "")
+
+# An explicit id first; then the schedulers' own, for a process whose reader has none
+# (a torchrun worker inside a Slurm job or a SageMaker host).
+_JOB_ID_VARS = ("SCALETRAIN_JOB_ID", "SLURM_JOB_ID", "TRAINING_JOB_NAME")
+
+
+def job_id(environ: Mapping[str, str], found: ClusterEnv | None = None) -> str | None:
+    """The job's id, the same in every process of the job and across its requeues:
+    $SCALETRAIN_JOB_ID, else what the reader found, else Slurm's or SageMaker's id."""
+    explicit = environ.get("SCALETRAIN_JOB_ID", "").strip()
+    if explicit:
+        return explicit
+    if found is not None and found.job_id:
+        return found.job_id
+    for name in _JOB_ID_VARS[1:]:
+        value = environ.get(name, "").strip()
+        if value:
+            return value
+    return None
+
+
+def _with_job_id(found: ClusterEnv, environ: Mapping[str, str]) -> ClusterEnv:
+    job = job_id(environ, found)
+    return found if job == found.job_id else dataclasses.replace(found, job_id=job)
 
 
 def detect(environ: Mapping[str, str] | None = None, kind: str | None = None) -> ClusterEnv:
@@ -70,13 +95,14 @@ def detect(environ: Mapping[str, str] | None = None, kind: str | None = None) ->
                 "Fix: pass one of those names, or leave it unset to detect."
             )
         found = ENVIRONMENTS[name]().read(env)
-        return dataclasses.replace(found, reasons=(f"kind {name!r} forced", *found.reasons))
+        found = dataclasses.replace(found, reasons=(f"kind {name!r} forced", *found.reasons))
+        return _with_job_id(found, env)
 
     readers = [cls() for cls in ENVIRONMENTS.values()]
     matching = [reader for reader in readers if reader.detect(env)]
     # LocalEnvironment always matches, so `matching` is never empty.
     chosen = matching[0]
-    found = chosen.read(env)
+    found = _with_job_id(chosen.read(env), env)
     others = [r.name for r in matching[1:] if not isinstance(r, LocalEnvironment)]
     if not others:
         return found

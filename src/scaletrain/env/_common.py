@@ -8,10 +8,11 @@ so that a consistency error can cite both variables that disagree.
 from __future__ import annotations
 
 import re
+import zlib
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
-from scaletrain.env.base import DEFAULT_MASTER_PORT, ClusterEnv
+from scaletrain.env.base import DEFAULT_MASTER_PORT, ClusterEnv, Rendezvous
 from scaletrain.errors import EnvironmentDetectionError
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "first_set",
     "malformed",
     "missing",
+    "port_from_job_id",
     "read_int",
     "read_master_addr",
     "read_master_port",
@@ -35,6 +37,28 @@ _MAX_PORT = 65535
 # Plain decimal only: int() would also accept "+3", " 3 " or "3_000", which no
 # launcher writes; taking them would hide a variable the user set by mistake.
 _INT = re.compile(r"-?[0-9]+")
+
+
+PORT_BASE = 15000
+# Base + span stays below 32768, where Linux's ephemeral range starts
+# (net.ipv4.ip_local_port_range 32768-60999): a port there may already be held
+# by some outgoing connection on the master node.
+PORT_SPAN = 15000
+
+
+def port_from_job_id(job_id: int | str) -> int:
+    """A port every process of the job computes alike, spread so concurrent jobs differ.
+
+    Numeric ids (Slurm's, Open MPI's) map directly; others (a PMIx namespace) through
+    CRC-32, which is the same in every process, unlike Python's salted hash().
+    """
+    if isinstance(job_id, int):
+        number = job_id
+    elif job_id.isdigit():
+        number = int(job_id)
+    else:
+        number = zlib.crc32(job_id.encode())
+    return PORT_BASE + number % PORT_SPAN
 
 
 class Value(NamedTuple):
@@ -135,6 +159,9 @@ def build_env(
     fix: str,
     per_node: bool = False,
     procs_per_node_hint: int | None = None,
+    job_id: str | None = None,
+    hosts: Sequence[str] = (),
+    rendezvous: Rendezvous | None = None,
 ) -> ClusterEnv:
     """Check that the values fit together, then build the ClusterEnv.
 
@@ -182,5 +209,8 @@ def build_env(
         master_port=master_port.value,
         per_node=per_node,
         procs_per_node_hint=procs_per_node_hint,
+        job_id=job_id,
+        hosts=tuple(hosts),
+        rendezvous=rendezvous,
         reasons=tuple(reasons),
     )

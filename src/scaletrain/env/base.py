@@ -7,9 +7,28 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-__all__ = ["ClusterEnv", "ClusterEnvironment"]
+__all__ = ["ClusterEnv", "ClusterEnvironment", "Rendezvous"]
 
 DEFAULT_MASTER_PORT = 29500
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class Rendezvous:
+    """An elastic rendezvous the platform asks for (a Kubeflow elasticPolicy): the node
+    ranks are not known in advance but decided by torch's rendezvous when nodes join."""
+
+    endpoint: str
+    """HOST:PORT of the rendezvous store, the same for every node."""
+    nnodes: str
+    """Node count "N" or range "MIN:MAX", as torchrun's --nnodes."""
+    backend: str = "c10d"
+    """torch's rendezvous backend name."""
+    run_id: str | None = None
+    """The rendezvous id shared by the nodes; None: the launcher's default."""
+    conf: str | None = None
+    """Extra rendezvous settings "key=value,key=value", as torchrun's --rdzv-conf."""
+    max_restarts: int | None = None
+    """Worker-group restarts the platform asks for; None: the launcher's default."""
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -39,6 +58,15 @@ class ClusterEnv:
     the launcher then starts the per-device processes itself."""
     procs_per_node_hint: int | None = None
     """Processes per node the scheduler suggests (SageMaker's SM_NUM_GPUS), if any."""
+    job_id: str | None = None
+    """The scheduler's id for the whole job, the same in every process and kept across
+    requeues (SLURM_JOB_ID, Open MPI's job id, SageMaker's job name); None if none."""
+    hosts: tuple[str, ...] = ()
+    """The job's hosts in node order where the scheduler lists them (Slurm's node
+    list, SM_HOSTS); empty where it does not."""
+    rendezvous: Rendezvous | None = None
+    """Set where the platform asks for an elastic rendezvous; rank, node_rank and
+    num_nodes then describe this process alone until the rendezvous places it."""
     reasons: tuple[str, ...] = field(default_factory=tuple)
     """Human-readable evidence: which variables were read and what they said."""
 

@@ -2,6 +2,14 @@
 
 MPI gives every process its rank and its node-local rank but never says
 where rank 0 runs, so a multi-node job needs MASTER_ADDR passed explicitly.
+
+The rendezvous port: torch's default 29500 is what two jobs on one host would
+both take (the second one's rank 0 fails to bind it, and its other ranks may
+join the first job's store). Open MPI names each mpirun's job (Open MPI 4.x:
+OMPI_MCA_ess_base_jobid, a number; Open MPI 5 / PRRTE: PMIX_NAMESPACE), so the
+port is derived from that id as Slurm's is. Hydra (MPICH, Intel MPI) exports no
+job id; there MASTER_PORT is the way to run two jobs on one host, and rank 0
+checks that its port is free before it starts (scaletrain.dist).
 """
 
 from __future__ import annotations
@@ -15,9 +23,11 @@ from scaletrain.env._common import (
     Value,
     build_env,
     default_port,
+    port_from_job_id,
     read_int,
     read_master_addr,
     read_master_port,
+    read_optional_int,
 )
 from scaletrain.env.base import ClusterEnv, ClusterEnvironment
 from scaletrain.errors import EnvironmentDetectionError
@@ -68,6 +78,18 @@ def _fix(flavour: _Flavour) -> str:
     )
 
 
+# Open MPI 4.x, then Open MPI 5 (PRRTE): the mpirun job's id, the same in every rank.
+_JOB_ID_VARS = ("OMPI_MCA_ess_base_jobid", "PMIX_NAMESPACE")
+
+
+def _job_id(environ: Mapping[str, str]) -> tuple[str, str] | None:
+    for name in _JOB_ID_VARS:
+        value = environ.get(name, "").strip()
+        if value:
+            return value, name
+    return None
+
+
 def _node_rank(rank: int, local_rank: int, local_size: int, num_nodes: int) -> tuple[int, str]:
     """Which node this process is on, from the mapping the ranks reveal.
 
@@ -106,15 +128,26 @@ class MPIEnvironment(ClusterEnvironment):
             f"{local_rank.source}, {local_world.source}",
         ]
 
-        # Every node is assumed to hold as many ranks as this one; MPI does not
-        # export the node count, and this is exact for the usual uniform layout.
-        nodes = -(-world_size.value // local_world.value)
-        num_nodes = Value(nodes, f"{nodes} nodes (derived: size / local size)")
+        # Open MPI 4 exports the node count; otherwise every node is assumed to hold
+        # as many ranks as this one, which is exact for the usual uniform layout.
+        counted = read_optional_int(environ, "OMPI_MCA_orte_num_nodes", fix=fix, minimum=1)
+        if counted is not None and counted.value <= world_size.value:
+            num_nodes = counted
+        else:
+            nodes = -(-world_size.value // local_world.value)
+            num_nodes = Value(nodes, f"{nodes} nodes (derived: size / local size)")
+        nodes = num_nodes.value
         index, how = _node_rank(rank.value, local_rank.value, local_world.value, nodes)
         node_rank = Value(index, how)
         reasons.append(f"{node_rank.source}, {num_nodes.source}")
 
-        port = read_master_port(environ, default_port(), fix=fix)
+        job = _job_id(environ)
+        if job is None:
+            default = default_port()
+        else:
+            derived = port_from_job_id(job[0])
+            default = Value(derived, f"port {derived} derived from {job[1]}={job[0]}")
+        port = read_master_port(environ, default, fix=fix)
         addr = read_master_addr(environ)
         if addr is not None:
             reasons.append(f"MASTER_ADDR={addr}, {port.source}")
@@ -142,4 +175,5 @@ class MPIEnvironment(ClusterEnvironment):
             master_port=port,
             reasons=reasons,
             fix=fix,
+            job_id=None if job is None else job[0],
         )

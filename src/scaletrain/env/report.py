@@ -29,5 +29,15 @@ def describe(env: ClusterEnv) -> list[tuple[str, str]]:
     ]
     if env.procs_per_node_hint is not None:
         rows.append(("processes per node (hint)", str(env.procs_per_node_hint)))
+    if env.job_id is not None:
+        rows.append(("job id", env.job_id))
+    if env.hosts:
+        shown = ", ".join(env.hosts[:8]) + (
+            f", ... ({len(env.hosts)} hosts)" if len(env.hosts) > 8 else ""
+        )
+        rows.append(("hosts", shown))
+    if env.rendezvous is not None:
+        r = env.rendezvous
+        rows.append(("rendezvous", f"{r.backend} at {r.endpoint}, nodes {r.nnodes}"))
     rows.extend(("reason", reason) for reason in env.reasons)
     return rows

@@ -4,6 +4,12 @@ SageMaker runs the entry point once on every host ("algo-1", "algo-2", ...)
 and says only which hosts exist and which one this is. The launcher then
 starts one worker per device (`per_node=True`). Where SageMaker itself runs
 torchrun or mpirun (its `distribution` option), those readers win first.
+
+Workers per host follow the SageMaker training toolkit's own rule
+(sagemaker_training/runner.py): one per GPU, else one per Neuron core, else ONE
+on a CPU instance. SM_NUM_CPUS counts cores, not workers: 96 worker processes on
+an ml.c5.24xlarge would each get one core and a share of the batch too small to
+be worth the communication.
 """
 
 from __future__ import annotations
@@ -23,13 +29,20 @@ from scaletrain.env._common import (
 )
 from scaletrain.env.base import ClusterEnv, ClusterEnvironment
 
-__all__ = ["SageMakerEnvironment"]
+__all__ = ["SageMakerEnvironment", "model_dir"]
 
 _WHY = "SageMaker sets it in every training container"
 _FIX = (
     "these variables come from the SageMaker training toolkit; run the job through "
     "SageMaker (an Estimator) rather than setting SM_* by hand, or unset them to run locally"
 )
+
+
+def model_dir(environ: Mapping[str, str]) -> str | None:
+    """SM_MODEL_DIR: what SageMaker uploads to S3 when the job ends (/opt/ml/model on
+    each host), whichever launcher runs inside the container; None outside SageMaker."""
+    value = environ.get("SM_MODEL_DIR", "").strip()
+    return value or None
 
 
 def _read_hosts(environ: Mapping[str, str]) -> list[str]:
@@ -79,14 +92,18 @@ class SageMakerEnvironment(ClusterEnvironment):
         ]
 
         gpus = read_optional_int(environ, "SM_NUM_GPUS", fix=_FIX)
+        neurons = read_optional_int(environ, "SM_NUM_NEURONS", fix=_FIX)
         cpus = read_optional_int(environ, "SM_NUM_CPUS", fix=_FIX)
-        hint: int | None = None
         if gpus is not None and gpus.value > 0:
             hint = gpus.value
-            reasons.append(f"{gpus.source}: one worker per GPU suggested")
-        elif cpus is not None and cpus.value > 0:
-            hint = cpus.value
-            reasons.append(f"{cpus.source} and no GPU: one worker per CPU suggested")
+            reasons.append(f"{gpus.source}: one worker per GPU")
+        elif neurons is not None and neurons.value > 0:
+            hint = neurons.value
+            reasons.append(f"{neurons.source}: one worker per Neuron core")
+        else:
+            hint = 1
+            cores = f" ({cpus.source} are its threads)" if cpus is not None else ""
+            reasons.append(f"no GPU: one worker per host, as SageMaker's toolkit runs{cores}")
 
         node = Value(index, f"SM_CURRENT_HOST={current!r} (index {index})")
         nodes = Value(len(hosts), f"{len(hosts)} hosts in SM_HOSTS")
@@ -110,4 +127,6 @@ class SageMakerEnvironment(ClusterEnvironment):
             fix=_FIX,
             per_node=True,
             procs_per_node_hint=hint,
+            job_id=environ.get("TRAINING_JOB_NAME", "").strip() or None,
+            hosts=hosts,
         )

@@ -19,11 +19,14 @@ from collections.abc import Mapping
 from typing import ClassVar
 
 from scaletrain.env._common import (
+    PORT_BASE,
+    PORT_SPAN,
     Value,
     build_env,
     first_set,
     malformed,
     missing,
+    port_from_job_id,
     read_int,
     read_master_addr,
     read_master_port,
@@ -61,12 +64,6 @@ _MAX_NORMAL_STEP_ID = 0xFFFFFFF0
 # whose SLURM_PROCID is the proxy's, not the rank's): mpirun's own variables
 # describe the process, so the MPI reader must take it.
 _MPIRUN_MARKERS = ("OMPI_COMM_WORLD_RANK", "MPI_LOCALRANKID")
-
-_PORT_BASE = 15000
-# Base + span stays below 32768, where Linux's ephemeral range starts
-# (net.ipv4.ip_local_port_range 32768-60999): a port there may already be held
-# by some outgoing connection on the master node.
-_PORT_SPAN = 15000
 
 _MAX_HOSTS = 1 << 20
 _HOST_CHARS = re.compile(r"[A-Za-z0-9._-]*")
@@ -189,11 +186,6 @@ def expand_tasks_per_node(value: str) -> list[int]:
     return counts
 
 
-def port_from_job_id(job_id: int) -> int:
-    """A port every task of the job computes alike, spread so concurrent jobs differ."""
-    return _PORT_BASE + job_id % _PORT_SPAN
-
-
 def _step_id(environ: Mapping[str, str]) -> Value | None:
     name = first_set(environ, _STEP_ID_VARS)
     if name is None:
@@ -283,16 +275,26 @@ class SlurmEnvironment(ClusterEnvironment):
             Value(
                 port_from_job_id(job.value),
                 f"port {port_from_job_id(job.value)} derived from {job.source} "
-                f"({_PORT_BASE} + job id % {_PORT_SPAN}, the same in every task)",
+                f"({PORT_BASE} + job id % {PORT_SPAN}, the same in every task)",
             ),
             fix=_FIX,
         )
+        hosts = self._hosts(environ)
         addr = read_master_addr(environ)
         if addr is not None:
             reasons.append(f"MASTER_ADDR={addr} overrides the node list")
+        elif hosts:
+            # Task 0 is on the step's first node under every distribution except
+            # `--distribution=arbitrary`; MASTER_ADDR overrides for that case.
+            addr = hosts[0]
+            name = first_set(environ, _NODELIST_VARS) or "SLURM_STEP_NODELIST"
+            reasons.append(f"{name}={environ.get(name)!r}: rank 0 runs on {addr}, the first host")
         else:
-            addr, where = self._first_host(environ)
-            reasons.append(where)
+            raise missing(
+                "SLURM_STEP_NODELIST",
+                "neither it, SLURM_JOB_NODELIST nor MASTER_ADDR says where rank 0 runs",
+                f"{_FIX}, or export MASTER_ADDR=<host of rank 0>",
+            )
         reasons.append(port.source)
 
         hint = None
@@ -317,6 +319,8 @@ class SlurmEnvironment(ClusterEnvironment):
             reasons=reasons,
             fix=_FIX,
             procs_per_node_hint=hint,
+            job_id=str(job.value),
+            hosts=hosts,
         )
 
     @staticmethod
@@ -364,19 +368,13 @@ class SlurmEnvironment(ClusterEnvironment):
         return Value(local, f"{name}={raw!r}: {local} tasks on node {node_rank.value}")
 
     @staticmethod
-    def _first_host(environ: Mapping[str, str]) -> tuple[str, str]:
+    def _hosts(environ: Mapping[str, str]) -> list[str]:
+        """The step's hosts in node order ([] where no node list is set)."""
         name = first_set(environ, _NODELIST_VARS)
         if name is None:
-            raise missing(
-                "SLURM_STEP_NODELIST",
-                "neither it, SLURM_JOB_NODELIST nor MASTER_ADDR says where rank 0 runs",
-                f"{_FIX}, or export MASTER_ADDR=<host of rank 0>",
-            )
+            return []
         raw = environ[name]
         try:
-            hosts = expand_nodelist(raw)
+            return expand_nodelist(raw)
         except ConfigError as error:
             raise _wrap(name, raw, error) from None
-        # Task 0 is on the step's first node under every distribution except
-        # `--distribution=arbitrary`; MASTER_ADDR overrides for that case.
-        return hosts[0], f"{name}={raw!r}: rank 0 runs on {hosts[0]}, the first host"

@@ -11,9 +11,10 @@ __all__ = ["main"]
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m scaletrain.launch", description=DESCRIPTION)
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return run(parser.parse_args(args), args, prog=(sys.executable, "-m", "scaletrain.launch"))
 
 
 if __name__ == "__main__":

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
+from typing import Any
 
 from scaletrain.errors import ScaletrainError
 from scaletrain.exitcodes import EXIT_OK, EXIT_USAGE
 from scaletrain.launch.config import DEFAULT_RDZV_TIMEOUT_S, LaunchConfig
 from scaletrain.launch.launcher import dry_run_command, launch
 
-__all__ = ["DESCRIPTION", "HELP", "add_arguments", "config_from_args", "run"]
+__all__ = ["DESCRIPTION", "HELP", "add_arguments", "config_from_args", "relaunch_command", "run"]
 
 HELP = "start SCRIPT on every process of this node with torchrun (one call per node)"
 DESCRIPTION = (
@@ -27,16 +29,32 @@ DESCRIPTION = (
     "MASTER_ADDR and MASTER_PORT set for each. On one node no rendezvous flags are "
     "needed. On several nodes, run the same command on each with the same "
     "--nnodes/--rdzv-endpoint/--rdzv-id and --node-rank 0 on the node at the endpoint. "
-    "Under SageMaker or Kubeflow the node count, rank and address come from the job. "
-    "Everything after SCRIPT is passed to it."
+    "Under SageMaker, Kubeflow, or srun/mpirun with one task per node, the node count, "
+    "rank and address come from the job; in a Slurm batch script the command runs again "
+    "under srun, one launcher per node of the allocation. Everything after SCRIPT is "
+    "passed to it."
 )
 
 
-def _env_pair(text: str) -> tuple[str, str]:
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
-    return key, value
+class _EnvAction(argparse.Action):
+    """--env NAME=VALUE sets a variable for the workers; --env KIND picks the cluster
+    environment to read (`--env local`: this node alone, even in a batch script)."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        ns: argparse.Namespace,
+        value: Any,
+        option: Any = None,
+    ) -> None:
+        text = str(value)
+        key, sep, val = text.partition("=")
+        if sep:
+            if not key:
+                raise argparse.ArgumentError(self, f"expected NAME=VALUE, got {text!r}")
+            ns.extra_env = [*(ns.extra_env or []), (key, val)]
+        else:
+            ns.cluster = text.strip().lower()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -85,6 +103,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "or 'scaletrain')",
     )
     r.add_argument(
+        "--local-addr",
+        "--local_addr",
+        default=None,
+        metavar="ADDR",
+        help="this node's address as the other nodes reach it (default: the address of the "
+        "interface that routes to them)",
+    )
+    r.add_argument(
         "--rdzv-timeout",
         "--rdzv_timeout",
         type=int,
@@ -97,9 +123,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-restarts",
         "--max_restarts",
         type=int,
-        default=0,
+        default=None,
         metavar="K",
-        help="restart the worker group up to K times after a failure (default: 0)",
+        help="restart the worker group up to K times after a failure (default: the "
+        "platform's, e.g. a Kubeflow elasticPolicy's, else 0)",
     )
     w.add_argument(
         "--monitor-interval",
@@ -125,11 +152,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     w.add_argument(
         "--env",
         dest="extra_env",
-        action="append",
-        type=_env_pair,
+        action=_EnvAction,
         default=[],
-        metavar="NAME=VALUE",
-        help="set an environment variable for the workers (repeatable)",
+        metavar="NAME=VALUE|KIND",
+        help="NAME=VALUE: set a variable for the workers (repeatable); KIND: the cluster "
+        "environment to read instead of detecting it (local, slurm, mpi, sagemaker, "
+        "kubeflow, torchelastic); --env local runs here as one node, even in a batch script",
     )
     w.add_argument(
         "-m",
@@ -171,22 +199,36 @@ def config_from_args(ns: argparse.Namespace) -> LaunchConfig:
         log_dir=ns.log_dir,
         redirects=ns.redirects,
         extra_env=dict(ns.extra_env),
+        local_addr=ns.local_addr,
+        cluster=getattr(ns, "cluster", None),
     )
 
 
-def run(ns: argparse.Namespace) -> int:
+def relaunch_command(argv: Sequence[str], prog: Sequence[str]) -> list[str]:
+    """The command that started this launcher, for srun to run on every node (without
+    --dry-run, which only the batch script's own call should obey)."""
+    return [*prog, *(a for a in argv if a != "--dry-run")]
+
+
+def run(
+    ns: argparse.Namespace,
+    argv: Sequence[str] | None = None,
+    prog: Sequence[str] = (sys.executable, "-m", "scaletrain", "launch"),
+) -> int:
     """Run the subcommand; return the process exit code: 2 for input it cannot use (a
     flag, a missing script, a taken port, an endpoint that does not answer), else the
-    workers' code."""
+    workers' code. `argv` (the subcommand's words) and `prog` let a Slurm batch script
+    run the same command under srun."""
     script_args = list(ns.script_args)
     if script_args[:1] == ["--"]:
         script_args = script_args[1:]  # `launch SCRIPT -- ARGS` is accepted too
+    relaunch = None if argv is None else relaunch_command(argv, prog)
     try:
         cfg = config_from_args(ns)
         if ns.dry_run:
-            print(dry_run_command(cfg, ns.script, script_args))
+            print(dry_run_command(cfg, ns.script, script_args, relaunch=relaunch))
             return EXIT_OK
-        return launch(cfg, ns.script, script_args)
+        return launch(cfg, ns.script, script_args, relaunch=relaunch)
     except ScaletrainError as exc:
         print(f"scaletrain launch: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -11,6 +11,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from scaletrain.env.network import node_range, split_endpoint
 from scaletrain.errors import ConfigError
 
 __all__ = [
@@ -33,46 +34,27 @@ _ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 def parse_nnodes(nnodes: str) -> tuple[int, int]:
     """Parse "N" or "MIN:MAX" into (min_nodes, max_nodes), raising ConfigError if invalid."""
-    text = str(nnodes).strip()
-    parts = text.split(":")
     try:
-        if len(parts) == 1:
-            lo = hi = int(parts[0])
-        elif len(parts) == 2:
-            lo, hi = int(parts[0]), int(parts[1])
-        else:
-            raise ValueError(text)
-    except ValueError:
+        return node_range(nnodes)
+    except ValueError as exc:
         raise ConfigError(
-            f"--nnodes {nnodes!r} is not a node count. Expected a positive integer such as "
-            f'"2", or an elastic range "MIN:MAX" such as "1:4". Fix: pass e.g. --nnodes 2.'
+            f"--nnodes {nnodes!r} is not a node count: {exc}. Expected a positive integer "
+            f'such as "2", or an elastic range "MIN:MAX" such as "1:4" with the smaller number '
+            f"first. Fix: pass e.g. --nnodes 2, or --nnodes 1:4."
         ) from None
-    if not 0 < lo <= hi:
-        raise ConfigError(
-            f"--nnodes {nnodes!r} gives min_nodes={lo}, max_nodes={hi}; expected a count "
-            f"N >= 1 or a range MIN:MAX with 1 <= MIN <= MAX. Fix: pass a positive count such as --nnodes 2, or a range "
-            f"with the smaller number first such as --nnodes 1:4."
-        )
-    return lo, hi
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
     """Split "HOST:PORT" (or "[IPv6]:PORT") into (host, port), raising ConfigError if invalid."""
-    text = endpoint.strip()
-    host, sep, port_text = text.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    elif ":" in host:
-        host = ""  # a bare IPv6 address is ambiguous with its port
-    port = int(port_text) if port_text.isdigit() else -1
-    if not sep or not host or not 0 < port < 65536:
+    try:
+        return split_endpoint(endpoint)
+    except ValueError as exc:
         raise ConfigError(
-            f"--rdzv-endpoint {endpoint!r} is not HOST:PORT. Expected the address of node 0 "
-            f"and a TCP port in 1..65535 that every node can reach, e.g. "
+            f"--rdzv-endpoint {endpoint!r} is not HOST:PORT ({exc}). Expected the address of "
+            f"node 0 and a TCP port in 1..65535 that every node can reach, e.g. "
             f'"10.0.0.1:29500", "node0.cluster:29500" or "[fd00::1]:29500". '
             f"Fix: pass the same --rdzv-endpoint HOST:PORT on every node."
-        )
-    return host, port
+        ) from None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -89,8 +71,9 @@ class LaunchConfig:
     """HOST:PORT of the rendezvous store on node 0; None on one node: a free local port."""
     rdzv_id: str | None = None
     """Job id shared by all nodes; None: $SCALETRAIN_RDZV_ID, else $SLURM_JOB_ID, else "scaletrain"."""
-    max_restarts: int = 0
-    """How many times the worker group is restarted after a worker fails before giving up."""
+    max_restarts: int | None = None
+    """How many times the worker group is restarted after a worker fails before giving up;
+    None: the platform's (a Kubeflow elasticPolicy's maxRestarts), else 0."""
     rdzv_timeout: int = DEFAULT_RDZV_TIMEOUT_S
     """Seconds to wait for the rendezvous store to be reachable and for all nodes to join."""
     monitor_interval: float = 0.1
@@ -103,6 +86,12 @@ class LaunchConfig:
     """Send worker output to files in log_dir: 0 none, 1 stdout, 2 stderr, 3 both, or "0:3,1:0"."""
     extra_env: Mapping[str, str] = field(default_factory=dict)
     """Environment variables set for every worker process, on top of the launcher's own."""
+    local_addr: str | None = None
+    """This node's address as the other nodes reach it; None: the address of the
+    interface that routes to them (never the one the host name resolves to)."""
+    cluster: str | None = None
+    """Which cluster environment to read, by name ("local", "slurm", ...); None or
+    "auto": detect it. "local" runs here as one node, even inside a Slurm batch script."""
 
     def __post_init__(self) -> None:
         if self.nproc_per_node is not None and (
@@ -135,7 +124,9 @@ class LaunchConfig:
                 f"spaces, the same on every node (e.g. the scheduler's job id). Fix: pass e.g. "
                 f"--rdzv-id job42."
             )
-        if isinstance(self.max_restarts, bool) or self.max_restarts < 0:
+        if self.max_restarts is not None and (
+            isinstance(self.max_restarts, bool) or self.max_restarts < 0
+        ):
             raise ConfigError(
                 f"--max-restarts {self.max_restarts!r} is negative. Expected an integer >= 0 "
                 f"(0 means a failed worker ends the job). Fix: pass e.g. --max-restarts 3."
@@ -156,6 +147,25 @@ class LaunchConfig:
                 f'1 (stdout), 2 (stderr), 3 (both), or a per-local-rank map like "0:3,1:0". '
                 f"Fix: pass e.g. --redirects 3 --log-dir logs."
             )
+        if self.local_addr is not None and (
+            not self.local_addr.strip() or any(c.isspace() for c in self.local_addr)
+        ):
+            raise ConfigError(
+                f"--local-addr {self.local_addr!r} is not an address. Expected this node's IP "
+                f"or host name as the other nodes reach it. Fix: pass e.g. --local-addr "
+                f"10.0.0.2, or leave it out to use the interface that routes to node 0."
+            )
+        if self.cluster is not None:
+            from scaletrain.env import ENVIRONMENTS
+
+            known = ("auto", *ENVIRONMENTS)
+            if self.cluster not in known:
+                raise ConfigError(
+                    f"--env {self.cluster!r} is neither NAME=VALUE (a variable for the "
+                    f"workers) nor a cluster environment. Expected one of {', '.join(known)}. "
+                    f"Fix: pass e.g. --env local to run here as one node, or --env "
+                    f"NCCL_DEBUG=INFO to set a variable."
+                )
         for key, value in self.extra_env.items():
             if not isinstance(key, str) or not _ENV_KEY_RE.match(key) or not isinstance(value, str):
                 raise ConfigError(

@@ -11,25 +11,27 @@ of a failed worker instead of torchrun's page-long traceback.
 from __future__ import annotations
 
 import contextlib
-import importlib
-import importlib.util
 import os
 import shlex
 import signal
 import sys
 import threading
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
-from scaletrain.errors import ConfigError, LaunchError
-from scaletrain.exitcodes import EXIT_ABORTED
+from scaletrain.errors import LaunchError
+from scaletrain.exitcodes import EXIT_ABORTED, EXIT_ERROR
 from scaletrain.launch.checks import check_network, check_target
-from scaletrain.launch.config import DEFAULT_RDZV_ID, LaunchConfig, parse_endpoint, parse_nnodes
+from scaletrain.launch.config import LaunchConfig
 from scaletrain.launch.failures import summarize_failure
+from scaletrain.launch.guard import guarded_command
+from scaletrain.launch.plan import Plan, make_plan
 
 if TYPE_CHECKING:
     from scaletrain.env.base import ClusterEnv
+
+# The plan used to live here; tests and callers still find it under its old name.
+_plan = make_plan
 
 __all__ = [
     "Plan",
@@ -41,189 +43,8 @@ __all__ = [
 ]
 
 _PROG = "scaletrain launch"
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 _POLL_INTERVAL_S = 0.25
-
-
-@dataclass(frozen=True, slots=True)
-class Plan:
-    """torchrun's argv plus what the precondition checks need to know about it."""
-
-    argv: list[str]
-    mode: Literal["standalone", "c10d", "static"]
-    nproc_per_node: int
-    nnodes: str
-    host: str | None = None
-    port: int | None = None
-    endpoint_source: str = "--rdzv-endpoint"
-    """Where host:port came from, for messages: a flag or the detected cluster."""
-    hosts_store: bool | None = None
-    """True: this node must open the store's port; False: it connects to it;
-    None: torch decides at run time (it hosts if the host name is this machine's)."""
-    node_rank: int | None = None
-    num_script_args: int = 0
-    """How many words at the end of argv belong to the script, not to torchrun."""
-
-
-def _default_nproc_per_node() -> int:
-    # One process per GPU is what everyone wants on GPUs. On CPU, 2 shows the
-    # distributed code path working without oversubscribing a laptop.
-    import torch
-
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return count if count > 0 else 2
-
-
-def _detect_cluster(environ: Mapping[str, str] | None) -> ClusterEnv | None:
-    # scaletrain.env.detect is written alongside this module; until it exists (or in a
-    # stripped-down install) the launcher works as plain torchrun.
-    module = importlib.import_module("scaletrain.env")
-    detect = getattr(module, "detect", None)
-    if detect is None:
-        return None
-    cluster: ClusterEnv = detect(environ)
-    return cluster
-
-
-def _plan(
-    cfg: LaunchConfig,
-    script: str,
-    script_args: Sequence[str],
-    *,
-    env: ClusterEnv | None = None,
-    environ: Mapping[str, str] | None = None,
-) -> Plan:
-    environ = os.environ if environ is None else environ
-    user_topology = (
-        cfg.nnodes is not None or cfg.node_rank is not None or cfg.rdzv_endpoint is not None
-    )
-    cluster = env
-    if cluster is None and (not user_topology or cfg.nproc_per_node is None):
-        cluster = _detect_cluster(environ)
-    per_node = cluster if cluster is not None and cluster.per_node else None
-
-    nproc = cfg.nproc_per_node
-    if nproc is None and per_node is not None and per_node.procs_per_node_hint:
-        nproc = per_node.procs_per_node_hint
-    if nproc is None:
-        nproc = _default_nproc_per_node()
-
-    rdzv_id = (
-        cfg.rdzv_id
-        or environ.get("SCALETRAIN_RDZV_ID")
-        or environ.get("SLURM_JOB_ID")
-        or DEFAULT_RDZV_ID
-    )
-    tail = [
-        "--nproc-per-node",
-        str(nproc),
-        "--max-restarts",
-        str(cfg.max_restarts),
-        "--monitor-interval",
-        str(cfg.monitor_interval),
-    ]
-    if cfg.log_dir is not None:
-        tail += ["--log-dir", cfg.log_dir]
-    if cfg.redirects != "0":
-        tail += ["--redirects", cfg.redirects]
-    if cfg.run_as_module:
-        tail.append("--module")
-    tail += [script, *script_args]
-
-    # SageMaker and Kubeflow start this launcher once per node and tell each one its
-    # rank and where node 0 is: a static rendezvous is exactly that, and needs no
-    # flags from the user. Anything the user did pass wins over the scheduler.
-    if not user_topology and per_node is not None and per_node.num_nodes > 1:
-        head = [
-            "--nnodes",
-            str(per_node.num_nodes),
-            "--rdzv-backend",
-            "static",
-            "--node-rank",
-            str(per_node.node_rank),
-            "--master-addr",
-            per_node.master_addr,
-            "--master-port",
-            str(per_node.master_port),
-            "--rdzv-id",
-            rdzv_id,
-            "--rdzv-conf",
-            f"timeout={cfg.rdzv_timeout}",
-        ]
-        return Plan(
-            argv=head + tail,
-            num_script_args=len(script_args),
-            mode="static",
-            nproc_per_node=nproc,
-            nnodes=str(per_node.num_nodes),
-            host=per_node.master_addr,
-            port=per_node.master_port,
-            endpoint_source=f"the {per_node.kind} environment's master address",
-            hosts_store=per_node.node_rank == 0,
-            node_rank=per_node.node_rank,
-        )
-
-    nnodes = cfg.nnodes or "1"
-    _, max_nodes = parse_nnodes(nnodes)
-    if max_nodes == 1 and cfg.rdzv_endpoint is None:
-        # --standalone: a c10d store on a free local port, so two single-node jobs
-        # on one machine never collide on 29500.
-        head = ["--standalone", "--nnodes", "1", "--rdzv-conf", f"join_timeout={cfg.rdzv_timeout}"]
-        return Plan(
-            argv=head + tail,
-            num_script_args=len(script_args),
-            mode="standalone",
-            nproc_per_node=nproc,
-            nnodes="1",
-            node_rank=0,
-        )
-
-    if cfg.rdzv_endpoint is None:
-        raise ConfigError(
-            f"--nnodes {nnodes} spans several machines, but no --rdzv-endpoint says where "
-            f"they meet. Expected HOST:PORT of node 0, the same on every node. Fix: on every "
-            f"node pass --rdzv-endpoint NODE0_ADDR:29500 --rdzv-id JOB_ID, and on the node "
-            f"at NODE0_ADDR also --node-rank 0."
-        )
-    host, port = parse_endpoint(cfg.rdzv_endpoint)
-    # Which agent opens the store's port is torch's guess unless told: every agent
-    # whose hostname matches HOST tries to, and the loser silently becomes a client
-    # (torch/distributed/elastic/rendezvous/c10d_rendezvous_backend.py). With an
-    # explicit node rank we say it outright, so node 0 fails loudly if the port is
-    # taken instead of connecting to whatever holds it, and other nodes on the same
-    # host (tests, network namespaces) never race node 0 for the port.
-    hosts_store: bool | None
-    if cfg.node_rank is not None:
-        hosts_store = cfg.node_rank == 0
-    elif max_nodes == 1:
-        hosts_store = True  # the only node must host
-    else:
-        hosts_store = None
-    conf = f"join_timeout={cfg.rdzv_timeout}"
-    if hosts_store is not None:
-        conf += f",is_host={str(hosts_store).lower()}"
-    head = [
-        "--nnodes",
-        nnodes,
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        cfg.rdzv_endpoint,
-        "--rdzv-id",
-        rdzv_id,
-        "--rdzv-conf",
-        conf,
-    ]
-    return Plan(
-        argv=head + tail,
-        num_script_args=len(script_args),
-        mode="c10d",
-        nproc_per_node=nproc,
-        nnodes=nnodes,
-        host=host,
-        port=port,
-        hosts_store=hosts_store,
-        node_rank=cfg.node_rank,
-    )
 
 
 def build_torchrun_args(
@@ -239,7 +60,7 @@ def build_torchrun_args(
     `env` is the cluster environment to take defaults from; by default it is detected
     from `environ` (default `os.environ`) when the config leaves the topology open.
     """
-    return _plan(cfg, script, script_args, env=env, environ=environ).argv
+    return make_plan(cfg, script, script_args, env=env, environ=environ).argv
 
 
 def format_torchrun_command(argv: Sequence[str], env: Mapping[str, str] | None = None) -> str:
@@ -255,13 +76,37 @@ def dry_run_command(
     script_args: Sequence[str] = (),
     *,
     env: ClusterEnv | None = None,
+    relaunch: Sequence[str] | None = None,
 ) -> str:
     """The shell command `launch` would amount to, with the environment it adds."""
-    plan = _plan(cfg, script, script_args, env=env)
+    plan = make_plan(cfg, script, script_args, env=env, relaunch=relaunch)
+    if plan.mode == "srun":
+        return shlex.join(plan.argv)
     return format_torchrun_command(plan.argv, launch_environment(cfg, plan))
 
 
 # --- running torchrun ------------------------------------------------------------------
+
+
+def _exec_srun(plan: Plan, *, quiet: bool) -> None:
+    """Become `srun ... <this command>` (never returns): signals sent to the batch script
+    then reach srun, which forwards them to the launchers on every node."""
+    if not quiet:
+        print(
+            f"{_PROG}: in a Slurm batch script: one launcher per node of the allocation "
+            f"({plan.nnodes} node(s)): {shlex.join(plan.argv)}",
+            file=sys.stderr,
+            flush=True,
+        )
+    sys.stdout.flush()
+    try:
+        os.execvp(plan.argv[0], plan.argv)
+    except OSError as exc:
+        raise LaunchError(
+            f"Cannot run srun to start one launcher per node: {exc}. Expected Slurm's srun "
+            f"on PATH in a batch script. Fix: check the job's PATH, or pass --env local to "
+            f"run on this node alone."
+        ) from None
 
 
 def launch_environment(
@@ -278,11 +123,16 @@ def launch_environment(
         # node on CPU, where nodes sharing a host would oversubscribe its cores.
         if plan.nproc_per_node > 1 or not torch.cuda.is_available():
             added["OMP_NUM_THREADS"] = "1"
-    if plan.mode == "standalone" and "GLOO_SOCKET_IFNAME" not in environ:
-        # One node: every peer is local. Gloo otherwise binds the interface the host
-        # name resolves to, which in containers and VPNs can be one peers cannot reach.
-        added["GLOO_SOCKET_IFNAME"] = "lo"
-    if cfg.max_restarts > 0 and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in environ:
+    if "GLOO_SOCKET_IFNAME" not in environ:
+        if plan.mode == "standalone":
+            # One node: every peer is local. Gloo otherwise binds the interface the host
+            # name resolves to, which in containers and VPNs can be one peers cannot reach.
+            added["GLOO_SOCKET_IFNAME"] = "lo"
+        elif plan.gloo_ifname is not None:
+            # Several nodes: the interface that routes to them (see plan.py); the host
+            # name's address is 127.0.1.1 on Debian, which no peer can reach.
+            added["GLOO_SOCKET_IFNAME"] = plan.gloo_ifname
+    if plan.max_restarts > 0 and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in environ:
         # Restarts through the agent's shared TCPStore hung or failed in 6 of 12 of our
         # runs on Gloo; with a separate store per round 10 of 10 passed.
         added["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
@@ -297,8 +147,11 @@ def _launch_environ(cfg: LaunchConfig, plan: Plan) -> Iterator[None]:
     try:
         os.environ.update(launch_environment(cfg, plan))
         # Ctrl-C is ours to handle (see _Interrupts), not torch's agent's: with torch's
-        # handler a second Ctrl-C waits out the agent's shutdown timeout again.
-        os.environ["PET_SIGNALS_TO_HANDLE"] = "SIGTERM,SIGHUP,SIGQUIT"
+        # handler a second Ctrl-C waits out the agent's shutdown timeout again. SIGUSR1
+        # and SIGUSR2 are what schedulers send before a preemption (Slurm's
+        # --signal=USR1@90 reaches every process of the step): the agent forwards them
+        # and waits for the workers to save, instead of dying of them at once.
+        os.environ["PET_SIGNALS_TO_HANDLE"] = "SIGTERM,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2"
         yield
     finally:
         os.environ.clear()
@@ -338,15 +191,29 @@ class _Interrupts:
         self.quiet = quiet
         self.count = 0
         self._previous: Any = None
+        self._others: dict[signal.Signals, Any] = {}
 
     def __enter__(self) -> _Interrupts:
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGINT, self._handle)
+            # Until torch installs its own handlers (when the workers start), a stop
+            # signal during the rendezvous would end this process silently.
+            self._others = {sig: signal.signal(sig, self._stop) for sig in _STOP_SIGNALS}
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self._previous is not None:
             signal.signal(signal.SIGINT, self._previous)
+        for sig, handler in self._others.items():
+            signal.signal(sig, handler)
+
+    @staticmethod
+    def _stop(signum: int, frame: Any) -> None:
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+
+        raise SignalException(
+            f"received {signal.Signals(signum).name}", sigval=signal.Signals(signum)
+        )
 
     def _handle(self, signum: int, frame: Any) -> None:
         self.count += 1
@@ -410,8 +277,125 @@ def _parse_torchrun_args(torchrun: Any, plan: Plan) -> Any:
     """
     split = len(plan.argv) - plan.num_script_args
     args = torchrun.parse_args(plan.argv[:split])
-    args.training_script_args = list(plan.argv[split:])
+    script_args = list(plan.argv[split:])
+    # Each worker starts through the orphan guard (guard.py): it gets SIGTERM if this
+    # agent dies. torchrun runs it as a plain command (--no-python), which exec()s
+    # `python -u [-m] SCRIPT ARGS` once the guard is set.
+    entry, guarded = guarded_command(
+        os.getpid(), args.training_script, script_args, module=bool(args.module)
+    )
+    args.no_python, args.module = True, False
+    args.training_script, args.training_script_args = entry, guarded
     return args
+
+
+_LINGER_S = 2.0
+
+
+def _hosts_store(plan: Plan) -> bool:
+    if plan.mode not in ("static", "c10d") or plan.host is None:
+        return False
+    if plan.hosts_store is not None:
+        return plan.hosts_store
+    from scaletrain.env.network import is_local, resolve
+
+    try:
+        return is_local(resolve(plan.host))
+    except OSError:
+        return False
+
+
+class _AgentWatch:
+    """What the agent did, for the message when it stops: how many rendezvous rounds
+    it entered (a second one follows a worker failure or a node leaving)."""
+
+    def __init__(self) -> None:
+        self.rounds = 0
+        self.started = 0
+        """Times the workers were started (0: still in the first rendezvous)."""
+
+
+@contextlib.contextmanager
+def _agent_hooks(plan: Plan) -> Iterator[_AgentWatch]:
+    """Two small patches to torch's agent, for this launch only.
+
+    - Count its rendezvous rounds, so that a rendezvous that fails after a failure
+      is not reported as one that never formed.
+    - On the node that hosts the rendezvous store, wait a moment after the agents'
+      exit barrier before the store closes. The last agent to reach the barrier
+      releases the others and returns at once; when that agent hosts the store, its
+      process exits and closes the store while the others are still being told, and
+      they print a page of "Failed to recv, got 0 bytes" and "Error waiting on exit
+      barrier" although every worker succeeded.
+    """
+    import time
+
+    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    watch = _AgentWatch()
+    rendezvous, exit_barrier = SimpleElasticAgent._rendezvous, SimpleElasticAgent._exit_barrier
+    start_workers = LocalElasticAgent._start_workers
+    linger = _hosts_store(plan)
+
+    def counted(self: Any, worker_group: Any) -> None:
+        watch.rounds += 1
+        rendezvous(self, worker_group)
+
+    def started(self: Any, worker_group: Any) -> Any:
+        watch.started += 1
+        return start_workers(self, worker_group)
+
+    def lingering(self: Any) -> None:
+        exit_barrier(self)
+        if linger:
+            time.sleep(_LINGER_S)
+
+    SimpleElasticAgent._rendezvous = counted  # type: ignore[method-assign]
+    SimpleElasticAgent._exit_barrier = lingering  # type: ignore[method-assign]
+    LocalElasticAgent._start_workers = started  # type: ignore[method-assign]
+    try:
+        yield watch
+    finally:
+        SimpleElasticAgent._rendezvous = rendezvous  # type: ignore[method-assign]
+        SimpleElasticAgent._exit_barrier = exit_barrier  # type: ignore[method-assign]
+        LocalElasticAgent._start_workers = start_workers  # type: ignore[method-assign]
+
+
+def _rendezvous_failure(exc: Exception, plan: Plan, cfg: LaunchConfig, rounds: int) -> int:
+    """Say why the rendezvous failed, in the words that fit when it failed; the exit code."""
+    from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
+
+    detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    where = f"{plan.host}:{plan.port}" if plan.host else "the local store"
+    if isinstance(exc, RendezvousClosedError):
+        print(
+            f"{_PROG}: another node ended the job: the rendezvous at {where} was closed "
+            f"({detail}). That node's workers failed with no restarts left, or it was "
+            f"stopped. Its own output names the first failure.",
+            file=sys.stderr,
+            flush=True,
+        )
+        return EXIT_ERROR
+    if rounds > 1:
+        print(
+            f"{_PROG}: after the workers stopped (a worker failed, or a node left), the "
+            f"nodes did not come back within --rdzv-timeout {cfg.rdzv_timeout}s for round "
+            f"{rounds} of the rendezvous at {where} ({detail}). The job ran before: a node "
+            f"was killed or its launcher exited, and fewer than the minimum of --nnodes "
+            f"{plan.nnodes} are left. Its output says why; to go on with fewer nodes, give "
+            f"--nnodes a range such as 1:{plan.nnodes.split(':')[-1]}.",
+            file=sys.stderr,
+            flush=True,
+        )
+        return EXIT_ERROR
+    raise LaunchError(
+        f"The rendezvous at {where} did not complete ({detail}). Expected --nnodes "
+        f"{plan.nnodes} node(s) to join within --rdzv-timeout {cfg.rdzv_timeout}s, all "
+        f"with the same endpoint and --rdzv-id. Fix: start the launcher on every node "
+        f"with the same --nnodes, --rdzv-endpoint and --rdzv-id (a node that exited "
+        f"early ends the rendezvous), or raise --rdzv-timeout if nodes start far apart."
+    ) from exc
 
 
 def _run_torchrun(plan: Plan, cfg: LaunchConfig, *, quiet: bool = False) -> int:
@@ -421,9 +405,10 @@ def _run_torchrun(plan: Plan, cfg: LaunchConfig, *, quiet: bool = False) -> int:
     from torch.distributed.elastic.rendezvous.api import RendezvousError
 
     interrupts = _Interrupts(quiet)
+    watch = _AgentWatch()
     try:
         # The agent's modules are imported by now, so _quiet_agent sees their loggers.
-        with interrupts, _quiet_agent(quiet):
+        with interrupts, _quiet_agent(quiet), _agent_hooks(plan) as watch:
             torchrun.run(_parse_torchrun_args(torchrun, plan))
     except ChildFailedError as exc:
         if interrupts.count > 1:
@@ -436,17 +421,20 @@ def _run_torchrun(plan: Plan, cfg: LaunchConfig, *, quiet: bool = False) -> int:
     except SignalException as exc:
         # The agent was told to stop (Ctrl-C, scheduler preemption); it has already
         # forwarded the signal to the workers. Exit as a shell reports a signal.
-        return EXIT_ABORTED if interrupts.count > 1 else 128 + int(exc.sigval)
+        if interrupts.count > 1:
+            return EXIT_ABORTED
+        if not quiet and exc.sigval != signal.SIGINT:
+            waiting = watch.rounds > watch.started
+            state = f"waiting for --nnodes {plan.nnodes} node(s) to join" if waiting else ""
+            print(
+                f"{_PROG}: stopped by {signal.Signals(exc.sigval).name}"
+                + (f" while {state}" if state else "; the workers were told to stop"),
+                file=sys.stderr,
+                flush=True,
+            )
+        return 128 + int(exc.sigval)
     except RendezvousError as exc:
-        detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-        where = f"{plan.host}:{plan.port}" if plan.host else "the local store"
-        raise LaunchError(
-            f"The rendezvous at {where} did not complete ({detail}). Expected --nnodes "
-            f"{plan.nnodes} node(s) to join within --rdzv-timeout {cfg.rdzv_timeout}s, all "
-            f"with the same endpoint and --rdzv-id. Fix: start the launcher on every node "
-            f"with the same --nnodes, --rdzv-endpoint and --rdzv-id (a node that exited "
-            f"early ends the rendezvous), or raise --rdzv-timeout if nodes start far apart."
-        ) from exc
+        return _rendezvous_failure(exc, plan, cfg, watch.rounds)
     return EXIT_ABORTED if interrupts.count > 1 else 0
 
 
@@ -457,6 +445,7 @@ def launch(
     *,
     env: ClusterEnv | None = None,
     quiet: bool = False,
+    relaunch: Sequence[str] | None = None,
 ) -> int:
     """Run `script` (or module, with cfg.run_as_module) on this node's workers; return the exit code.
 
@@ -468,8 +457,14 @@ def launch(
     Ctrl-C once asks the workers to stop (torch forwards SIGINT and waits for them);
     twice kills them at once and returns 130. `quiet` hides the agent's own log lines
     and the launcher's Ctrl-C notice: for `scaletrain train`, whose workers say it.
+
+    In a Slurm batch script (outside any srun task) the launcher runs `relaunch`, the
+    command that started it, under srun with one task per node of the allocation, in
+    place of this process (see batch.py); without `relaunch` it refuses.
     """
-    plan = _plan(cfg, script, script_args, env=env)
+    plan = make_plan(cfg, script, script_args, env=env, relaunch=relaunch)
+    if plan.mode == "srun":
+        _exec_srun(plan, quiet=quiet)
     check_target(script, cfg.run_as_module)
     check_network(plan, cfg)
     with _launch_environ(cfg, plan):

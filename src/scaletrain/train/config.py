@@ -18,7 +18,7 @@ from typing import Any, Literal
 from scaletrain.errors import ConfigError, spell
 from scaletrain.observe.heartbeat import DEFAULT_HANG_TIMEOUT_S
 
-__all__ = ["SCHEDULES", "SINGLE_PROCESS_STRATEGIES", "TrainConfig"]
+__all__ = ["METAVARS", "SCHEDULES", "SINGLE_PROCESS_STRATEGIES", "TrainConfig"]
 
 SCHEDULES = ("cosine", "linear", "constant")
 """Learning-rate shapes after the warm-up (see scaletrain.train.schedule)."""
@@ -26,7 +26,20 @@ SCHEDULES = ("cosine", "linear", "constant")
 SINGLE_PROCESS_STRATEGIES = ("dp", "model-parallel", "single")
 """Strategies that run in ONE process (driving every local device from it)."""
 
+METAVARS = {
+    "nproc": "N", "epochs": "N", "max_steps": "N", "batch_size": "N", "lr": "LR",
+    "warmup": "STEPS", "accumulate": "K", "clip_grad": "NORM", "seed": "N",
+    "data_dir": "DIR", "num_workers": "N", "eval_batch_size": "N", "eval_batches": "N",
+    "out": "RUN", "log_every": "N", "save_every": "N", "keep": "K", "stop_after": "N",
+    "max_restarts": "K", "monitor_interval": "S", "hang_timeout": "S", "mesh": "DIMS",
+    "nnodes": "N|MIN:MAX",
+    "node_rank": "R", "rdzv_endpoint": "HOST:PORT", "rdzv_id": "ID", "local_addr": "ADDR",
+    "fork": "NEW_RUN", "ledger_every": "K", "profile": "STEPS",
+}  # fmt: skip
+"""The placeholder each flag shows in --help."""
+
 Recipe = Literal["convnet", "split-net", "wrn", "gpt"]
+ClusterKind = Literal["auto", "local", "slurm", "mpi", "torchelastic", "sagemaker", "kubeflow"]
 StrategyName = Literal["ddp", "fsdp", "tensor", "pipeline", "dp", "model-parallel", "single"]
 Schedule = Literal["cosine", "linear", "constant"]
 
@@ -76,7 +89,7 @@ class TrainConfig:
     eval_batches: int | None = None
     """Evaluation batches per rank after each epoch; 0: skip evaluation; None: the whole test set."""
     out: str | None = None
-    """Run directory (metrics, checkpoints, model); None: runs/<recipe>-<time>."""
+    """Run directory (metrics, checkpoints, model); None: runs/<recipe>-<job id, else time>."""
     log_every: int = 20
     """Steps between metric records and progress lines."""
     save_every: int | None = None
@@ -105,6 +118,18 @@ class TrainConfig:
     """Steps between the ledger's cross-rank windows (one small all-gather each)."""
     profile: str | None = None
     """Steps to record with torch.profiler on every rank, e.g. 10-15 (traces in OUT/traces/)."""
+    nnodes: str | None = None
+    """Nodes in the job, N or an elastic range MIN:MAX; None: 1, or what the cluster says."""
+    node_rank: int | None = None
+    """This node's index; node 0 hosts the rendezvous at --rdzv-endpoint."""
+    rdzv_endpoint: str | None = None
+    """HOST:PORT where the nodes meet (node 0's address), the same on every node."""
+    rdzv_id: str | None = None
+    """Job id shared by every node; None: the scheduler's job id, else scaletrain."""
+    local_addr: str | None = None
+    """This node's address as the other nodes reach it; None: the interface that routes to them."""
+    env: ClusterKind = "auto"
+    """Cluster environment to read; auto detects it, local runs here as one node (even in sbatch)."""
 
     def __post_init__(self) -> None:
         def bad(field: str, expected: str, fix: str) -> ConfigError:
@@ -210,6 +235,7 @@ class TrainConfig:
                     f"{spell('ledger', False)} turns off. Fix: drop {spell('ledger', False)}.",
                     field="profile",
                 )
+        self._check_nodes(bad)
         if self.strategy in SINGLE_PROCESS_STRATEGIES and self.nproc is not None and self.nproc > 1:
             raise ConfigError(
                 f"{spell('strategy', self.strategy)} runs in ONE process (it drives every local "
@@ -218,6 +244,49 @@ class TrainConfig:
                 "one process per device.",
                 field="nproc",
             )
+
+    def _check_nodes(self, bad: Any) -> None:
+        from scaletrain.env.network import node_range, split_endpoint
+
+        max_nodes = 1
+        if self.nnodes is not None:
+            try:
+                _, max_nodes = node_range(self.nnodes)
+            except ValueError as exc:
+                raise bad(
+                    "nnodes",
+                    f"a node count such as 2, or a range MIN:MAX such as 1:4 ({exc})",
+                    f"pass e.g. {spell('nnodes', 2)}",
+                ) from None
+        if self.node_rank is not None and not 0 <= self.node_rank < max_nodes:
+            raise bad(
+                "node_rank",
+                f"an index in 0..{max_nodes - 1} for {spell('nnodes', self.nnodes or 1)}",
+                f"give node 0 {spell('node_rank', 0)} and the others 1, 2, ..., or raise "
+                f"{spell('nnodes')}",
+            )
+        if self.rdzv_endpoint is not None:
+            try:
+                split_endpoint(self.rdzv_endpoint)
+            except ValueError as exc:
+                raise bad(
+                    "rdzv_endpoint",
+                    f"HOST:PORT of node 0, the same on every node ({exc})",
+                    f"pass e.g. {spell('rdzv_endpoint', 'node0:29500')}",
+                ) from None
+        if max_nodes > 1 and self.rdzv_endpoint is None:
+            raise ConfigError(
+                f"{spell('nnodes', self.nnodes)} spans several machines, but no "
+                f"{spell('rdzv_endpoint')} says where they meet. Expected HOST:PORT of node 0, "
+                f"the same on every node. Fix: on every node pass "
+                f"{spell('rdzv_endpoint', 'NODE0:29500')} and {spell('rdzv_id', 'JOB')}, and "
+                f"on node 0 also {spell('node_rank', 0)}.",
+                field="rdzv_endpoint",
+            )
+        for field in ("rdzv_id", "local_addr"):
+            value = getattr(self, field)
+            if value is not None and (not value.strip() or any(c.isspace() for c in value)):
+                raise bad(field, "a value without spaces", f"pass e.g. {spell(field, 'job42')}")
 
     def resolved_recipe(self) -> str:
         """The recipe to run: the one asked for, else the default for the strategy."""

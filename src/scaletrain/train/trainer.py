@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from scaletrain.dist import from_rank_zero
 from scaletrain.errors import spell
 from scaletrain.exitcodes import EXIT_PREEMPTED
 from scaletrain.observe.events import Observer, Observers
@@ -92,7 +94,14 @@ class Trainer:
         """The run directory, checked and made; the header's notes about what it held."""
         cfg, recipe = self.config, self.recipe
         named = cfg.fork or cfg.out
-        out = Path(named) if named else Path("runs") / recipe.name
+        if named:
+            out = Path(named)
+        else:
+            # No job id to name the run after (see scaletrain.launch.training): rank 0's
+            # clock names it for every rank, on every node.
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            out = Path(from_rank_zero(str(Path("runs") / f"{recipe.name}-{stamp}")))
+            self.config = cfg = cfg.replace(out=str(out))
         found = inspect_run(out)
         # --overwrite replaces the run the command found, once: workers restarted by the
         # elastic agent (--max-restarts) resume from what this job saved since.
@@ -112,10 +121,11 @@ class Trainer:
             (out / PREEMPTED_MARKER).unlink(missing_ok=True)
         rt.barrier()
         # Where each worker runs, for operators (and the fault-tolerance test) to find it;
-        # removed at exit.
+        # removed at exit. parents=True: on another node's own disk, rank 0's mkdir
+        # above did not happen.
         self._out, self._rank = out, rt.rank
         pids = out / "pids"
-        pids.mkdir(exist_ok=True)
+        pids.mkdir(parents=True, exist_ok=True)
         (pids / f"rank{rt.rank}.pid").write_text(f"{os.getpid()}\n")
         return out, notes
 

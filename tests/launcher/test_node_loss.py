@@ -1,0 +1,96 @@
+"""A node lost: its worker ends with its launcher, and the other node says what happened.
+
+Two launchers on loopback stand for two nodes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+
+SLEEPER = """\
+import os, sys, time
+open(sys.argv[1], "w").write(str(os.getpid()))
+time.sleep(120)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_worker_dies_with_a_killed_agent(tmp_path: Path, start: Callable[..., Any]) -> None:
+    # Issue 10 (6): the worker went on as an orphan (torch starts workers in sessions of
+    # their own and never tells them when the agent dies).
+    script = tmp_path / "sleeper.py"
+    script.write_text(SLEEPER)
+    pid_file = tmp_path / "worker.pid"
+    agent = start("-m", "scaletrain.launch", "--nproc-per-node", "1", str(script), str(pid_file))
+    deadline = time.monotonic() + 60
+    while not (pid_file.exists() and pid_file.read_text()):
+        assert time.monotonic() < deadline, "the worker did not start"
+        time.sleep(0.1)
+    worker = int(pid_file.read_text())
+    try:
+        os.kill(agent.popen.pid, signal.SIGKILL)
+        agent.popen.wait()  # (its pipes stay open while an orphan holds them)
+        deadline = time.monotonic() + 10
+        while _alive(worker):
+            assert time.monotonic() < deadline, f"worker {worker} outlived its agent"
+            time.sleep(0.1)
+    finally:
+        if _alive(worker):
+            os.kill(worker, signal.SIGKILL)
+
+
+LOOPER = """\
+import sys, time, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+open(sys.argv[1] + str(dist.get_rank()), "w").write("up")
+for _ in range(600):
+    dist.all_reduce(torch.ones(1))
+    time.sleep(0.1)
+"""
+
+
+@pytest.mark.slow
+def test_a_node_that_does_not_come_back_is_not_a_rendezvous_that_never_formed(
+    tmp_path: Path, port: int, start: Callable[..., Any]
+) -> None:
+    # Issue 10 (5): after a node was killed, the other one's restart waited out the
+    # rendezvous and said it "did not complete ... start the launcher on every node".
+    script = tmp_path / "looper.py"
+    script.write_text(LOOPER)
+    marker = tmp_path / "up"
+
+    def node(rank: int) -> Any:
+        return start(
+            "-m", "scaletrain.launch", "--nnodes", "2", "--node-rank", str(rank),
+            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-timeout", "10",
+            "--nproc-per-node", "1", "--max-restarts", "1", str(script), str(marker),
+        )  # fmt: skip
+
+    node1 = node(1)
+    node0 = node(0)
+    deadline = time.monotonic() + 60
+    while not (Path(f"{marker}0").exists() and Path(f"{marker}1").exists()):
+        assert time.monotonic() < deadline, "the job did not start"
+        time.sleep(0.1)
+    os.kill(node1.popen.pid, signal.SIGKILL)
+    node1.popen.wait()
+    result = node0.wait(timeout=90)
+    assert result.returncode == 1, result.stderr
+    assert "after the workers stopped (a worker failed, or a node left)" in result.stderr
+    assert "round 2" in result.stderr and "did not complete" not in result.stderr
