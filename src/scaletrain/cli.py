@@ -330,6 +330,7 @@ def _cmd_train(ns: argparse.Namespace, argv: Sequence[str]) -> int:
             run_as_module=True,
             # 0 (the default) lets a platform's own setting apply (a Kubeflow elasticPolicy).
             max_restarts=config.max_restarts or None,
+            monitor_interval=config.monitor_interval,
             extra_env={_SUPERVISED: "1"},
         ),
         "scaletrain",
