@@ -15,7 +15,7 @@ CLUSTER_PKGS := slurmctld slurmd slurm-client munge openmpi-bin mpich iproute2 u
 CLUSTER_STAMP := /usr/sbin/slurmctld /usr/bin/mpirun.openmpi /usr/bin/mpiexec.mpich /usr/sbin/ip
 TRAIN_ARGS ?=
 
-.PHONY: setup train test lint typecheck layers unit clean
+.PHONY: setup train test lint typecheck layers unit clean peers-venv peers
 
 setup: $(STAMP) $(FMNIST) $(CHROMIUM) $(CLUSTER_STAMP)
 
@@ -72,6 +72,25 @@ layers: setup
 test: lint typecheck layers
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=15; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+# The peers benchmark's optional contenders (Accelerate, Lightning Fabric) in their own
+# venv beside the project's, never a dependency of scaletrain. The constraints file holds
+# torch at the project's version, so pip resolves them against it and adds no other torch.
+PEERS_VENV := benchmarks/.venv-peers
+PEERS_STAMP := $(PEERS_VENV)/.setup-stamp
+peers-venv: $(PEERS_STAMP)
+$(PEERS_STAMP): benchmarks/contenders/requirements-peers.txt Makefile | $(STAMP)
+	test -x $(PEERS_VENV)/bin/python || $(PYTHON) -m venv $(PEERS_VENV)
+	echo "torch==$(TORCH_VERSION)" > $(PEERS_VENV)/constraints.txt
+	$(PEERS_VENV)/bin/python -m pip install --quiet "torch==$(TORCH_VERSION)" numpy
+	$(PEERS_VENV)/bin/python -m pip install --quiet -c $(PEERS_VENV)/constraints.txt \
+		-r benchmarks/contenders/requirements-peers.txt
+	touch $(PEERS_STAMP)
+
+# The side-by-side comparison with the peers (benchmarks/RESULTS.md; ~25 min as is).
+PEERS_ARGS ?=
+peers: setup
+	OMP_NUM_THREADS=1 $(PY) benchmarks/peers.py $(PEERS_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

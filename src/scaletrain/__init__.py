@@ -38,6 +38,7 @@ if TYPE_CHECKING:
         Strategy,
         TensorParallel,
     )
+    from scaletrain.train.planning import plan  # st.plan: the scaletrain.plan package, callable
 
 _WHERE = {
     "CheckpointError": "scaletrain.errors",
@@ -50,6 +51,7 @@ _WHERE = {
     "Runtime": "scaletrain.runtime",
     "LedgerConfig": "scaletrain.observe.ledger",
     "init": "scaletrain.runtime",
+    "plan": "scaletrain.plan",
     "sync_batchnorm": "scaletrain.runtime",
     "DDP": "scaletrain.strategies",
     "FSDP": "scaletrain.strategies",
@@ -81,6 +83,7 @@ __all__ = [
     "TensorParallel",
     "__version__",
     "init",
+    "plan",
     "sync_batchnorm",
 ]
 

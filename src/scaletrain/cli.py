@@ -84,6 +84,65 @@ def _add_report(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.add_argument("--output", metavar="FILE", default=None, help="write here instead")
 
 
+def _add_plan(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="memory per device and step time of every strategy at N devices",
+        description=(
+            "Predict, for every strategy and mesh of N devices (ddp, fsdp, tensor, pipeline, "
+            "fsdp x tp, ddp x pp), the memory per device and the step time, from the model "
+            "itself; recommend the fastest that fits. Without --hardware this machine is "
+            "measured (a few seconds). --check RUN compares a finished run with its prediction."
+        ),
+    )
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--recipe", metavar="R", default=None, help="a recipe (default convnet)")
+    which.add_argument(
+        "--model", metavar="MODULE:FACTORY", default=None,
+        help="any model: FACTORY() builds it, MODULE.example(batch_size) gives a batch",
+    )  # fmt: skip
+    p.add_argument("--devices", metavar="N", type=int, default=None, help="devices in all")
+    p.add_argument("--nodes", metavar="M", type=int, default=1, help="nodes they are on")
+    p.add_argument(
+        "--hardware", metavar="PROFILE", default=None,
+        help="h100-sxm, a100-sxm, a100-pcie or ethernet (datasheet); default: this machine",
+    )  # fmt: skip
+    p.add_argument("--batch-size", metavar="B", type=int, default=None, help="per replica")
+    p.add_argument("--precision", metavar="P", default="32", help="32, bf16-mixed, ...")
+    p.add_argument("--check", metavar="RUN", default=None, help="a finished run to check")
+
+
+def _cmd_plan(ns: argparse.Namespace) -> int:
+    given = [f for f in ("recipe", "model", "devices", "hardware", "batch_size") if getattr(ns, f)]
+    if ns.check is not None:
+        if given or ns.nodes != 1 or ns.precision != "32":
+            extra = spell((given or ["nodes"])[0], getattr(ns, (given or ["nodes"])[0]))
+            raise ConfigError(
+                f"{spell('check', ns.check)} takes the model, devices and batch from the run's "
+                f"config.json, but {extra} was given too. Fix: drop it, or plan without "
+                f"{spell('check')}.",
+                field="check",
+            )
+        from scaletrain.train.planning import check_run
+
+        print(check_run(ns.check).table())
+        return EXIT_OK
+    if ns.devices is None:
+        raise ConfigError(
+            f"{spell('devices')} is missing: how many devices to plan for. Fix: e.g. "
+            f"{spell('devices', 4)} (or {spell('check')} RUN to check a finished run).",
+            field="devices",
+        )
+    from scaletrain.train.planning import plan
+
+    result = plan(
+        ns.recipe, model=ns.model, devices=ns.devices, nodes=ns.nodes, hardware=ns.hardware,
+        batch_size=ns.batch_size, precision=ns.precision,
+    )  # fmt: skip
+    print(result.table())
+    return EXIT_OK
+
+
 def _add_env(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     sub.add_parser(
         "env",
@@ -117,6 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_job(sub)
     _add_checkpoint(sub)
     _add_report(sub)
+    _add_plan(sub)
     _add_env(sub)
     return parser
 
@@ -270,6 +330,7 @@ def _cmd_train(ns: argparse.Namespace, argv: Sequence[str]) -> int:
             run_as_module=True,
             # 0 (the default) lets a platform's own setting apply (a Kubeflow elasticPolicy).
             max_restarts=config.max_restarts or None,
+            monitor_interval=config.monitor_interval,
             extra_env={_SUPERVISED: "1"},
         ),
         "scaletrain",
@@ -410,6 +471,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             print(f"wrote {write_report(ns.run, ns.output)}")
             return EXIT_OK
+        if ns.command == "plan":
+            return _cmd_plan(ns)
         if ns.command == "launch":
             from scaletrain.launch.cli import run
 

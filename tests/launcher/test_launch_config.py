@@ -72,6 +72,7 @@ def test_bad_endpoint(bad: str) -> None:
         ({"max_restarts": -1}, ["--max-restarts -1", ">= 0", "Fix:"]),
         ({"rdzv_timeout": 0}, ["--rdzv-timeout 0", ">= 1", "Fix:"]),
         ({"monitor_interval": 0.0}, ["--monitor-interval 0.0", "positive", "Fix:"]),
+        ({"monitor_interval": float("inf")}, ["--monitor-interval inf", "finite", "Fix:"]),
         ({"redirects": "4"}, ["--redirects '4'", "3 (both)", "Fix:"]),
         ({"extra_env": {"A B": "1"}}, ["'A B'", "NAME", "Fix:"]),
     ],

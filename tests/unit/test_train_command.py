@@ -81,10 +81,14 @@ def test_single_process_strategies_refuse_a_world_in_the_library() -> None:
                                                   "train-images-idx3-ubyte"]),
         (["--data-dir", ""], ["--data-dir", "a directory holding the dataset"]),
         (["--recipe", "split-net", "--data-dir", "/tmp"], ["split-net", "generates its data"]),
+        (["--monitor-interval", "0"], ["--monitor-interval 0.0", "positive, finite",
+                                       "--monitor-interval 1"]),
+        (["--monitor-interval", "inf"], ["--monitor-interval inf", "positive, finite"]),
     ],
     ids=["fp16-on-cpu", "nccl-without-gpus", "mesh-with-ddp", "mesh-size", "tensor-convnet",
          "pipeline-too-deep", "nproc-0",
-         "max-steps-0", "data-dir-missing", "data-dir-empty", "data-dir-not-used"],
+         "max-steps-0", "data-dir-missing", "data-dir-empty", "data-dir-not-used",
+         "monitor-interval-0", "monitor-interval-inf"],
 )  # fmt: skip
 def test_bad_settings_fail_in_the_parent_in_the_clis_words(
     capsys: pytest.CaptureFixture[str],
@@ -109,6 +113,31 @@ def test_bad_settings_fail_in_the_parent_in_the_clis_words(
     for api_name in ("precision=", "backend=", "nproc=", "mesh=", "strategy=", "plan="):
         assert api_name not in err, err
     assert not (tmp_path / "runs").exists()
+
+
+def test_monitor_interval_reaches_the_launcher(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--monitor-interval is the elastic agent's polling interval for the workers of
+    `scaletrain train`; left out, it is `scaletrain launch`'s default."""
+    import scaletrain.launch as launch_mod
+    from scaletrain.launch import LaunchConfig
+    from scaletrain.testing.datasets import write_fake_mnist
+
+    data = write_fake_mnist(tmp_path / "data")
+    seen: list[LaunchConfig] = []
+
+    def fake_launch(cfg: LaunchConfig, *args: object, **kwargs: object) -> int:
+        seen.append(cfg)
+        return 0
+
+    monkeypatch.setattr(launch_mod, "launch", fake_launch)
+    monkeypatch.chdir(tmp_path)
+    common = ["train", "--nproc", "2", "--data-dir", str(data), "--max-steps", "1"]
+    assert cli.main([*common, "--out", "a", "--monitor-interval", "2.5"]) == 0
+    assert cli.main([*common, "--out", "b"]) == 0
+    assert [c.monitor_interval for c in seen] == [2.5, LaunchConfig().monitor_interval]
+    assert TrainConfig().monitor_interval == LaunchConfig().monitor_interval
 
 
 def test_argparse_refuses_unknown_choices(capsys: pytest.CaptureFixture[str]) -> None:

@@ -3,8 +3,10 @@
 from scaletrain.dist.backend import BACKENDS, choose_backend, choose_device
 from scaletrain.dist.collectives import (
     REDUCE_OPS,
+    PendingFlag,
     all_gather_floats,
     any_rank,
+    any_rank_async,
     barrier,
     from_rank_zero,
     rank_first,
@@ -26,10 +28,12 @@ __all__ = [
     "BACKENDS",
     "DEFAULT_TIMEOUT_S",
     "REDUCE_OPS",
+    "PendingFlag",
     "SyncBatchNorm",
     "Topology",
     "all_gather_floats",
     "any_rank",
+    "any_rank_async",
     "barrier",
     "choose_backend",
     "choose_device",

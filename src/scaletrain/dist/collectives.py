@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -13,8 +13,10 @@ from scaletrain.errors import ConfigError, PeerFailure
 
 __all__ = [
     "REDUCE_OPS",
+    "PendingFlag",
     "all_gather_floats",
     "any_rank",
+    "any_rank_async",
     "barrier",
     "from_rank_zero",
     "rank_first",
@@ -168,6 +170,46 @@ def any_rank(flag: bool, *, world_size: int, backend: str) -> bool:
     t = torch.tensor([1.0 if flag else 0.0])
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_control_group(backend))
     return bool(t.item() > 0)
+
+
+class PendingFlag:
+    """An `any_rank_async` in flight: `result()` waits for it and gives the same answer on
+    every rank (the MAX of every rank's flag)."""
+
+    __slots__ = ("_around", "_tensor", "_work")
+
+    def __init__(
+        self,
+        work: Any,
+        tensor: torch.Tensor,
+        around: Callable[[], contextlib.AbstractContextManager[None]] | None = None,
+    ) -> None:
+        self._work, self._tensor, self._around = work, tensor, around
+
+    def result(self) -> bool:
+        if self._work is not None:
+            with self._around() if self._around is not None else contextlib.nullcontext():
+                self._work.wait()
+            self._work = None
+        return bool(self._tensor.item() > 0)
+
+
+def any_rank_async(
+    flag: bool,
+    *,
+    world_size: int,
+    backend: str,
+    around: Callable[[], contextlib.AbstractContextManager[None]] | None = None,
+) -> PendingFlag:
+    """`any_rank` without waiting: the all-reduce runs on the CPU (Gloo) group's own
+    threads while the caller goes on; `.result()` collects it (wrapped in `around()`, the
+    ledger's phase, if given). Every rank must call it at the same point of its program,
+    as for any collective."""
+    t = torch.tensor([1.0 if flag else 0.0])
+    if world_size == 1:
+        return PendingFlag(None, t)
+    work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_control_group(backend), async_op=True)
+    return PendingFlag(work, t, around)
 
 
 def all_gather_floats(values: list[float], *, world_size: int, backend: str) -> list[list[float]]:

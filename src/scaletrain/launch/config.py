@@ -6,6 +6,7 @@ one sentence instead of as an AssertionError from deep inside `torch.distributed
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -135,9 +136,9 @@ class LaunchConfig:
                 f"--rdzv-timeout {self.rdzv_timeout!r} is too small. Expected whole seconds "
                 f">= 1 to wait for the other nodes. Fix: pass e.g. --rdzv-timeout 600."
             )
-        if not self.monitor_interval > 0:
+        if not 0 < self.monitor_interval < math.inf:
             raise ConfigError(
-                f"--monitor-interval {self.monitor_interval!r} must be a positive number of "
+                f"--monitor-interval {self.monitor_interval!r} must be a positive, finite number of "
                 f"seconds. Fix: leave it out (0.1) or pass e.g. --monitor-interval 1."
             )
         if not _STD_RE.match(self.redirects):

@@ -158,6 +158,9 @@ class StepLedger:
         self.peak_dtype = "fp32"
         self.device_name = device_name or self.device_type
         self.memory: Any = None
+        self.rss_setup: int | None = None
+        """RSS (bytes) when rt.setup attached the ledger and restarted the peak RSS;
+        None where the peak could not be restarted (not Linux)."""
         self.profile: Any = None
         """A ProfileWindow (scaletrain.observe.profiling) armed by rt.profile()."""
         self.summary: dict[str, Any] | None = None
@@ -396,6 +399,7 @@ class StepLedger:
         if self._log is not None:
             keys = ("allocated_peak", "reserved_peak", "rss_peak", "gpu_util")
             memory = {k: getattr(mine, k) for k in keys}
+            memory["rss_setup"] = self.rss_setup
             self._log.write(clean_json({"kind": "memory", "step": self.step, **memory}))
         stats = WindowStats.build(self._window_first, self.step, self.gather(mine))
         self._window = Series()

@@ -13,7 +13,13 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["MemorySample", "MemorySampler"]
+__all__ = [
+    "MemorySample",
+    "MemorySampler",
+    "current_rss_bytes",
+    "reset_rss_peak",
+    "rss_peak_bytes",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,7 +30,39 @@ class MemorySample:
     gpu_util: float | None
 
 
+def current_rss_bytes() -> int | None:
+    """The process's resident set size now (Linux /proc/self/statm); None elsewhere."""
+    try:
+        with open("/proc/self/statm", encoding="ascii") as f:
+            pages = int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return pages * resource.getpagesize()
+
+
+def reset_rss_peak() -> bool:
+    """Start the process's peak RSS (VmHWM, getrusage's ru_maxrss) again from its RSS
+    now (Linux: /proc/self/clear_refs); False where that cannot be done."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
+
+
 def rss_peak_bytes() -> int:
+    """The process's peak RSS: VmHWM on Linux (restarted by `reset_rss_peak`), else
+    getrusage's ru_maxrss. Not ru_maxrss on Linux: after fork and exec it never drops
+    below the parent's RSS at the fork, so a small child of a large parent would report
+    the parent's size."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     # Linux reports KiB, macOS bytes.
     return int(peak if sys.platform == "darwin" else peak * 1024)

@@ -47,8 +47,9 @@ PHASE_DOCS: dict[str, str] = {
     "comm": "exposed communication: blocked on the gradient all-reduce after backward's "
     "compute is done (the part the overlap did not hide)",
     "optimizer": "gradient clipping and the optimizer step",
-    "sync": "collectives outside forward/backward: the per-step stop agreement "
-    "(rt.any_rank), rt.reduce, barriers, and the ledger's own gather every K steps",
+    "sync": "collectives outside forward/backward: collecting the per-step stop agreement "
+    "(rt.any_rank_async, started a step earlier), rt.reduce, barriers, and the ledger's own "
+    "gather every K steps",
     "checkpoint": "training stalled in rt.save / rt.load",
     "eval": "evaluation between steps",
     "other": "everything else in the loop (zero_grad, logging, the user's own code)",

@@ -338,6 +338,18 @@ class Runtime:
         with self._phase(_phases.SYNC):
             return _dist.any_rank(flag, world_size=self.world_size, backend=self.backend)
 
+    def any_rank_async(self, flag: bool) -> _dist.PendingFlag:
+        """`any_rank` without waiting: returns at once; `.result()` is the same answer on
+        every rank. A loop that checks a flag every step starts step k's check and
+        collects it at step k+1, so the round trip is off its hot path (one step later)."""
+        with self._phase(_phases.SYNC):
+            return _dist.any_rank_async(
+                flag,
+                world_size=self.world_size,
+                backend=self.backend,
+                around=lambda: self._phase(_phases.SYNC),
+            )
+
     def barrier(self) -> None:
         with self._phase(_phases.SYNC):
             _dist.barrier(self.device)

@@ -10,6 +10,7 @@ per field from this class (scaletrain.settings) and reads the same names from a
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -30,7 +31,8 @@ METAVARS = {
     "warmup": "STEPS", "accumulate": "K", "clip_grad": "NORM", "seed": "N",
     "data_dir": "DIR", "num_workers": "N", "eval_batch_size": "N", "eval_batches": "N",
     "out": "RUN", "log_every": "N", "save_every": "N", "keep": "K", "stop_after": "N",
-    "max_restarts": "K", "hang_timeout": "S", "mesh": "DIMS", "nnodes": "N|MIN:MAX",
+    "max_restarts": "K", "monitor_interval": "S", "hang_timeout": "S", "mesh": "DIMS",
+    "nnodes": "N|MIN:MAX",
     "node_rank": "R", "rdzv_endpoint": "HOST:PORT", "rdzv_id": "ID", "local_addr": "ADDR",
     "fork": "NEW_RUN", "ledger_every": "K", "profile": "STEPS",
 }  # fmt: skip
@@ -100,6 +102,8 @@ class TrainConfig:
     """Save and stop after N steps of this run; starting again resumes."""
     max_restarts: int = 0
     """Restart the workers up to N times after a failure; they resume from the last checkpoint."""
+    monitor_interval: float = 0.1
+    """Seconds between the launcher's checks of its workers: a failed or finished worker is noticed up to this much later."""
     hang_timeout: float = DEFAULT_HANG_TIMEOUT_S
     """Seconds a rank may make no progress before the job ends with a diagnosis; 0: off."""
     fork: str | None = None
@@ -169,6 +173,12 @@ class TrainConfig:
         if self.max_restarts < 0:
             raise bad(
                 "max_restarts", "a number of restarts >= 0", f"pass {spell('max_restarts', 0)}"
+            )
+        if not 0 < self.monitor_interval < math.inf:
+            raise bad(
+                "monitor_interval",
+                "a positive, finite number of seconds",
+                f"leave it out (0.1) or pass e.g. {spell('monitor_interval', 1)}",
             )
         if self.lr is not None and not self.lr > 0:
             raise bad("lr", "a positive learning rate", f"pass e.g. {spell('lr', 0.05)}")

@@ -58,6 +58,19 @@ def _generated(data_dir: str | None) -> str | None:
 _GPT = GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128)
 
 
+def _images(batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(batch, 1, 28, 28), torch.randint(0, 10, (batch,))
+
+
+def _features(batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(batch, 10), torch.randint(0, 5, (batch,))
+
+
+def _tokens(batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, _GPT.vocab_size, (batch, _GPT.block_size + 1))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
 @dataclass(kw_only=True, frozen=True, slots=True)
 class Recipe:
     """A model, the data it trains on, and optimiser settings that work for it."""
@@ -74,6 +87,8 @@ class Recipe:
     """(data_dir) -> the directory the data is read from (for the run header and
     config.json), None for data generated in memory; raises DatasetError before any
     process starts if it is not there."""
+    example: Callable[[int], tuple[torch.Tensor, torch.Tensor]] = _images
+    """batch size -> random (inputs, targets) shaped like the data (for scaletrain plan)."""
     lr: float
     """Peak learning rate at `reference_batch`; scaled linearly with the global batch."""
     optimizer_name: str = "sgd"
@@ -132,6 +147,7 @@ RECIPES: dict[str, Recipe] = {
             dataset="teacher (synthetic, 10 features -> 5 classes)",
             build=SplitNet,
             data=_teacher,
+            example=_features,
             lr=0.2,
             epochs=3,
             warmup=30,
@@ -154,6 +170,7 @@ RECIPES: dict[str, Recipe] = {
             build=lambda: GPT(_GPT),
             data=_python_text,
             locate_data=_python_text_locate,
+            example=_tokens,
             lr=1e-3,
             optimizer_name="adamw",
             weight_decay=0.01,

@@ -36,6 +36,7 @@ from scaletrain.train.resume import (
 from scaletrain.train.rundir import PREEMPTED_MARKER
 from scaletrain.train.schedule import lr_at, set_lr
 from scaletrain.train.signals import StopRequest
+from scaletrain.train.stopping import StopAgreement
 
 __all__ = ["PREEMPTED_MARKER", "Preempted", "Session"]
 
@@ -89,6 +90,7 @@ class Session:
         self.sync_bn = recipe.sync_bn if cfg.sync_bn is None else cfg.sync_bn
         self.warmup = recipe.warmup if cfg.warmup is None else cfg.warmup
         self.done = _Progress()
+        self.agreement = StopAgreement(rt, stop, cfg.stop_after)
         self.notes = list(notes or [])
         """Header lines about what the run directory held (set aside, overwritten)."""
 
@@ -293,12 +295,11 @@ class Session:
         if resumed is not None and resumed.path is not None and self.done.forked is None:
             refuse_length(self.cfg, self.out, resumed.path, self.done.step, self.total_steps)
         self._announce()
-        rt, done = self.rt, self.done
+        done = self.done
         self.run_start_step = done.step
         # A stop asked for during set-up (Ctrl-C while loading) ends the run before the
         # first step: there is nothing new to save.
-        if rt.any_rank(self.stop.signal is not None):
-            done.stopped_by = self.stop.reason or "a signal on another rank"
+        done.stopped_by = self.agreement.at_start()
         while done.step < self.total_steps and done.stopped_by is None:
             epoch = self.length.epoch_of(done.step)
             self._train_epoch(epoch)
@@ -391,23 +392,20 @@ class Session:
                 done.samples += epoch_samples
                 epoch_start, epoch_samples = time.perf_counter(), 0
                 self._save()
+        # The last step's stop flag, still in flight: every rank collects it here.
+        reason = self.agreement.collect()
+        if reason is not None:
+            done.stopped_by = reason
         done.train_time += time.perf_counter() - epoch_start
         done.samples += epoch_samples
         observers.on_epoch_end(epoch)
 
     def _agree_to_stop(self) -> bool:
-        """Every rank must stop at the same step: one tiny collective agrees (a signal
-        reaches ranks at different times)."""
-        cfg, done = self.cfg, self.done
-        by_count = cfg.stop_after is not None and done.step - self.run_start_step >= cfg.stop_after
-        if self.rt.any_rank(self.stop.signal is not None or by_count):
-            if self.stop.signal is not None:
-                done.stopped_by = self.stop.reason
-            elif by_count:
-                done.stopped_by = spell("stop_after", cfg.stop_after)
-            else:
-                done.stopped_by = "a signal on another rank"
-        return done.stopped_by is not None
+        """Every rank stops at the same step (scaletrain.train.stopping)."""
+        reason = self.agreement.after_step(self.done.step - self.run_start_step)
+        if reason is not None:
+            self.done.stopped_by = reason
+        return self.done.stopped_by is not None
 
     def _save(self, *, final: bool = False) -> Path:
         done = self.done

@@ -1,0 +1,226 @@
+"""How right `scaletrain plan` is here: predicted vs measured step time and memory.
+
+For the convnet and gpt recipes at 1, 2 and 4 Gloo processes (one thread each) under
+ddp, fsdp, tensor and pipeline (where the model allows: tensor parallel needs Linear
+pairs, a pipeline of N stages N layers), each round:
+
+1. calibrates: the planner's own calibration of each model in this process, and its
+   Gloo probe at 2 and 4 processes (alpha and bandwidth per collective);
+2. measures: trains every configuration for --steps steps with the step ledger on
+   (records in a temporary RUN/observe/), the configurations in a shuffled order,
+   and reads back what `scaletrain plan --check RUN` reads: the median training work
+   per step (slowest rank) and the RSS growth after setup (largest rank);
+3. predicts the same configurations from that round's calibration.
+
+Calibration and measurement alternate round by round, so the machine's load hits both
+alike. Reported per row: medians over rounds, the error in %, and per recipe and
+process count whether the predicted ranking of strategies is the measured one.
+
+    .venv/bin/python benchmarks/plan_accuracy.py --rounds 2 --steps 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import random
+import statistics
+import tempfile
+import time
+from typing import Any
+
+BATCH = {"convnet": 32, "gpt": 8}
+"""Samples per replica: small, so 4 processes on 2 cores finish in seconds."""
+STRATEGIES = ("ddp", "fsdp", "tensor", "pipeline")
+
+
+def _job(recipe_name: str, strategy: str, steps: int, out: str) -> None:
+    import torch
+
+    import scaletrain as st
+    from scaletrain.train.recipes import get_recipe
+
+    recipe = get_recipe(recipe_name)
+    ledger = st.LedgerConfig(out=out, every=10, flops=False, summary=False)
+    rt = st.init(strategy=strategy, ledger=ledger)
+    torch.manual_seed(0)
+    bare = recipe.build()
+    model, opt = rt.setup(bare, recipe.optimizer(bare.parameters(), 1e-3))
+    batch = BATCH[recipe_name]
+    x, y = recipe.example(batch)
+    rt.prepare(model, x)
+    for _ in range(steps):
+        rt.forward_backward(model, x, y, recipe.loss)
+        rt.step(opt)
+        opt.zero_grad(set_to_none=True)
+    rt.shutdown()
+
+
+def _configs() -> list[tuple[str, int, str]]:
+    out = []
+    for recipe in ("convnet", "gpt"):
+        out.append((recipe, 1, "ddp"))
+        for n in (2, 4):
+            for strategy in STRATEGIES:
+                if strategy == "tensor" and recipe != "gpt":
+                    continue  # the ConvNet has no Linear pairs
+                if strategy == "pipeline" and recipe == "convnet" and n > 3:
+                    continue  # 3 layers: no 4 stages
+                out.append((recipe, n, strategy))
+    return out
+
+
+def _measure(recipe: str, n: int, strategy: str, steps: int) -> tuple[float, int | None, float]:
+    from scaletrain.testing import run_ranks
+    from scaletrain.train.planning import measured, measured_cpu
+
+    with tempfile.TemporaryDirectory() as tmp:
+        run_ranks(_job, n, recipe, strategy, steps, tmp, timeout=600)
+        step, growth, _ = measured(tmp)
+        cpu = measured_cpu(tmp) or 0.0
+    return step, growth, cpu
+
+
+def _predict(recipe: str, n: int, strategy: str, calib: dict[str, Any]) -> tuple[float, int, float]:
+    from dataclasses import replace
+
+    from scaletrain.plan.api import calibrate
+    from scaletrain.train.planning import layout_of, plan, resolve_model
+
+    # The machine's load right now: a short in-process calibration just before the
+    # run (CPU seconds and the share of a core); the runtime's first-step memory from
+    # the round's fresh-process calibration.
+    _, build, example, loss, optimizer, _ = resolve_model(recipe, None)
+    b = BATCH[recipe]
+    now = calibrate(build, example, loss, optimizer, [b, b // 4], repeats=3)
+    compute = replace(now, runtime_bytes=calib[recipe].runtime)
+
+    layout = layout_of(strategy, None, n)
+    p = plan(
+        recipe, devices=n, batch_size=BATCH[recipe], layouts=[layout],
+        compute=compute, comm=calib["comm"].get(n),
+    )  # fmt: skip
+    row = p.rows[0]
+    return row.time.total, row.memory.growth, row.time.cpu
+
+
+def _calibrate_job(recipe: str) -> Any:
+    """The planner's calibration, in a fresh process (as `scaletrain plan` runs it):
+    `runtime_bytes` is what its steps added beyond the model's own tensors."""
+    from scaletrain.train.planning import plan
+
+    return plan(recipe, devices=1, batch_size=BATCH[recipe]).rows[0]
+
+
+def _calibrate() -> dict[str, Any]:
+    from scaletrain.plan.comm import CommModel, probe
+    from scaletrain.testing import run_ranks
+    from scaletrain.train.planning import resolve_model
+
+    calib: dict[str, Any] = {"comm": {1: CommModel()}}
+    sizes = [4096]
+    for recipe in BATCH:
+        row = run_ranks(_calibrate_job, 1, recipe, timeout=300)[0]
+        calib[recipe] = row.memory
+        print(f"calibration {recipe}: runtime {row.memory.runtime / 2**20:.1f} MiB", flush=True)
+        build = resolve_model(recipe, None)[1]
+        grads = sum(p.numel() * 4 for p in build().parameters())
+        sizes += [grads, grads // 8]
+    for n in (2, 4):
+        calib["comm"][n] = probe(n, sizes)
+        print(f"probe {n}: process group {calib['comm'][n].runtime_bytes[n] / 2**20:.1f} MiB, "
+              + ", ".join(f"{k}: alpha {v.alpha * 1e6:.0f} us, {v.bandwidth / 1e9:.2f} GB/s"
+                          for (k, m), v in calib["comm"][n].links.items() if m == n), flush=True)  # fmt: skip
+    return calib
+
+
+def _pct(pred: float, meas: float | None) -> float | None:
+    return None if not meas else (pred - meas) / meas * 100
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument(
+        "--only", default=None, metavar="R:N:S,...",
+        help="only these configurations, e.g. convnet:1:ddp,gpt:1:ddp",
+    )  # fmt: skip
+    args = ap.parse_args()
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+
+    torch.set_num_threads(1)
+    configs = _configs()
+    if args.only:
+        wanted = {tuple(x.split(":")) for x in args.only.split(",")}
+        configs = [c for c in configs if (c[0], str(c[1]), c[2]) in wanted]
+    results: dict[tuple[str, int, str], dict[str, list[float]]] = {
+        c: {"pt": [], "mt": [], "pm": [], "mm": [], "pc": [], "mc": []} for c in configs
+    }
+    loads = [os.getloadavg()[0]]
+    start = time.time()
+    for r in range(args.rounds):
+        calib = _calibrate()
+        order = configs[:]
+        random.Random(r).shuffle(order)
+        for c in order:
+            pt, pm, pc = _predict(*c, calib)
+            mt, mm, mc = _measure(*c, args.steps)
+            res = results[c]
+            res["pt"].append(pt)
+            res["mt"].append(mt)
+            res["pm"].append(pm)
+            res["pc"].append(pc)
+            res["mc"].append(mc)
+            if mm:
+                res["mm"].append(mm)
+            loads.append(os.getloadavg()[0])
+            print(f"round {r} {c}: step {pt * 1e3:.1f}/{mt * 1e3:.1f} ms, growth "
+                  f"{pm / 2**20:.1f}/{(mm or 0) / 2**20:.1f} MiB, cpu {pc * 1e3:.1f}/{mc * 1e3:.1f} ms",
+                  flush=True)  # fmt: skip
+    med = statistics.median
+    print(
+        f"\n{platform.node()} {platform.machine()}, {os.cpu_count()} cores, torch "
+        f"{torch.__version__}, Gloo; {args.rounds} rounds x {args.steps} steps, "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {time.time() - start:.0f} s, "
+        f"load average {min(loads):.1f}-{max(loads):.1f} (median {med(loads):.1f})\n"
+    )
+    print("| recipe | procs | strategy | step ms pred | step ms meas | err % | growth MiB pred "
+          "| growth MiB meas | err % | CPU ms pred | CPU ms meas | err % |")  # fmt: skip
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    summary: dict[tuple[str, int, str], tuple[float, float]] = {}
+    for c in configs:
+        res = results[c]
+        pt, mt, pm = med(res["pt"]), med(res["mt"]), med(res["pm"])
+        mm = med(res["mm"]) if res["mm"] else None
+        summary[c] = (pt, mt)
+        et, em = _pct(pt, mt), _pct(pm, mm)
+        print(
+            f"| {c[0]} | {c[1]} | {c[2]} | {pt * 1e3:.1f} | {mt * 1e3:.1f} | {et:+.0f} | "
+            f"{pm / 2**20:.1f} | {(mm or 0) / 2**20:.1f} | "
+            f"{'n/a' if em is None else f'{em:+.0f}'} | {med(res['pc']) * 1e3:.1f} | "
+            f"{med(res['mc']) * 1e3:.1f} | {_pct(med(res['pc']), med(res['mc'])) or 0:+.0f} |"
+        )
+    print("\n| recipe | procs | predicted ranking (fastest per sample first) | measured | match |")
+    print("|---|---:|---|---|---|")
+    for recipe in BATCH:
+        for n in (2, 4):
+            rows = [c for c in configs if c[0] == recipe and c[1] == n]
+            if len(rows) < 2:
+                continue
+
+            # By samples per second: ddp and fsdp steps take n batches, tensor and
+            # pipeline steps one (the batch is per data-parallel replica).
+            def per_sample(c: tuple[str, int, str], i: int) -> float:
+                return summary[c][i] / (c[1] if c[2] in ("ddp", "fsdp") else 1)
+
+            pred = [c[2] for c in sorted(rows, key=lambda c: per_sample(c, 0))]
+            meas = [c[2] for c in sorted(rows, key=lambda c: per_sample(c, 1))]
+            ok = "yes" if pred == meas else "no"
+            print(f"| {recipe} | {n} | {' < '.join(pred)} | {' < '.join(meas)} | {ok} |")
+
+
+if __name__ == "__main__":
+    main()

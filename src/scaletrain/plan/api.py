@@ -1,0 +1,317 @@
+"""`plan_model`: every layout of N devices for one model, as data and as a table."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from scaletrain.errors import ConfigError, spell
+from scaletrain.plan.comm import CommModel
+from scaletrain.plan.estimate import Compute, Estimate, estimate
+from scaletrain.plan.hardware import PROFILES, Hardware, this_machine
+from scaletrain.plan.layouts import Layout, layouts_for
+from scaletrain.plan.partition import list_layers
+from scaletrain.plan.profile import ModelProfile, profile_model
+
+__all__ = ["PRECISIONS", "Plan", "calibrate", "check_request", "plan_model", "throughput"]
+
+PRECISIONS = ("32", "bf16-mixed", "fp16-mixed", "bf16-true")
+_AUTOCAST = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
+DEFAULT_OVERLAP = {"this-machine": 0.0, "datasheet": 0.5}
+"""Fraction of DDP/FSDP gradient communication hidden behind the backward when no run
+measured it: none on a CPU (Gloo works on the cores the backward needs), half on GPUs."""
+
+Example = Callable[[int], tuple[Any, Any]]
+"""batch size -> (inputs, targets) of that many samples."""
+
+
+@dataclass(slots=True)
+class Plan:
+    """Every layout of `devices` for one model: rows, the recommended one and why."""
+
+    model: str
+    devices: int
+    nodes: int
+    hardware: Hardware
+    precision: str
+    profile: ModelProfile
+    rows: list[Estimate]
+    recommended: Estimate | None
+    reason: str
+    assumptions: list[str] = field(default_factory=list)
+
+    def row(self, label: str) -> Estimate:
+        for r in self.rows:
+            if r.layout.label == label or r.layout.strategy == label:
+                return r
+        raise KeyError(label)
+
+    def table(self) -> str:
+        mib = 2**20
+        head = (
+            f"{'layout':<28} {'fits':<5} {'params':>8} {'grads':>8} {'optim':>8} {'acts':>8} "
+            f"{'buffers':>8} {'runtime':>8} {'total':>8} | {'compute':>8} {'comm':>8} {'bubble':>8} {'step':>8} {'samples/s':>10}"
+        )
+        lines = [
+            f"{self.model} on {self.devices} device(s) x {self.nodes} node(s), "
+            f"{self.hardware.description}, precision {self.precision}, batch "
+            f"{self.profile.batch_size} per replica; memory MiB per device, time ms per step "
+            "(comm = exposed communication)",
+            head,
+            "-" * len(head),
+        ]
+        for r in self.rows:
+            m, t = r.memory, r.time
+            mark = "*" if r is self.recommended else ""
+            lines.append(
+                f"{(r.layout.label + mark):<28} {('yes' if r.fits else 'NO'):<5} "
+                f"{m.params / mib:8.1f} {m.grads / mib:8.1f} {m.optimizer / mib:8.1f} "
+                f"{m.activations / mib:8.1f} {m.buffers / mib:8.1f} {m.runtime / mib:8.1f} "
+                f"{m.total / mib:8.1f} | "
+                f"{t.compute * 1e3:8.1f} {t.exposed * 1e3:8.1f} {t.bubble * 1e3:8.1f} "
+                f"{t.total * 1e3:8.1f} {throughput(r, self.profile.batch_size):10,.0f}"
+            )
+            if r.overflow:
+                lines.append(f"    does not fit: {r.overflow}")
+        lines.append(f"recommended: {self.reason}")
+        lines.extend(f"assumption: {a}" for a in self.assumptions)
+        return "\n".join(lines)
+
+
+def check_request(devices: Any, nodes: Any, hardware: Any, precision: Any, batch: Any) -> None:
+    """Refuse a bad request before any work, naming the setting (in the caller's words)."""
+    for key, value, low in (("devices", devices, 1), ("nodes", nodes, 1), ("batch_size", batch, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ConfigError(
+                f"{spell(key, value)} must be a whole number >= {low}, e.g. {spell(key, 4)}.",
+                field=key,
+            )
+    if devices % nodes:
+        raise ConfigError(
+            f"{spell('devices', devices)} over {spell('nodes', nodes)}: the devices must split "
+            f"evenly over the nodes. Fix: {spell('devices', nodes * max(1, devices // nodes))}.",
+            field="devices",
+        )
+    if hardware is not None and hardware not in PROFILES:
+        raise ConfigError(
+            f"{spell('hardware', hardware)} is not a known profile; expected one of "
+            f"{', '.join(PROFILES)}, or leave it out to measure this machine.",
+            field="hardware",
+        )
+    if hardware is None and nodes > 1:
+        raise ConfigError(
+            f"{spell('nodes', nodes)} cannot be measured on this one machine. Fix: "
+            f"{spell('hardware', 'h100-sxm')} (or another profile: {', '.join(PROFILES)}) "
+            "for a cluster on paper, or leave out the nodes.",
+            field="nodes",
+        )
+    if precision not in PRECISIONS:
+        raise ConfigError(
+            f"{spell('precision', precision)} is not known; expected one of "
+            f"{', '.join(PRECISIONS)}.",
+            field="precision",
+        )
+
+
+def _median_time(fn: Callable[[], Any], repeats: int) -> tuple[float, float]:
+    """Median (CPU seconds, wall seconds) of `fn` after one warm-up call."""
+    fn()
+    cpu, wall = [], []
+    for _ in range(repeats):
+        c0, t0 = time.process_time(), time.perf_counter()
+        fn()
+        cpu.append(time.process_time() - c0)
+        wall.append(time.perf_counter() - t0)
+    return statistics.median(cpu), statistics.median(wall)
+
+
+def calibrate(
+    build: Callable[[], nn.Module],
+    example: Example,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    optimizer: Callable[[Any], torch.optim.Optimizer],
+    sizes: list[int],
+    *,
+    repeats: int = 5,
+) -> Compute:
+    """Time the real model here: forward+backward at each batch size, and the optimizer
+    step, in this process with one thread (as every rank of a CPU job runs).
+
+    Times are CPU seconds (what a rank needs of a core); their ratio to wall time is the
+    share of a core this process got (the machine's other load). The RSS the steps add
+    is measured too (from a restarted peak): in a fresh process it holds the runtime's
+    first-step overhead that no tensor accounting sees.
+    """
+    from scaletrain.observe.memory import current_rss_bytes, reset_rss_peak, rss_peak_bytes
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        model = build()
+        opt = optimizer(model.parameters())
+        points: dict[int, float] = {}
+        cpu_total = wall_total = 0.0
+        start = current_rss_bytes() if reset_rss_peak() else None
+        for b in sorted(set(sizes), reverse=True):
+            x, y = example(b)
+
+            def step(x: Any = x, y: Any = y) -> None:
+                opt.zero_grad(set_to_none=True)
+                loss_fn(model(x), y).backward()
+
+            cpu, wall = _median_time(step, repeats)
+            points[b] = cpu
+            cpu_total, wall_total = cpu_total + cpu, wall_total + wall
+        growth = rss_peak_bytes() - start if start is not None else None
+        opt_cpu, opt_wall = _median_time(opt.step, repeats)
+    finally:
+        torch.set_num_threads(threads)
+    share = min(1.0, (cpu_total + opt_cpu) / max(wall_total + opt_wall, 1e-9))
+    return Compute.fit(
+        points, opt_cpu, "calibrated here: CPU seconds, 1 thread", share=share,
+        load=os.getloadavg()[0] if hasattr(os, "getloadavg") else None, measured_growth=growth,
+    )  # fmt: skip
+
+
+def throughput(row: Estimate, batch: int) -> float:
+    """Samples per second: every data-parallel replica (dp of them) takes `batch`."""
+    return batch * row.layout.dp / max(row.time.total, 1e-12)
+
+
+def _recommend(rows: list[Estimate], batch: int) -> tuple[Estimate | None, str]:
+    # Rows differ in samples per step (dp replicas x batch): compared by throughput.
+    fitting = sorted((r for r in rows if r.fits), key=lambda r: -throughput(r, batch))
+    if not fitting:
+        return None, "nothing fits: every layout overflows a device (see the rows marked NO)"
+    best = fitting[0]
+    t = best.time
+    why = (
+        f"{best.layout.label}: the highest throughput that fits, "
+        f"{throughput(best, batch):,.0f} samples/s ({t.total * 1e3:.1f} ms per step of "
+        f"{batch * best.layout.dp} samples: compute {t.compute * 1e3:.1f}, exposed comm "
+        f"{t.exposed * 1e3:.1f}, bubble {t.bubble * 1e3:.1f})"
+    )
+    if len(fitting) > 1:
+        nxt = fitting[1]
+        ratio = throughput(best, batch) / max(throughput(nxt, batch), 1e-12)
+        why += f", {ratio:.2f}x {nxt.layout.label}"
+    return best, why
+
+
+def plan_model(
+    build: Callable[[], nn.Module],
+    example: Example,
+    *,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    optimizer: Callable[[Any], torch.optim.Optimizer],
+    batch_size: int,
+    devices: int,
+    nodes: int = 1,
+    hardware: str | None = None,
+    precision: str = "32",
+    tp_plan: Mapping[str, str] | None = None,
+    overlap: float | None = None,
+    compute: Compute | None = None,
+    comm: CommModel | None = None,
+    name: str | None = None,
+    layouts: list[Layout] | None = None,
+) -> Plan:
+    """Plan `build()` over `devices` (see scaletrain.plan.estimate for the model).
+
+    `hardware` None measures this machine (a short calibration and a Gloo probe); a
+    profile name (scaletrain.plan.hardware.PROFILES) plans on paper. `compute` and
+    `comm` replace the measurements (a benchmark measures them once for many plans).
+    """
+    check_request(devices, nodes, hardware, precision, batch_size)
+    with torch.device("meta"):
+        layers = list_layers(build())
+    if layouts is None:
+        layouts = layouts_for(
+            devices, batch=batch_size, layers=len(layers), tensor_ok=bool(tp_plan)
+        )
+    hw = PROFILES[hardware] if hardware is not None else this_machine(devices)
+    if hardware is not None and nodes == 1 and devices > hw.devices_per_node:
+        # A cluster of the profile's nodes: devices beyond one node's are on others.
+        nodes = -(-devices // hw.devices_per_node)
+    assumptions: list[str] = []
+    if compute is None and hardware is None:
+        # First, in a fresh process: the real steps' RSS growth then holds the runtime's
+        # first-step overhead (kernel workspaces, allocator and autograd state), which
+        # the fake forward/backward below would otherwise have paid in part already.
+        sizes = [batch_size] + [batch_size // (x.microbatches or 1) for x in layouts]
+        compute = calibrate(build, example, loss_fn, optimizer, sizes)
+        assumptions.append(
+            f"calibration got {compute.share:.0%} of a core; other load here "
+            f"{compute.background(hw.cores or 1):.1f} runnable threads (load average less "
+            "this process)"
+        )
+    profile = profile_model(
+        build, example(batch_size), loss_fn, optimizer,
+        autocast_dtype=_AUTOCAST.get(precision), name=name,
+    )  # fmt: skip
+    if compute is None:
+        compute = Compute.from_flops(profile, hw, precision)
+        assumptions.append(
+            f"compute at {hw.compute_efficiency:.0%} of the datasheet peak "
+            f"({hw.peak_flops[precision] / 1e12:.0f} TFLOP/s at precision {precision})"
+        )
+    if comm is None:
+        if hardware is None:
+            from scaletrain.plan.comm import probe
+
+            sizes = sorted({profile.grad_bytes, max(4096, profile.grad_bytes // 8)})
+            comm = probe(devices, sizes) if devices > 1 else CommModel()
+        else:
+            comm = CommModel(default=hw.intra, source=hw.name)
+            assumptions.append(
+                f"links at datasheet bandwidth; alpha {hw.intra.alpha * 1e6:.0f} us inside a "
+                f"node, {hw.inter.alpha * 1e6:.0f} us between nodes (typical, not measured)"
+            )
+    if compute.measured_growth is not None and not compute.runtime_bytes:
+        one = estimate(
+            Layout("ddp"), profile, layers=layers, tp_plan=None, compute=compute,
+            comm=CommModel(), hw=hw, overlap=0.0,
+        )  # fmt: skip
+        compute = replace(
+            compute, runtime_bytes=max(0, compute.measured_growth - one.memory.growth)
+        )
+    if hw.cores is not None:
+        wanted = compute.background(hw.cores) + devices
+        if wanted > hw.cores:
+            assumptions.append(
+                f"{devices} processes and the other load on {hw.cores} cores take turns: "
+                f"compute x{wanted / hw.cores:.1f}"
+            )
+    if overlap is None:
+        overlap = DEFAULT_OVERLAP["this-machine" if hardware is None else "datasheet"]
+        assumptions.append(
+            f"{overlap:.0%} of DDP/FSDP gradient communication hidden behind the backward "
+            "(no measured run given)"
+        )
+    rows = [
+        estimate(
+            x,
+            profile,
+            layers=layers,
+            tp_plan=tp_plan,
+            compute=compute,
+            comm=comm,
+            hw=hw,
+            overlap=overlap,
+            nodes=nodes,
+        )
+        for x in layouts
+    ]
+    best, reason = _recommend(rows, batch_size)
+    return Plan(
+        model=profile.model, devices=devices, nodes=nodes, hardware=hw, precision=precision,
+        profile=profile, rows=rows, recommended=best, reason=reason, assumptions=assumptions,
+    )  # fmt: skip

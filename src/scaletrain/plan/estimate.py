@@ -1,0 +1,300 @@
+"""Memory per device and step time of one layout, from a ModelProfile and a machine.
+
+Memory per device (bytes): parameters, gradients and optimizer state divided as the
+layout shards them; activations at the batch (a pipeline stage holds the microbatches
+its schedule keeps in flight: 1F1B at most pp on the first stage, GPipe all M); and
+communication buffers (FSDP's all-gathered units, tensor parallel's all-reduced
+activations, a pipeline's send/receive buffers). `growth` is what training adds once
+the model is set up (what `plan --check` compares with a run's RSS growth): DDP's
+gradients live in its buckets from setup on, everything else appears in the steps.
+
+Step time: compute (measured seconds per sample and per optimizer step, scaled by the
+share of FLOPs and parameters each device holds), exposed communication (alpha-beta
+collectives, less the overlap with the backward) and the pipeline bubble
+((pp-1)/M of a stage's work for 1F1B and GPipe, divided by the virtual stages for
+interleaved 1F1B). On a CPU with more processes than cores, the processes take turns:
+compute is multiplied by processes/cores.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from itertools import pairwise
+
+from scaletrain.plan.comm import CommModel
+from scaletrain.plan.hardware import Hardware
+from scaletrain.plan.layouts import Layout
+from scaletrain.plan.partition import Layer, balance_stages
+from scaletrain.plan.profile import ModelProfile
+
+__all__ = ["DDP_BUCKET_BYTES", "Compute", "Estimate", "Memory", "StepTime", "estimate"]
+
+DDP_BUCKET_BYTES = 25 * 2**20
+"""PyTorch DDP's default bucket_cap_mb (25 MiB)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Compute:
+    """Seconds of one device's forward+backward (fixed + per sample) and optimizer step,
+    for the whole model on one device: CPU seconds on this machine (what a rank needs
+    of a core), device seconds for a profile."""
+
+    fixed: float
+    per_sample: float
+    optimizer: float
+    source: str
+    share: float = 1.0
+    """Fraction of a core the calibration got (CPU time / wall time): below 1 when the
+    machine was busy with other work, whose load the estimate then accounts for."""
+    load: float | None = None
+    """The machine's 1-minute load average when calibrated (None: not measured)."""
+    measured_growth: int | None = None
+    """RSS the calibration's real steps added in a fresh process (bytes)."""
+    runtime_bytes: int = 0
+    """What the runtime adds beyond the model's tensors in a fresh process (the first
+    step's kernel workspaces, allocator and autograd state): measured growth less the
+    profile's prediction for one device."""
+
+    def fwd_bwd(self, samples: float) -> float:
+        return self.fixed + self.per_sample * samples
+
+    def background(self, cores: int) -> float:
+        """Runnable threads of other programs (a CPU machine shared with others): the
+        1-minute load average at the calibration less the calibration itself, or, without
+        it, what the calibration's share s of a core implies (cores/s wanted them)."""
+        if self.load is not None:
+            return max(0.0, self.load - 1)
+        return max(0.0, cores / self.share - 1) if self.share < 0.95 else 0.0
+
+    @classmethod
+    def fit(
+        cls,
+        points: Mapping[int, float],
+        optimizer: float,
+        source: str,
+        *,
+        share: float = 1.0,
+        load: float | None = None,
+        measured_growth: int | None = None,
+    ) -> Compute:
+        """From measured forward+backward seconds at two or more sample counts."""
+        xs = sorted(points)
+        if len(xs) == 1:
+            return cls(0.0, points[xs[0]] / xs[0], optimizer, source, share, load, measured_growth)
+        lo, hi = xs[0], xs[-1]
+        per = max(0.0, (points[hi] - points[lo]) / (hi - lo))
+        fixed = max(0.0, points[hi] - per * hi)
+        return cls(fixed, per, optimizer, source, share, load, measured_growth)
+
+    @classmethod
+    def from_flops(cls, profile: ModelProfile, hw: Hardware, precision: str) -> Compute:
+        rate = hw.peak_flops[precision] * hw.compute_efficiency
+        return cls(0.0, profile.flops / profile.batch_size / rate, 0.0, hw.name)
+
+
+@dataclass(frozen=True, slots=True)
+class Memory:
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    buffers: int
+    runtime: int = 0
+    """This machine's runtime overhead per process (measured; 0 for a profile, whose
+    device memory already leaves room for the CUDA context)."""
+    grads_at_setup: bool = False
+    """DDP: gradients are views of buckets allocated when the model is wrapped."""
+
+    @property
+    def total(self) -> int:
+        return (
+            self.params + self.grads + self.optimizer + self.activations + self.buffers
+            + self.runtime
+        )  # fmt: skip
+
+    @property
+    def growth(self) -> int:
+        """Bytes training adds after setup (parameters, and DDP's buckets, exist before)."""
+        grads = 0 if self.grads_at_setup else self.grads
+        return grads + self.optimizer + self.activations + self.buffers + self.runtime
+
+
+@dataclass(frozen=True, slots=True)
+class StepTime:
+    compute: float
+    comm: float
+    """All communication of the step, hidden or not."""
+    exposed: float
+    """The part of `comm` the step waits for."""
+    bubble: float
+    slowdown: float = 1.0
+    """Compute and bubble are multiplied by this: ranks and other programs sharing
+    this machine's cores (1 for a profile)."""
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.exposed + self.bubble
+
+    @property
+    def cpu(self) -> float:
+        """CPU seconds a rank spends per step on this machine: its compute without the
+        waiting for a core, plus the communication (Gloo's copies and reductions)."""
+        return self.compute / self.slowdown + self.exposed
+
+
+@dataclass(frozen=True, slots=True)
+class Estimate:
+    layout: Layout
+    memory: Memory
+    """The busiest device's (the first pipeline stage's for a pipeline)."""
+    time: StepTime
+    fits: bool
+    overflow: str | None
+    """Which device overflows and by how much, when the row does not fit."""
+
+
+def _stages(layers: Sequence[Layer], pp: int) -> list[list[Layer]]:
+    cuts = [0, *balance_stages([max(1, layer.size) for layer in layers], pp), len(layers)]
+    return [list(layers[a:b]) for a, b in pairwise(cuts)]
+
+
+def _sum(profile: ModelProfile, names: Sequence[str], attr: str) -> int:
+    return sum(getattr(profile.modules[n], attr) for n in names if n in profile.modules)
+
+
+def _tp_parts(profile: ModelProfile, tp_plan: Mapping[str, str]) -> dict[str, int]:
+    """Bytes and FLOPs tensor parallel divides, and what it all-reduces per step."""
+    parents = sorted({n.rpartition(".")[0] for n in tp_plan})
+    rowwise = [n for n, s in tp_plan.items() if s == "rowwise"]
+    colwise = [n for n, s in tp_plan.items() if s == "colwise"]
+    replicated_out = _sum(profile, rowwise, "output_bytes")
+    return {
+        "params": _sum(profile, list(tp_plan), "param_bytes"),
+        "flops": _sum(profile, parents, "flops"),
+        "acts": max(0, _sum(profile, parents, "activation_bytes") - replicated_out),
+        "fwd_bytes": replicated_out,
+        "fwd_msgs": len(rowwise),
+        "bwd_bytes": _sum(profile, colwise, "input_bytes"),
+        "bwd_msgs": len(colwise),
+        "largest": max([profile.modules[n].output_bytes for n in rowwise if n in profile.modules] or [0]),
+    }  # fmt: skip
+
+
+def estimate(
+    layout: Layout,
+    profile: ModelProfile,
+    *,
+    layers: Sequence[Layer],
+    tp_plan: Mapping[str, str] | None,
+    compute: Compute,
+    comm: CommModel,
+    hw: Hardware,
+    overlap: float,
+    nodes: int = 1,
+) -> Estimate:
+    """One row of the plan: `layout` for `profile` on `hw` (see the module docstring)."""
+    P, G, Opt, A = (
+        profile.param_bytes + profile.buffer_bytes,
+        profile.grad_bytes,
+        profile.optimizer_bytes,
+        profile.activation_bytes,
+    )
+    B = profile.batch_size
+    dp, tp, pp = layout.dp, layout.tp, layout.pp
+    frac_p = frac_f = 1.0  # share of parameters / FLOPs on the busiest device
+    acts, buffers, comm_s, exposed_free, bubble_units = float(A), 0.0, 0.0, 0.0, 0.0
+    samples = float(B)
+    per_node = max(1, layout.devices // max(1, nodes))
+    inner = hw.inter if tp > per_node else None
+    if tp > 1 and tp_plan:
+        parts = _tp_parts(profile, tp_plan)
+        frac_p = 1.0 - parts["params"] / P * (1 - 1 / tp)
+        frac_f = 1.0 - parts["flops"] / max(1, profile.flops) * (1 - 1 / tp)
+        acts = A - parts["acts"] * (1 - 1 / tp)
+        buffers += parts["largest"]
+        fwd = comm.time("all_reduce", parts["fwd_bytes"] / max(1, parts["fwd_msgs"]), tp, inner)
+        bwd = comm.time("all_reduce", parts["bwd_bytes"] / max(1, parts["bwd_msgs"]), tp, inner)
+        exposed_free += parts["fwd_msgs"] * fwd + parts["bwd_msgs"] * bwd  # on the critical path
+    m = layout.microbatches or 1
+    virtual_split = layout.schedule == "interleaved-1f1b"
+    stage_share = 1.0
+    if pp > 1:
+        stages = _stages(layers, pp)
+        members = [[n for layer in s for n in layer.members] for s in stages]
+        flops = [_sum(profile, ms, "flops") for ms in members]
+        act = [_sum(profile, ms, "activation_bytes") for ms in members]
+        stage_params = [_sum(profile, ms, "param_bytes") for ms in members]
+        s = max(range(pp), key=lambda i: flops[i])
+        stage_share = flops[s] / max(1, sum(flops))
+        frac_f *= stage_share
+        frac_p *= max(stage_params) / max(1, sum(stage_params))
+        # Microbatches whose activations a stage holds at once: GPipe all M; 1F1B
+        # stage s at most pp - s (the first stage the most). The busiest stage counts.
+        held = [
+            act[i] * (m if layout.schedule == "gpipe" else min(m, pp - i)) / m for i in range(pp)
+        ]
+        acts = acts * max(held) / max(1, sum(act))
+        boundary = max(profile.modules[ms[-1]].output_bytes for ms in members[:-1])
+        buffers += 2 * boundary / m
+        send = comm.time("send", boundary / m, 2, hw.inter if pp * tp > per_node else None)
+        exposed_free += 2 * m * send
+        virtual = 2 if layout.schedule == "interleaved-1f1b" else 1
+        bubble_units = (pp - 1) / (m * virtual)
+    params, grads, opt = P * frac_p, G * frac_p, Opt * frac_p
+    if layout.strategy in ("fsdp", "fsdp x tp") and dp > 1:
+        units = [profile.modules[layer.name].param_bytes * frac_p for layer in layers] or [P]
+        outer = hw.inter if layout.devices > per_node else None
+        comm_s += sum(
+            2 * comm.time("all_gather", u, dp, outer) + comm.time("reduce_scatter", u, dp, outer)
+            for u in units
+        )
+        top = sorted(units, reverse=True)
+        buffers += sum(top[:2]) + top[0]
+        params, grads, opt = params / dp, grads / dp, opt / dp
+    elif dp > 1:
+        outer = hw.inter if layout.devices > per_node else None
+        n_buckets = max(1, -(-int(grads) // DDP_BUCKET_BYTES))
+        comm_s += n_buckets * comm.time("all_reduce", grads / n_buckets, dp, outer)
+    fwd_bwd = compute.fwd_bwd(samples / m) * m * frac_f
+    work = fwd_bwd + compute.optimizer * frac_p / (dp if layout.strategy.startswith("fsdp") else 1)
+    slowdown = 1.0
+    if hw.cores is not None:
+        # Every rank wants a core, and so do other programs (their load inferred from
+        # the calibration's share of a core): the ranks get cores / (load + ranks) each.
+        # A pipeline's ranks idle in the bubble: on average devices x M / (M + pp - 1)
+        # of them want a core.
+        active = layout.devices * (m / (m + (pp - 1) / max(1, 2 if virtual_split else 1)))
+        wanted = compute.background(hw.cores) + active
+        slowdown = max(1.0, wanted / hw.cores)
+    work *= slowdown
+    bubble = fwd_bwd * bubble_units * slowdown
+    exposed = comm_s * (1 - overlap) + exposed_free
+    memory = Memory(
+        params=int(params),
+        grads=int(grads),
+        optimizer=int(opt),
+        activations=int(acts),
+        buffers=int(buffers),
+        runtime=compute.runtime_bytes + comm.runtime_bytes.get(layout.devices, 0),
+        grads_at_setup=layout.strategy in ("ddp", "ddp x pp") and dp > 1,
+    )
+    fits = memory.total <= hw.device_memory
+    overflow = None
+    if not fits:
+        where = "the busiest stage's devices" if pp > 1 else "every device"
+        over = (memory.total - hw.device_memory) / 2**30
+        overflow = f"{where}: {over:.2f} GiB over {hw.device_memory / 2**30:.1f} GiB"
+    return Estimate(
+        layout=layout,
+        memory=memory,
+        time=StepTime(
+            compute=work,
+            comm=comm_s + exposed_free,
+            exposed=exposed,
+            bubble=bubble,
+            slowdown=slowdown,
+        ),
+        fits=fits,
+        overflow=overflow,
+    )

@@ -1,0 +1,291 @@
+"""`st.plan` and `scaletrain plan --check`: a recipe (or any model) planned, a run checked.
+
+The estimates themselves are scaletrain.plan (pure functions of the model and the
+machine); this module knows recipes, the tensor-parallel plan the TensorParallel
+strategy would use, and how a finished run (RUN/config.json, RUN/observe/) describes
+its layout and what it measured.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from scaletrain.errors import ConfigError, spell
+from scaletrain.plan.api import Plan, check_request, plan_model
+from scaletrain.plan.comm import CommModel
+from scaletrain.plan.estimate import Compute, Estimate
+from scaletrain.plan.layouts import Layout, layouts_for
+from scaletrain.plan.partition import list_layers
+
+__all__ = ["Check", "check_run", "layout_of", "measured", "measured_cpu", "plan", "resolve_model"]
+
+
+def resolve_model(
+    recipe: str | None, model: str | Callable[[], nn.Module] | None
+) -> tuple[str, Callable[[], nn.Module], Callable[[int], Any], Any, Callable[[Any], Any], int]:
+    """(name, build, example, loss, optimizer factory, default batch) for a recipe or
+    a model given as "module:factory" (the module also defines example(batch_size))."""
+    from scaletrain.train.recipes import get_recipe
+
+    if recipe is not None and model is not None:
+        raise ConfigError(
+            f"{spell('recipe', recipe)} and {spell('model', model)} both name the model. "
+            f"Fix: give one of them.",
+            field="model",
+        )
+    if model is None:
+        r = get_recipe(recipe or "convnet")
+        return (
+            r.name, r.build, r.example, r.loss,
+            lambda ps: r.optimizer(ps, r.lr), r.batch_size,
+        )  # fmt: skip
+    if callable(model):
+        raise ConfigError(
+            f"{spell('model', model)}: give the model as 'module:factory' so its example "
+            "batch can be found (module.example(batch_size) -> (inputs, targets)).",
+            field="model",
+        )
+    where, _, attr = str(model).partition(":")
+    try:
+        module = importlib.import_module(where) if where and attr else None
+    except ImportError as exc:
+        raise ConfigError(
+            f"{spell('model', model)}: cannot import {where!r} ({exc}). Fix: a module on "
+            "the Python path, e.g. mypkg.models:build.",
+            field="model",
+        ) from None
+    factory = getattr(module, attr, None) if module is not None else None
+    example = getattr(module, "example", None) if module is not None else None
+    if not callable(factory) or not callable(example):
+        raise ConfigError(
+            f"{spell('model', model)}: expected 'module:factory' where factory() builds the "
+            "nn.Module and the same module defines example(batch_size) -> (inputs, "
+            f"targets); {'found no callable ' + repr(attr) if not callable(factory) else 'no example()'}.",
+            field="model",
+        )
+
+    def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
+
+    return where, factory, example, loss, lambda ps: torch.optim.AdamW(ps), 32
+
+
+def _tp_plan(
+    build: Callable[[], nn.Module],
+) -> tuple[dict[str, str] | None, Callable[[int], bool]]:
+    """TensorParallel's default plan for the model (None: no Linear pairs), and which
+    degrees it accepts (heads and widths must divide)."""
+    from scaletrain.strategies.tensor_plan import check_tp_plan, default_tp_plan
+
+    with torch.device("meta"):
+        net = build()
+    try:
+        tp_plan = default_tp_plan(net)
+    except ConfigError:
+        return None, lambda degree: degree == 1
+
+    def accepts(degree: int) -> bool:
+        try:
+            check_tp_plan(net, tp_plan, degree)
+        except ConfigError:
+            return False
+        return True
+
+    return tp_plan, accepts
+
+
+def plan(
+    recipe: str | None = None,
+    *,
+    model: str | None = None,
+    devices: int = 1,
+    nodes: int = 1,
+    hardware: str | None = None,
+    batch_size: int | None = None,
+    precision: str = "32",
+    overlap: float | None = None,
+    layouts: list[Layout] | None = None,
+    compute: Compute | None = None,
+    comm: CommModel | None = None,
+) -> Plan:
+    """Memory per device and step time of every layout of `devices` for a recipe or a
+    model ("module:factory"); see scaletrain.plan. Returns data (`Plan.rows`,
+    `Plan.recommended`); `Plan.table()` is what `scaletrain plan` prints.
+
+    hardware=None measures this machine (a calibration of the model and a Gloo probe,
+    a few seconds); a profile name ("h100-sxm", "a100-sxm", "a100-pcie", "ethernet")
+    plans on paper. `layouts` picks rows; `compute` and `comm` replace this machine's
+    measurements (a benchmark measures them once for many plans).
+    """
+    name, build, example, loss, optimizer, default_batch = resolve_model(recipe, model)
+    batch = default_batch if batch_size is None else batch_size
+    check_request(devices, nodes, hardware, precision, batch)
+    tp_plan, accepts = _tp_plan(build)
+    if layouts is None:
+        with torch.device("meta"):
+            count = len(list_layers(build()))
+        tensor_ok = tp_plan is not None
+        layouts = [
+            x
+            for x in layouts_for(devices, batch=batch, layers=count, tensor_ok=tensor_ok)
+            if accepts(x.tp)
+        ]
+    return plan_model(
+        build, example, loss_fn=loss, optimizer=optimizer, batch_size=batch,
+        devices=devices, nodes=nodes, hardware=hardware, precision=precision,
+        tp_plan=tp_plan, overlap=overlap, name=name, layouts=layouts, compute=compute,
+        comm=comm,
+    )  # fmt: skip
+
+
+# -- checking a run ------------------------------------------------------------------------
+
+
+def layout_of(strategy: str, mesh: str | None, world: int) -> Layout:
+    """The plan's layout for a run's strategy, mesh and world size."""
+    dims = dict(p.split("=") for p in mesh.split(",")) if mesh else {}
+    dp, tp, pp = (int(dims.get(k, 1)) for k in ("dp", "tp", "pp"))
+    if world == 1:
+        return Layout("ddp", dp=1)
+    if tp > 1 and dp > 1:
+        return Layout("fsdp x tp", dp=dp, tp=tp)
+    if pp > 1 and dp > 1:
+        return Layout("ddp x pp", dp=dp, pp=pp, schedule="1f1b", microbatches=4)
+    if strategy == "tensor":
+        return Layout("tensor", tp=world)
+    if strategy == "pipeline":
+        return Layout("pipeline", pp=world, schedule="1f1b", microbatches=4)
+    return Layout(strategy if strategy in ("ddp", "fsdp") else "ddp", dp=world)
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    """A run's measurement beside the plan's prediction for the same layout."""
+
+    layout: Layout
+    predicted: Estimate
+    step_s: float
+    growth: int | None
+    overlap: float | None
+    cpu_s: float | None = None
+
+    @property
+    def step_error(self) -> float:
+        return (self.predicted.time.total - self.step_s) / self.step_s * 100
+
+    @property
+    def memory_error(self) -> float | None:
+        if not self.growth:
+            return None
+        return (self.predicted.memory.growth - self.growth) / self.growth * 100
+
+    def table(self) -> str:
+        p = self.predicted
+        mem = (
+            f"{p.memory.growth / 2**20:.1f} MiB predicted, {self.growth / 2**20:.1f} MiB "
+            f"measured ({self.memory_error:+.1f}%)"
+            if self.growth and self.memory_error is not None
+            else f"{p.memory.growth / 2**20:.1f} MiB predicted, not measured (no rss_setup)"
+        )
+        return "\n".join(
+            [
+                f"check: {self.layout.label}",
+                f"  step time   {p.time.total * 1e3:.1f} ms predicted, {self.step_s * 1e3:.1f} "
+                f"ms measured ({self.step_error:+.1f}%)",
+                f"  memory      {mem} (growth after setup, busiest rank)",
+                *(
+                    [
+                        f"  CPU time    {p.time.cpu * 1e3:.1f} ms predicted, {self.cpu_s * 1e3:.1f} "
+                        f"ms measured per step ({(p.time.cpu - self.cpu_s) / self.cpu_s:+.1%})"
+                    ]
+                    if self.cpu_s
+                    else []
+                ),
+                "  overlap     "
+                + (
+                    f"{self.overlap:.0%} of gradient communication hidden (measured, used)"
+                    if self.overlap is not None
+                    else "not measured by the run: the plan's assumption is used"
+                ),
+            ]
+        )
+
+
+_NOT_PLANNED = ("data", "h2d", "checkpoint", "eval")
+"""Ledger phases the plan does not predict: the input pipeline, saving, evaluating."""
+
+
+def measured(run: str | Path) -> tuple[float, int | None, float | None]:
+    """(median seconds of training work per step on the slowest rank, RSS growth after
+    setup on the largest rank, median hidden fraction of gradient communication) from
+    RUN/observe/. Training work is the step's wall time less its data, h2d, checkpoint
+    and eval phases (what the plan predicts)."""
+    from scaletrain.observe.records import read_run
+
+    records = read_run(run)
+    work: list[float] = []
+    growths: list[int] = []
+    overlaps: list[float] = []
+    for rr in records.ranks.values():
+        steps = [s for s in rr.steps if s.counted] or rr.steps
+        if steps:
+            work.append(
+                statistics.median(
+                    s.wall - sum(s.phases.get(p, 0.0) for p in _NOT_PLANNED) for s in steps
+                )
+            )
+        for m in rr.memory:
+            if m.get("rss_setup") and m.get("rss_peak"):
+                growths.append(int(m["rss_peak"]) - int(m["rss_setup"]))
+        overlaps += [s.overlap for s in steps if s.overlap is not None]
+    if not work:
+        raise ConfigError(
+            f"{spell('check', str(run))}: the run's ledger (RUN/observe/) holds no step. "
+            "Fix: a run trained with the ledger on (the default) for some steps.",
+            field="check",
+        )
+    growth = max(growths) if growths else None
+    return max(work), growth, (statistics.median(overlaps) if overlaps else None)
+
+
+def measured_cpu(run: str | Path) -> float | None:
+    """Median CPU seconds per step (all threads of the process) of the busiest rank."""
+    from scaletrain.observe.records import read_run
+
+    per_rank = []
+    for rr in read_run(run).ranks.values():
+        cpus = [s.cpu for s in rr.steps if s.counted and s.cpu is not None]
+        if cpus:
+            per_rank.append(statistics.median(cpus))
+    return max(per_rank) if per_rank else None
+
+
+def check_run(run: str | Path) -> Check:
+    """Predict the run's own layout (its config.json) and compare with its ledger."""
+    base = Path(run)
+    config = base / "config.json"
+    if not config.is_file() or not (base / "observe").is_dir():
+        raise ConfigError(
+            f"{spell('check', str(run))} is not a finished run with a ledger: expected "
+            f"{config} and {base / 'observe'}/. Fix: the --out directory of a "
+            "`scaletrain train` run (ledger on, the default).",
+            field="check",
+        )
+    cfg = json.loads(config.read_text(encoding="utf-8"))
+    world = int(cfg.get("run", {}).get("world_size", cfg.get("nproc") or 1))
+    step, growth, overlap = measured(base)
+    layout = layout_of(cfg.get("strategy", "ddp"), cfg.get("mesh"), world)
+    result = plan(
+        cfg.get("recipe"), devices=world, batch_size=int(cfg["batch_size"]),
+        precision=str(cfg.get("precision", "32")), overlap=overlap, layouts=[layout],
+    )  # fmt: skip
+    return Check(layout, result.rows[0], step, growth, overlap, measured_cpu(base))

@@ -1,0 +1,90 @@
+"""`scaletrain plan`: bad input refused before any work (exit 2, once, in the CLI's
+words); `st.plan` refuses in the API's words; `plan --check RUN` on a tiny real run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from scaletrain import cli
+from scaletrain.errors import ConfigError
+
+
+def _plan(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    code = cli.main(["plan", *args])
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--devices", "0"], "--devices 0 must be a whole number >= 1"),
+        (["--devices", "2", "--hardware", "tpu-v9"], "--hardware tpu-v9 is not a known profile"),
+        (["--devices", "4", "--nodes", "2"], "--nodes 2 cannot be measured on this one machine"),
+        (["--devices", "3", "--nodes", "2", "--hardware", "h100-sxm"], "split evenly"),
+        (["--devices", "2", "--precision", "fp8"], "--precision fp8 is not known"),
+        (["--devices", "2", "--batch-size", "0"], "--batch-size 0 must be a whole number"),
+        (["--devices", "2", "--recipe", "nope"], "--recipe nope is not known"),
+        (["--devices", "2", "--model", "no_such_module_x:build"], "cannot import"),
+        (["--devices", "2", "--model", "json:loads"], "example(batch_size)"),
+        ([], "--devices is missing"),
+        (["--check", "RUN", "--devices", "2"], "--check RUN takes the model"),
+        (["--check", "/no/such/run"], "is not a finished run with a ledger"),
+    ],
+)
+def test_bad_input_exits_2_before_any_work(
+    capsys: pytest.CaptureFixture[str], args: list[str], words: str
+) -> None:
+    code, err = _plan(capsys, *args)
+    assert code == 2
+    assert words in err
+    assert err.count("scaletrain: error:") == 1
+
+
+def test_recipe_and_model_together_are_refused_by_the_parser(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["plan", "--devices", "2", "--recipe", "gpt", "--model", "m:f"])
+    assert exc.value.code == 2
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_the_library_speaks_its_own_names() -> None:
+    import scaletrain as st
+
+    with pytest.raises(ConfigError, match=r"hardware='tpu' is not a known profile"):
+        st.plan("gpt", devices=2, hardware="tpu")
+    with pytest.raises(ConfigError, match=r"devices=0 must be"):
+        st.plan("gpt", devices=0)
+
+
+def test_paper_plan_prints_a_table(capsys: pytest.CaptureFixture[str]) -> None:
+    code = cli.main(["plan", "--recipe", "gpt", "--devices", "8", "--hardware", "a100-sxm"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "fsdp x tp dp=2,tp=4" in out and "ddp x pp dp=2,pp=4 1f1b m=4" in out
+    assert "recommended:" in out and "assumption:" in out
+
+
+@pytest.mark.timeout(240)
+def test_check_puts_a_tiny_run_beside_its_prediction(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = tmp_path / "run"
+    code = cli.main(
+        ["train", "--recipe", "split-net", "--nproc", "1", "--max-steps", "25",
+         "--ledger-every", "10", "--eval-batches", "0", "--out", str(run)]
+    )  # fmt: skip
+    assert code == 0
+    records = [json.loads(x) for x in (run / "observe" / "rank0.jsonl").read_text().splitlines()]
+    memory = [r for r in records if r["kind"] == "memory"]
+    assert memory and all(r["rss_setup"] > 0 for r in memory)  # the ledger's new field
+    capsys.readouterr()
+    assert cli.main(["plan", "--check", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "check: ddp dp=1" in out
+    assert "ms predicted" in out and "ms measured (" in out and "%)" in out
+    assert "MiB measured (" in out

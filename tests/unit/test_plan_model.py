@@ -1,0 +1,178 @@
+"""The planner's formulas and rows: collectives, the model profile, memory and time per layout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from scaletrain.plan.api import throughput
+from scaletrain.plan.comm import CommModel, collective_time, fit_link
+from scaletrain.plan.estimate import Compute, estimate
+from scaletrain.plan.hardware import PROFILES, Hardware, Link
+from scaletrain.plan.layouts import Layout, layouts_for
+from scaletrain.plan.partition import list_layers
+from scaletrain.plan.profile import profile_model
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def _example(b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(b, 8), torch.randint(0, 4, (b,))
+
+
+def _adam(ps: object) -> torch.optim.Optimizer:
+    return torch.optim.Adam(ps)  # type: ignore[arg-type]
+
+
+def test_ring_collectives_move_the_textbook_bytes() -> None:
+    link = Link(alpha=0.0, bandwidth=1.0)
+    assert collective_time("all_reduce", 1000, 4, link) == pytest.approx(2 * 3 / 4 * 1000)
+    assert collective_time("all_gather", 1000, 4, link) == pytest.approx(3 / 4 * 1000)
+    assert collective_time("reduce_scatter", 1000, 8, link) == pytest.approx(7 / 8 * 1000)
+    assert collective_time("send", 1000, 2, link) == pytest.approx(1000)
+    # alpha per message: 2(N-1) for a ring all-reduce, N-1 for an all-gather.
+    slow = Link(alpha=1.0, bandwidth=1e30)
+    assert collective_time("all_reduce", 1, 4, slow) == pytest.approx(6)
+    assert collective_time("all_gather", 1, 4, slow) == pytest.approx(3)
+    assert collective_time("all_reduce", 10**9, 1, link) == 0.0
+
+
+def test_fit_link_recovers_alpha_and_bandwidth() -> None:
+    truth = Link(alpha=20e-6, bandwidth=2e9)
+    samples = [(float(b), collective_time("all_reduce", b, 4, truth)) for b in (1e4, 1e6, 1e8)]
+    fitted = fit_link("all_reduce", 4, samples)
+    assert fitted.alpha == pytest.approx(truth.alpha, rel=1e-6)
+    assert fitted.bandwidth == pytest.approx(truth.bandwidth, rel=1e-6)
+
+
+def test_profile_comes_from_the_model_itself() -> None:
+    p = profile_model(_mlp, _example(2), nn.functional.cross_entropy, _adam)
+    params = (8 * 16 + 16 + 16 * 4 + 4) * 4
+    assert p.param_bytes == params and p.grad_bytes == params
+    assert p.optimizer_bytes == 2 * params  # Adam: exp_avg and exp_avg_sq
+    # Forward 2*B*(8*16 + 16*4); backward: both weight grads, and the input grad of the
+    # second Linear only (the batch needs none).
+    fwd = 2 * 2 * (8 * 16 + 16 * 4)
+    assert p.flops == fwd + 2 * 2 * (8 * 16 + 16 * 4) + 2 * 2 * 16 * 4
+    assert p.modules["0"].output_bytes == 2 * 16 * 4
+    assert p.activation_bytes > 0
+
+
+def _rows(hw: Hardware, devices: int = 2) -> dict[str, object]:
+    p = profile_model(_mlp, _example(8), nn.functional.cross_entropy, _adam)
+    with torch.device("meta"):
+        layers = list_layers(_mlp())
+    comm = CommModel(default=Link(1e-5, 1e9))
+    compute = Compute(fixed=0.001, per_sample=0.001, optimizer=0.002, source="test")
+    out = {}
+    for layout in layouts_for(devices, batch=8, layers=len(layers), tensor_ok=False):
+        out[layout.label] = estimate(
+            layout, p, layers=layers, tp_plan=None, compute=compute, comm=comm, hw=hw,
+            overlap=0.0,
+        )  # fmt: skip
+    return out
+
+
+def test_fsdp_shards_model_state_ddp_does_not() -> None:
+    rows = _rows(PROFILES["h100-sxm"])
+    ddp, fsdp = rows["ddp dp=2"], rows["fsdp dp=2"]
+    assert fsdp.memory.optimizer == pytest.approx(ddp.memory.optimizer / 2, abs=1)  # type: ignore[attr-defined]
+    assert fsdp.memory.params < ddp.memory.params  # type: ignore[attr-defined]
+    # DDP's gradients are its buckets, made at setup: not part of the growth.
+    assert ddp.memory.growth == ddp.memory.total - ddp.memory.params - ddp.memory.grads  # type: ignore[attr-defined]
+
+
+def test_pipeline_rows_have_a_bubble_and_gpipe_holds_more_activations() -> None:
+    rows = _rows(PROFILES["h100-sxm"])
+    f1b, gpipe = rows["pipeline pp=2 1f1b m=4"], rows["pipeline pp=2 gpipe m=4"]
+    assert f1b.time.bubble > 0  # type: ignore[attr-defined]
+    assert gpipe.memory.activations > f1b.memory.activations  # type: ignore[attr-defined]
+    assert rows["ddp dp=2"].time.bubble == 0  # type: ignore[attr-defined]
+
+
+def test_rows_that_do_not_fit_say_where() -> None:
+    tiny = Hardware("tiny", "a device with 1 KB", 1024, {"32": 1e12}, Link(0, 1e9), Link(0, 1e9))
+    for row in _rows(tiny).values():
+        assert not row.fits  # type: ignore[attr-defined]
+        assert "over" in row.overflow  # type: ignore[attr-defined]
+
+
+def test_oversubscribed_cores_slow_compute_down() -> None:
+    two = Hardware("cpu", "2 cores", 10**12, {}, Link(0, 1e9), Link(0, 1e9), cores=2)
+    many = Hardware("cpu", "8 cores", 10**12, {}, Link(0, 1e9), Link(0, 1e9), cores=8)
+    slow = _rows(two, devices=4)["ddp dp=4"].time.compute  # type: ignore[attr-defined]
+    fast = _rows(many, devices=4)["ddp dp=4"].time.compute  # type: ignore[attr-defined]
+    assert slow == pytest.approx(2 * fast)
+
+
+def test_layouts_cover_every_mesh_the_model_allows() -> None:
+    labels = [x.label for x in layouts_for(4, batch=32, layers=9, tensor_ok=True)]
+    assert "ddp dp=4" in labels and "fsdp dp=4" in labels and "tensor tp=4" in labels
+    assert "pipeline pp=4 1f1b m=4" in labels and "pipeline pp=4 gpipe m=4" in labels
+    assert "fsdp x tp dp=2,tp=2" in labels and "ddp x pp dp=2,pp=2 1f1b m=4" in labels
+    # Without Linear pairs no tensor rows; with 3 layers no 4-stage pipeline.
+    labels = [x.label for x in layouts_for(4, batch=32, layers=3, tensor_ok=False)]
+    assert not any("tp" in x or "pp=4" in x for x in labels)
+    assert layouts_for(1, batch=8, layers=3, tensor_ok=True) == [Layout("ddp", dp=1)]
+
+
+def test_paper_plan_for_a_cluster_recommends_the_fastest_that_fits() -> None:
+    import scaletrain as st
+
+    plan = st.plan("gpt", devices=16, hardware="h100-sxm")
+    assert plan.nodes == 2  # 8 H100 per node
+    fitting = [r for r in plan.rows if r.fits]
+    # Compared by throughput: a dp=16 step takes 16 batches, a pp=16 step one.
+    assert plan.recommended is max(fitting, key=lambda r: throughput(r, 32))
+    assert plan.recommended.layout.label in plan.reason
+    labels = [r.layout.label for r in plan.rows]
+    assert "tensor tp=16" not in labels  # 4 heads do not split 16 ways
+    assert "fsdp x tp dp=4,tp=4" in labels
+    table = plan.table()
+    assert "recommended:" in table and "assumption:" in table
+
+
+def test_other_programs_load_slows_compute_down() -> None:
+    p = profile_model(_mlp, _example(8), nn.functional.cross_entropy, _adam)
+    with torch.device("meta"):
+        layers = list_layers(_mlp())
+    two = Hardware("cpu", "2 cores", 10**12, {}, Link(0, 1e9), Link(0, 1e9), cores=2)
+    idle = Compute(fixed=0.0, per_sample=0.01, optimizer=0.0, source="t", load=1.0)
+    busy = Compute(fixed=0.0, per_sample=0.01, optimizer=0.0, source="t", load=3.0)
+    rows = [
+        estimate(
+            Layout("ddp", dp=2),
+            p,
+            layers=layers,
+            tp_plan=None,
+            compute=c,
+            comm=CommModel(default=Link(0, 1e12)),
+            hw=two,
+            overlap=0.0,
+        )
+        for c in (idle, busy)
+    ]
+    # Load 3 = the calibration + 2 other threads: 2 ranks + 2 others on 2 cores.
+    assert rows[0].time.slowdown == 1.0 and rows[1].time.slowdown == pytest.approx(2.0)
+    assert rows[1].time.cpu == pytest.approx(rows[0].time.cpu)
+
+
+def test_a_small_child_of_a_large_parent_reports_its_own_peak_rss() -> None:
+    # ru_maxrss would report the parent's RSS at the fork (Linux keeps it across exec);
+    # the ledger's and the planner's peak is VmHWM, the child's own.
+    import subprocess
+    import sys
+
+    from scaletrain.observe.memory import current_rss_bytes
+
+    ballast = bytearray(400 * 2**20)
+    ballast[::4096] = b"x" * len(ballast[::4096])  # touch every page
+    parent = current_rss_bytes()
+    code = "from scaletrain.observe.memory import rss_peak_bytes; print(rss_peak_bytes())"
+    child = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                               check=True).stdout)  # fmt: skip
+    del ballast
+    assert parent is not None and child < parent - 300 * 2**20
