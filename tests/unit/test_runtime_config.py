@@ -109,9 +109,11 @@ def test_cli_flags_are_frozen() -> None:
          # issue 9: the step ledger and the profile window
          "--ledger", "--no-ledger", "--ledger-every", "--profile",
          # issue 10: many machines (the multi-node flags a torchrun user knows)
-         "--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-id", "--local-addr", "--env"]
+         "--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-id", "--local-addr", "--env",
+         # issue 12: the elastic agent's polling interval
+         "--monitor-interval"]
     )  # fmt: skip
     launch = _flags(parser, "launch")
     for flag in ("--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint",
-                 "--max-restarts", "--local-addr", "--env"):  # fmt: skip
+                 "--max-restarts", "--local-addr", "--env", "--monitor-interval"):  # fmt: skip
         assert flag in launch
