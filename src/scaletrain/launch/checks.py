@@ -17,6 +17,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from scaletrain.env.network import port_in_use
 from scaletrain.errors import LaunchError
 
 if TYPE_CHECKING:
@@ -90,18 +91,6 @@ def _is_local(addresses: Sequence[str]) -> bool:
     return False
 
 
-def _port_in_use(port: int) -> bool:
-    # The TCPStore server listens on every interface, so probe the wildcard address.
-    # SO_REUSEADDR as the store does: a port in TIME_WAIT from the last run is free.
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(("", port))
-        except OSError:
-            return True
-    return False
-
-
 def _wait_reachable(plan: Plan, timeout_s: float) -> None:
     assert plan.host is not None and plan.port is not None
     deadline = time.monotonic() + timeout_s
@@ -152,7 +141,7 @@ def check_network(plan: Plan, cfg: LaunchConfig) -> None:
         # Checked only where this node is certain to host the store (node rank 0 or
         # the only node): torch would otherwise fail with "address already in use"
         # deep in a traceback, after the other nodes have started waiting.
-        if _port_in_use(plan.port):
+        if port_in_use(plan.port):
             raise LaunchError(
                 f"Port {plan.port} on this machine is already in use, but this node "
                 f"(node rank {plan.node_rank if plan.node_rank is not None else 0}) must host "
