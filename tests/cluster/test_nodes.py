@@ -112,12 +112,18 @@ def test_each_node_its_own_disk_checkpoints_and_resumes(
 
     # A model split across ranks cannot be checkpointed that way: refused at the start.
     sharded = ("--strategy", "fsdp", "--out", str(run / "sharded"))
+    # Node 0 always says why. Node 1's ranks reach the same check, but its agent can
+    # lose node 0's rendezvous store (node 0 exits at once) before it reads its worker's
+    # error file, and then it ends non-zero with the rendezvous's own message (seen 1 in
+    # 3 fresh-clone CI runs): what both nodes must hold is that no step was trained.
     started = [start(n1, 1, *sharded), start(n0, 0, *sharded)]
-    for proc in started:
+    for node, proc in zip((1, 0), started, strict=True):
         code, out = procs.wait(proc, timeout=150)  # type: ignore[arg-type]
-        assert code == 2, out
-        assert "do not share this directory" in out and "--strategy ddp" in out, out
-        assert "step 1/" not in out and "Traceback" not in out, out
+        assert code != 0 and "step 1/" not in out, out
+        if node == 0 or code == 2:
+            assert code == 2, out
+            assert "do not share this directory" in out and "--strategy ddp" in out, out
+            assert "Traceback" not in out, out
 
 
 def _wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
