@@ -24,6 +24,7 @@ from scaletrain.exitcodes import EXIT_ABORTED, EXIT_ERROR
 from scaletrain.launch.checks import check_network, check_target
 from scaletrain.launch.config import LaunchConfig
 from scaletrain.launch.failures import summarize_failure
+from scaletrain.launch.fastjoin import fast_rendezvous
 from scaletrain.launch.guard import guarded_command
 from scaletrain.launch.plan import Plan, make_plan
 
@@ -408,7 +409,12 @@ def _run_torchrun(plan: Plan, cfg: LaunchConfig, *, quiet: bool = False) -> int:
     watch = _AgentWatch()
     try:
         # The agent's modules are imported by now, so _quiet_agent sees their loggers.
-        with interrupts, _quiet_agent(quiet), _agent_hooks(plan) as watch:
+        with (
+            interrupts,
+            _quiet_agent(quiet),
+            fast_rendezvous(single_node=plan.mode == "standalone"),
+            _agent_hooks(plan) as watch,
+        ):
             torchrun.run(_parse_torchrun_args(torchrun, plan))
     except ChildFailedError as exc:
         if interrupts.count > 1:
