@@ -4,7 +4,8 @@
   (every micro-batch's forward and backward), on every rank, once.
 - Measured peak: a short matmul benchmark in the training dtype at start, cached per
   device, dtype, threads, processes per node and torch version
-  ($XDG_CACHE_HOME/scaletrain/peak_flops.json), so later runs skip it.
+  (peak_flops.json in scaletrain's cache directory, see cachedir.py), so later runs
+  skip it.
 - Datasheet peak: dense (not the "with sparsity" figure) for the GPUs in DATASHEET,
   matched by name. An unknown device has NO datasheet peak: MFU is then given against
   the measured one only. (torchtitan falls back to the A100's figure for unknown
@@ -23,6 +24,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from scaletrain.cachedir import cache_dir
 
 __all__ = [
     "DATASHEET",
@@ -97,8 +100,7 @@ def peak_dtype(precision: str, device_type: str) -> str:
 
 
 def _cache_file() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(root) / "scaletrain" / "peak_flops.json"
+    return cache_dir() / "peak_flops.json"
 
 
 def measure_peak(
