@@ -42,11 +42,9 @@ def _add_train(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         ),
     )
     p.add_argument(
-        "--config",
-        metavar="FILE",
-        default=None,
+        "--config", metavar="FILE", default=None,
         help="YAML or JSON file of settings (e.g. a run's config.json); flags given too win",
-    )
+    )  # fmt: skip
     add_flags(p, TrainConfig, metavars=METAVARS)
 
 
@@ -164,20 +162,29 @@ def _add_job(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_job_parsers(sub)
 
 
-def build_parser() -> argparse.ArgumentParser:
+_COMMANDS = {
+    "train": _add_train,
+    "launch": _add_launch,
+    "job": _add_job,
+    "checkpoint": _add_checkpoint,
+    "report": _add_report,
+    "plan": _add_plan,
+    "env": _add_env,
+}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole CLI, or only `command`'s part: every worker parses its train flags
+    again, and the launch and job parsers' imports cost 0.05-0.1 s of its start."""
     parser = argparse.ArgumentParser(
         prog="scaletrain",
         description="Scale PyTorch training from one device to many GPUs and machines.",
     )
     parser.add_argument("--version", action="version", version=f"scaletrain {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    _add_train(sub)
-    _add_launch(sub)
-    _add_job(sub)
-    _add_checkpoint(sub)
-    _add_report(sub)
-    _add_plan(sub)
-    _add_env(sub)
+    for name, add in _COMMANDS.items():
+        if command is None or name == command:
+            add(sub)
     return parser
 
 
@@ -218,8 +225,8 @@ def _preflight(config: TrainConfig, nodes: int, hint: int | None) -> int:
     import torch
 
     from scaletrain.dist import Topology, choose_backend, choose_device
+    from scaletrain.dist.topology import parse_mesh
     from scaletrain.precision import Precision
-    from scaletrain.runtime import parse_mesh
     from scaletrain.strategies import resolve_strategy
     from scaletrain.train import get_recipe
     from scaletrain.train.config import SINGLE_PROCESS_STRATEGIES
@@ -313,7 +320,7 @@ def _cmd_train(ns: argparse.Namespace, argv: Sequence[str]) -> int:
     if single and (placement.env is None or not placement.env.per_node):
         return _train_here(config.replace(out=out), worker=False)
     from scaletrain.launch import LaunchConfig, launch
-    from scaletrain.train.trainer import PREEMPTED_MARKER
+    from scaletrain.train.rundir import PREEMPTED_MARKER
 
     marker = os.path.join(run_dir, PREEMPTED_MARKER) if run_dir is not None else None
     if marker is not None and os.path.exists(marker):
@@ -453,7 +460,8 @@ def _cmd_env() -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     use_cli_names()
-    parser = build_parser()
+    # The first word names the command; anything else (--help, a typo) gets the whole CLI.
+    parser = build_parser(args[0] if args and args[0] in _COMMANDS else None)
     ns = parser.parse_args(args)
     try:
         if ns.command == "env":

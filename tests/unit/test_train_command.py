@@ -239,6 +239,29 @@ def test_saved_config_files_replay(name: str) -> None:
 # -- 7. quick answers ---------------------------------------------------------------------
 
 
+def test_a_worker_parses_train_flags_without_the_launch_and_job_parsers() -> None:
+    # Every worker of a job parses its flags again: it builds only the train parser,
+    # which reads them as the whole CLI does.
+    code = (
+        "import sys\n"
+        "from scaletrain import cli\n"
+        "words = ['train', '--max-steps', '7', '--nproc', '2']\n"
+        "alone = cli.build_parser('train').parse_args(words)\n"
+        "print(sorted(m for m in sys.modules if m.startswith('scaletrain.launch')))\n"
+        "assert alone == cli.build_parser().parse_args(words)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
+
+
+def test_an_unknown_command_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["tarin"])
+    err = capsys.readouterr().err
+    for name in ("train", "launch", "job", "checkpoint", "report", "plan", "env"):
+        assert name in err
+
+
 def test_help_and_version_do_not_import_torch() -> None:
     code = (
         "import sys\n"

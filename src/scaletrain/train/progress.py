@@ -4,17 +4,11 @@ from __future__ import annotations
 
 import sys
 from types import TracebackType
+from typing import TYPE_CHECKING
 
-from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TaskID,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.progress import Progress, TaskID
 
 __all__ = ["StepProgress"]
 
@@ -23,6 +17,10 @@ class StepProgress:
     """One bar per epoch with live loss and samples/s; silent when `enabled` is False."""
 
     def __init__(self, *, enabled: bool, console: Console | None = None) -> None:
+        # rich is imported here, not with the module: only rank 0 shows progress, and
+        # importing rich costs every other rank 0.1 s of its start.
+        from rich.console import Console
+
         self.enabled = enabled
         # soft_wrap: in a log file a long line stays one line instead of wrapping at 80.
         self.console = console or Console(file=sys.stdout, soft_wrap=True)
@@ -48,6 +46,15 @@ class StepProgress:
         self.end_epoch()
         self._label = label
         if self.live:
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
+
             self._progress = Progress(
                 TextColumn("[bold]{task.description}"),
                 BarColumn(),
