@@ -86,7 +86,7 @@ def _predict(recipe: str, n: int, strategy: str, calib: dict[str, Any]) -> tuple
     from dataclasses import replace
 
     from scaletrain.plan.api import calibrate
-    from scaletrain.train.planning import layout_of, plan, resolve_model
+    from scaletrain.train.planning import layout_of, plan, resolve_model, runtime_overhead
 
     # The machine's load right now: a short in-process calibration just before the
     # run (CPU seconds and the share of a core); the runtime's first-step memory from
@@ -94,7 +94,12 @@ def _predict(recipe: str, n: int, strategy: str, calib: dict[str, Any]) -> tuple
     _, build, example, loss, optimizer, _ = resolve_model(recipe, None)
     b = BATCH[recipe]
     now = calibrate(build, example, loss, optimizer, [b, b // 4], repeats=3)
-    compute = replace(now, runtime_bytes=calib[recipe].runtime)
+    step = runtime_overhead(build, example, loss, optimizer, b, repeats=5) or 0.0
+    compute = replace(
+        now,
+        runtime_bytes=calib[recipe].runtime,
+        overhead={**calib["overhead"][recipe], "step": step},
+    )
 
     layout = layout_of(strategy, None, n)
     p = plan(
@@ -115,16 +120,25 @@ def _calibrate_job(recipe: str) -> Any:
 
 def _calibrate() -> dict[str, Any]:
     from scaletrain.plan.comm import CommModel, probe
+    from scaletrain.plan.overhead import measure_overheads
+    from scaletrain.plan.partition import list_layers
     from scaletrain.testing import run_ranks
-    from scaletrain.train.planning import resolve_model
+    from scaletrain.train.planning import resolve_model, tp_plan_of
 
-    calib: dict[str, Any] = {"comm": {1: CommModel()}}
+    calib: dict[str, Any] = {"comm": {1: CommModel()}, "overhead": {}}
     sizes = [4096]
     for recipe in BATCH:
         row = run_ranks(_calibrate_job, 1, recipe, timeout=300)[0]
         calib[recipe] = row.memory
-        print(f"calibration {recipe}: runtime {row.memory.runtime / 2**20:.1f} MiB", flush=True)
-        build = resolve_model(recipe, None)[1]
+        _, build, example, loss, optimizer, _ = resolve_model(recipe, None)
+        layers = [x.name for x in list_layers(build())]
+        found = measure_overheads(
+            build, example(BATCH[recipe]), loss, optimizer, tp_plan=tp_plan_of(build),
+            layers=layers,
+        )  # fmt: skip
+        calib["overhead"][recipe] = found or {}
+        print(f"calibration {recipe}: runtime {row.memory.runtime / 2**20:.1f} MiB, per-step "
+              f"machinery {({k: round(v * 1e3, 1) for k, v in (found or {}).items()})} ms", flush=True)  # fmt: skip
         grads = sum(p.numel() * 4 for p in build().parameters())
         sizes += [grads, grads // 8]
     for n in (2, 4):

@@ -88,3 +88,20 @@ def test_check_puts_a_tiny_run_beside_its_prediction(
     assert "check: ddp dp=1" in out
     assert "ms predicted" in out and "ms measured (" in out and "%)" in out
     assert "MiB measured (" in out
+
+
+def test_the_runtime_step_is_measured_beside_the_bare_model_and_leaves_nothing() -> None:
+    import torch.distributed as dist
+
+    from scaletrain.train.planning import resolve_model, runtime_overhead
+
+    _, build, example, loss, optimizer, _ = resolve_model("convnet", None)
+    extra = runtime_overhead(build, example, loss, optimizer, 8, repeats=3)
+    assert extra is not None and 0.0 <= extra < 1.0
+    assert not dist.is_initialized()
+    # Inside a job (a process group exists) it measures nothing rather than disturb it.
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert runtime_overhead(build, example, loss, optimizer, 8, repeats=3) is None
+    finally:
+        dist.destroy_process_group()

@@ -17,7 +17,7 @@ from scaletrain.plan.comm import CommModel
 from scaletrain.plan.estimate import Compute, Estimate, estimate
 from scaletrain.plan.hardware import PROFILES, Hardware, this_machine
 from scaletrain.plan.layouts import Layout, layouts_for
-from scaletrain.plan.partition import list_layers
+from scaletrain.plan.partition import Layer, list_layers
 from scaletrain.plan.profile import ModelProfile, profile_model
 
 __all__ = ["PRECISIONS", "Plan", "calibrate", "check_request", "plan_model", "throughput"]
@@ -132,6 +132,10 @@ def _median_time(fn: Callable[[], Any], repeats: int) -> tuple[float, float]:
     return statistics.median(cpu), statistics.median(wall)
 
 
+CALIBRATED = "calibrated here: CPU seconds, 1 thread"
+"""Compute.source of a calibration on this machine."""
+
+
 def calibrate(
     build: Callable[[], nn.Module],
     example: Example,
@@ -170,15 +174,46 @@ def calibrate(
             cpu, wall = _median_time(step, repeats)
             points[b] = cpu
             cpu_total, wall_total = cpu_total + cpu, wall_total + wall
-        growth = rss_peak_bytes() - start if start is not None else None
         opt_cpu, opt_wall = _median_time(opt.step, repeats)
+        # After the optimizer's steps: its state (Adam's two moments) is part of what a
+        # run's steps add; measured before them, the runtime term came out that much
+        # short (gpt: 13 MiB, a quarter of its growth).
+        growth = rss_peak_bytes() - start if start is not None else None
     finally:
         torch.set_num_threads(threads)
     share = min(1.0, (cpu_total + opt_cpu) / max(wall_total + opt_wall, 1e-9))
     return Compute.fit(
-        points, opt_cpu, "calibrated here: CPU seconds, 1 thread", share=share,
+        points, opt_cpu, CALIBRATED, share=share,
         load=os.getloadavg()[0] if hasattr(os, "getloadavg") else None, measured_growth=growth,
     )  # fmt: skip
+
+
+def _with_overheads(
+    compute: Compute,
+    build: Callable[[], nn.Module],
+    batch: tuple[Any, Any],
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    optimizer: Callable[[Any], torch.optim.Optimizer],
+    tp_plan: Mapping[str, str] | None,
+    layers: list[Layer],
+    assumptions: list[str],
+) -> Compute:
+    from scaletrain.plan.overhead import measure_overheads
+
+    found = measure_overheads(
+        build, batch, loss_fn, optimizer, tp_plan=tp_plan, layers=[x.name for x in layers]
+    )
+    if found is None:
+        assumptions.append(
+            "tensor parallel's and FSDP's own per-step cost not measured (this process is "
+            "already in a process group): their rows count FLOPs and collectives only"
+        )
+        return compute
+    assumptions.append(
+        "per-step cost of the strategies' machinery, measured on this model: "
+        + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in found.items())
+    )
+    return replace(compute, overhead=found)
 
 
 def throughput(row: Estimate, batch: int) -> float:
@@ -248,11 +283,17 @@ def plan_model(
         # the fake forward/backward below would otherwise have paid in part already.
         sizes = [batch_size] + [batch_size // (x.microbatches or 1) for x in layouts]
         compute = calibrate(build, example, loss_fn, optimizer, sizes)
+    if compute is not None and compute.source == CALIBRATED:
         assumptions.append(
             f"calibration got {compute.share:.0%} of a core; other load here "
-            f"{compute.background(hw.cores or 1):.1f} runnable threads (load average less "
-            "this process)"
+            f"{compute.background(hw.cores or 1):.1f} runnable threads (what that share "
+            "implies)"
         )
+        if "step" in compute.overhead:
+            assumptions.append(
+                f"the training runtime's step around the model: "
+                f"{compute.overhead['step'] * 1e3:.1f} ms CPU per step (measured)"
+            )
     profile = profile_model(
         build, example(batch_size), loss_fn, optimizer,
         autocast_dtype=_AUTOCAST.get(precision), name=name,
@@ -275,6 +316,10 @@ def plan_model(
                 f"links at datasheet bandwidth; alpha {hw.intra.alpha * 1e6:.0f} us inside a "
                 f"node, {hw.inter.alpha * 1e6:.0f} us between nodes (typical, not measured)"
             )
+    machinery = any(x.tp > 1 or (x.strategy.startswith("fsdp") and x.dp > 1) for x in layouts)
+    if hardware is None and machinery and not compute.overhead:
+        compute = _with_overheads(compute, build, example(batch_size), loss_fn, optimizer,
+                                  tp_plan, layers, assumptions)  # fmt: skip
     if compute.measured_growth is not None and not compute.runtime_bytes:
         one = estimate(
             Layout("ddp"), profile, layers=layers, tp_plan=None, compute=compute,

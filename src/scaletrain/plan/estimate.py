@@ -19,7 +19,7 @@ compute is multiplied by processes/cores.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import pairwise
 
 from scaletrain.plan.comm import CommModel
@@ -55,16 +55,21 @@ class Compute:
     """What the runtime adds beyond the model's tensors in a fresh process (the first
     step's kernel workspaces, allocator and autograd state): measured growth less the
     profile's prediction for one device."""
+    overhead: Mapping[str, float] = field(default_factory=dict)
+    """CPU seconds per step a rank spends beyond the model's own work, measured:
+    "step", the training runtime's step around it (every row); "tensor", DTensor's
+    dispatch; "fsdp", its hooks (plan/overhead.py)."""
 
     def fwd_bwd(self, samples: float) -> float:
         return self.fixed + self.per_sample * samples
 
     def background(self, cores: int) -> float:
-        """Runnable threads of other programs (a CPU machine shared with others): the
-        1-minute load average at the calibration less the calibration itself, or, without
-        it, what the calibration's share s of a core implies (cores/s wanted them)."""
-        if self.load is not None:
-            return max(0.0, self.load - 1)
+        """Runnable threads of other programs (a CPU machine shared with others), from
+        the calibration's share s of a core: one thread among B others on `cores`
+        cores gets cores / (B + 1) of one, so B = cores / s - 1 (0 when it got a whole
+        core). Not from the load average: it trails the last minute, and after a busy
+        minute (the last job's ranks) it counted ranks that were gone, which predicted
+        a quiet box's 1-process gpt step 40% too slow."""
         return max(0.0, cores / self.share - 1) if self.share < 0.95 else 0.0
 
     @classmethod
@@ -258,6 +263,13 @@ def estimate(
         comm_s += n_buckets * comm.time("all_reduce", grads / n_buckets, dp, outer)
     fwd_bwd = compute.fwd_bwd(samples / m) * m * frac_f
     work = fwd_bwd + compute.optimizer * frac_p / (dp if layout.strategy.startswith("fsdp") else 1)
+    # Each rank runs every op of its part, however small its shard: the machinery's
+    # cost per step is not divided by the degree.
+    work += compute.overhead.get("step", 0.0)
+    if tp > 1 and tp_plan:
+        work += compute.overhead.get("tensor", 0.0)
+    if layout.strategy in ("fsdp", "fsdp x tp") and dp > 1:
+        work += compute.overhead.get("fsdp", 0.0)
     slowdown = 1.0
     if hw.cores is not None:
         # Every rank wants a core, and so do other programs (their load inferred from
