@@ -44,24 +44,19 @@ def _one_rank_group() -> Iterator[bool]:
         dist.destroy_process_group()
 
 
-def _step_cpu(
+def _step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     batch: tuple[Any, Any],
     loss_fn: Callable[[Any, Any], torch.Tensor],
-    repeats: int,
 ) -> float:
-    """Median CPU seconds of forward, backward and optimizer step, after two warm-ups."""
+    """CPU seconds of one forward, backward and optimizer step."""
     x, y = batch
-    times = []
-    for i in range(repeats + 2):
-        c0 = time.process_time()
-        optimizer.zero_grad(set_to_none=True)
-        loss_fn(model(x), y).backward()
-        optimizer.step()
-        if i >= 2:
-            times.append(time.process_time() - c0)
-    return statistics.median(times)
+    c0 = time.process_time()
+    optimizer.zero_grad(set_to_none=True)
+    loss_fn(model(x), y).backward()
+    optimizer.step()
+    return time.process_time() - c0
 
 
 def _tensor(model: nn.Module, tp_plan: Mapping[str, str]) -> nn.Module:
@@ -98,7 +93,7 @@ def measure_overheads(
     *,
     tp_plan: Mapping[str, str] | None,
     layers: Sequence[str],
-    repeats: int = 5,
+    repeats: int = 9,
 ) -> dict[str, float] | None:
     """CPU seconds per step each strategy adds to a rank: {"tensor": s, "fsdp": s}
     (tensor only with a plan). None where it cannot be measured here (see above)."""
@@ -114,11 +109,21 @@ def measure_overheads(
             }
             if tp_plan:
                 wrappers["tensor"] = lambda m: _tensor(m, tp_plan)
-            cpu: dict[str, float] = {}
+            runs = {}
             for name, wrap in wrappers.items():
                 torch.manual_seed(0)
                 model = wrap(build())
-                cpu[name] = _step_cpu(model, optimizer(model.parameters()), batch, loss_fn, repeats)
+                runs[name] = (model, optimizer(model.parameters()))
+            # In turns, a step of each, so that a drift of the machine (the same bare
+            # loop ran 25% slower later in one process here) hits all of them alike;
+            # the first two of each warm DTensor's sharding caches and FSDP's buffers.
+            times: dict[str, list[float]] = {name: [] for name in runs}
+            for i in range(repeats + 2):
+                for name, (model, opt) in runs.items():
+                    took = _step(model, opt, batch, loss_fn)
+                    if i >= 2:
+                        times[name].append(took)
+            cpu = {name: statistics.median(t) for name, t in times.items()}
     finally:
         torch.set_num_threads(threads)
     return {k: max(0.0, v - cpu["plain"]) for k, v in cpu.items() if k != "plain"}
