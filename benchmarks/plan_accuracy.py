@@ -94,7 +94,8 @@ def _predict(recipe: str, n: int, strategy: str, calib: dict[str, Any]) -> tuple
     _, build, example, loss, optimizer, _ = resolve_model(recipe, None)
     b = BATCH[recipe]
     now = calibrate(build, example, loss, optimizer, [b, b // 4], repeats=3)
-    step = runtime_overhead(build, example, loss, optimizer, b, repeats=5) or 0.0
+    cost = runtime_overhead(build, example, loss, optimizer, b, repeats=5)
+    step = cost.step if cost is not None else 0.0
     compute = replace(
         now,
         runtime_bytes=calib[recipe].runtime,

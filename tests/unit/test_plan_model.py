@@ -245,3 +245,22 @@ def test_calibrated_growth_holds_the_optimizer_state() -> None:
     if compute.measured_growth is None:
         pytest.skip("no peak RSS to restart here (/proc/self/clear_refs)")
     assert compute.measured_growth >= 8 * 2**20
+
+
+def test_the_groups_own_memory_is_in_the_total_not_in_the_growth() -> None:
+    # A run's first collective (at setup) allocates Gloo's transport before its RSS
+    # growth is measured: runs of 2 and 4 processes grew 0-3 MiB more than 1 process.
+    p = profile_model(_mlp, _example(8), nn.functional.cross_entropy, _adam)
+    with torch.device("meta"):
+        layers = list_layers(_mlp())
+    compute = Compute(fixed=0.0, per_sample=0.001, optimizer=0.0, source="t", runtime_bytes=7)
+    rows = {
+        group: estimate(
+            Layout("ddp", dp=2), p, layers=layers, tp_plan=None, compute=compute,
+            comm=CommModel(default=Link(0, 1e12), runtime_bytes={2: group}),
+            hw=PROFILES["h100-sxm"], overlap=0.0,
+        ).memory
+        for group in (0, 30 * 2**20)
+    }  # fmt: skip
+    assert rows[0].growth == rows[30 * 2**20].growth
+    assert rows[30 * 2**20].total - rows[0].total == 30 * 2**20

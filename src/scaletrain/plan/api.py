@@ -73,7 +73,7 @@ class Plan:
             lines.append(
                 f"{(r.layout.label + mark):<28} {('yes' if r.fits else 'NO'):<5} "
                 f"{m.params / mib:8.1f} {m.grads / mib:8.1f} {m.optimizer / mib:8.1f} "
-                f"{m.activations / mib:8.1f} {m.buffers / mib:8.1f} {m.runtime / mib:8.1f} "
+                f"{m.activations / mib:8.1f} {m.buffers / mib:8.1f} {(m.runtime + m.group) / mib:8.1f} "
                 f"{m.total / mib:8.1f} | "
                 f"{t.compute * 1e3:8.1f} {t.exposed * 1e3:8.1f} {t.bubble * 1e3:8.1f} "
                 f"{t.total * 1e3:8.1f} {throughput(r, self.profile.batch_size):10,.0f}"

@@ -28,6 +28,7 @@ from scaletrain.plan.partition import list_layers
 
 __all__ = [
     "Check",
+    "RuntimeCost",
     "check_run",
     "layout_of",
     "measured",
@@ -118,6 +119,17 @@ def tp_plan_of(build: Callable[[], nn.Module]) -> dict[str, str] | None:
     return _tp_plan(build)[0]
 
 
+@dataclass(frozen=True, slots=True)
+class RuntimeCost:
+    """What scaletrain's own training step costs beyond the bare model's, measured."""
+
+    step: float
+    """CPU seconds per step beyond the bare forward, backward and optimizer step."""
+    growth: int | None
+    """RSS its first steps add after rt.setup, as a run's ledger measures it (None: no
+    peak RSS to restart here)."""
+
+
 def runtime_overhead(
     build: Callable[[], nn.Module],
     example: Callable[[int], Any],
@@ -126,17 +138,22 @@ def runtime_overhead(
     batch: int,
     *,
     repeats: int = 15,
-) -> float | None:
-    """CPU seconds per step that scaletrain's own step (rt.forward_backward, rt.step, the
-    step ledger) adds to the bare model's forward, backward and optimizer step, in one
-    process. The two are timed in turns, so a drift of the machine hits both alike;
-    a bare loop alone predicted the recipes' 1-process steps 5-25% short. None inside
-    a job (a process group exists): not measured there."""
+) -> RuntimeCost | None:
+    """scaletrain's own step (rt.forward_backward, rt.step, the step ledger) on one
+    process, against the bare model's forward, backward and optimizer step.
+
+    Memory first, in a fresh process (what `scaletrain plan` is): the RSS the first
+    steps add after rt.setup, exactly what a 1-process run's ledger reports; a bare
+    loop's growth was 5-7 MiB short of it for both recipes (the runtime's own threads
+    and buffers). Then time: the two loops in turns, so a drift of the machine hits both
+    alike; a bare loop alone predicted the recipes' steps 5-25% short. None inside a
+    job (a process group exists): nothing is measured there."""
     import tempfile
     import time
 
     import torch.distributed as dist
 
+    from scaletrain.observe.memory import current_rss_bytes, reset_rss_peak, rss_peak_bytes
     from scaletrain.runtime import LedgerConfig, init
 
     if dist.is_available() and dist.is_initialized():
@@ -145,9 +162,6 @@ def runtime_overhead(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        torch.manual_seed(0)
-        bare = build()
-        bare_opt = optimizer(bare.parameters())
         with tempfile.TemporaryDirectory() as tmp:
             ledger = LedgerConfig(out=tmp, every=10, flops=False, summary=False)
             rt = init(strategy="ddp", ledger=ledger)
@@ -161,6 +175,14 @@ def runtime_overhead(
                     rt.forward_backward(model, x, y, loss)
                     rt.step(opt)
                     opt.zero_grad(set_to_none=True)
+
+                start = current_rss_bytes() if reset_rss_peak() else None
+                for _ in range(3):
+                    ours()
+                growth = rss_peak_bytes() - start if start is not None else None
+                torch.manual_seed(0)
+                bare = build()
+                bare_opt = optimizer(bare.parameters())
 
                 def theirs() -> None:
                     bare_opt.zero_grad(set_to_none=True)
@@ -178,7 +200,8 @@ def runtime_overhead(
                 rt.shutdown()
     finally:
         torch.set_num_threads(threads)
-    return max(0.0, statistics.median(times["ours"]) - statistics.median(times["theirs"]))
+    step = max(0.0, statistics.median(times["ours"]) - statistics.median(times["theirs"]))
+    return RuntimeCost(step=step, growth=growth)
 
 
 def plan(
@@ -222,11 +245,16 @@ def plan(
 
         from scaletrain.plan.api import calibrate
 
+        # The runtime first: its memory is measured as a fresh process's first steps.
+        cost = runtime_overhead(build, example, loss, optimizer, batch)
         sizes = [batch] + [batch // (x.microbatches or 1) for x in layouts]
         compute = calibrate(build, example, loss, optimizer, sizes)
-        step = runtime_overhead(build, example, loss, optimizer, batch)
-        if step is not None:
-            compute = replace(compute, overhead={**compute.overhead, "step": step})
+        if cost is not None:
+            compute = replace(
+                compute,
+                overhead={**compute.overhead, "step": cost.step},
+                measured_growth=cost.growth if cost.growth is not None else compute.measured_growth,
+            )
     return plan_model(
         build, example, loss_fn=loss, optimizer=optimizer, batch_size=batch,
         devices=devices, nodes=nodes, hardware=hardware, precision=precision,
