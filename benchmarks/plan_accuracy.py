@@ -100,6 +100,7 @@ def _predict(recipe: str, n: int, strategy: str, calib: dict[str, Any]) -> tuple
         now,
         runtime_bytes=calib[recipe].runtime,
         overhead={**calib["overhead"][recipe], "step": step},
+        trace_bytes=calib["trace"][recipe],
     )
 
     layout = layout_of(strategy, None, n)
@@ -121,12 +122,12 @@ def _calibrate_job(recipe: str) -> Any:
 
 def _calibrate() -> dict[str, Any]:
     from scaletrain.plan.comm import CommModel, probe
-    from scaletrain.plan.overhead import measure_overheads
+    from scaletrain.plan.overhead import measure_overheads, measure_trace_bytes
     from scaletrain.plan.partition import list_layers
     from scaletrain.testing import run_ranks
     from scaletrain.train.planning import resolve_model, tp_plan_of
 
-    calib: dict[str, Any] = {"comm": {1: CommModel()}, "overhead": {}}
+    calib: dict[str, Any] = {"comm": {1: CommModel()}, "overhead": {}, "trace": {}}
     sizes = [4096]
     for recipe in BATCH:
         row = run_ranks(_calibrate_job, 1, recipe, timeout=300)[0]
@@ -138,8 +139,12 @@ def _calibrate() -> dict[str, Any]:
             layers=layers,
         )  # fmt: skip
         calib["overhead"][recipe] = found or {}
+        # A pipeline of 4 microbatches traces at a quarter of the batch.
+        microbatch = (example(max(1, BATCH[recipe] // 4))[0],)
+        calib["trace"][recipe] = measure_trace_bytes(build, microbatch) or 0
         print(f"calibration {recipe}: runtime {row.memory.runtime / 2**20:.1f} MiB, per-step "
-              f"machinery {({k: round(v * 1e3, 1) for k, v in (found or {}).items()})} ms", flush=True)  # fmt: skip
+              f"machinery {({k: round(v * 1e3, 1) for k, v in (found or {}).items()})} ms, trace "
+              f"{calib['trace'][recipe] / 2**20:.1f} MiB", flush=True)  # fmt: skip
         grads = sum(p.numel() * 4 for p in build().parameters())
         sizes += [grads, grads // 8]
     for n in (2, 4):

@@ -264,3 +264,29 @@ def test_the_groups_own_memory_is_in_the_total_not_in_the_growth() -> None:
     }  # fmt: skip
     assert rows[0].growth == rows[30 * 2**20].growth
     assert rows[30 * 2**20].total - rows[0].total == 30 * 2**20
+
+
+def test_a_pipelines_trace_is_measured_and_counted_in_pipeline_rows_only() -> None:
+    from scaletrain.plan.overhead import measure_trace_bytes
+
+    traced = measure_trace_bytes(_wide, (_wide_example(2)[0],))
+    if traced is None:
+        pytest.skip("no peak RSS to restart here (/proc/self/clear_refs)")
+    assert traced > 0  # torch.export keeps graphs, fake tensors and code
+    p = profile_model(_mlp, _example(8), nn.functional.cross_entropy, _adam)
+    with torch.device("meta"):
+        layers = list_layers(_mlp())
+    compute = Compute(
+        fixed=0.0, per_sample=0.001, optimizer=0.0, source="t", runtime_bytes=5, trace_bytes=1000
+    )
+    free = CommModel(default=Link(0, 1e15))
+
+    def runtime(layout: Layout) -> int:
+        row = estimate(
+            layout, p, layers=layers, tp_plan=None, compute=compute, comm=free,
+            hw=PROFILES["h100-sxm"], overlap=0.0,
+        )  # fmt: skip
+        return row.memory.runtime
+
+    assert runtime(Layout("ddp", dp=2)) == 5
+    assert runtime(Layout("pipeline", pp=2, schedule="1f1b", microbatches=4)) == 1005

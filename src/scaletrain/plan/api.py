@@ -316,6 +316,17 @@ def plan_model(
                 f"links at datasheet bandwidth; alpha {hw.intra.alpha * 1e6:.0f} us inside a "
                 f"node, {hw.inter.alpha * 1e6:.0f} us between nodes (typical, not measured)"
             )
+    staged = [x for x in layouts if x.pp > 1]
+    if hardware is None and staged and not compute.trace_bytes:
+        from scaletrain.plan.overhead import measure_trace_bytes
+
+        m = staged[0].microbatches or 1
+        traced = measure_trace_bytes(build, (example(max(1, batch_size // m))[0],))
+        if traced is not None:
+            compute = replace(compute, trace_bytes=traced)
+            assumptions.append(
+                f"a pipeline rank's trace of the model: {traced / 2**20:.1f} MiB (measured)"
+            )
     machinery = any(x.tp > 1 or (x.strategy.startswith("fsdp") and x.dp > 1) for x in layouts)
     if hardware is None and machinery and not compute.overhead:
         compute = _with_overheads(compute, build, example(batch_size), loss_fn, optimizer,

@@ -55,6 +55,8 @@ class Compute:
     """What the runtime adds beyond the model's tensors in a fresh process (the first
     step's kernel workspaces, allocator and autograd state): measured growth less the
     profile's prediction for one device."""
+    trace_bytes: int = 0
+    """RSS a pipeline rank's trace of the model adds after setup (plan/overhead.py)."""
     overhead: Mapping[str, float] = field(default_factory=dict)
     """CPU seconds per step a rank spends beyond the model's own work, measured:
     "step", the training runtime's step around it (every row); "tensor", DTensor's
@@ -294,7 +296,7 @@ def estimate(
         optimizer=int(opt),
         activations=int(acts),
         buffers=int(buffers),
-        runtime=compute.runtime_bytes,
+        runtime=compute.runtime_bytes + (compute.trace_bytes if pp > 1 else 0),
         grads_at_setup=layout.strategy in ("ddp", "ddp x pp") and dp > 1,
         group=comm.runtime_bytes.get(layout.devices, 0),
     )
