@@ -120,9 +120,18 @@ def _calibrate_job(recipe: str) -> Any:
     return plan(recipe, devices=1, batch_size=BATCH[recipe]).rows[0]
 
 
+def _trace_job(recipe: str) -> int | None:
+    """A pipeline of 4 microbatches traces the model at a quarter of the batch."""
+    from scaletrain.plan.overhead import measure_trace_bytes
+    from scaletrain.train.planning import resolve_model
+
+    _, build, example, _, _, _ = resolve_model(recipe, None)
+    return measure_trace_bytes(build, (example(max(1, BATCH[recipe] // 4))[0],))
+
+
 def _calibrate() -> dict[str, Any]:
     from scaletrain.plan.comm import CommModel, probe
-    from scaletrain.plan.overhead import measure_overheads, measure_trace_bytes
+    from scaletrain.plan.overhead import measure_overheads
     from scaletrain.plan.partition import list_layers
     from scaletrain.testing import run_ranks
     from scaletrain.train.planning import resolve_model, tp_plan_of
@@ -139,9 +148,9 @@ def _calibrate() -> dict[str, Any]:
             layers=layers,
         )  # fmt: skip
         calib["overhead"][recipe] = found or {}
-        # A pipeline of 4 microbatches traces at a quarter of the batch.
-        microbatch = (example(max(1, BATCH[recipe] // 4))[0],)
-        calib["trace"][recipe] = measure_trace_bytes(build, microbatch) or 0
+        # In a fresh process, as a pipeline rank's first trace is (a process's first
+        # torch.export also loads its machinery: most of the bytes).
+        calib["trace"][recipe] = run_ranks(_trace_job, 1, recipe, timeout=300)[0] or 0
         print(f"calibration {recipe}: runtime {row.memory.runtime / 2**20:.1f} MiB, per-step "
               f"machinery {({k: round(v * 1e3, 1) for k, v in (found or {}).items()})} ms, trace "
               f"{calib['trace'][recipe] / 2**20:.1f} MiB", flush=True)  # fmt: skip
