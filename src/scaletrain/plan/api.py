@@ -318,10 +318,10 @@ def plan_model(
             )
     staged = [x for x in layouts if x.pp > 1]
     if hardware is None and staged and not compute.trace_bytes:
-        from scaletrain.plan.overhead import measure_trace_bytes
+        from scaletrain.plan.overhead import trace_bytes
 
         m = staged[0].microbatches or 1
-        traced = measure_trace_bytes(build, (example(max(1, batch_size // m))[0],))
+        traced = trace_bytes(build, (example(max(1, batch_size // m))[0],))
         if traced is not None:
             compute = replace(compute, trace_bytes=traced)
             assumptions.append(

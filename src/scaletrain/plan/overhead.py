@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["measure_overheads", "measure_trace_bytes"]
+__all__ = ["measure_overheads", "measure_trace_bytes", "trace_bytes"]
 
 
 @contextlib.contextmanager
@@ -136,11 +136,19 @@ def measure_overheads(
 
 
 def measure_trace_bytes(build: Callable[[], nn.Module], microbatch: tuple[Any, ...]) -> int | None:
-    """RSS one torch.export of the model at the microbatch's shape adds (None: no peak
-    RSS to restart here, or the model does not export: the pipeline would say why)."""
+    """RSS one torch.export of the model at the microbatch's shape adds, in this process
+    (None: no peak RSS to restart here, or the model does not export: the pipeline
+    strategy would say why). Measured as a rank is at its first trace: torch._dynamo
+    imported (its optimizer's constructor does that) and the model run once; in a
+    process that has not, the export's own imports add 70 MiB more, and in one that
+    has exported before, most of it is already there (`trace_bytes` uses a fresh one)."""
+    import torch._dynamo
+
     from scaletrain.observe.memory import current_rss_bytes, reset_rss_peak, rss_peak_bytes
 
     model = build()
+    with torch.no_grad():
+        model(*microbatch)
     if not reset_rss_peak():
         return None
     start = current_rss_bytes()
@@ -149,3 +157,21 @@ def measure_trace_bytes(build: Callable[[], nn.Module], microbatch: tuple[Any, .
     except Exception:  # an export failure is the pipeline strategy's to explain
         return None
     return max(0, rss_peak_bytes() - start) if start else None
+
+
+def trace_bytes(
+    build: Callable[[], nn.Module], microbatch: tuple[Any, ...], *, timeout: float = 300.0
+) -> int | None:
+    """`measure_trace_bytes` in a fresh process (spawned: a pipeline rank traces once,
+    in a process that has not traced before); None if that process fails."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    try:
+        with ctx.Pool(1) as pool:
+            result: int | None = pool.apply_async(measure_trace_bytes, (build, microbatch)).get(
+                timeout
+            )
+            return result
+    except Exception:
+        return None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -156,7 +157,7 @@ RECIPES: dict[str, Recipe] = {
         Recipe(
             name="wrn",
             dataset="fashion-mnist",
-            build=lambda: WideResNet(depth=10, width=1),
+            build=partial(WideResNet, depth=10, width=1),
             data=_fashion_mnist,
             locate_data=_fashion_mnist_locate,
             lr=0.1,
@@ -167,7 +168,7 @@ RECIPES: dict[str, Recipe] = {
         Recipe(
             name="gpt",
             dataset="python sources (byte-level)",
-            build=lambda: GPT(_GPT),
+            build=partial(GPT, _GPT),
             data=_python_text,
             locate_data=_python_text_locate,
             example=_tokens,
