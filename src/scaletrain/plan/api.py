@@ -328,9 +328,10 @@ def plan_model(
                 f"a pipeline rank's trace of the model: {traced / 2**20:.1f} MiB (measured)"
             )
     machinery = any(x.tp > 1 or (x.strategy.startswith("fsdp") and x.dp > 1) for x in layouts)
-    if hardware is None and machinery and not compute.overhead:
-        compute = _with_overheads(compute, build, example(batch_size), loss_fn, optimizer,
-                                  tp_plan, layers, assumptions)  # fmt: skip
+    if hardware is None and machinery and not {"tensor", "fsdp"} & set(compute.overhead):
+        # Per op, not per sample: measured at a small batch, which keeps it to seconds.
+        compute = _with_overheads(compute, build, example(min(batch_size, 8)), loss_fn,
+                                  optimizer, tp_plan, layers, assumptions)  # fmt: skip
     if compute.measured_growth is not None and not compute.runtime_bytes:
         one = estimate(
             Layout("ddp"), profile, layers=layers, tp_plan=None, compute=compute,

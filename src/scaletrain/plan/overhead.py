@@ -99,7 +99,7 @@ def measure_overheads(
     *,
     tp_plan: Mapping[str, str] | None,
     layers: Sequence[str],
-    repeats: int = 9,
+    repeats: int = 7,
 ) -> dict[str, float] | None:
     """CPU seconds per step each strategy adds to a rank: {"tensor": s, "fsdp": s}
     (tensor only with a plan). None where it cannot be measured here (see above)."""

@@ -137,7 +137,7 @@ def runtime_overhead(
     optimizer: Callable[[Any], Any],
     batch: int,
     *,
-    repeats: int = 15,
+    repeats: int = 7,
 ) -> RuntimeCost | None:
     """scaletrain's own step (rt.forward_backward, rt.step, the step ledger) on one
     process, against the bare model's forward, backward and optimizer step.
@@ -222,8 +222,8 @@ def plan(
     model ("module:factory"); see scaletrain.plan. Returns data (`Plan.rows`,
     `Plan.recommended`); `Plan.table()` is what `scaletrain plan` prints.
 
-    hardware=None measures this machine (a calibration of the model and a Gloo probe,
-    a few seconds); a profile name ("h100-sxm", "a100-sxm", "a100-pcie", "ethernet")
+    hardware=None measures this machine (calibrations of the model and a Gloo probe,
+    10-30 s on 2 CPU cores); a profile name ("h100-sxm", "a100-sxm", "a100-pcie", "ethernet")
     plans on paper. `layouts` picks rows; `compute` and `comm` replace this machine's
     measurements (a benchmark measures them once for many plans).
     """
