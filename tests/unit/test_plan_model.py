@@ -290,3 +290,17 @@ def test_a_pipelines_trace_is_measured_and_counted_in_pipeline_rows_only() -> No
 
     assert runtime(Layout("ddp", dp=2)) == 5
     assert runtime(Layout("pipeline", pp=2, schedule="1f1b", microbatches=4)) == 1005
+
+
+def test_the_machinery_is_measured_when_only_the_runtime_step_was() -> None:
+    # `scaletrain plan` measures scaletrain's own step before plan_model; the tensor and
+    # FSDP machinery used to be skipped then, because the overheads were not empty.
+    from scaletrain.plan.api import plan_model
+
+    known = Compute(fixed=0.0, per_sample=0.001, optimizer=0.0, source="t", overhead={"step": 0.0})
+    plan = plan_model(
+        _wide, _wide_example, loss_fn=nn.functional.cross_entropy, optimizer=_adam,
+        batch_size=4, devices=2, layouts=[Layout("fsdp", dp=2)], compute=known,
+        comm=CommModel(default=Link(0, 1e12)),
+    )  # fmt: skip
+    assert any("machinery" in a and "fsdp" in a for a in plan.assumptions)
