@@ -304,3 +304,21 @@ def test_the_machinery_is_measured_when_only_the_runtime_step_was() -> None:
         comm=CommModel(default=Link(0, 1e12)),
     )  # fmt: skip
     assert any("machinery" in a and "fsdp" in a for a in plan.assumptions)
+
+
+def test_ddp_on_gloo_holds_a_bucket_of_working_memory() -> None:
+    p = profile_model(_mlp, _example(8), nn.functional.cross_entropy, _adam)
+    with torch.device("meta"):
+        layers = list_layers(_mlp())
+    cpu = Hardware("cpu", "2 cores", 10**12, {}, Link(0, 1e9), Link(0, 1e9), cores=2)
+    compute = Compute(fixed=0.0, per_sample=0.001, optimizer=0.0, source="t")
+
+    def buffers(hw: Hardware) -> int:
+        row = estimate(
+            Layout("ddp", dp=2), p, layers=layers, tp_plan=None, compute=compute,
+            comm=CommModel(default=Link(0, 1e12)), hw=hw, overlap=0.0,
+        )  # fmt: skip
+        return row.memory.buffers
+
+    assert buffers(cpu) == p.grad_bytes  # one bucket holds all of the MLP's gradients
+    assert buffers(PROFILES["h100-sxm"]) == 0  # a profile (NCCL): not counted
