@@ -23,6 +23,7 @@ import struct
 import tempfile
 import zlib
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -49,34 +50,40 @@ CACHE_MIN_BYTES = 4 << 20
 milliseconds (MNIST's labels, test sets of tests)."""
 
 
-def _kept_copy(path: Path, compressed: bytes) -> tuple[Path | None, int]:
-    """Where the decompressed copy of gzipped `path` is kept (None: too small to keep),
-    and the length the gzip trailer records (ISIZE: the length modulo 2**32)."""
-    size = int.from_bytes(compressed[-4:], "little") if len(compressed) >= 18 else 0
+def _kept_copy(path: Path, f: BinaryIO) -> tuple[Path | None, int]:
+    """Where the decompressed copy of gzipped `path` (open as `f`) is kept (None: too
+    small to keep), and the length its gzip trailer records (ISIZE: modulo 2**32)."""
+    st = os.fstat(f.fileno())
+    if st.st_size < 18:  # shorter than gzip's header and trailer: decompressing says why
+        return None, 0
+    f.seek(-4, os.SEEK_END)
+    size = int.from_bytes(f.read(4), "little")
     if size < CACHE_MIN_BYTES:
         return None, size
-    st = path.stat()
     key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     name = path.name[:-3] if path.name.endswith(".gz") else path.name
     return cache_dir() / "idx" / f"{name}-{digest}", size
 
 
-def _decompressed(path: Path, compressed: bytes) -> bytes:
-    kept, size = _kept_copy(path, compressed)
+def _decompressed(path: Path, f: BinaryIO) -> bytes:
+    """The contents of gzipped `path`: its kept copy when there is a good one (the
+    compressed file is then not read at all), else decompressed, and kept if large."""
+    kept, size = _kept_copy(path, f)
     if kept is not None:
         with contextlib.suppress(OSError):
             if kept.stat().st_size % (1 << 32) == size:
                 return kept.read_bytes()
-    raw = gzip.decompress(compressed)
+    f.seek(0)
+    raw = gzip.decompress(f.read())
     if kept is not None and len(raw) % (1 << 32) == size:
         # Written whole, then renamed: a reader (another rank) sees all or nothing.
         with contextlib.suppress(OSError):
             kept.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=kept.parent, prefix=kept.name, suffix=".tmp")
             try:
-                with os.fdopen(fd, "wb") as f:
-                    f.write(raw)
+                with os.fdopen(fd, "wb") as out:
+                    out.write(raw)
                 os.replace(tmp, kept)
             finally:
                 with contextlib.suppress(OSError):
@@ -86,12 +93,15 @@ def _decompressed(path: Path, compressed: bytes) -> bytes:
 
 def _read_bytes(path: Path, dataset: str) -> bytes:
     try:
-        raw = path.read_bytes()
-        # Decide by content, not by name: a gzipped file saved without .gz
-        # (or the reverse) is common after manual downloads. IDX data starts
-        # with two zero bytes, gzip with 1f 8b, so the two cannot be confused.
-        if raw[:2] == b"\x1f\x8b":
-            raw = _decompressed(path, raw)
+        with path.open("rb") as f:
+            # Decide by content, not by name: a gzipped file saved without .gz
+            # (or the reverse) is common after manual downloads. IDX data starts
+            # with two zero bytes, gzip with 1f 8b, so the two cannot be confused.
+            if f.read(2) == b"\x1f\x8b":
+                raw = _decompressed(path, f)
+            else:
+                f.seek(0)
+                raw = f.read()
     except (OSError, EOFError, zlib.error) as exc:
         raise DatasetError(
             f"{dataset}: cannot read {path}: {exc}. The file is missing, unreadable or a "
