@@ -28,12 +28,13 @@ import contextlib
 import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["measure_overheads", "measure_trace_bytes", "trace_bytes"]
+__all__ = ["cpu_in_turns", "measure_overheads", "measure_trace_bytes", "trace_bytes"]
 
 
 @contextlib.contextmanager
@@ -50,19 +51,32 @@ def _one_rank_group() -> Iterator[bool]:
         dist.destroy_process_group()
 
 
+def cpu_in_turns(steps: Mapping[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
+    """Median CPU seconds of each step, the steps run in turns (one of each, `repeats`
+    times, after two warm-up turns), so that a drift of the machine (the same bare loop
+    ran 25% slower later in one process here) hits all of them alike; the warm-up turns
+    fill DTensor's sharding caches and FSDP's buffers."""
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for i in range(repeats + 2):
+        for name, step in steps.items():
+            c0 = time.process_time()
+            step()
+            if i >= 2:
+                times[name].append(time.process_time() - c0)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def _step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     batch: tuple[Any, Any],
     loss_fn: Callable[[Any, Any], torch.Tensor],
-) -> float:
-    """CPU seconds of one forward, backward and optimizer step."""
+) -> None:
+    """One forward, backward and optimizer step."""
     x, y = batch
-    c0 = time.process_time()
     optimizer.zero_grad(set_to_none=True)
     loss_fn(model(x), y).backward()
     optimizer.step()
-    return time.process_time() - c0
 
 
 def _tensor(model: nn.Module, tp_plan: Mapping[str, str]) -> nn.Module:
@@ -115,21 +129,12 @@ def measure_overheads(
             }
             if tp_plan:
                 wrappers["tensor"] = lambda m: _tensor(m, tp_plan)
-            runs = {}
+            steps: dict[str, Callable[[], None]] = {}
             for name, wrap in wrappers.items():
                 torch.manual_seed(0)
                 model = wrap(build())
-                runs[name] = (model, optimizer(model.parameters()))
-            # In turns, a step of each, so that a drift of the machine (the same bare
-            # loop ran 25% slower later in one process here) hits all of them alike;
-            # the first two of each warm DTensor's sharding caches and FSDP's buffers.
-            times: dict[str, list[float]] = {name: [] for name in runs}
-            for i in range(repeats + 2):
-                for name, (model, opt) in runs.items():
-                    took = _step(model, opt, batch, loss_fn)
-                    if i >= 2:
-                        times[name].append(took)
-            cpu = {name: statistics.median(t) for name, t in times.items()}
+                steps[name] = partial(_step, model, optimizer(model.parameters()), batch, loss_fn)
+            cpu = cpu_in_turns(steps, repeats)
     finally:
         torch.set_num_threads(threads)
     return {k: max(0.0, v - cpu["plain"]) for k, v in cpu.items() if k != "plain"}

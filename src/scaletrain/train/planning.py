@@ -149,11 +149,11 @@ def runtime_overhead(
     alike; a bare loop alone predicted the recipes' steps 5-25% short. None inside a
     job (a process group exists): nothing is measured there."""
     import tempfile
-    import time
 
     import torch.distributed as dist
 
     from scaletrain.observe.memory import current_rss_bytes, reset_rss_peak, rss_peak_bytes
+    from scaletrain.plan.overhead import cpu_in_turns
     from scaletrain.runtime import LedgerConfig, init
 
     if dist.is_available() and dist.is_initialized():
@@ -189,18 +189,12 @@ def runtime_overhead(
                     loss(bare(x), y).backward()
                     bare_opt.step()
 
-                times: dict[str, list[float]] = {"ours": [], "theirs": []}
-                for i in range(repeats + 2):
-                    for name, fn in (("ours", ours), ("theirs", theirs)):
-                        c0 = time.process_time()
-                        fn()
-                        if i >= 2:
-                            times[name].append(time.process_time() - c0)
+                cpu = cpu_in_turns({"ours": ours, "theirs": theirs}, repeats)
             finally:
                 rt.shutdown()
     finally:
         torch.set_num_threads(threads)
-    step = max(0.0, statistics.median(times["ours"]) - statistics.median(times["theirs"]))
+    step = max(0.0, cpu["ours"] - cpu["theirs"])
     return RuntimeCost(step=step, growth=growth)
 
 
