@@ -112,16 +112,13 @@ def _probe_rank(rank: int, n: int, port: int, sizes: list[int], repeats: int, q:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
     from scaletrain.observe.memory import current_rss_bytes, reset_rss_peak, rss_peak_bytes
 
+    # From before the group: the planner counts this as the group's own memory in a
+    # device's total, not in the growth after setup (see estimate.Memory.group).
+    reset_rss_peak()
+    before = current_rss_bytes() or 0
     dist.init_process_group("gloo", rank=rank, world_size=n)
     out: dict[str, Any] = {k: [] for k in KINDS[:3]}
     try:
-        # What a run's steps add is counted from after its set-up, when the group's
-        # connections exist (DDP's first broadcast opens them): so from here, after a
-        # small collective, not from before the group (24-27 MiB more, which a run's
-        # RSS growth never shows).
-        dist.all_reduce(torch.ones(n))
-        reset_rss_peak()
-        before = current_rss_bytes() or 0
         for size in sizes:
             numel = max(n, size // 4 // n * n)
             full = torch.ones(numel)
