@@ -297,13 +297,17 @@ def test_the_machinery_is_measured_when_only_the_runtime_step_was() -> None:
     # FSDP machinery used to be skipped then, because the overheads were not empty.
     from scaletrain.plan.api import plan_model
 
-    known = Compute(fixed=0.0, per_sample=0.001, optimizer=0.0, source="t", overhead={"step": 0.0})
+    step = 0.25
+    known = Compute(fixed=0.0, per_sample=0.001, optimizer=0.0, source="t", overhead={"step": step})
     plan = plan_model(
         _wide, _wide_example, loss_fn=nn.functional.cross_entropy, optimizer=_adam,
         batch_size=4, devices=2, layouts=[Layout("fsdp", dp=2)], compute=known,
         comm=CommModel(default=Link(0, 1e12)),
     )  # fmt: skip
     assert any("machinery" in a and "fsdp" in a for a in plan.assumptions)
+    # ... and the runtime's step stays counted beside it (the machinery's figures used
+    # to replace the overheads, dropping "step").
+    assert plan.rows[0].time.compute >= step
 
 
 def test_ddp_on_gloo_holds_a_bucket_of_working_memory() -> None:

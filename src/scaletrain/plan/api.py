@@ -213,7 +213,7 @@ def _with_overheads(
         "per-step cost of the strategies' machinery, measured on this model: "
         + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in found.items())
     )
-    return replace(compute, overhead=found)
+    return replace(compute, overhead={**compute.overhead, **found})
 
 
 def throughput(row: Estimate, batch: int) -> float:
