@@ -94,3 +94,70 @@ def test_a_node_that_does_not_come_back_is_not_a_rendezvous_that_never_formed(
     assert result.returncode == 1, result.stderr
     assert "after the workers stopped (a worker failed, or a node left)" in result.stderr
     assert "round 2" in result.stderr and "did not complete" not in result.stderr
+
+
+ONE_FAILS = """\
+import sys, time, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+dist.all_reduce(torch.ones(1))
+if sys.argv[1] == "0":  # the node that hosts the store
+    print("node 0 gives up", file=sys.stderr)
+    dist.destroy_process_group()
+    sys.exit(3)
+time.sleep(60)  # node 1's worker goes on, as one waiting in a collective would
+"""
+
+BOTH_FAIL = """\
+import sys, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+dist.all_reduce(torch.ones(1))
+print("node %s refuses" % sys.argv[1], file=sys.stderr)
+dist.destroy_process_group()  # (left to exit, Gloo may abort when its peer is gone first)
+sys.exit(3)  # every rank at once: a refusal made after a gather (a split model on a disk per node)
+"""
+
+
+def _two_nodes(tmp_path: Path, port: int, start: Callable[..., Any], text: str) -> list[Any]:
+    script = tmp_path / "job.py"
+    script.write_text(text)
+
+    def node(rank: int) -> Any:
+        return start(
+            "-m", "scaletrain.launch", "--nnodes", "2", "--node-rank", str(rank),
+            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-timeout", "30",
+            "--nproc-per-node", "1", str(script), str(rank),
+        )  # fmt: skip
+
+    node1 = node(1)  # first: it waits for node 0's store instead of racing it for the port
+    node0 = node(0)
+    return [node0.wait(timeout=90), node1.wait(timeout=90)]
+
+
+@pytest.mark.slow
+def test_when_the_store_node_fails_the_other_says_so_not_that_the_rendezvous_never_formed(
+    tmp_path: Path, port: int, start: Callable[..., Any]
+) -> None:
+    # Node 0 hosts the store; its worker failed and its launcher exited while node 1's
+    # worker ran. Node 1 said "The rendezvous ... did not complete ... start the
+    # launcher on every node", although the job had formed and run.
+    node0, node1 = _two_nodes(tmp_path, port, start, ONE_FAILS)
+    assert node0.returncode == 3 and "node 0 gives up" in node0.stderr
+    assert node1.returncode == 1, node1.stderr
+    assert "did not complete" not in node1.stderr
+    assert "node 0 (it hosts the rendezvous store" in node1.stderr
+    assert "its own output says why" in node1.stderr
+
+
+@pytest.mark.slow
+def test_a_failure_on_every_node_is_each_nodes_own(
+    tmp_path: Path, port: int, start: Callable[..., Any]
+) -> None:
+    # Every worker fails at once (as the refusal of a split model on a disk per node):
+    # node 0, which hosts the store, waits a moment before it exits, so node 1 reports
+    # its own worker's failure rather than the store gone.
+    node0, node1 = _two_nodes(tmp_path, port, start, BOTH_FAIL)
+    for rank, result in enumerate((node0, node1)):
+        assert result.returncode == 3, result.stderr
+        assert f"node {rank} refuses" in result.stderr
+        assert "exited with code 3" in result.stderr
+        assert "did not complete" not in result.stderr and "went away" not in result.stderr

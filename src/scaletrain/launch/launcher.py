@@ -323,7 +323,7 @@ def _agent_hooks(plan: Plan) -> Iterator[_AgentWatch]:
     - Count its rendezvous rounds, so that a rendezvous that fails after a failure
       is not reported as one that never formed.
     - On the node that hosts the rendezvous store, wait a moment after the agents'
-      exit barrier before the store closes. The last agent to reach the barrier
+      exit barrier, and after its workers failed for good, before the store closes. The last agent to reach the barrier
       releases the others and returns at once; when that agent hosts the store, its
       process exits and closes the store while the others are still being told, and
       they print a page of "Failed to recv, got 0 bytes" and "Error waiting on exit
@@ -336,6 +336,7 @@ def _agent_hooks(plan: Plan) -> Iterator[_AgentWatch]:
 
     watch = _AgentWatch()
     rendezvous, exit_barrier = SimpleElasticAgent._rendezvous, SimpleElasticAgent._exit_barrier
+    invoke_run = SimpleElasticAgent._invoke_run
     start_workers = LocalElasticAgent._start_workers
     linger = _hosts_store(plan)
 
@@ -352,18 +353,29 @@ def _agent_hooks(plan: Plan) -> Iterator[_AgentWatch]:
         if linger:
             time.sleep(_LINGER_S)
 
+    def invoked(self: Any, role: str = "default") -> Any:
+        result = invoke_run(self, role)
+        if linger and result.is_failed():
+            # Failed for good: torch returns at once, without the exit barrier. Where all
+            # workers fail together (a refusal after a gather), the other nodes found the
+            # store gone before they saw their own workers fail.
+            time.sleep(_LINGER_S)
+        return result
+
     SimpleElasticAgent._rendezvous = counted  # type: ignore[method-assign]
     SimpleElasticAgent._exit_barrier = lingering  # type: ignore[method-assign]
+    SimpleElasticAgent._invoke_run = invoked  # type: ignore[method-assign]
     LocalElasticAgent._start_workers = started  # type: ignore[method-assign]
     try:
         yield watch
     finally:
         SimpleElasticAgent._rendezvous = rendezvous  # type: ignore[method-assign]
         SimpleElasticAgent._exit_barrier = exit_barrier  # type: ignore[method-assign]
+        SimpleElasticAgent._invoke_run = invoke_run  # type: ignore[method-assign]
         LocalElasticAgent._start_workers = start_workers  # type: ignore[method-assign]
 
 
-def _rendezvous_failure(exc: Exception, plan: Plan, cfg: LaunchConfig, rounds: int) -> int:
+def _rendezvous_failure(exc: Exception, plan: Plan, cfg: LaunchConfig, watch: _AgentWatch) -> int:
     """Say why the rendezvous failed, in the words that fit when it failed; the exit code."""
     from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 
@@ -378,11 +390,22 @@ def _rendezvous_failure(exc: Exception, plan: Plan, cfg: LaunchConfig, rounds: i
             flush=True,
         )
         return EXIT_ERROR
-    if rounds > 1:
+    if watch.rounds == 1 and watch.started and not _hosts_store(plan):
+        # The agent polls the store while its workers run: the store's node went away.
+        print(
+            f"{_PROG}: node 0 (it hosts the rendezvous store at {where}) went away while "
+            f"this node's workers ran ({detail}), and this node stopped them. The job had "
+            "formed: node 0 ended it (a worker failed there with no restarts left, or it "
+            "was stopped); its own output says why.",
+            file=sys.stderr,
+            flush=True,
+        )
+        return EXIT_ERROR
+    if watch.rounds > 1:
         print(
             f"{_PROG}: after the workers stopped (a worker failed, or a node left), the "
             f"nodes did not come back within --rdzv-timeout {cfg.rdzv_timeout}s for round "
-            f"{rounds} of the rendezvous at {where} ({detail}). The job ran before: a node "
+            f"{watch.rounds} of the rendezvous at {where} ({detail}). The job ran before: a node "
             f"was killed or its launcher exited, and fewer than the minimum of --nnodes "
             f"{plan.nnodes} are left. Its output says why; to go on with fewer nodes, give "
             f"--nnodes a range such as 1:{plan.nnodes.split(':')[-1]}.",
@@ -440,7 +463,7 @@ def _run_torchrun(plan: Plan, cfg: LaunchConfig, *, quiet: bool = False) -> int:
             )
         return 128 + int(exc.sigval)
     except RendezvousError as exc:
-        return _rendezvous_failure(exc, plan, cfg, watch.rounds)
+        return _rendezvous_failure(exc, plan, cfg, watch)
     return EXIT_ABORTED if interrupts.count > 1 else 0
 
 
