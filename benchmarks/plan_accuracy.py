@@ -5,7 +5,8 @@ ddp, fsdp, tensor and pipeline (where the model allows: tensor parallel needs Li
 pairs, a pipeline of N stages N layers), each round:
 
 1. calibrates: the planner's own calibration of each model in this process, and its
-   Gloo probe at 2 and 4 processes (alpha and bandwidth per collective);
+   Gloo probe at 2 and 4 processes per model (alpha and bandwidth per collective, a
+   collective's cost among busy ranks, the model's step side by side);
 2. measures: trains every configuration for --steps steps with the step ledger on
    (records in a temporary RUN/observe/), the configurations in a shuffled order,
    and reads back what `scaletrain plan --check RUN` reads: the median training work
@@ -28,6 +29,7 @@ import random
 import statistics
 import tempfile
 import time
+from functools import partial
 from typing import Any
 
 BATCH = {"convnet": 32, "gpt": 8}
@@ -106,10 +108,13 @@ def _predict(recipe: str, n: int, strategy: str, calib: dict[str, Any]) -> tuple
     layout = layout_of(strategy, None, n)
     p = plan(
         recipe, devices=n, batch_size=BATCH[recipe], layouts=[layout],
-        compute=compute, comm=calib["comm"].get(n),
+        compute=compute, comm=calib["comm"].get((recipe, n), calib["comm"][1]),
     )  # fmt: skip
     row = p.rows[0]
-    return row.time.total, row.memory.growth, row.time.cpu
+    t = row.time
+    print(f"  predicted {recipe} {n} {strategy}: compute {t.compute * 1e3:.1f}, exposed comm "
+          f"{t.exposed * 1e3:.1f}, bubble {t.bubble * 1e3:.1f}, wait {t.wait * 1e3:.1f} ms", flush=True)  # fmt: skip
+    return t.total, row.memory.growth, t.cpu
 
 
 def _calibrate_job(recipe: str) -> Any:
@@ -131,7 +136,7 @@ def _trace_job(recipe: str) -> int | None:
 
 def _calibrate() -> dict[str, Any]:
     from scaletrain.plan.comm import CommModel, probe
-    from scaletrain.plan.overhead import measure_overheads
+    from scaletrain.plan.overhead import measure_overheads, model_step
     from scaletrain.plan.partition import list_layers
     from scaletrain.testing import run_ranks
     from scaletrain.train.planning import resolve_model, tp_plan_of
@@ -145,7 +150,7 @@ def _calibrate() -> dict[str, Any]:
         layers = [x.name for x in list_layers(build())]
         found = measure_overheads(
             build, example(BATCH[recipe]), loss, optimizer, tp_plan=tp_plan_of(build),
-            layers=layers,
+            layers=layers, microbatches=4,
         )  # fmt: skip
         calib["overhead"][recipe] = found or {}
         # In a fresh process, as a pipeline rank's first trace is (a process's first
@@ -156,11 +161,18 @@ def _calibrate() -> dict[str, Any]:
               f"{calib['trace'][recipe] / 2**20:.1f} MiB", flush=True)  # fmt: skip
         grads = sum(p.numel() * 4 for p in build().parameters())
         sizes += [grads, grads // 8]
-    for n in (2, 4):
-        calib["comm"][n] = probe(n, sizes)
-        print(f"probe {n}: process group {calib['comm'][n].runtime_bytes[n] / 2**20:.1f} MiB, "
-              + ", ".join(f"{k}: alpha {v.alpha * 1e6:.0f} us, {v.bandwidth / 1e9:.2f} GB/s"
-                          for (k, m), v in calib["comm"][n].links.items() if m == n), flush=True)  # fmt: skip
+    for recipe in BATCH:
+        # Per recipe: the probe also runs the model's step side by side (Concurrency).
+        _, build, example, loss, optimizer, _ = resolve_model(recipe, None)
+        work = partial(model_step, build, example(BATCH[recipe]), loss, optimizer)
+        for n in (2, 4):
+            c = calib["comm"][(recipe, n)] = probe(n, sizes, work=work)
+            side = c.concurrency.get(n)
+            print(f"probe {recipe} {n}: process group {c.runtime_bytes[n] / 2**20:.1f} MiB, "
+                  f"meeting {c.meeting[n] * 1e3:.2f} ms, side by side "
+                  + (f"x{side.factor:.2f}, slowest of {n} x{side.sync(n):.2f}; " if side else "-; ")
+                  + ", ".join(f"{k}: alpha {v.alpha * 1e6:.0f} us, {v.bandwidth / 1e9:.2f} GB/s"
+                              for (k, m), v in c.links.items() if m == n), flush=True)  # fmt: skip
     return calib
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -91,6 +93,34 @@ def test_pipeline_rows_have_a_bubble_and_gpipe_holds_more_activations() -> None:
     assert f1b.time.bubble > 0  # type: ignore[attr-defined]
     assert gpipe.memory.activations > f1b.memory.activations  # type: ignore[attr-defined]
     assert rows["ddp dp=2"].time.bubble == 0  # type: ignore[attr-defined]
+
+
+def test_the_busiest_stage_waits_for_a_microbatch_of_each_other_stage() -> None:
+    # It was (pp-1)/M of the busiest stage's own work, whatever the others held: the
+    # ConvNet's 2-stage pipeline, whose first stage holds most FLOPs, predicted +56%.
+    compute = Compute(fixed=0.0, per_sample=0.001, optimizer=0.0, source="t")
+    free = CommModel(default=Link(0, 1e15))
+    layout = Layout("pipeline", pp=2, schedule="1f1b", microbatches=4)
+
+    def row(build: Any) -> Any:
+        p = profile_model(build, _example(8), nn.functional.cross_entropy, _adam)
+        with torch.device("meta"):
+            layers = list_layers(build())
+        return estimate(
+            layout, p, layers=layers, tp_plan=None, compute=compute, comm=free,
+            hw=PROFILES["h100-sxm"], overlap=0.0,
+        ).time  # fmt: skip
+
+    whole = 0.001 * 8  # the whole model's forward and backward of the batch
+    for build in (
+        lambda: nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)),
+        lambda: nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 512)),
+    ):
+        t = row(build)
+        # The other stage's share of the work, one microbatch of M=4 at each end.
+        assert t.bubble == pytest.approx((whole - t.compute) / 4)
+    # With one stage far busier, far less than (pp-1)/M of its own work.
+    assert t.bubble < 0.5 * t.compute / 4
 
 
 def test_rows_that_do_not_fit_say_where() -> None:
@@ -228,6 +258,118 @@ def test_measured_machinery_is_added_to_tensor_and_fsdp_rows_only() -> None:
         (Layout("fsdp x tp", dp=2, tp=2), 0.07),
     ):
         assert total(layout, costly) - total(layout, base) == pytest.approx(extra)
+    # A pipeline's machinery, measured for the whole model as one stage: a stage pays
+    # its share of it (its share of the FLOPs).
+    piped = Compute(fixed=0.0, per_sample=0.001, optimizer=0.0, source="t",
+                    overhead={"pipeline": 0.04})  # fmt: skip
+    stage = Layout("pipeline", pp=2, schedule="1f1b", microbatches=2)
+    extra = total(stage, piped) - total(stage, base)
+    assert 0.02 <= extra < 0.04  # the busiest of 2 stages: at least half
+    assert total(Layout("ddp", dp=2), piped) == pytest.approx(total(Layout("ddp", dp=2), base))
+
+
+def test_the_pipeline_machinery_is_measured_as_one_stage() -> None:
+    from scaletrain.plan.overhead import measure_overheads
+
+    found = measure_overheads(
+        _wide, _wide_example(8), nn.functional.cross_entropy, _adam,
+        tp_plan=None, layers=["0", "2"], microbatches=4, repeats=3,
+    )  # fmt: skip
+    assert found is not None and set(found) == {"fsdp", "pipeline"}
+    # The traced graph and the 1F1B schedule over 4 microbatches, against the plain
+    # model over the same 4 microbatches: Python per op and per microbatch.
+    assert found["pipeline"] > 1e-4
+    # Microbatches that do not divide the batch: not measured (the strategy refuses).
+    odd = measure_overheads(
+        _wide, _wide_example(6), nn.functional.cross_entropy, _adam,
+        tp_plan=None, layers=["0", "2"], microbatches=4, repeats=1,
+    )  # fmt: skip
+    assert odd is not None and "pipeline" not in odd
+
+
+def test_a_slowest_rank_is_the_median_of_the_maximum() -> None:
+    from scaletrain.plan.comm import Concurrency
+
+    even = Concurrency(ranks=2, factor=1.0, spread=tuple(0.5 + i / 100 for i in range(101)))
+    assert even.sync(1) == 1.0  # one rank waits for no one
+    # The maximum of n draws is below v with probability F(v)^n: its median is the
+    # 0.5^(1/n) quantile (0.707 of the way for 2, 0.841 for 4).
+    assert even.sync(2) == pytest.approx(0.5 + 0.5**0.5, abs=0.011)
+    assert even.sync(4) == pytest.approx(0.5 + 0.5**0.25, abs=0.011)
+    assert Concurrency(ranks=2, factor=1.0, spread=(1.0, 1.0, 1.0)).sync(8) == 1.0
+    assert Concurrency(ranks=2, factor=1.0, spread=()).sync(8) == 1.0
+
+
+def test_side_by_side_costs_count_on_this_machine_only() -> None:
+    from scaletrain.plan.comm import Concurrency
+
+    p = profile_model(_mlp, _example(8), nn.functional.cross_entropy, _adam)
+    with torch.device("meta"):
+        layers = list_layers(_mlp())
+    compute = Compute(fixed=0.0, per_sample=0.001, optimizer=0.0, source="t")
+    cpu = Hardware("cpu", "2 cores", 10**12, {}, Link(0, 1e15), Link(0, 1e15), cores=2)
+    side = Concurrency(ranks=2, factor=1.25, spread=(0.9, 1.0, 1.0, 1.2, 1.4))
+    quiet = CommModel(default=Link(0, 1e15))
+    measured = CommModel(default=Link(0, 1e15), meeting={2: 0.003}, concurrency={2: side})
+
+    def time(layout: Layout, comm: CommModel, hw: Hardware) -> Any:
+        return estimate(
+            layout, p, layers=layers, tp_plan=None, compute=compute, comm=comm, hw=hw,
+            overlap=0.0,
+        ).time  # fmt: skip
+
+    ddp = Layout("ddp", dp=2)
+    base, busy = time(ddp, quiet, cpu), time(ddp, measured, cpu)
+    # Ranks side by side: 1.25x the CPU; waiting for the slowest of 2 (spread's 0.707
+    # quantile: 1.2 + 0.83 x 0.2); one blocking all-reduce at 3 ms.
+    assert busy.compute == pytest.approx(base.compute * 1.25)
+    assert busy.wait == pytest.approx(busy.compute * (side.sync(2) - 1))
+    assert busy.exposed == pytest.approx(base.exposed + 0.003)
+    assert busy.total == pytest.approx(busy.compute + busy.exposed + busy.wait)
+    # FSDP meets three times per unit (two all-gathers and a reduce-scatter).
+    fsdp = (
+        time(Layout("fsdp", dp=2), measured, cpu).exposed
+        - time(Layout("fsdp", dp=2), quiet, cpu).exposed
+    )
+    assert fsdp == pytest.approx(3 * len(layers) * 0.003)
+    # On a profile (GPUs: the collectives run on the devices' own engines) not counted.
+    gpu = PROFILES["h100-sxm"]
+    assert time(ddp, measured, gpu).total == pytest.approx(time(ddp, quiet, gpu).total)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_the_probe_measures_ranks_side_by_side() -> None:
+    from functools import partial
+
+    from scaletrain.plan.comm import probe
+    from scaletrain.plan.overhead import model_step
+
+    work = partial(model_step, _wide, _wide_example(16), nn.functional.cross_entropy, _adam)
+    comm = probe(2, [4096, 65536], work=work)
+    assert {("all_reduce", 2), ("all_gather", 2), ("send", 2)} <= set(comm.links)
+    assert comm.meeting[2] >= 0.0
+    side = comm.concurrency[2]
+    assert side.ranks == 2 and side.factor >= 1.0
+    assert len(side.spread) >= 3 and list(side.spread) == sorted(side.spread)
+    assert side.spread[len(side.spread) // 2] == pytest.approx(1.0, rel=0.5)
+    # Without the model's step: collectives and the meeting cost only.
+    bare = probe(2, [4096, 65536])
+    assert 2 in bare.meeting and not bare.concurrency
+
+
+def test_a_step_that_does_not_pickle_is_not_sent_to_the_probe() -> None:
+    from scaletrain.plan.api import _picklable_step
+    from scaletrain.train.planning import resolve_model
+
+    assert _picklable_step(_wide, _wide_example(4), nn.functional.cross_entropy, _adam)
+    assert (
+        _picklable_step(lambda: _wide(), _wide_example(4), nn.functional.cross_entropy, _adam)
+        is None
+    )
+    # The recipes' pieces pickle (the probe's processes build the step from them).
+    _, build, example, loss, optimizer, _ = resolve_model("gpt", None)
+    assert _picklable_step(build, example(2), loss, optimizer) is not None
 
 
 def test_calibrated_growth_holds_the_optimizer_state() -> None:

@@ -7,6 +7,7 @@ import statistics
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -57,13 +58,13 @@ class Plan:
         mib = 2**20
         head = (
             f"{'layout':<28} {'fits':<5} {'params':>8} {'grads':>8} {'optim':>8} {'acts':>8} "
-            f"{'buffers':>8} {'runtime':>8} {'total':>8} | {'compute':>8} {'comm':>8} {'bubble':>8} {'step':>8} {'samples/s':>10}"
+            f"{'buffers':>8} {'runtime':>8} {'total':>8} | {'compute':>8} {'comm':>8} {'bubble':>8} {'wait':>8} {'step':>8} {'samples/s':>10}"
         )
         lines = [
             f"{self.model} on {self.devices} device(s) x {self.nodes} node(s), "
             f"{self.hardware.description}, precision {self.precision}, batch "
             f"{self.profile.batch_size} per replica; memory MiB per device, time ms per step "
-            "(comm = exposed communication)",
+            "(comm = exposed communication, wait = for the slowest rank)",
             head,
             "-" * len(head),
         ]
@@ -76,7 +77,7 @@ class Plan:
                 f"{m.activations / mib:8.1f} {m.buffers / mib:8.1f} {(m.runtime + m.group) / mib:8.1f} "
                 f"{m.total / mib:8.1f} | "
                 f"{t.compute * 1e3:8.1f} {t.exposed * 1e3:8.1f} {t.bubble * 1e3:8.1f} "
-                f"{t.total * 1e3:8.1f} {throughput(r, self.profile.batch_size):10,.0f}"
+                f"{t.wait * 1e3:8.1f} {t.total * 1e3:8.1f} {throughput(r, self.profile.batch_size):10,.0f}"
             )
             if r.overflow:
                 lines.append(f"    does not fit: {r.overflow}")
@@ -196,17 +197,19 @@ def _with_overheads(
     optimizer: Callable[[Any], torch.optim.Optimizer],
     tp_plan: Mapping[str, str] | None,
     layers: list[Layer],
+    microbatches: int | None,
     assumptions: list[str],
 ) -> Compute:
     from scaletrain.plan.overhead import measure_overheads
 
     found = measure_overheads(
-        build, batch, loss_fn, optimizer, tp_plan=tp_plan, layers=[x.name for x in layers]
-    )
+        build, batch, loss_fn, optimizer, tp_plan=tp_plan, layers=[x.name for x in layers],
+        microbatches=microbatches,
+    )  # fmt: skip
     if found is None:
         assumptions.append(
-            "tensor parallel's and FSDP's own per-step cost not measured (this process is "
-            "already in a process group): their rows count FLOPs and collectives only"
+            "tensor parallel's, FSDP's and pipelines' own per-step cost not measured (this "
+            "process is already in a process group): their rows count FLOPs and collectives only"
         )
         return compute
     assumptions.append(
@@ -214,6 +217,47 @@ def _with_overheads(
         + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in found.items())
     )
     return replace(compute, overhead={**compute.overhead, **found})
+
+
+def _picklable_step(
+    build: Callable[[], nn.Module],
+    batch: tuple[Any, Any],
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    optimizer: Callable[[Any], torch.optim.Optimizer],
+) -> Callable[[], Callable[[], None]] | None:
+    """The model's step for the probe's processes, or None where it does not pickle (a
+    factory or loss defined in a function, a lambda): those go by reference only."""
+    import pickle
+
+    from scaletrain.plan.overhead import model_step
+
+    work = partial(model_step, build, batch, loss_fn, optimizer)
+    try:
+        pickle.dumps(work)
+    except Exception:
+        return None
+    return work
+
+
+def _say_side_by_side(comm: CommModel, devices: int, tried: bool, assumptions: list[str]) -> None:
+    """The probe's measurements of ranks sharing this machine, as assumptions."""
+    if devices in comm.meeting:
+        assumptions.append(
+            f"a collective reached from work (every core busy) costs "
+            f"{comm.meeting[devices] * 1e3:.2f} ms beyond a quiet one (measured)"
+        )
+    side = comm.concurrency.get(devices)
+    if side is not None:
+        assumptions.append(
+            f"{side.ranks} ranks stepping side by side take x{side.factor:.2f} the CPU of one "
+            f"alone, and each step waits for the slowest of {devices} (x{side.sync(devices):.2f} "
+            "a median step): measured"
+        )
+    elif devices > 1:
+        why = "the model's factory, loss or optimizer does not pickle" if not tried else "it failed"
+        assumptions.append(
+            f"ranks side by side not measured ({why}): no contention, no wait for the slowest"
+        )
 
 
 def throughput(row: Estimate, batch: int) -> float:
@@ -232,7 +276,7 @@ def _recommend(rows: list[Estimate], batch: int) -> tuple[Estimate | None, str]:
         f"{best.layout.label}: the highest throughput that fits, "
         f"{throughput(best, batch):,.0f} samples/s ({t.total * 1e3:.1f} ms per step of "
         f"{batch * best.layout.dp} samples: compute {t.compute * 1e3:.1f}, exposed comm "
-        f"{t.exposed * 1e3:.1f}, bubble {t.bubble * 1e3:.1f})"
+        f"{t.exposed * 1e3:.1f}, bubble {t.bubble * 1e3:.1f}, wait {t.wait * 1e3:.1f})"
     )
     if len(fitting) > 1:
         nxt = fitting[1]
@@ -309,7 +353,9 @@ def plan_model(
             from scaletrain.plan.comm import probe
 
             sizes = sorted({profile.grad_bytes, max(4096, profile.grad_bytes // 8)})
-            comm = probe(devices, sizes) if devices > 1 else CommModel()
+            work = _picklable_step(build, example(batch_size), loss_fn, optimizer)
+            comm = probe(devices, sizes, work=work) if devices > 1 else CommModel()
+            _say_side_by_side(comm, devices, work is not None, assumptions)
         else:
             comm = CommModel(default=hw.intra, source=hw.name)
             assumptions.append(
@@ -327,11 +373,18 @@ def plan_model(
             assumptions.append(
                 f"a pipeline rank's trace of the model: {traced / 2**20:.1f} MiB (measured)"
             )
-    machinery = any(x.tp > 1 or (x.strategy.startswith("fsdp") and x.dp > 1) for x in layouts)
-    if hardware is None and machinery and not {"tensor", "fsdp"} & set(compute.overhead):
+    machinery = any(
+        x.tp > 1 or x.pp > 1 or (x.strategy.startswith("fsdp") and x.dp > 1) for x in layouts
+    )
+    if (
+        hardware is None
+        and machinery
+        and not {"tensor", "fsdp", "pipeline"} & set(compute.overhead)
+    ):
         # Per op, not per sample: measured at a small batch, which keeps it to seconds.
+        microbatches = staged[0].microbatches if staged else None
         compute = _with_overheads(compute, build, example(min(batch_size, 8)), loss_fn,
-                                  optimizer, tp_plan, layers, assumptions)  # fmt: skip
+                                  optimizer, tp_plan, layers, microbatches, assumptions)  # fmt: skip
     if compute.measured_growth is not None and not compute.runtime_bytes:
         one = estimate(
             Layout("ddp"), profile, layers=layers, tp_plan=None, compute=compute,

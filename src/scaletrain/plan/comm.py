@@ -13,6 +13,19 @@ bytes for an all-gather or a reduce-scatter (bytes = the whole, unsharded tensor
 On this machine the probe starts N Gloo processes on loopback, times each collective
 at the sizes the plan will use, and fits alpha and bandwidth per collective (least
 squares on the formula's own factors), so the model is the measured one at those sizes.
+
+The same processes measure what ranks sharing this machine cost each other, which
+the quiet collectives above do not show:
+
+- a collective reached from work (`meeting`): every core is busy up to it, so its
+  threads wait to be scheduled and the ranks arrive apart. Here (2 cores) 0.2-0.9 ms
+  more than a quiet one at 2 processes, 1-2.7 ms at 4: the gpt recipe's FSDP and
+  tensor-parallel steps hold 16-30 such collectives.
+- given the model's step (`work`), the step side by side against alone, in turns
+  (`Concurrency`): the CPU it takes (x1.00-1.17 here: the shared caches and memory),
+  and how much one rank's step varies, which synchronous ranks wait for. Timed one
+  run after the other instead, the drift of this machine (the same 1-process run
+  took 20 to 32 ms a step within minutes) looked like a 15-35% slowdown.
 """
 
 from __future__ import annotations
@@ -28,7 +41,7 @@ from typing import Any
 
 from scaletrain.plan.hardware import Link
 
-__all__ = ["KINDS", "CommModel", "collective_time", "fit_link", "probe"]
+__all__ = ["KINDS", "CommModel", "Concurrency", "collective_time", "fit_link", "probe"]
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "send")
 
@@ -71,6 +84,33 @@ def fit_link(kind: str, n: int, samples: Sequence[tuple[float, float]]) -> Link:
     return Link(alpha=intercept / messages, bandwidth=moved / slope)
 
 
+@dataclass(frozen=True, slots=True)
+class Concurrency:
+    """How ranks stepping side by side on this machine's cores slow each other."""
+
+    ranks: int
+    """Ranks that stepped at once (the group's size, at most the cores)."""
+    factor: float
+    """A rank's CPU seconds per step among them / alone (>= 1 when they contend for
+    caches and memory bandwidth)."""
+    spread: tuple[float, ...]
+    """Steps' wall times among them, each / their median, sorted: how much one rank's
+    step varies, which every synchronous rank waits for (see `sync`)."""
+
+    def sync(self, ranks: int) -> float:
+        """Median of the slowest of `ranks` independent steps, / one step's median.
+
+        Ranks that meet at every step (a collective) each wait for the slowest; the
+        maximum of n draws is below a value v with probability F(v)^n, so its median
+        is the 0.5^(1/n) quantile of one step's times."""
+        if ranks <= 1 or not self.spread:
+            return 1.0
+        q = 0.5 ** (1 / ranks) * (len(self.spread) - 1)
+        lo = int(q)
+        hi = min(lo + 1, len(self.spread) - 1)
+        return max(1.0, self.spread[lo] + (self.spread[hi] - self.spread[lo]) * (q - lo))
+
+
 @dataclass(slots=True)
 class CommModel:
     """Links per (collective, group size): measured here, or one profile's for all."""
@@ -80,6 +120,13 @@ class CommModel:
     source: str = "measured"
     runtime_bytes: dict[int, int] = field(default_factory=dict)
     """RSS a rank's process group and collectives added (bytes), by group size."""
+    meeting: dict[int, float] = field(default_factory=dict)
+    """By group size: seconds each blocking collective costs beyond the quiet one when
+    the ranks come to it from work (measured on this CPU machine; none on a profile,
+    where a device's own engines run the collectives)."""
+    concurrency: dict[int, Concurrency] = field(default_factory=dict)
+    """By group size: ranks stepping side by side (measured when the probe got the
+    model's step)."""
 
     def time(self, kind: str, nbytes: float, n: int, link: Link | None = None) -> float:
         if n <= 1 or nbytes <= 0:
@@ -95,13 +142,137 @@ class CommModel:
         return collective_time(kind, nbytes, n, chosen)
 
 
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
-def _probe_rank(rank: int, n: int, port: int, sizes: list[int], repeats: int, q: Any) -> None:
+def _timed_steps(step: Callable[[], Any], seconds: float) -> list[tuple[float, float]]:
+    """(CPU, wall) seconds of each step, for about `seconds` and at least 3 steps."""
+    out: list[tuple[float, float]] = []
+    end = time.perf_counter() + seconds
+    while len(out) < 3 or time.perf_counter() < end:
+        c0, w0 = time.process_time(), time.perf_counter()
+        step()
+        out.append((time.process_time() - c0, time.perf_counter() - w0))
+    return out
+
+
+def _side_by_side(
+    rank: int, work: Callable[[], Callable[[], Any]], cores: int, turns: int = 2
+) -> Concurrency | None:
+    """Rank 0 steps alone, then with the ranks below `cores` beside it, in turns (a
+    drift of the machine hits both); the others wait in a barrier (blocked, not
+    spinning). The spread pools every busy rank's steps, each over its own median in
+    its turn: a drift of the machine that slows every rank alike makes no rank wait."""
+    import torch.distributed as dist
+
+    busy = min(dist.get_world_size(), cores)
+    step = None
+    if rank < busy:
+        try:  # a model that fails here is the training's to explain: no measurement
+            step = work()
+            step()
+            step()  # warm-up: the allocator, the optimizer's state
+        except Exception:
+            step = None
+    alone: list[float] = []
+    cpu: list[float] = []
+    spread: list[float] = []
+    for _ in range(turns):
+        dist.barrier()
+        if rank == 0 and step is not None:
+            alone += [c for c, _ in _timed_steps(step, 0.4)]
+        dist.barrier()
+        if step is not None:
+            timed = _timed_steps(step, 0.4)
+            cpu += [c for c, _ in timed]
+            mid = statistics.median(w for _, w in timed)
+            spread += [w / mid for _, w in timed]
+        dist.barrier()
+    pooled: list[list[float]] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(pooled, spread)
+    if rank != 0 or not alone or busy < 2:
+        return None
+    factor = statistics.median(cpu) / max(statistics.median(alone), 1e-9)
+    return Concurrency(busy, max(1.0, factor), tuple(sorted(x for r in pooled for x in r)))
+
+
+def _meeting_cost(rank: int, cores: int, turns: int = 2, meetings: int = 15) -> float:
+    """Seconds a collective costs when the ranks come to it from work, beyond the work
+    and what the quiet collective costs (which the alpha-beta fit holds).
+
+    On a CPU the ranks' cores are busy up to the collective; the collective's threads
+    then wait to be scheduled, and the ranks arrive apart. Measured: every rank runs
+    a ~2 ms piece of work then a one-element all-reduce, `meetings` times; against
+    rank 0's piece alone (taking turns for a core when there are more ranks than
+    cores) and the quiet all-reduce. Here (2 cores): 0.2-0.9 ms per meeting at 2
+    ranks and 1-2.7 ms at 4, beyond a quiet all-reduce's 1-3 ms."""
+    import torch
+    import torch.distributed as dist
+
+    n = dist.get_world_size()
+    a = torch.ones(96, 96)
+    tiny = torch.zeros(1)
+    t0 = time.perf_counter()
+    for _ in range(20):
+        torch.mm(a, a)
+    count = torch.tensor([max(1.0, 0.002 / max((time.perf_counter() - t0) / 20, 1e-7))])
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)  # every rank the same piece
+
+    def piece() -> None:
+        for _ in range(int(count.item())):
+            torch.mm(a, a)
+
+    alone: list[float] = []
+    quiet: list[float] = []
+    loaded: list[float] = []
+    piece()
+    dist.all_reduce(tiny)
+    for _ in range(turns):
+        dist.barrier()
+        if rank == 0:
+            for _ in range(5):
+                w0 = time.perf_counter()
+                piece()
+                alone.append(time.perf_counter() - w0)
+        for _ in range(5):
+            dist.barrier()
+            w0 = time.perf_counter()
+            dist.all_reduce(tiny)
+            quiet.append(time.perf_counter() - w0)
+        dist.barrier()
+        w0 = time.perf_counter()
+        for _ in range(meetings):
+            piece()
+            dist.all_reduce(tiny)
+        loaded.append((time.perf_counter() - w0) / meetings)
+    if rank != 0:
+        return 0.0
+    turns_for_a_core = max(1.0, n / cores)
+    return max(
+        0.0,
+        statistics.median(loaded)
+        - statistics.median(alone) * turns_for_a_core
+        - statistics.median(quiet),
+    )
+
+
+def _probe_rank(
+    rank: int,
+    n: int,
+    port: int,
+    sizes: list[int],
+    repeats: int,
+    q: Any,
+    work: Callable[[], Callable[[], Any]] | None = None,
+    cores: int = 1,
+) -> None:
     import warnings
 
     import torch
@@ -143,16 +314,28 @@ def _probe_rank(rank: int, n: int, port: int, sizes: list[int], repeats: int, q:
         grown = torch.tensor([out["growth"]], dtype=torch.float64)
         dist.all_reduce(grown, op=dist.ReduceOp.MAX)
         out["growth"] = int(grown.item())
+        out["meeting"] = _meeting_cost(rank, cores)
+        if work is not None:
+            out["concurrency"] = _side_by_side(rank, work, cores)
     finally:
         dist.destroy_process_group()
     if rank == 0:
         q.put(out)
 
 
-def probe(n: int, sizes: Sequence[int], *, repeats: int = 5, timeout: float = 120.0) -> CommModel:
+def probe(
+    n: int,
+    sizes: Sequence[int],
+    *,
+    repeats: int = 5,
+    timeout: float = 120.0,
+    work: Callable[[], Callable[[], Any]] | None = None,
+) -> CommModel:
     """Measure Gloo on loopback over `n` processes at `sizes` (bytes); fit each collective.
 
-    Takes a few seconds (starting the processes dominates). Ranks run one thread each.
+    `work` (picklable: it goes to the spawned ranks) returns the model's training step;
+    given it, the ranks also measure `Concurrency`. Takes a few seconds (starting the
+    processes dominates). Ranks run one thread each.
     """
     import multiprocessing as mp
 
@@ -166,7 +349,11 @@ def probe(n: int, sizes: Sequence[int], *, repeats: int = 5, timeout: float = 12
     if len(chosen) < 2:
         chosen = [chosen[0] // 4 or 4096, *chosen]
     procs = [
-        ctx.Process(target=_probe_rank, args=(r, n, port, chosen, repeats, q), daemon=True)
+        ctx.Process(
+            target=_probe_rank,
+            args=(r, n, port, chosen, repeats, q, work, _cores()),
+            daemon=True,
+        )
         for r in range(n)
     ]
     for p in procs:
@@ -190,6 +377,10 @@ def probe(n: int, sizes: Sequence[int], *, repeats: int = 5, timeout: float = 12
             if p.is_alive():
                 p.kill()
     model.runtime_bytes[n] = int(result.pop("growth"))
+    model.meeting[n] = float(result.pop("meeting"))
+    side = result.pop("concurrency", None)
+    if side is not None:
+        model.concurrency[n] = side
     for kind, samples in result.items():
         model.links[(kind, n)] = fit_link(kind, n, samples)
     # A point-to-point send moves the same bytes once: an all-gather between 2 is one.

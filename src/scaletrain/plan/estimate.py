@@ -10,10 +10,12 @@ gradients live in its buckets from setup on, everything else appears in the step
 
 Step time: compute (measured seconds per sample and per optimizer step, scaled by the
 share of FLOPs and parameters each device holds), exposed communication (alpha-beta
-collectives, less the overlap with the backward) and the pipeline bubble
-((pp-1)/M of a stage's work for 1F1B and GPipe, divided by the virtual stages for
-interleaved 1F1B). On a CPU with more processes than cores, the processes take turns:
-compute is multiplied by processes/cores.
+collectives, less the overlap with the backward) and the pipeline bubble (a
+microbatch of every other stage: (pp-1)/M of a stage's work for 1F1B and GPipe when
+the stages are equal, divided by the virtual stages for interleaved 1F1B). On a CPU with more processes than cores, the processes take turns:
+compute is multiplied by processes/cores. On this machine, given the probe's
+side-by-side measurement (comm.Concurrency), compute also grows by what ranks running
+at once cost each other, and the step adds the wait for the slowest rank.
 """
 
 from __future__ import annotations
@@ -60,7 +62,8 @@ class Compute:
     overhead: Mapping[str, float] = field(default_factory=dict)
     """CPU seconds per step a rank spends beyond the model's own work, measured:
     "step", the training runtime's step around it (every row); "tensor", DTensor's
-    dispatch; "fsdp", its hooks (plan/overhead.py)."""
+    dispatch; "fsdp", its hooks; "pipeline", the traced graph and the schedule, for
+    the whole model as one stage (plan/overhead.py)."""
 
     def fwd_bwd(self, samples: float) -> float:
         return self.fixed + self.per_sample * samples
@@ -144,10 +147,13 @@ class StepTime:
     slowdown: float = 1.0
     """Compute and bubble are multiplied by this: ranks and other programs sharing
     this machine's cores (1 for a profile)."""
+    wait: float = 0.0
+    """Waiting for the slowest rank: steps vary, and synchronous ranks meet at every
+    step (measured spread; 0 for a profile)."""
 
     @property
     def total(self) -> float:
-        return self.compute + self.exposed + self.bubble
+        return self.compute + self.exposed + self.bubble + self.wait
 
     @property
     def cpu(self) -> float:
@@ -217,6 +223,7 @@ def estimate(
     dp, tp, pp = layout.dp, layout.tp, layout.pp
     frac_p = frac_f = 1.0  # share of parameters / FLOPs on the busiest device
     acts, buffers, comm_s, exposed_free, bubble_units = float(A), 0.0, 0.0, 0.0, 0.0
+    meetings = 0  # blocking collectives per step on the busiest rank
     samples = float(B)
     per_node = max(1, layout.devices // max(1, nodes))
     inner = hw.inter if tp > per_node else None
@@ -229,6 +236,7 @@ def estimate(
         fwd = comm.time("all_reduce", parts["fwd_bytes"] / max(1, parts["fwd_msgs"]), tp, inner)
         bwd = comm.time("all_reduce", parts["bwd_bytes"] / max(1, parts["bwd_msgs"]), tp, inner)
         exposed_free += parts["fwd_msgs"] * fwd + parts["bwd_msgs"] * bwd  # on the critical path
+        meetings += parts["fwd_msgs"] + parts["bwd_msgs"]
     m = layout.microbatches or 1
     virtual_split = layout.schedule == "interleaved-1f1b"
     stage_share = 1.0
@@ -252,8 +260,12 @@ def estimate(
         buffers += 2 * boundary / m
         send = comm.time("send", boundary / m, 2, hw.inter if pp * tp > per_node else None)
         exposed_free += 2 * m * send
+        meetings += 2 * m
         virtual = 2 if layout.schedule == "interleaved-1f1b" else 1
-        bubble_units = (pp - 1) / (m * virtual)
+        # The busiest stage waits while the others fill and drain the pipeline: one
+        # microbatch of each other stage, (pp-1)/M of its own work when they are equal.
+        # Unequal stages (the ConvNet's first holds most of its FLOPs) wait for less.
+        bubble_units = (1 - stage_share) / max(stage_share, 1e-9) / (m * virtual)
     params, grads, opt = P * frac_p, G * frac_p, Opt * frac_p
     if layout.strategy in ("fsdp", "fsdp x tp") and dp > 1:
         units = [profile.modules[layer.name].param_bytes * frac_p for layer in layers] or [P]
@@ -262,6 +274,7 @@ def estimate(
             2 * comm.time("all_gather", u, dp, outer) + comm.time("reduce_scatter", u, dp, outer)
             for u in units
         )
+        meetings += 3 * len(units)  # two all-gathers (forward, backward), a reduce-scatter
         top = sorted(units, reverse=True)
         buffers += sum(top[:2]) + top[0]
         params, grads, opt = params / dp, grads / dp, opt / dp
@@ -269,6 +282,7 @@ def estimate(
         outer = hw.inter if layout.devices > per_node else None
         n_buckets = max(1, -(-int(grads) // DDP_BUCKET_BYTES))
         comm_s += n_buckets * comm.time("all_reduce", grads / n_buckets, dp, outer)
+        meetings += n_buckets
         if hw.cores is not None:
             # Gloo (this CPU machine) reduces a bucket through working buffers of about
             # its size, allocated at the first backward, after setup: the gpt recipe's
@@ -283,6 +297,15 @@ def estimate(
         work += compute.overhead.get("tensor", 0.0)
     if layout.strategy in ("fsdp", "fsdp x tp") and dp > 1:
         work += compute.overhead.get("fsdp", 0.0)
+    if pp > 1:
+        # A stage runs its share of the traced graph's ops (measured as one stage).
+        work += compute.overhead.get("pipeline", 0.0) * stage_share
+    # Ranks stepping side by side on this machine's cores slow each other (shared
+    # caches and memory bandwidth: more CPU per step), and every rank waits for the
+    # slowest at each step's collectives (both measured by the probe, given the step).
+    side = comm.concurrency.get(layout.devices) if hw.cores is not None else None
+    contention = side.factor if side is not None else 1.0
+    work *= contention
     slowdown = 1.0
     if hw.cores is not None:
         # Every rank wants a core, and so do other programs (their load inferred from
@@ -293,8 +316,11 @@ def estimate(
         wanted = compute.background(hw.cores) + active
         slowdown = max(1.0, wanted / hw.cores)
     work *= slowdown
-    bubble = fwd_bwd * bubble_units * slowdown
+    bubble = fwd_bwd * contention * bubble_units * slowdown
+    wait = (work + bubble) * (side.sync(layout.devices) - 1) if side is not None else 0.0
     exposed = comm_s * (1 - overlap) + exposed_free
+    if hw.cores is not None:
+        exposed += meetings * comm.meeting.get(layout.devices, 0.0)
     memory = Memory(
         params=int(params),
         grads=int(grads),
@@ -320,6 +346,7 @@ def estimate(
             exposed=exposed,
             bubble=bubble,
             slowdown=slowdown,
+            wait=wait,
         ),
         fits=fits,
         overflow=overflow,

@@ -13,6 +13,7 @@ import json
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -55,10 +56,8 @@ def resolve_model(
         )
     if model is None:
         r = get_recipe(recipe or "convnet")
-        return (
-            r.name, r.build, r.example, r.loss,
-            lambda ps: r.optimizer(ps, r.lr), r.batch_size,
-        )  # fmt: skip
+        # Picklable (no lambdas): the probe's processes build the model's step.
+        return r.name, r.build, r.example, r.loss, partial(r.optimizer, lr=r.lr), r.batch_size
     if callable(model):
         raise ConfigError(
             f"{spell('model', model)}: give the model as 'module:factory' so its example "
@@ -83,11 +82,12 @@ def resolve_model(
             f"targets); {'found no callable ' + repr(attr) if not callable(factory) else 'no example()'}.",
             field="model",
         )
+    return where, factory, example, _token_loss, torch.optim.AdamW, 32
 
-    def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
 
-    return where, factory, example, loss, lambda ps: torch.optim.AdamW(ps), 32
+def _token_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy over the last dimension (a model given as module:factory)."""
+    return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
 
 
 def _tp_plan(
