@@ -323,18 +323,21 @@ def test_side_by_side_costs_count_on_this_machine_only() -> None:
     # Ranks side by side: 1.25x the CPU; waiting for the slowest of 2 (spread's 0.707
     # quantile: 1.2 + 0.83 x 0.2); one blocking all-reduce at 3 ms.
     assert busy.compute == pytest.approx(base.compute * 1.25)
-    assert busy.wait == pytest.approx(busy.compute * (side.sync(2) - 1))
-    assert busy.exposed == pytest.approx(base.exposed + 0.003)
+    assert busy.wait == pytest.approx(busy.compute * (side.sync(2) - 1) + 0.003)
+    assert busy.exposed == pytest.approx(base.exposed)  # waiting, not communication
     assert busy.total == pytest.approx(busy.compute + busy.exposed + busy.wait)
+    assert busy.cpu == pytest.approx(busy.compute + busy.exposed)  # and not CPU either
     # FSDP meets three times per unit (two all-gathers and a reduce-scatter).
-    fsdp = (
-        time(Layout("fsdp", dp=2), measured, cpu).exposed
-        - time(Layout("fsdp", dp=2), quiet, cpu).exposed
-    )
-    assert fsdp == pytest.approx(3 * len(layers) * 0.003)
+    fsdp = time(Layout("fsdp", dp=2), measured, cpu)
+    meetings = fsdp.wait - fsdp.compute * (side.sync(2) - 1)
+    assert meetings == pytest.approx(3 * len(layers) * 0.003)
     # On a profile (GPUs: the collectives run on the devices' own engines) not counted.
     gpu = PROFILES["h100-sxm"]
     assert time(ddp, measured, gpu).total == pytest.approx(time(ddp, quiet, gpu).total)
+
+
+def _broken() -> nn.Module:
+    raise RuntimeError("this model cannot be built")
 
 
 @pytest.mark.slow
@@ -348,28 +351,32 @@ def test_the_probe_measures_ranks_side_by_side() -> None:
     work = partial(model_step, _wide, _wide_example(16), nn.functional.cross_entropy, _adam)
     comm = probe(2, [4096, 65536], work=work)
     assert {("all_reduce", 2), ("all_gather", 2), ("send", 2)} <= set(comm.links)
-    assert comm.meeting[2] >= 0.0
+    assert 2 in comm.meeting
     side = comm.concurrency[2]
-    assert side.ranks == 2 and side.factor >= 1.0
-    assert len(side.spread) >= 3 and list(side.spread) == sorted(side.spread)
-    assert side.spread[len(side.spread) // 2] == pytest.approx(1.0, rel=0.5)
-    # Without the model's step: collectives and the meeting cost only.
-    bare = probe(2, [4096, 65536])
-    assert 2 in bare.meeting and not bare.concurrency
+    assert side.ranks == 2 and side.factor < 3
+    # 2 ranks x 2 turns x at least 5 steps, each over its turn's median.
+    assert len(side.spread) >= 20 and list(side.spread) == sorted(side.spread)
+    assert side.spread[len(side.spread) // 2] == pytest.approx(1.0, rel=0.2)
+    # A step that cannot be sent (a lambda) or fails in the ranks: collectives and the
+    # meeting cost only, and no failure (the plan goes on without it).
+    for bad in (
+        partial(model_step, lambda: _wide(), _wide_example(4), nn.functional.cross_entropy, _adam),
+        partial(model_step, _broken, _wide_example(4), nn.functional.cross_entropy, _adam),
+    ):
+        bare = probe(2, [4096, 65536], work=bad)
+        assert 2 in bare.meeting and ("all_reduce", 2) in bare.links and not bare.concurrency
 
 
-def test_a_step_that_does_not_pickle_is_not_sent_to_the_probe() -> None:
-    from scaletrain.plan.api import _picklable_step
+def test_the_recipes_step_goes_to_the_probe_by_reference() -> None:
+    import pickle
+    from functools import partial
+
+    from scaletrain.plan.overhead import model_step
     from scaletrain.train.planning import resolve_model
 
-    assert _picklable_step(_wide, _wide_example(4), nn.functional.cross_entropy, _adam)
-    assert (
-        _picklable_step(lambda: _wide(), _wide_example(4), nn.functional.cross_entropy, _adam)
-        is None
-    )
-    # The recipes' pieces pickle (the probe's processes build the step from them).
-    _, build, example, loss, optimizer, _ = resolve_model("gpt", None)
-    assert _picklable_step(build, example(2), loss, optimizer) is not None
+    for recipe in ("convnet", "gpt"):  # no lambdas: the probe's processes build the step
+        _, build, example, loss, optimizer, _ = resolve_model(recipe, None)
+        pickle.loads(pickle.dumps(partial(model_step, build, example(2), loss, optimizer)))
 
 
 def test_calibrated_growth_holds_the_optimizer_state() -> None:

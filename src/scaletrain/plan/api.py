@@ -219,27 +219,7 @@ def _with_overheads(
     return replace(compute, overhead={**compute.overhead, **found})
 
 
-def _picklable_step(
-    build: Callable[[], nn.Module],
-    batch: tuple[Any, Any],
-    loss_fn: Callable[[Any, Any], torch.Tensor],
-    optimizer: Callable[[Any], torch.optim.Optimizer],
-) -> Callable[[], Callable[[], None]] | None:
-    """The model's step for the probe's processes, or None where it does not pickle (a
-    factory or loss defined in a function, a lambda): those go by reference only."""
-    import pickle
-
-    from scaletrain.plan.overhead import model_step
-
-    work = partial(model_step, build, batch, loss_fn, optimizer)
-    try:
-        pickle.dumps(work)
-    except Exception:
-        return None
-    return work
-
-
-def _say_side_by_side(comm: CommModel, devices: int, tried: bool, assumptions: list[str]) -> None:
+def _say_side_by_side(comm: CommModel, devices: int, assumptions: list[str]) -> None:
     """The probe's measurements of ranks sharing this machine, as assumptions."""
     if devices in comm.meeting:
         assumptions.append(
@@ -254,7 +234,14 @@ def _say_side_by_side(comm: CommModel, devices: int, tried: bool, assumptions: l
             "a median step): measured"
         )
     elif devices > 1:
-        why = "the model's factory, loss or optimizer does not pickle" if not tried else "it failed"
+        from scaletrain.plan.hardware import usable_cores
+
+        why = (
+            "one core: no two ranks run at once"
+            if usable_cores() < 2
+            else "the model's factory, loss or optimizer did not reach the probe's processes "
+            "(they go by reference: define them in an importable module), or its step failed there"
+        )
         assumptions.append(
             f"ranks side by side not measured ({why}): no contention, no wait for the slowest"
         )
@@ -353,9 +340,17 @@ def plan_model(
             from scaletrain.plan.comm import probe
 
             sizes = sorted({profile.grad_bytes, max(4096, profile.grad_bytes // 8)})
-            work = _picklable_step(build, example(batch_size), loss_fn, optimizer)
-            comm = probe(devices, sizes, work=work) if devices > 1 else CommModel()
-            _say_side_by_side(comm, devices, work is not None, assumptions)
+            from scaletrain.plan.overhead import model_step
+
+            work = partial(model_step, build, example(batch_size), loss_fn, optimizer)
+            # Room for the probe's few dozen steps of the model, however slow.
+            step = compute.fwd_bwd(batch_size) + compute.optimizer if compute else 0.0
+            comm = (
+                probe(devices, sizes, work=work, timeout=120 + 40 * step)
+                if devices > 1
+                else CommModel()
+            )
+            _say_side_by_side(comm, devices, assumptions)
         else:
             comm = CommModel(default=hw.intra, source=hw.name)
             assumptions.append(

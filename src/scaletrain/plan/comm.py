@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from scaletrain.plan.hardware import Link
+from scaletrain.plan.hardware import Link, usable_cores
 
 __all__ = ["KINDS", "CommModel", "Concurrency", "collective_time", "fit_link", "probe"]
 
@@ -94,11 +94,13 @@ class Concurrency:
     """A rank's CPU seconds per step among them / alone (>= 1 when they contend for
     caches and memory bandwidth)."""
     spread: tuple[float, ...]
-    """Steps' wall times among them, each / their median, sorted: how much one rank's
-    step varies, which every synchronous rank waits for (see `sync`)."""
+    """Steps' wall times among them, each over the median of its rank's turn (so about
+    1 in the middle), sorted: how much one rank's step varies, which every synchronous
+    rank waits for (see `sync`)."""
 
     def sync(self, ranks: int) -> float:
-        """Median of the slowest of `ranks` independent steps, / one step's median.
+        """Median of the slowest of `ranks` independent steps, over one step's median (the
+        spread's values are already over it).
 
         Ranks that meet at every step (a collective) each wait for the slowest; the
         maximum of n draws is below a value v with probability F(v)^n, so its median
@@ -142,10 +144,6 @@ class CommModel:
         return collective_time(kind, nbytes, n, chosen)
 
 
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -153,54 +151,76 @@ def _free_port() -> int:
 
 
 def _timed_steps(step: Callable[[], Any], seconds: float) -> list[tuple[float, float]]:
-    """(CPU, wall) seconds of each step, for about `seconds` and at least 3 steps."""
+    """(CPU, wall) seconds of each step, for about `seconds` and at least 5 steps (a
+    turn's median is then not one of 3)."""
     out: list[tuple[float, float]] = []
     end = time.perf_counter() + seconds
-    while len(out) < 3 or time.perf_counter() < end:
+    while len(out) < 5 or time.perf_counter() < end:
         c0, w0 = time.process_time(), time.perf_counter()
         step()
         out.append((time.process_time() - c0, time.perf_counter() - w0))
     return out
 
 
-def _side_by_side(
-    rank: int, work: Callable[[], Callable[[], Any]], cores: int, turns: int = 2
-) -> Concurrency | None:
+def _side_by_side(rank: int, work: bytes, cores: int, turns: int = 2) -> Concurrency | None:
     """Rank 0 steps alone, then with the ranks below `cores` beside it, in turns (a
     drift of the machine hits both); the others wait in a barrier (blocked, not
     spinning). The spread pools every busy rank's steps, each over its own median in
-    its turn: a drift of the machine that slows every rank alike makes no rank wait."""
+    its turn: a drift of the machine that slows every rank alike makes no rank wait.
+
+    `work` is pickled: a factory that cannot be loaded here (one defined in a
+    notebook's __main__) or a step that raises gives no measurement, on every rank
+    alike (so that all reach the same collectives), instead of failing the probe."""
+    import pickle
+
+    import torch
     import torch.distributed as dist
 
     busy = min(dist.get_world_size(), cores)
     step = None
     if rank < busy:
         try:  # a model that fails here is the training's to explain: no measurement
-            step = work()
+            step = pickle.loads(work)()
             step()
             step()  # warm-up: the allocator, the optimizer's state
         except Exception:
             step = None
+    ok = torch.tensor([1 if step is not None or rank >= busy else 0])
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    if not ok.item() or busy < 2:
+        return None
     alone: list[float] = []
     cpu: list[float] = []
     spread: list[float] = []
+    failed = False
+
+    def timed() -> list[tuple[float, float]]:
+        nonlocal failed
+        if step is None or failed:
+            return []
+        try:
+            return _timed_steps(step, 0.4)
+        except Exception:  # every rank still meets the barriers below
+            failed = True
+            return []
+
     for _ in range(turns):
         dist.barrier()
-        if rank == 0 and step is not None:
-            alone += [c for c, _ in _timed_steps(step, 0.4)]
+        if rank == 0:
+            alone += [c for c, _ in timed()]
         dist.barrier()
-        if step is not None:
-            timed = _timed_steps(step, 0.4)
-            cpu += [c for c, _ in timed]
-            mid = statistics.median(w for _, w in timed)
-            spread += [w / mid for _, w in timed]
+        steps = timed()
+        if steps:
+            cpu += [c for c, _ in steps]
+            mid = statistics.median(w for _, w in steps)
+            spread += [w / mid for _, w in steps]
         dist.barrier()
-    pooled: list[list[float]] = [[] for _ in range(dist.get_world_size())]
-    dist.all_gather_object(pooled, spread)
-    if rank != 0 or not alone or busy < 2:
+    pooled: list[list[float] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(pooled, None if failed else spread)
+    if rank != 0 or not alone or any(x is None for x in pooled):
         return None
     factor = statistics.median(cpu) / max(statistics.median(alone), 1e-9)
-    return Concurrency(busy, max(1.0, factor), tuple(sorted(x for r in pooled for x in r)))
+    return Concurrency(busy, max(1.0, factor), tuple(sorted(x for r in pooled if r for x in r)))
 
 
 def _meeting_cost(rank: int, cores: int, turns: int = 2, meetings: int = 15) -> float:
@@ -270,7 +290,7 @@ def _probe_rank(
     sizes: list[int],
     repeats: int,
     q: Any,
-    work: Callable[[], Callable[[], Any]] | None = None,
+    work: bytes | None = None,
     cores: int = 1,
 ) -> None:
     import warnings
@@ -333,10 +353,17 @@ def probe(
 ) -> CommModel:
     """Measure Gloo on loopback over `n` processes at `sizes` (bytes); fit each collective.
 
-    `work` (picklable: it goes to the spawned ranks) returns the model's training step;
-    given it, the ranks also measure `Concurrency`. Takes a few seconds (starting the
-    processes dominates). Ranks run one thread each.
+    `work` returns the model's training step; given it, the ranks also measure
+    `Concurrency` (nothing where it does not pickle, or does not load or run in the
+    ranks). Takes a few seconds (starting the processes dominates); `timeout` should
+    leave room for a few dozen of the model's steps. Ranks run one thread each.
     """
+    import pickle
+
+    try:
+        packed = pickle.dumps(work) if work is not None else None
+    except Exception:
+        packed = None
     import multiprocessing as mp
 
     model = CommModel(source=f"probe: Gloo over loopback, {n} processes")
@@ -351,7 +378,7 @@ def probe(
     procs = [
         ctx.Process(
             target=_probe_rank,
-            args=(r, n, port, chosen, repeats, q, work, _cores()),
+            args=(r, n, port, chosen, repeats, q, packed, usable_cores()),
             daemon=True,
         )
         for r in range(n)
@@ -371,6 +398,10 @@ def probe(
                         f"the Gloo probe over {n} processes failed (exit codes {failed}) "
                         f"or took over {timeout:.0f} s"
                     ) from None
+    except BaseException:  # Ctrl-C, or a rank failed: the others would wait in a collective
+        for p in procs:
+            p.kill()
+        raise
     finally:
         for p in procs:
             p.join(timeout=10)

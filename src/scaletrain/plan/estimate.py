@@ -148,8 +148,9 @@ class StepTime:
     """Compute and bubble are multiplied by this: ranks and other programs sharing
     this machine's cores (1 for a profile)."""
     wait: float = 0.0
-    """Waiting for the slowest rank: steps vary, and synchronous ranks meet at every
-    step (measured spread; 0 for a profile)."""
+    """Waiting on this machine (0 for a profile): for the slowest rank (steps vary, and
+    synchronous ranks meet at every step), and at each blocking collective for its
+    threads to get a core (comm.CommModel.meeting)."""
 
     @property
     def total(self) -> float:
@@ -318,9 +319,10 @@ def estimate(
     work *= slowdown
     bubble = fwd_bwd * contention * bubble_units * slowdown
     wait = (work + bubble) * (side.sync(layout.devices) - 1) if side is not None else 0.0
-    exposed = comm_s * (1 - overlap) + exposed_free
     if hw.cores is not None:
-        exposed += meetings * comm.meeting.get(layout.devices, 0.0)
+        # Waiting, not CPU: a collective's threads wait for a core, its ranks arrive apart.
+        wait += meetings * comm.meeting.get(layout.devices, 0.0)
+    exposed = comm_s * (1 - overlap) + exposed_free
     memory = Memory(
         params=int(params),
         grads=int(grads),

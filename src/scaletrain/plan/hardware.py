@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-__all__ = ["PROFILES", "Hardware", "Link", "this_machine"]
+__all__ = ["PROFILES", "Hardware", "Link", "this_machine", "usable_cores"]
 
 GB = 1e9
 
@@ -110,13 +110,18 @@ def _available_memory() -> int:
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity, as a container's CPU set)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def this_machine(devices: int) -> Hardware:
     """This CPU machine: processes share its cores and its available memory.
 
     FLOP/s and links are measured later (calibration and probe); the numbers here
     are placeholders the estimate never reads for this profile.
     """
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = usable_cores()
     return Hardware(
         name="this-machine",
         description=f"this machine: CPU, {cores} cores, Gloo over loopback",
@@ -126,6 +131,6 @@ def this_machine(devices: int) -> Hardware:
         inter=Link(0.0, 1.0),
         devices_per_node=max(1, devices),
         compute_efficiency=1.0,
-        cores=cores or 1,
+        cores=cores,
         source="measured",
     )

@@ -164,17 +164,18 @@ def _pipelined(
             # torch 2.13's own tracer trips its own pytree deprecation; not the user's.
             warnings.filterwarnings("ignore", ".*isinstance.treespec, LeafSpec", FutureWarning)
             pipe = pipeline(build(), mb_args=(x[: x.shape[0] // m],))
-    except Exception:  # the pipeline strategy explains a model that does not trace
+        stage = pipe.build_stage(0, torch.device("cpu"), dist.group.WORLD)
+        opt = optimizer(stage.submod.parameters())
+        schedule = Schedule1F1B(stage, m, loss_fn=lambda o, t: loss_fn(o, t) / m, scale_grads=False)
+
+        def step() -> None:
+            opt.zero_grad(set_to_none=True)
+            schedule.step(x, target=y)
+            opt.step()
+
+        step()  # once here: a model that traces but does not run staged is not measured
+    except Exception:  # the pipeline strategy explains a model it cannot stage
         return None
-    stage = pipe.build_stage(0, torch.device("cpu"), dist.group.WORLD)
-    opt = optimizer(stage.submod.parameters())
-    schedule = Schedule1F1B(stage, m, loss_fn=lambda o, t: loss_fn(o, t) / m, scale_grads=False)
-
-    def step() -> None:
-        opt.zero_grad(set_to_none=True)
-        schedule.step(x, target=y)
-        opt.step()
-
     return step
 
 
@@ -258,6 +259,12 @@ def measure_trace_bytes(build: Callable[[], nn.Module], microbatch: tuple[Any, .
     return max(0, rss_peak_bytes() - start) if start else None
 
 
+def _ignore_sigint() -> None:
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def trace_bytes(
     build: Callable[[], nn.Module], microbatch: tuple[Any, ...], *, timeout: float = 300.0
 ) -> int | None:
@@ -267,7 +274,7 @@ def trace_bytes(
 
     ctx = mp.get_context("spawn")
     try:
-        with ctx.Pool(1) as pool:
+        with ctx.Pool(1, initializer=_ignore_sigint) as pool:  # Ctrl-C: the planner's
             result: int | None = pool.apply_async(measure_trace_bytes, (build, microbatch)).get(
                 timeout
             )
