@@ -12,10 +12,12 @@ Step time: compute (measured seconds per sample and per optimizer step, scaled b
 share of FLOPs and parameters each device holds), exposed communication (alpha-beta
 collectives, less the overlap with the backward) and the pipeline bubble (a
 microbatch of every other stage: (pp-1)/M of a stage's work for 1F1B and GPipe when
-the stages are equal, divided by the virtual stages for interleaved 1F1B). On a CPU with more processes than cores, the processes take turns:
-compute is multiplied by processes/cores. On this machine, given the probe's
-side-by-side measurement (comm.Concurrency), compute also grows by what ranks running
-at once cost each other, and the step adds the wait for the slowest rank.
+the stages are equal, divided by the virtual stages for interleaved 1F1B). On a CPU
+with more processes than cores, the processes take turns: compute is multiplied by
+processes/cores. On this machine the probe's measurements add what ranks sharing it
+cost each other: compute grows by their contention (comm.Concurrency), and the step
+waits for the slowest rank and, at each blocking collective, for a core
+(comm.CommModel.meeting).
 """
 
 from __future__ import annotations
