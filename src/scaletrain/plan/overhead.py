@@ -82,11 +82,17 @@ def _step(
     optimizer: torch.optim.Optimizer,
     batch: tuple[Any, Any],
     loss_fn: Callable[[Any, Any], torch.Tensor],
+    microbatches: int = 1,
 ) -> None:
-    """One forward, backward and optimizer step."""
+    """One forward, backward and optimizer step; over `microbatches` (gradient
+    accumulation), what a pipeline's stages compute without its machinery."""
     x, y = batch
     optimizer.zero_grad(set_to_none=True)
-    loss_fn(model(x), y).backward()
+    if microbatches == 1:
+        loss_fn(model(x), y).backward()
+    else:
+        for xc, yc in zip(x.chunk(microbatches), y.chunk(microbatches), strict=True):
+            (loss_fn(model(xc), yc) / microbatches).backward()
     optimizer.step()
 
 
@@ -127,22 +133,6 @@ def _fsdp(model: nn.Module, layers: Sequence[str]) -> nn.Module:
             fully_shard(unit)
     fully_shard(model)
     return model
-
-
-def _chunked(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    batch: tuple[Any, Any],
-    loss_fn: Callable[[Any, Any], torch.Tensor],
-    m: int,
-) -> None:
-    """The plain step over `m` microbatches (gradient accumulation): what a pipeline's
-    stages compute, without its machinery."""
-    x, y = batch
-    optimizer.zero_grad(set_to_none=True)
-    for xc, yc in zip(x.chunk(m), y.chunk(m), strict=True):
-        (loss_fn(model(xc), yc) / m).backward()
-    optimizer.step()
 
 
 def _pipelined(
@@ -221,7 +211,7 @@ def measure_overheads(
                 torch.manual_seed(0)
                 model = build()
                 steps["chunks"] = partial(
-                    _chunked, model, optimizer(model.parameters()), batch, loss_fn, m
+                    _step, model, optimizer(model.parameters()), batch, loss_fn, m
                 )
                 steps["pipeline"] = piped
             cpu = cpu_in_turns(steps, repeats)
