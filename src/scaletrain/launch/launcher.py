@@ -322,12 +322,11 @@ def _agent_hooks(plan: Plan) -> Iterator[_AgentWatch]:
 
     - Count its rendezvous rounds, so that a rendezvous that fails after a failure
       is not reported as one that never formed.
-    - On the node that hosts the rendezvous store, wait a moment after the agents'
-      exit barrier, and after its workers failed for good, before the store closes. The last agent to reach the barrier
-      releases the others and returns at once; when that agent hosts the store, its
-      process exits and closes the store while the others are still being told, and
-      they print a page of "Failed to recv, got 0 bytes" and "Error waiting on exit
-      barrier" although every worker succeeded.
+    - On the node that hosts the rendezvous store, wait a moment before the store
+      closes: after the agents' exit barrier (the last agent to reach it returns at
+      once; the others, still being told, printed a page of "Failed to recv, got 0
+      bytes" and "Error waiting on exit barrier" although every worker succeeded),
+      and after its workers failed for good (see `invoked`).
     """
     import time
 

@@ -16,7 +16,7 @@ from torch import nn
 from scaletrain.errors import ConfigError, spell
 from scaletrain.plan.comm import CommModel
 from scaletrain.plan.estimate import Compute, Estimate, estimate
-from scaletrain.plan.hardware import PROFILES, Hardware, this_machine
+from scaletrain.plan.hardware import PROFILES, Hardware, this_machine, usable_cores
 from scaletrain.plan.layouts import Layout, layouts_for
 from scaletrain.plan.partition import Layer, list_layers
 from scaletrain.plan.profile import ModelProfile, profile_model
@@ -234,8 +234,6 @@ def _say_side_by_side(comm: CommModel, devices: int, assumptions: list[str]) -> 
             "a median step): measured"
         )
     elif devices > 1:
-        from scaletrain.plan.hardware import usable_cores
-
         why = (
             "one core: no two ranks run at once"
             if usable_cores() < 2
