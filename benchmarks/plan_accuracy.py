@@ -6,7 +6,8 @@ pairs, a pipeline of N stages N layers), each round:
 
 1. calibrates: the planner's own calibration of each model in this process, and its
    Gloo probe at 2 and 4 processes per model (alpha and bandwidth per collective, a
-   collective's cost among busy ranks, the model's step side by side);
+   collective's cost among busy ranks, the model's step side by side, the RSS its
+   fully sharded steps add);
 2. measures: trains every configuration for --steps steps with the step ledger on
    (records in a temporary RUN/observe/), the configurations in a shuffled order,
    and reads back what `scaletrain plan --check RUN` reads: the median training work
@@ -136,7 +137,7 @@ def _trace_job(recipe: str) -> int | None:
 
 def _calibrate() -> dict[str, Any]:
     from scaletrain.plan.comm import CommModel, probe
-    from scaletrain.plan.overhead import measure_overheads, model_step
+    from scaletrain.plan.overhead import measure_overheads, model_step, sharded_step
     from scaletrain.plan.partition import list_layers
     from scaletrain.testing import run_ranks
     from scaletrain.train.planning import resolve_model, tp_plan_of
@@ -165,10 +166,13 @@ def _calibrate() -> dict[str, Any]:
         # Per recipe: the probe also runs the model's step side by side (Concurrency).
         _, build, example, loss, optimizer, _ = resolve_model(recipe, None)
         work = partial(model_step, build, example(BATCH[recipe]), loss, optimizer)
+        names = tuple(x.name for x in list_layers(build()))
+        sharded = partial(sharded_step, build, example(BATCH[recipe]), loss, optimizer, names)
         for n in (2, 4):
-            c = calib["comm"][(recipe, n)] = probe(n, sizes, work=work)
+            c = calib["comm"][(recipe, n)] = probe(n, sizes, work=work, sharded=sharded)
             side = c.concurrency.get(n)
             print(f"probe {recipe} {n}: process group {c.runtime_bytes[n] / 2**20:.1f} MiB, "
+                  f"fsdp steps {c.sharded_growth.get(n, 0) / 2**20:.1f} MiB, "
                   f"meeting {c.meeting[n] * 1e3:.2f} ms, side by side "
                   + (f"x{side.factor:.2f}, slowest of {n} x{side.sync(n):.2f}; " if side else "-; ")
                   + ", ".join(f"{k}: alpha {v.alpha * 1e6:.0f} us, {v.bandwidth / 1e9:.2f} GB/s"

@@ -74,7 +74,7 @@ class Plan:
             lines.append(
                 f"{(r.layout.label + mark):<28} {('yes' if r.fits else 'NO'):<5} "
                 f"{m.params / mib:8.1f} {m.grads / mib:8.1f} {m.optimizer / mib:8.1f} "
-                f"{m.activations / mib:8.1f} {m.buffers / mib:8.1f} {(m.runtime + m.group) / mib:8.1f} "
+                f"{m.activations / mib:8.1f} {m.buffers / mib:8.1f} {(m.runtime + m.group + m.held) / mib:8.1f} "
                 f"{m.total / mib:8.1f} | "
                 f"{t.compute * 1e3:8.1f} {t.exposed * 1e3:8.1f} {t.bubble * 1e3:8.1f} "
                 f"{t.wait * 1e3:8.1f} {t.total * 1e3:8.1f} {throughput(r, self.profile.batch_size):10,.0f}"
@@ -226,6 +226,13 @@ def _say_side_by_side(comm: CommModel, devices: int, assumptions: list[str]) -> 
             f"a collective reached from work (every core busy) costs "
             f"{comm.meeting[devices] * 1e3:.2f} ms beyond a quiet one (measured)"
         )
+    if devices in comm.sharded_growth:
+        assumptions.append(
+            f"FSDP's steps over {devices} ranks grew RSS by "
+            f"{comm.sharded_growth[devices] / 2**20:.1f} MiB in 20 steps (measured: the "
+            "allocator keeps what FSDP frees, and keeps more for a while); its row's growth "
+            "is at least that"
+        )
     side = comm.concurrency.get(devices)
     if side is not None:
         assumptions.append(
@@ -338,13 +345,20 @@ def plan_model(
             from scaletrain.plan.comm import probe
 
             sizes = sorted({profile.grad_bytes, max(4096, profile.grad_bytes // 8)})
-            from scaletrain.plan.overhead import model_step
+            from scaletrain.plan.overhead import model_step, sharded_step
 
             work = partial(model_step, build, example(batch_size), loss_fn, optimizer)
-            # Room for the probe's few dozen steps of the model, however slow.
+            sharded = None
+            if any(x.strategy == "fsdp" and x.dp == devices for x in layouts):
+                names = tuple(x.name for x in layers)
+                sharded = partial(sharded_step, build, example(batch_size), loss_fn,
+                                  optimizer, names)  # fmt: skip
+            # Room for the probe's few dozen steps of the model, however slow (and 20
+            # sharded ones, at a few times the plain step's CPU each).
             step = compute.fwd_bwd(batch_size) + compute.optimizer if compute else 0.0
+            room = 40 + (100 if sharded is not None else 0)
             comm = (
-                probe(devices, sizes, work=work, timeout=120 + 40 * step)
+                probe(devices, sizes, work=work, sharded=sharded, timeout=120 + room * step)
                 if devices > 1
                 else CommModel()
             )

@@ -129,6 +129,9 @@ class CommModel:
     concurrency: dict[int, Concurrency] = field(default_factory=dict)
     """By group size: ranks stepping side by side (measured when the probe got the
     model's step)."""
+    sharded_growth: dict[int, int] = field(default_factory=dict)
+    """By group size: RSS the model's fully sharded steps added after setup (measured
+    when the probe got that step; see _sharded_growth)."""
 
     def time(self, kind: str, nbytes: float, n: int, link: Link | None = None) -> float:
         if n <= 1 or nbytes <= 0:
@@ -223,6 +226,40 @@ def _side_by_side(rank: int, work: bytes, cores: int, turns: int = 2) -> Concurr
     return Concurrency(busy, max(1.0, factor), tuple(sorted(x for r in pooled if r for x in r)))
 
 
+def _sharded_growth(work: bytes, steps: int = 20) -> int | None:
+    """RSS the model's fully sharded step adds over `steps` steps after its setup, on
+    the largest rank (None where it does not load or run: on every rank alike).
+
+    Not predictable from the model on a CPU: glibc's allocator keeps much of the
+    memory FSDP frees at every unit (gathered parameters, unsharded gradients), and
+    how much depends on the sizes and order of those buffers. Measured here (the gpt
+    recipe widened to 256, 2 ranks): a step's end held 122-164 MiB, 35 MiB once
+    `malloc_trim` returned what was free; DDP's same model 106-114. It creeps for a
+    while: the gpt recipe's sharded steps at 2 ranks grew 53-60 MiB in 10 steps, 61 in
+    20 (a 20-step run of the training runtime: 64), 65-68 in 40."""
+    import pickle
+
+    import torch
+    import torch.distributed as dist
+
+    from scaletrain.observe.memory import current_rss_bytes, reset_rss_peak, rss_peak_bytes
+
+    grown = -1.0
+    try:  # a model that fails here is the training's to explain: no measurement
+        step = pickle.loads(work)()
+        start = current_rss_bytes() if reset_rss_peak() else None
+        if start:
+            for _ in range(steps):
+                step()
+            grown = float(rss_peak_bytes() - start)
+        del step
+    except Exception:
+        grown = -1.0
+    out = torch.tensor([grown, -grown], dtype=torch.float64)
+    dist.all_reduce(out, op=dist.ReduceOp.MAX)  # the largest rank, and any failure
+    return None if -out[1].item() < 0 else int(out[0].item())
+
+
 def _meeting_cost(rank: int, cores: int, turns: int = 2, meetings: int = 15) -> float:
     """Seconds a collective costs when the ranks come to it from work, beyond the work
     and what the quiet collective costs (which the alpha-beta fit holds).
@@ -292,6 +329,7 @@ def _probe_rank(
     q: Any,
     work: bytes | None = None,
     cores: int = 1,
+    sharded: bytes | None = None,
 ) -> None:
     import warnings
 
@@ -334,6 +372,9 @@ def _probe_rank(
         grown = torch.tensor([out["growth"]], dtype=torch.float64)
         dist.all_reduce(grown, op=dist.ReduceOp.MAX)
         out["growth"] = int(grown.item())
+        if sharded is not None:
+            # Before the plain model's steps below, whose freed memory it would reuse.
+            out["sharded"] = _sharded_growth(sharded)
         out["meeting"] = _meeting_cost(rank, cores)
         if work is not None:
             out["concurrency"] = _side_by_side(rank, work, cores)
@@ -350,20 +391,26 @@ def probe(
     repeats: int = 5,
     timeout: float = 120.0,
     work: Callable[[], Callable[[], Any]] | None = None,
+    sharded: Callable[[], Callable[[], Any]] | None = None,
 ) -> CommModel:
     """Measure Gloo on loopback over `n` processes at `sizes` (bytes); fit each collective.
 
     `work` returns the model's training step; given it, the ranks also measure
     `Concurrency` (nothing where it does not pickle, or does not load or run in the
-    ranks). Takes a few seconds (starting the processes dominates); `timeout` should
-    leave room for a few dozen of the model's steps. Ranks run one thread each.
+    ranks). `sharded` likewise returns the model's step fully sharded over the ranks'
+    group: given it, they measure its memory (`sharded_growth`). Takes a few seconds
+    (starting the processes dominates); `timeout` should leave room for a few dozen
+    of the model's steps. Ranks run one thread each.
     """
     import pickle
 
-    try:
-        packed = pickle.dumps(work) if work is not None else None
-    except Exception:
-        packed = None
+    def packed_or_none(f: Callable[[], Callable[[], Any]] | None) -> bytes | None:
+        try:
+            return pickle.dumps(f) if f is not None else None
+        except Exception:
+            return None
+
+    packed, packed_sharded = packed_or_none(work), packed_or_none(sharded)
     import multiprocessing as mp
 
     model = CommModel(source=f"probe: Gloo over loopback, {n} processes")
@@ -378,7 +425,7 @@ def probe(
     procs = [
         ctx.Process(
             target=_probe_rank,
-            args=(r, n, port, chosen, repeats, q, packed, usable_cores()),
+            args=(r, n, port, chosen, repeats, q, packed, usable_cores(), packed_sharded),
             daemon=True,
         )
         for r in range(n)
@@ -409,6 +456,9 @@ def probe(
                 p.kill()
     model.runtime_bytes[n] = int(result.pop("growth"))
     model.meeting[n] = float(result.pop("meeting"))
+    grown = result.pop("sharded", None)
+    if grown is not None:
+        model.sharded_growth[n] = int(grown)
     side = result.pop("concurrency", None)
     if side is not None:
         model.concurrency[n] = side

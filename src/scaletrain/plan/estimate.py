@@ -7,6 +7,8 @@ communication buffers (FSDP's all-gathered units, tensor parallel's all-reduced
 activations, a pipeline's send/receive buffers). `growth` is what training adds once
 the model is set up (what `plan --check` compares with a run's RSS growth): DDP's
 gradients live in its buckets from setup on, everything else appears in the steps.
+On this machine an FSDP row's growth is at least what the probe measured of the
+model's sharded steps: the allocator keeps memory FSDP frees, beyond any model of it.
 
 Step time: compute (measured seconds per sample and per optimizer step, scaled by the
 share of FLOPs and parameters each device holds), exposed communication (alpha-beta
@@ -23,7 +25,7 @@ waits for the slowest rank and, at each blocking collective, for a core
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import pairwise
 
 from scaletrain.plan.comm import CommModel
@@ -123,19 +125,23 @@ class Memory:
     setup) allocates it before its growth is measured: on this machine a run of 2 or 4
     processes grew 0-3 MiB more than one of 1, for both recipes, where the probe
     measures 20-35 MiB."""
+    held: int = 0
+    """Freed memory the allocator keeps beyond the growth modelled above: FSDP on this
+    machine, where the probe measured the model's sharded steps (comm._sharded_growth);
+    0 elsewhere."""
 
     @property
     def total(self) -> int:
         return (
             self.params + self.grads + self.optimizer + self.activations + self.buffers
-            + self.runtime + self.group
+            + self.runtime + self.group + self.held
         )  # fmt: skip
 
     @property
     def growth(self) -> int:
         """Bytes training adds after setup (parameters, and DDP's buckets, exist before)."""
         grads = 0 if self.grads_at_setup else self.grads
-        return grads + self.optimizer + self.activations + self.buffers + self.runtime
+        return grads + self.optimizer + self.activations + self.buffers + self.runtime + self.held
 
 
 @dataclass(frozen=True, slots=True)
@@ -335,6 +341,9 @@ def estimate(
         grads_at_setup=layout.strategy in ("ddp", "ddp x pp") and dp > 1,
         group=comm.runtime_bytes.get(layout.devices, 0),
     )
+    sharded = comm.sharded_growth.get(dp) if hw.cores is not None else None
+    if layout.strategy == "fsdp" and dp == layout.devices > 1 and sharded is not None:
+        memory = replace(memory, held=max(0, sharded - memory.growth))
     fits = memory.total <= hw.device_memory
     overflow = None
     if not fits:

@@ -44,6 +44,7 @@ __all__ = [
     "measure_overheads",
     "measure_trace_bytes",
     "model_step",
+    "sharded_step",
     "trace_bytes",
 ]
 
@@ -106,6 +107,21 @@ def model_step(
     functools.partial of this so that it pickles into the probe's processes)."""
     torch.manual_seed(0)
     model = build()
+    return partial(_step, model, optimizer(model.parameters()), batch, loss_fn)
+
+
+def sharded_step(
+    build: Callable[[], nn.Module],
+    batch: tuple[Any, Any],
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    optimizer: Callable[[Any], torch.optim.Optimizer],
+    layers: Sequence[str],
+) -> Callable[[], None]:
+    """The model's training step fully sharded over the default process group (one
+    FSDP unit per layer, then the root, as the fsdp strategy wraps), built here: the
+    probe's `sharded` (a functools.partial of this, so that it pickles)."""
+    torch.manual_seed(0)
+    model = _fsdp(build(), layers)
     return partial(_step, model, optimizer(model.parameters()), batch, loss_fn)
 
 
