@@ -182,6 +182,25 @@ class Estimate:
     """Which device overflows and by how much, when the row does not fit."""
 
 
+def _turns(ranks: int, pp: int, pieces: int, background: float, cores: int) -> float:
+    """How much slower a rank's work runs for taking turns for `cores` with the other
+    ranks and `background` runnable threads of other programs.
+
+    Without a pipeline every rank wants a core all along: (background + ranks) / cores.
+    A pipeline's stages fill and drain it: in a wave of `pieces` (microbatches x
+    virtual stages) over pp stages, slot t has a(t) = 1, 2, .., pp, .., 2, 1 stages of
+    each replica at work, and every slot takes as long as its work at a(t)'s share of
+    the cores: the wave's mean. (Averaging a(t) over the wave first, as this did,
+    read 4 stages on 2 cores 12% fast: 8 units of 4 microbatches' work instead of 9;
+    the gpt recipe's 4-stage rows were 13-28% short.)"""
+    if pp <= 1:
+        return max(1.0, (background + ranks) / cores)
+    slots = pieces + pp - 1
+    replicas = ranks / pp
+    active = [sum(1 for s in range(pp) if 0 <= t - s < pieces) for t in range(slots)]
+    return sum(max(1.0, (background + a * replicas) / cores) for a in active) / slots
+
+
 def _stages(layers: Sequence[Layer], pp: int) -> list[list[Layer]]:
     cuts = [0, *balance_stages([max(1, layer.size) for layer in layers], pp), len(layers)]
     return [list(layers[a:b]) for a, b in pairwise(cuts)]
@@ -319,11 +338,10 @@ def estimate(
     if hw.cores is not None:
         # Every rank wants a core, and so do other programs (their load inferred from
         # the calibration's share of a core): the ranks get cores / (load + ranks) each.
-        # A pipeline's ranks idle in the bubble: on average devices x M / (M + pp - 1)
-        # of them want a core.
-        active = layout.devices * (m / (m + (pp - 1) / max(1, 2 if virtual_split else 1)))
-        wanted = compute.background(hw.cores) + active
-        slowdown = max(1.0, wanted / hw.cores)
+        slowdown = _turns(
+            layout.devices, pp, m * (2 if virtual_split else 1),
+            compute.background(hw.cores), hw.cores,
+        )  # fmt: skip
     work *= slowdown
     bubble = fwd_bwd * contention * bubble_units * slowdown
     wait = (work + bubble) * (side.sync(layout.devices) - 1) if side is not None else 0.0
