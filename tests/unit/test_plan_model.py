@@ -361,6 +361,10 @@ def test_side_by_side_costs_count_on_this_machine_only() -> None:
     fsdp = time(Layout("fsdp", dp=2), measured, cpu)
     meetings = fsdp.wait - fsdp.compute * (side.sync(2) - 1)
     assert meetings == pytest.approx(3 * len(layers) * 0.003)
+    # A pipeline's sends are posted ahead (a stage waits at a receive for the data
+    # only, the bubble): the slowest rank's wait, no meetings.
+    pipe = time(Layout("pipeline", pp=2, schedule="1f1b", microbatches=4), measured, cpu)
+    assert pipe.wait == pytest.approx((pipe.compute + pipe.bubble) * (side.sync(2) - 1))
     # On a profile (GPUs: the collectives run on the devices' own engines) not counted.
     gpu = PROFILES["h100-sxm"]
     assert time(ddp, measured, gpu).total == pytest.approx(time(ddp, quiet, gpu).total)
