@@ -26,6 +26,9 @@ the quiet collectives above do not show:
   and how much one rank's step varies, which synchronous ranks wait for. Timed one
   run after the other instead, the drift of this machine (the same 1-process run
   took 20 to 32 ms a step within minutes) looked like a 15-35% slowdown.
+- given the model's step fully sharded over their group (`sharded`), the RSS 20 such
+  steps add (`sharded_growth`): on a CPU most of an FSDP run's growth is freed memory
+  glibc keeps, which no accounting of the tensors predicts (see _sharded_growth).
 """
 
 from __future__ import annotations
