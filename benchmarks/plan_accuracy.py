@@ -140,7 +140,7 @@ def _calibrate() -> dict[str, Any]:
     from scaletrain.plan.overhead import measure_overheads, model_step, sharded_step
     from scaletrain.plan.partition import list_layers
     from scaletrain.testing import run_ranks
-    from scaletrain.train.planning import resolve_model, tp_plan_of
+    from scaletrain.train.planning import fsdp_units_of, resolve_model, tp_plan_of
 
     calib: dict[str, Any] = {"comm": {1: CommModel()}, "overhead": {}, "trace": {}}
     sizes = [4096]
@@ -166,8 +166,8 @@ def _calibrate() -> dict[str, Any]:
         # Per recipe: the probe also runs the model's step side by side (Concurrency).
         _, build, example, loss, optimizer, _ = resolve_model(recipe, None)
         work = partial(model_step, build, example(BATCH[recipe]), loss, optimizer)
-        names = tuple(x.name for x in list_layers(build()))
-        sharded = partial(sharded_step, build, example(BATCH[recipe]), loss, optimizer, names)
+        units = tuple(fsdp_units_of(build))  # as the fsdp strategy wraps
+        sharded = partial(sharded_step, build, example(BATCH[recipe]), loss, optimizer, units)
         for n in (2, 4):
             c = calib["comm"][(recipe, n)] = probe(n, sizes, work=work, sharded=sharded)
             side = c.concurrency.get(n)

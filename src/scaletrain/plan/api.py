@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from scaletrain.errors import ConfigError, spell
-from scaletrain.plan.comm import CommModel
+from scaletrain.plan.comm import SHARDED_STEPS, CommModel
 from scaletrain.plan.estimate import Compute, Estimate, estimate
 from scaletrain.plan.hardware import PROFILES, Hardware, this_machine, usable_cores
 from scaletrain.plan.layouts import Layout, layouts_for
@@ -64,7 +64,9 @@ class Plan:
             f"{self.model} on {self.devices} device(s) x {self.nodes} node(s), "
             f"{self.hardware.description}, precision {self.precision}, batch "
             f"{self.profile.batch_size} per replica; memory MiB per device, time ms per step "
-            "(comm = exposed communication, wait = for the slowest rank)",
+            "(comm = exposed communication, wait = for the slowest rank; runtime = the "
+            "processes' own memory beyond the tensors, and for FSDP here what the allocator "
+            "keeps)",
             head,
             "-" * len(head),
         ]
@@ -219,8 +221,11 @@ def _with_overheads(
     return replace(compute, overhead={**compute.overhead, **found})
 
 
-def _say_side_by_side(comm: CommModel, devices: int, assumptions: list[str]) -> None:
-    """The probe's measurements of ranks sharing this machine, as assumptions."""
+def _say_side_by_side(
+    comm: CommModel, devices: int, assumptions: list[str], sharded: bool = False
+) -> None:
+    """The probe's measurements of ranks sharing this machine, as assumptions
+    (`sharded`: the model's fully sharded steps were sent to be measured)."""
     if devices in comm.meeting:
         assumptions.append(
             f"a collective reached from work (every core busy) costs "
@@ -229,9 +234,15 @@ def _say_side_by_side(comm: CommModel, devices: int, assumptions: list[str]) -> 
     if devices in comm.sharded_growth:
         assumptions.append(
             f"FSDP's steps over {devices} ranks grew RSS by "
-            f"{comm.sharded_growth[devices] / 2**20:.1f} MiB in 20 steps (measured: the "
-            "allocator keeps what FSDP frees, and keeps more for a while); its row's growth "
-            "is at least that"
+            f"{comm.sharded_growth[devices] / 2**20:.1f} MiB in {SHARDED_STEPS} steps "
+            "(measured: the allocator keeps what FSDP frees, and keeps more for a while); "
+            "its row's growth is at least that"
+        )
+    elif sharded:
+        assumptions.append(
+            "FSDP's steps not measured (the model's step did not load or run fully sharded "
+            "in the probe's processes, or RSS cannot be read here): its row's memory is "
+            "its tensors' and the runtime's, without what the allocator keeps"
         )
     side = comm.concurrency.get(devices)
     if side is not None:
@@ -294,8 +305,13 @@ def plan_model(
     comm: CommModel | None = None,
     name: str | None = None,
     layouts: list[Layout] | None = None,
+    fsdp_units: Sequence[str] | None = None,
 ) -> Plan:
     """Plan `build()` over `devices` (see scaletrain.plan.estimate for the model).
+
+    `fsdp_units`: the modules FSDP shards as units, by name (`scaletrain plan` gives
+    the fsdp strategy's wrap); the probe's fully sharded steps use them (default: each
+    of the model's layers).
 
     `hardware` None measures this machine (a short calibration and a Gloo probe); a
     profile name (scaletrain.plan.hardware.PROFILES) plans on paper. `compute` and
@@ -350,19 +366,21 @@ def plan_model(
             work = partial(model_step, build, example(batch_size), loss_fn, optimizer)
             sharded = None
             if any(x.strategy == "fsdp" and x.dp == devices for x in layouts):
-                names = tuple(x.name for x in layers)
+                units = tuple(fsdp_units if fsdp_units is not None else (x.name for x in layers))
                 sharded = partial(sharded_step, build, example(batch_size), loss_fn,
-                                  optimizer, names)  # fmt: skip
-            # Room for the probe's few dozen steps of the model, however slow (and 20
-            # sharded ones, at a few times the plain step's CPU each).
+                                  optimizer, units)  # fmt: skip
+            # Room for the probe's few dozen steps of the model, however slow, and its
+            # fully sharded ones (~3x the plain step's CPU each, every rank at once:
+            # taking turns where the ranks outnumber the cores).
             step = compute.fwd_bwd(batch_size) + compute.optimizer if compute else 0.0
-            room = 40 + (100 if sharded is not None else 0)
+            turns = max(1.0, devices / (hw.cores or devices))
+            room = 40 + (3 * SHARDED_STEPS * turns if sharded is not None else 0)
             comm = (
                 probe(devices, sizes, work=work, sharded=sharded, timeout=120 + room * step)
                 if devices > 1
                 else CommModel()
             )
-            _say_side_by_side(comm, devices, assumptions)
+            _say_side_by_side(comm, devices, assumptions, sharded is not None)
         else:
             comm = CommModel(default=hw.intra, source=hw.name)
             assumptions.append(
@@ -405,7 +423,8 @@ def plan_model(
         if wanted > hw.cores:
             assumptions.append(
                 f"{devices} processes and the other load on {hw.cores} cores take turns: "
-                f"compute x{wanted / hw.cores:.1f}"
+                f"compute x{wanted / hw.cores:.1f} (a pipeline's less: its stages idle as "
+                "they fill and drain it)"
             )
     if overlap is None:
         overlap = DEFAULT_OVERLAP["this-machine" if hardware is None else "datasheet"]

@@ -44,7 +44,15 @@ from typing import Any
 
 from scaletrain.plan.hardware import Link, usable_cores
 
-__all__ = ["KINDS", "CommModel", "Concurrency", "collective_time", "fit_link", "probe"]
+__all__ = [
+    "KINDS",
+    "SHARDED_STEPS",
+    "CommModel",
+    "Concurrency",
+    "collective_time",
+    "fit_link",
+    "probe",
+]
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "send")
 
@@ -229,7 +237,11 @@ def _side_by_side(rank: int, work: bytes, cores: int, turns: int = 2) -> Concurr
     return Concurrency(busy, max(1.0, factor), tuple(sorted(x for r in pooled if r for x in r)))
 
 
-def _sharded_growth(work: bytes, steps: int = 20) -> int | None:
+SHARDED_STEPS = 20
+"""Steps of the model fully sharded whose RSS growth the probe measures."""
+
+
+def _sharded_growth(work: bytes, steps: int = SHARDED_STEPS) -> int | None:
     """RSS the model's fully sharded step adds over `steps` steps after its setup, on
     the largest rank (None where it does not load or run: on every rank alike).
 
@@ -247,17 +259,26 @@ def _sharded_growth(work: bytes, steps: int = 20) -> int | None:
 
     from scaletrain.observe.memory import current_rss_bytes, reset_rss_peak, rss_peak_bytes
 
-    grown = -1.0
+    step, start = None, None
     try:  # a model that fails here is the training's to explain: no measurement
         step = pickle.loads(work)()
         start = current_rss_bytes() if reset_rss_peak() else None
-        if start:
-            for _ in range(steps):
-                step()
-            grown = float(rss_peak_bytes() - start)
-        del step
     except Exception:
+        step = None
+    # Every rank steps, or none: a rank that could not would leave the others waiting
+    # in the steps' all-gathers. (A step failing on some ranks only still would.)
+    ok = torch.tensor([1 if step is not None and start else 0])
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    if not ok.item() or step is None or not start:
+        return None
+    grown = -1.0
+    try:
+        for _ in range(steps):
+            step()
+        grown = float(rss_peak_bytes() - start)
+    except Exception:  # the model's own error, on every rank alike
         grown = -1.0
+    del step
     out = torch.tensor([grown, -grown], dtype=torch.float64)
     dist.all_reduce(out, op=dist.ReduceOp.MAX)  # the largest rank, and any failure
     return None if -out[1].item() < 0 else int(out[0].item())
@@ -403,7 +424,8 @@ def probe(
     ranks). `sharded` likewise returns the model's step fully sharded over the ranks'
     group: given it, they measure its memory (`sharded_growth`). Takes a few seconds
     (starting the processes dominates); `timeout` should leave room for a few dozen
-    of the model's steps. Ranks run one thread each.
+    of the model's steps, and SHARDED_STEPS fully sharded ones on every rank at once.
+    Ranks run one thread each.
     """
     import pickle
 

@@ -15,8 +15,9 @@ share of FLOPs and parameters each device holds), exposed communication (alpha-b
 collectives, less the overlap with the backward) and the pipeline bubble (a
 microbatch of every other stage: (pp-1)/M of a stage's work for 1F1B and GPipe when
 the stages are equal, divided by the virtual stages for interleaved 1F1B). On a CPU
-with more processes than cores, the processes take turns: compute is multiplied by
-processes/cores. On this machine the probe's measurements add what ranks sharing it
+with more processes than cores, the processes take turns: compute and bubble are
+multiplied by processes/cores (a pipeline's, slot by slot as its stages fill and
+drain it: see _turns). On this machine the probe's measurements add what ranks sharing it
 cost each other: compute grows by their contention (comm.Concurrency), and the step
 waits for the slowest rank and, at each blocking collective, for a core
 (comm.CommModel.meeting).
@@ -280,10 +281,10 @@ def estimate(
         frac_p *= max(stage_params) / max(1, sum(stage_params))
         # Microbatches whose activations a stage holds at once: GPipe all M; 1F1B
         # stage s at most pp - s (the first stage the most). The busiest stage counts.
-        held = [
+        in_flight = [
             act[i] * (m if layout.schedule == "gpipe" else min(m, pp - i)) / m for i in range(pp)
         ]
-        acts = acts * max(held) / max(1, sum(act))
+        acts = acts * max(in_flight) / max(1, sum(act))
         boundary = max(profile.modules[ms[-1]].output_bytes for ms in members[:-1])
         buffers += 2 * boundary / m
         send = comm.time("send", boundary / m, 2, hw.inter if pp * tp > per_node else None)

@@ -115,13 +115,14 @@ def sharded_step(
     batch: tuple[Any, Any],
     loss_fn: Callable[[Any, Any], torch.Tensor],
     optimizer: Callable[[Any], torch.optim.Optimizer],
-    layers: Sequence[str],
+    units: Sequence[str],
 ) -> Callable[[], None]:
-    """The model's training step fully sharded over the default process group (one
-    FSDP unit per layer, then the root, as the fsdp strategy wraps), built here: the
-    probe's `sharded` (a functools.partial of this, so that it pickles)."""
+    """The model's training step fully sharded over the default process group (an FSDP
+    unit per module named in `units`, then the root: `scaletrain plan` names the fsdp
+    strategy's), built here: the probe's `sharded` (a functools.partial of this, so
+    that it pickles)."""
     torch.manual_seed(0)
-    model = _fsdp(build(), layers)
+    model = _fsdp(build(), units)
     return partial(_step, model, optimizer(model.parameters()), batch, loss_fn)
 
 

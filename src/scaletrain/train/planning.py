@@ -31,6 +31,7 @@ __all__ = [
     "Check",
     "RuntimeCost",
     "check_run",
+    "fsdp_units_of",
     "layout_of",
     "measured",
     "measured_cpu",
@@ -219,7 +220,7 @@ def plan(
     `Plan.recommended`); `Plan.table()` is what `scaletrain plan` prints.
 
     hardware=None measures this machine (calibrations of the model and a Gloo probe,
-    10-30 s on 2 CPU cores); a profile name ("h100-sxm", "a100-sxm", "a100-pcie", "ethernet")
+    10-70 s on 2 CPU cores); a profile name ("h100-sxm", "a100-sxm", "a100-pcie", "ethernet")
     plans on paper. `layouts` picks rows; `compute` and `comm` replace this machine's
     measurements (a benchmark measures them once for many plans).
     """
@@ -255,8 +256,17 @@ def plan(
         build, example, loss_fn=loss, optimizer=optimizer, batch_size=batch,
         devices=devices, nodes=nodes, hardware=hardware, precision=precision,
         tp_plan=tp_plan, overlap=overlap, name=name, layouts=layouts, compute=compute,
-        comm=comm,
+        comm=comm, fsdp_units=fsdp_units_of(build),
     )  # fmt: skip
+
+
+def fsdp_units_of(build: Callable[[], nn.Module]) -> list[str]:
+    """The modules the fsdp strategy (wrap="auto") shards as units, by name: what the
+    planner's probe shards the model's steps by (on the meta device: no weights)."""
+    from scaletrain.strategies.fsdp import auto_wrap_targets
+
+    with torch.device("meta"):
+        return auto_wrap_targets(build())
 
 
 # -- checking a run ------------------------------------------------------------------------
