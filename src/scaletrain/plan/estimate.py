@@ -267,7 +267,7 @@ def estimate(
         exposed_free += parts["fwd_msgs"] * fwd + parts["bwd_msgs"] * bwd  # on the critical path
         meetings += parts["fwd_msgs"] + parts["bwd_msgs"]
     m = layout.microbatches or 1
-    virtual_split = layout.schedule == "interleaved-1f1b"
+    virtual = 2 if layout.schedule == "interleaved-1f1b" else 1  # model chunks per stage
     stage_share = 1.0
     if pp > 1:
         stages = _stages(layers, pp)
@@ -292,7 +292,6 @@ def estimate(
         # No meeting per send: the schedule posts its sends and receives ahead, and a
         # stage waits at a receive only for the data (the bubble). Counted as
         # collectives among busy ranks, they read the pipelines 17-26% long here.
-        virtual = 2 if layout.schedule == "interleaved-1f1b" else 1
         # The busiest stage waits while the others fill and drain the pipeline: one
         # microbatch of each other stage, (pp-1)/M of its own work when they are equal.
         # Unequal stages (the ConvNet's first holds most of its FLOPs) wait for less.
@@ -342,7 +341,7 @@ def estimate(
         # Every rank wants a core, and so do other programs (their load inferred from
         # the calibration's share of a core): the ranks get cores / (load + ranks) each.
         slowdown = _turns(
-            layout.devices, pp, m * (2 if virtual_split else 1),
+            layout.devices, pp, m * virtual,
             compute.background(hw.cores), hw.cores,
         )  # fmt: skip
     work *= slowdown
