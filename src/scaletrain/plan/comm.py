@@ -176,6 +176,31 @@ def _timed_steps(step: Callable[[], Any], seconds: float) -> list[tuple[float, f
     return out
 
 
+def _loaded(work: bytes, warm_up: int = 0) -> Callable[[], Any] | None:
+    """The step a pickled factory builds, run `warm_up` times; None where it fails (the
+    training's to explain: no measurement)."""
+    import pickle
+
+    try:
+        step = pickle.loads(work)()
+        for _ in range(warm_up):
+            step()
+    except Exception:
+        return None
+    return step
+
+
+def _every_rank(ready: bool) -> bool:
+    """Whether every rank is ready: a measurement on every rank or on none, so that all
+    reach the same collectives (each rank calls this at the same point)."""
+    import torch
+    import torch.distributed as dist
+
+    ok = torch.tensor([1 if ready else 0])
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    return bool(ok.item())
+
+
 def _side_by_side(rank: int, work: bytes, cores: int, turns: int = 2) -> Concurrency | None:
     """Rank 0 steps alone, then with the ranks below `cores` beside it, in turns (a
     drift of the machine hits both); the others wait in a barrier (blocked, not
@@ -185,23 +210,12 @@ def _side_by_side(rank: int, work: bytes, cores: int, turns: int = 2) -> Concurr
     `work` is pickled: a factory that cannot be loaded here (one defined in a
     notebook's __main__) or a step that raises gives no measurement, on every rank
     alike (so that all reach the same collectives), instead of failing the probe."""
-    import pickle
-
-    import torch
     import torch.distributed as dist
 
     busy = min(dist.get_world_size(), cores)
-    step = None
-    if rank < busy:
-        try:  # a model that fails here is the training's to explain: no measurement
-            step = pickle.loads(work)()
-            step()
-            step()  # warm-up: the allocator, the optimizer's state
-        except Exception:
-            step = None
-    ok = torch.tensor([1 if step is not None or rank >= busy else 0])
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    if not ok.item() or busy < 2:
+    # Warmed up twice: the allocator, the optimizer's state.
+    step = _loaded(work, warm_up=2) if rank < busy else None
+    if not _every_rank(step is not None or rank >= busy) or busy < 2:
         return None
     alone: list[float] = []
     cpu: list[float] = []
@@ -252,24 +266,16 @@ def _sharded_growth(work: bytes, steps: int = SHARDED_STEPS) -> int | None:
     `malloc_trim` returned what was free; DDP's same model 106-114. It creeps for a
     while: the gpt recipe's sharded steps at 2 ranks grew 53-60 MiB in 10 steps, 61 in
     20 (a 20-step run of the training runtime: 64), 65-68 in 40."""
-    import pickle
-
     import torch
     import torch.distributed as dist
 
     from scaletrain.observe.memory import current_rss_bytes, reset_rss_peak, rss_peak_bytes
 
-    step, start = None, None
-    try:  # a model that fails here is the training's to explain: no measurement
-        step = pickle.loads(work)()
-        start = current_rss_bytes() if reset_rss_peak() else None
-    except Exception:
-        step = None
+    step = _loaded(work)
+    start = current_rss_bytes() if step is not None and reset_rss_peak() else None
     # Every rank steps, or none: a rank that could not would leave the others waiting
     # in the steps' all-gathers. (A step failing on some ranks only still would.)
-    ok = torch.tensor([1 if step is not None and start else 0])
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    if not ok.item() or step is None or not start:
+    if not _every_rank(step is not None and bool(start)) or step is None or not start:
         return None
     grown = -1.0
     try:
