@@ -174,3 +174,51 @@ def _plain_loop_no_ledger(out: str) -> Any:
     ledger = rt.ledger
     rt.shutdown()
     return ledger
+
+
+def _pipeline_loop(out: str, steps: int) -> dict[str, Any]:
+    """The README's pipeline loop (rt.loader, rt.forward_backward, opt.step) on 2 stages."""
+    import scaletrain as st
+
+    rt = st.init(strategy=st.Pipeline(microbatches=4), ledger=st.LedgerConfig(out=out, every=5))
+    torch.manual_seed(0)
+    bare = nn.Sequential(
+        nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU()),
+        nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 4)),
+    )
+    model, opt = rt.setup(bare, torch.optim.SGD(bare.parameters(), lr=0.05))
+    loader = rt.loader(SlowData(64 * steps, 0.0), batch_size=64, collate_fn=_collate)
+    for x, y in loader:
+        rt.forward_backward(model, x, y, nn.functional.cross_entropy)
+        opt.step()
+        opt.zero_grad()
+    with torch.no_grad():
+        rt.predict(model, torch.randn(64, 32))
+    rt.shutdown()
+    return {}
+
+
+def test_a_pipelines_stages_are_measured_as_forward_backward_and_waiting(tmp_path: Path) -> None:
+    """A stage's schedule runs its microbatches' forwards and backwards and waits for the
+    other stage in between: the ledger counts each as such, not as the batch's copy to
+    the device (h2d), which is what it counted before the stage's own hooks. So `plan
+    --check` measures a pipeline's training work (it leaves h2d out)."""
+    run_ranks(_pipeline_loop, 2, str(tmp_path), 12, timeout=200)
+    from scaletrain.observe.records import read_run
+    from scaletrain.train.planning import measured
+
+    run = read_run(tmp_path)
+    for rank, rr in run.ranks.items():
+        counted = [s for s in rr.steps if s.counted]
+        assert counted, rank
+        for s in counted:
+            assert s.phases["forward"] > 0 and s.phases["backward"] > 0, (rank, s.phases)
+        share = {p: statistics.median(s.phases[p] / s.wall for s in counted) for p in s.phases}
+        assert share["h2d"] < 0.1, (rank, share)
+        assert share["forward"] + share["backward"] + share["comm"] > 0.6, (rank, share)
+        assert rr.flops and rr.flops["flops_per_step"] > 0, rank  # the stage's own FLOPs
+    # The last stage waits for the first one's forwards to arrive: the pipeline's fill.
+    assert statistics.median(s.phases["comm"] for s in run.ranks[1].steps if s.counted) > 0
+    work, _, _ = measured(tmp_path)
+    walls = [s.wall for rr in run.ranks.values() for s in rr.steps if s.counted]
+    assert work > 0.5 * statistics.median(walls)

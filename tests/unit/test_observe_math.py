@@ -139,3 +139,39 @@ def test_measured_peak_is_cached(tmp_path: object, monkeypatch: pytest.MonkeyPat
     assert first > 1e8  # any CPU does more than 0.1 GFLOP/s
     # The second call reads the cache: the same number, no benchmark.
     assert measure_peak("cpu", "fp32", device_name="cpu (test)", seconds=5) == first
+
+
+def _summary(ranks: list[tuple[int, float, float, float]], overlap: float | None = None) -> dict:
+    """A summary.json's fields advice reads: per rank (peer group, forward, backward,
+    comm) seconds per step; the phases' medians over the ranks."""
+    import statistics
+
+    rows = []
+    for group, fwd, bwd, comm in ranks:
+        phases = dict.fromkeys(PHASES, 0.0) | {"forward": fwd, "backward": bwd, "comm": comm}
+        rows.append(
+            {"peer_group": group, "phases": phases, "overlap": overlap, "step": fwd + bwd + comm}
+        )
+    med = {p: statistics.median(r["phases"][p] for r in rows) for p in PHASES}
+    med["step"] = statistics.median(r["step"] for r in rows)
+    return {"stragglers": [], "ranks": rows, "phases": {k: {"median": v} for k, v in med.items()}}
+
+
+def test_advice_names_a_pipelines_waiting_not_the_gradient_all_reduce() -> None:
+    """A pipeline stage's comm is its waiting for the other stages: the advice says
+    so, and which knob helps (uneven stages, else more microbatches)."""
+    from scaletrain.observe.summary import advice
+
+    ddp = advice(_summary([(0, 0.01, 0.02, 0.02), (0, 0.01, 0.02, 0.02)], overlap=0.3))
+    assert ddp is not None and ddp.startswith("Communication-bound: 40%") and "all-reduce" in ddp
+    uneven = advice(_summary([(0, 0.03, 0.03, 0.01), (1, 0.002, 0.002, 0.06)]))
+    assert uneven is not None and uneven.startswith("Pipeline-bound: stages wait")
+    assert "all-reduce" not in uneven
+    assert "pipeline rank 0 computes 60.0 ms per step, pipeline rank 1 4.0 ms" in uneven
+    assert "Pipeline(stages=[...])" in uneven
+    even = advice(_summary([(0, 0.02, 0.02, 0.03), (1, 0.02, 0.02, 0.03)]))
+    assert (
+        even is not None
+        and even.startswith("Pipeline-bound")
+        and "Pipeline(microbatches=...)" in even
+    )

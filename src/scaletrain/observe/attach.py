@@ -95,14 +95,15 @@ def attach_model(ledger: StepLedger, model: Any, optimizer: Any | None) -> None:
     and the peak measurement for MFU when the config asks for them."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from scaletrain.observe.hooks import watch_ddp, watch_module, watch_optimizer
+    from scaletrain.observe.hooks import watch_ddp, watch_module, watch_optimizer, watch_stages
     from scaletrain.observe.memory import current_rss_bytes, reset_rss_peak
 
     # Where training's memory starts (data and model built and wrapped): the peak RSS
     # counts from here, so rss_peak - rss_setup is what training itself adds (what
     # `scaletrain plan --check` compares with its prediction).
     ledger.rss_setup = current_rss_bytes() if reset_rss_peak() else None
-    watch_module(ledger, model)
+    if not watch_stages(ledger, model):
+        watch_module(ledger, model)
     if isinstance(model, DistributedDataParallel):
         watch_ddp(ledger, model)
     if optimizer is not None:

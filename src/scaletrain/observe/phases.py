@@ -45,7 +45,8 @@ PHASE_DOCS: dict[str, str] = {
     "forward": "the model's forward and the loss, up to the start of backward",
     "backward": "backward computation (gradients)",
     "comm": "exposed communication: blocked on the gradient all-reduce after backward's "
-    "compute is done (the part the overlap did not hide)",
+    "compute is done (the part the overlap did not hide); a pipeline stage's waiting for "
+    "the other stages (sends, receives, the fill and drain)",
     "optimizer": "gradient clipping and the optimizer step",
     "sync": "collectives outside forward/backward: collecting the per-step stop agreement "
     "(rt.any_rank_async, started a step earlier), rt.reduce, barriers, and the ledger's own "

@@ -14,7 +14,7 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
-from scaletrain.errors import spell
+from scaletrain.errors import say, spell
 from scaletrain.observe.flops import compute_mfu
 from scaletrain.observe.phases import PHASES
 from scaletrain.observe.window import WindowStats
@@ -124,6 +124,9 @@ def advice(summary: dict[str, Any]) -> str | None:
             f"{spell('num_workers')} (loader processes per rank) or make the dataset's "
             "__getitem__ cheaper."
         )
+    stages = {r["peer_group"] for r in summary["ranks"]}
+    if comm >= 0.2 and len(stages) > 1:
+        return _pipeline_advice(summary, comm)
     if comm >= 0.2:
         overlaps = [r["overlap"] for r in summary["ranks"] if r.get("overlap") is not None]
         hidden = f" (overlap {statistics.median(overlaps):.0%})" if overlaps else ""
@@ -149,6 +152,33 @@ def advice(summary: dict[str, Any]) -> str | None:
             "step: reduce less often."
         )
     return None
+
+
+def _pipeline_advice(summary: dict[str, Any], comm: float) -> str:
+    """Ranks in several peer groups are pipeline stages (the groups: their stage
+    coordinate), and a stage's comm is waiting for the others: its sends and receives,
+    the pipeline's fill and drain, and a lighter stage's idling behind a heavier one."""
+    work: dict[int, list[float]] = {}
+    for r in summary["ranks"]:
+        work.setdefault(r["peer_group"], []).append(
+            r["phases"]["forward"] + r["phases"]["backward"]
+        )
+    per = {g: statistics.median(v) for g, v in work.items()}
+    heavy, light = max(per, key=lambda g: per[g]), min(per, key=lambda g: per[g])
+    head = (
+        f"Pipeline-bound: stages wait {comm:.0%} of each step for each other (sends, "
+        "receives, the pipeline's fill and drain)."
+    )
+    stages = say(api="Pipeline(stages=[...])", cli="st.Pipeline(stages=[...]) in the library")
+    if per[light] < 0.67 * per[heavy]:
+        return (
+            f"{head} Its stages are unequal: pipeline rank {heavy} computes "
+            f"{per[heavy] * 1e3:.1f} ms per step, pipeline rank {light} "
+            f"{per[light] * 1e3:.1f} ms; split points that move layers to the lighter "
+            f"stage ({stages}) even them out."
+        )
+    more = say(api="Pipeline(microbatches=...)", cli="st.Pipeline(microbatches=...) in the library")
+    return f"{head} More microbatches per batch ({more}) shrink the fill and drain."
 
 
 def _ms(seconds: float | None) -> str:

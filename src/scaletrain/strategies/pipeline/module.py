@@ -73,6 +73,7 @@ class PipelineModule(nn.Module):
         self._local_names: set[str] | None = None
         self._remote_ids: set[int] = set()
         self._loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None
+        self._watchers: list[tuple[Callable[[nn.Module], None], Callable[[], None]]] = []
         self._mb_losses: list[torch.Tensor] = []
         floats = [p.dtype for p in module.parameters() if p.is_floating_point()]
         self._loss_dtype = floats[0] if floats else torch.float32
@@ -147,6 +148,18 @@ class PipelineModule(nn.Module):
         if self.is_built:
             self._trim(optimizer)
 
+    def watch_stages(
+        self, stage: Callable[[nn.Module], None], schedule: Callable[[], None]
+    ) -> None:
+        """Call `stage(submodule)` on every stage this rank runs (now for those built,
+        at their build for the rest) and `schedule()` as each training step's schedule
+        starts: the step ledger's hooks (scaletrain.observe.hooks.watch_stages), since
+        the schedule never calls this module's forward."""
+        self._watchers.append((stage, schedule))
+        for built in self._built.values():
+            for s in built.stages:
+                stage(s.submod)
+
     # -- training -----------------------------------------------------------------
     def build(self, inputs: Any) -> None:
         """Trace and build this rank's stages for batches shaped like `inputs`, now.
@@ -186,6 +199,8 @@ class PipelineModule(nn.Module):
         self._mb_losses = []
         args = (to_device(inputs, self.device),) if self.holds_first else ()
         target = targets.to(self.device) if self.holds_last else None
+        for _, schedule in self._watchers:
+            schedule()
         try:
             built.schedule.step(*args, target=target, return_outputs=False)
         finally:
@@ -266,6 +281,9 @@ class PipelineModule(nn.Module):
         )
         pipe = self._trace(to_device(example, self.device))
         stages = [pipe.build_stage(i, self.device, self.pp_group) for i in self.stage_indices]
+        for watch, _ in self._watchers:
+            for s in stages:
+                watch(s.submod)
         if self._local_names is None:
             self._learn_ownership(pipe)
         loss_fn = self._scaled_loss if train else None
