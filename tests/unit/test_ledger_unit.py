@@ -205,3 +205,27 @@ def test_other_is_the_rest_and_starts_after_the_first_hook() -> None:
     _step(ledger, clock)
     assert ledger.run.last is not None and ledger.run.last.wall == pytest.approx(6.9)
     assert ledger.run.last.seconds[OTHER] == pytest.approx(0.05)
+
+
+def test_a_cached_peak_a_run_beats_is_dropped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run above 100% MFU proves the cached peak was measured while the device was
+    busy: the summary says so and drops it from the cache, so the next run measures it
+    again (before, every later run on the machine reported 128-134%). Other entries stay."""
+    from scaletrain.observe.flops import _cache_file, measure_peak
+
+    monkeypatch.setenv("SCALETRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    peak = measure_peak("cpu", "fp32", device_name="cpu", seconds=0.02)
+    measure_peak("cpu", "fp32", device_name="cpu", processes=2, seconds=0.02)
+    assert len(json.loads(_cache_file().read_text())) == 2
+    ledger, clock = _ledger(tmp_path / "run", every=5)
+    ledger.peak_measured = peak
+    ledger.flops_per_step = 100 * peak  # more than the peak in each ~7 s step
+    for _ in range(10):
+        _step(ledger, clock)
+    ledger.finish()
+    summary = json.loads((tmp_path / "run" / "observe" / "summary.json").read_text())
+    assert summary["mfu"]["measured"] > 1 and "measurement error" in summary["mfu"]["error"]
+    left = json.loads(_cache_file().read_text())
+    assert list(left) == [k for k in left if "procs=2" in k] and len(left) == 1

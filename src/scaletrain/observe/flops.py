@@ -5,7 +5,10 @@
 - Measured peak: a short matmul benchmark in the training dtype at start, cached per
   device, dtype, threads, processes per node and torch version
   (peak_flops.json in scaletrain's cache directory, see cachedir.py), so later runs
-  skip it.
+  skip it. A run that achieves more than it (MFU above 100%) proves it was measured
+  while the device was busy: `forget_peak` drops it, and the next run measures again.
+  (A CPU entry measured during other work had made every later 2-process run on this
+  machine report 128-134% MFU.)
 - Datasheet peak: dense (not the "with sparsity" figure) for the GPUs in DATASHEET,
   matched by name. An unknown device has NO datasheet peak: MFU is then given against
   the measured one only. (torchtitan falls back to the A100's figure for unknown
@@ -33,6 +36,7 @@ __all__ = [
     "Mfu",
     "compute_mfu",
     "datasheet_peak",
+    "forget_peak",
     "measure_peak",
     "peak_dtype",
 ]
@@ -103,6 +107,33 @@ def _cache_file() -> Path:
     return cache_dir() / "peak_flops.json"
 
 
+def _peak_key(device_name: str, dtype: str, processes: int) -> str:
+    import torch
+
+    return (
+        f"{device_name}|{dtype}|threads={torch.get_num_threads()}|procs={processes}|"
+        f"torch={torch.__version__}"
+    )
+
+
+def forget_peak(device_name: str, dtype: str, *, processes: int = 1) -> bool:
+    """Drop the cached peak `measure_peak` would return; True if there was one."""
+    key = _peak_key(device_name, dtype, processes)
+    path = _cache_file()
+    try:
+        known = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    if not isinstance(known, dict) or known.pop(key, None) is None:
+        return False
+    with contextlib.suppress(OSError):
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(known, f, indent=1)
+        os.replace(tmp, path)
+    return True
+
+
 def measure_peak(
     device: Any,
     dtype: str,
@@ -116,12 +147,7 @@ def measure_peak(
 
     `processes`: ranks sharing this node, which run it at the same time (on CPU they
     share the cores, and so they will while training)."""
-    import torch
-
-    key = (
-        f"{device_name}|{dtype}|threads={torch.get_num_threads()}|procs={processes}|"
-        f"torch={torch.__version__}"
-    )
+    key = _peak_key(device_name, dtype, processes)
     path = _cache_file()
     known: dict[str, float] = {}
     if cache:
@@ -129,6 +155,8 @@ def measure_peak(
             known = json.loads(path.read_text(encoding="utf-8"))
         if key in known:
             return float(known[key])
+    import torch
+
     cuda = getattr(device, "type", "cpu") == "cuda"
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.float32)
     n = 4096 if cuda else 512

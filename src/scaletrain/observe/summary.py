@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from scaletrain.errors import say, spell
-from scaletrain.observe.flops import compute_mfu
+from scaletrain.observe.flops import compute_mfu, forget_peak
 from scaletrain.observe.phases import PHASES
 from scaletrain.observe.window import WindowStats
 
@@ -50,6 +50,11 @@ def build_summary(ledger: Any, stats: WindowStats) -> dict[str, Any]:
             mfu = compute_mfu(w.flops, w.wall, ledger.peak_measured, ledger.peak_datasheet)
             entry["mfu"] = mfu.as_dict()
             mfus.append(mfu)
+            if w.rank == ledger.rank and (mfu.mfu_measured or 0.0) > 1.0:
+                # Its own node's cached peak is too low: measured while the device was busy.
+                forget_peak(
+                    ledger.device_name, ledger.peak_dtype, processes=ledger.local_world_size
+                )
         ranks.append(entry)
     named = [s.as_dict() for s in ledger.detector.named.values()]
     summary: dict[str, Any] = {
@@ -249,6 +254,10 @@ def _lines(summary: dict[str, Any]) -> list[str]:
         lines.append(f"MFU: {', '.join(parts)} ({(mfu.get('achieved') or 0) / 1e12:.3f} TFLOP/s)")
         if mfu.get("error"):
             lines.append(f"[bold red]measurement error:[/] {mfu['error']}")
+        if (mfu.get("measured") or 0.0) > 1.0:
+            lines.append(
+                "the measured peak is dropped from the cache: the next run measures it again"
+            )
     mem = [
         (r["rank"], r.get("allocated_peak") or r.get("rss_peak"))
         for r in summary["ranks"]
