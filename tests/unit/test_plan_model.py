@@ -444,6 +444,10 @@ def test_the_probe_measures_ranks_side_by_side() -> None:
     comm = probe(2, [4096, 65536], work=work, sharded=sharded)
     assert {("all_reduce", 2), ("all_gather", 2), ("send", 2)} <= set(comm.links)
     assert 2 in comm.meeting
+    # A send is timed between two ranks, not borrowed from the all-gather; what a send
+    # or a receive costs its process in CPU is measured with it.
+    assert comm.links[("send", 2)] != comm.links[("all_gather", 2)]
+    assert comm.send_cpu[2] > 0
     # Adam's two moments of a rank's half of the 4 MiB model at least (where RSS can
     # be read: no measurement elsewhere).
     if reset_rss_peak():

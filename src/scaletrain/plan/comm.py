@@ -11,15 +11,16 @@ bytes for an all-gather or a reduce-scatter (bytes = the whole, unsharded tensor
     send            alpha        + bytes / bandwidth
 
 On this machine the probe starts N Gloo processes on loopback, times each collective
-at the sizes the plan will use, and fits alpha and bandwidth per collective (least
-squares on the formula's own factors), so the model is the measured one at those sizes.
+at the sizes the plan will use (a send as half a round trip between two of them),
+and fits alpha and bandwidth per collective (least squares on the formula's own
+factors), so the model is the measured one at those sizes.
 
 The same processes measure what ranks sharing this machine cost each other, which
 the quiet collectives above do not show:
 
 - a collective reached from work (`meeting`): every core is busy up to it, so its
-  threads wait to be scheduled and the ranks arrive apart. Here (2 cores) 0.2-0.9 ms
-  more than a quiet one at 2 processes, 1-2.7 ms at 4: the gpt recipe's FSDP and
+  threads wait to be scheduled and the ranks arrive apart. Here (2 cores) up to 1 ms
+  more than a quiet one at 2 processes, 1-2 ms at 4: the gpt recipe's FSDP and
   tensor-parallel steps hold 16-30 such collectives.
 - given the model's step (`work`), the step side by side against alone, in turns
   (`Concurrency`): the CPU it takes (x1.00-1.17 here: the shared caches and memory),
@@ -140,6 +141,9 @@ class CommModel:
     concurrency: dict[int, Concurrency] = field(default_factory=dict)
     """By group size: ranks stepping side by side (measured when the probe got the
     model's step)."""
+    send_cpu: dict[int, float] = field(default_factory=dict)
+    """By group size: CPU seconds one send or receive costs its process (measured on
+    this machine: a pipeline stage pays it per microbatch at each boundary)."""
     sharded_growth: dict[int, int] = field(default_factory=dict)
     """By group size: RSS the model's fully sharded steps added after setup (measured
     when the probe got that step; see _sharded_growth)."""
@@ -290,7 +294,7 @@ def _sharded_growth(work: bytes, steps: int = SHARDED_STEPS) -> int | None:
     return None if -out[1].item() < 0 else int(out[0].item())
 
 
-def _meeting_cost(rank: int, cores: int, turns: int = 2, meetings: int = 15) -> float:
+def _meeting_cost(rank: int, cores: int, turns: int = 3, meetings: int = 20) -> float:
     """Seconds a collective costs when the ranks come to it from work, beyond the work
     and what the quiet collective costs (which the alpha-beta fit holds).
 
@@ -298,8 +302,9 @@ def _meeting_cost(rank: int, cores: int, turns: int = 2, meetings: int = 15) -> 
     then wait to be scheduled, and the ranks arrive apart. Measured: every rank runs
     a ~2 ms piece of work then a one-element all-reduce, `meetings` times; against
     rank 0's piece alone (taking turns for a core when there are more ranks than
-    cores) and the quiet all-reduce. Here (2 cores): 0.2-0.9 ms per meeting at 2
-    ranks and 1-2.7 ms at 4, beyond a quiet all-reduce's 1-3 ms."""
+    cores) and the quiet all-reduce, back to back, in `turns` turns. Means, as the
+    links' are (a step pays the mean; a collective's time here is bimodal): medians
+    of a few made this 0.03-1.3 ms at 2 ranks from probe to probe."""
     import torch
     import torch.distributed as dist
 
@@ -316,6 +321,10 @@ def _meeting_cost(rank: int, cores: int, turns: int = 2, meetings: int = 15) -> 
         for _ in range(int(count.item())):
             torch.mm(a, a)
 
+    def meet() -> None:
+        piece()
+        dist.all_reduce(tiny)
+
     alone: list[float] = []
     quiet: list[float] = []
     loaded: list[float] = []
@@ -324,30 +333,74 @@ def _meeting_cost(rank: int, cores: int, turns: int = 2, meetings: int = 15) -> 
     for _ in range(turns):
         dist.barrier()
         if rank == 0:
-            for _ in range(5):
-                w0 = time.perf_counter()
-                piece()
-                alone.append(time.perf_counter() - w0)
-        for _ in range(5):
-            dist.barrier()
             w0 = time.perf_counter()
-            dist.all_reduce(tiny)
-            quiet.append(time.perf_counter() - w0)
-        dist.barrier()
-        w0 = time.perf_counter()
-        for _ in range(meetings):
-            piece()
-            dist.all_reduce(tiny)
-        loaded.append((time.perf_counter() - w0) / meetings)
+            for _ in range(5):
+                piece()
+            alone.append((time.perf_counter() - w0) / 5)
+        quiet.append(_mean_time(partial(dist.all_reduce, tiny), meetings))
+        loaded.append(_mean_time(meet, meetings))
     if rank != 0:
         return 0.0
     turns_for_a_core = max(1.0, n / cores)
     return max(
         0.0,
-        statistics.median(loaded)
-        - statistics.median(alone) * turns_for_a_core
-        - statistics.median(quiet),
+        statistics.fmean(loaded)
+        - statistics.fmean(alone) * turns_for_a_core
+        - statistics.fmean(quiet),
     )
+
+
+def _mean_time(op: Callable[[], Any], count: int) -> float:
+    """Mean seconds of `op` run `count` times back to back, from one barrier.
+
+    The mean, not a median: on this machine a collective's time is bimodal (a 117 KB
+    all-reduce between 2 processes: 200-600 us, or 2-4 ms when a rank's wake-up is
+    late, a third of the time), so a median of a few flips between the modes from
+    probe to probe (alpha 0.2-1.1 ms), while a step pays their mean."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(count):
+        op()
+    return (time.perf_counter() - t0) / count
+
+
+def _point_to_point(
+    rank: int, sizes: list[int], count: int
+) -> tuple[list[tuple[float, float]], float]:
+    """(bytes, seconds) of one send from rank 0 to rank 1 at each size: half a round
+    trip (0 sends, 1 receives and sends it back), the mean of `count`; the other ranks
+    wait in the barriers. A pipeline stage's sends are these: one peer, one message.
+    Priced as an all-gather between 2 instead, they were 3x too slow here at 2
+    processes (190-300 us against 60-110 at 50-260 KB) and 10-20x at 4, where a
+    collective waits for all 4 ranks to get one of 2 cores.
+
+    Also the CPU seconds a send or a receive costs its process (rank 0's over the
+    trips, per message, at the sizes' median): Gloo's threads, the system calls, the
+    wake-ups."""
+    import torch
+    import torch.distributed as dist
+
+    out: list[tuple[float, float]] = []
+    cpu: list[float] = []
+    for size in sizes:
+        buf = torch.ones(max(1, size // 4))
+
+        def trip(buf: torch.Tensor = buf) -> None:
+            if rank == 0:
+                dist.send(buf, 1)
+                dist.recv(buf, 1)
+            elif rank == 1:
+                dist.recv(buf, 0)
+                dist.send(buf, 0)
+
+        trip()  # connections, buffers
+        c0 = time.process_time()
+        out.append((float(buf.numel() * 4), _mean_time(trip, count) / 2))
+        cpu.append((time.process_time() - c0) / count / 2)
+        dist.barrier()  # the others waited for the pair
+    return out, statistics.median(cpu)
 
 
 def _probe_rank(
@@ -389,13 +442,7 @@ def _probe_rank(
             }
             for kind, op in ops.items():
                 op()  # warm-up: connections, buffers
-                times = []
-                for _ in range(repeats):
-                    dist.barrier()
-                    t0 = time.perf_counter()
-                    op()
-                    times.append(time.perf_counter() - t0)
-                out[kind].append((float(numel * 4), statistics.median(times)))
+                out[kind].append((float(numel * 4), _mean_time(op, repeats)))
         # Beyond the probe's own tensors (the largest size, whole and one shard).
         own = max(sizes) * (1 + 1 / n)
         out["growth"] = max(0, int(rss_peak_bytes() - before - own)) if before else 0
@@ -405,6 +452,8 @@ def _probe_rank(
         if sharded is not None:
             # Before the plain model's steps below, whose freed memory it would reuse.
             out["sharded"] = _sharded_growth(sharded)
+        # After the memory measurements: its buffers would be theirs to reuse.
+        out["send"], out["send_cpu"] = _point_to_point(rank, sizes, repeats)
         out["meeting"] = _meeting_cost(rank, cores)
         if work is not None:
             out["concurrency"] = _side_by_side(rank, work, cores)
@@ -412,18 +461,25 @@ def _probe_rank(
         dist.destroy_process_group()
     if rank == 0:
         q.put(out)
+        q.close()
+        q.join_thread()  # the result is in the pipe before this process goes
+    # Gone without the interpreter's exit: its C++ static destructors at exit met a
+    # thread still joinable in about 1 of 4 probes over 4 processes ("terminate called
+    # without an active exception" on the user's terminal, the rank aborted).
+    os._exit(0)
 
 
 def probe(
     n: int,
     sizes: Sequence[int],
     *,
-    repeats: int = 5,
+    repeats: int = 20,
     timeout: float = 120.0,
     work: Callable[[], Callable[[], Any]] | None = None,
     sharded: Callable[[], Callable[[], Any]] | None = None,
 ) -> CommModel:
-    """Measure Gloo on loopback over `n` processes at `sizes` (bytes); fit each collective.
+    """Measure Gloo on loopback over `n` processes at `sizes` (bytes); fit each collective
+    (the mean of `repeats` back to back per size) and a send between two of them.
 
     `work` returns the model's training step; given it, the ranks also measure
     `Concurrency` (nothing where it does not pickle, or does not load or run in the
@@ -486,6 +542,7 @@ def probe(
             if p.is_alive():
                 p.kill()
     model.runtime_bytes[n] = int(result.pop("growth"))
+    model.send_cpu[n] = float(result.pop("send_cpu"))
     model.meeting[n] = float(result.pop("meeting"))
     grown = result.pop("sharded", None)
     if grown is not None:
@@ -495,6 +552,4 @@ def probe(
         model.concurrency[n] = side
     for kind, samples in result.items():
         model.links[(kind, n)] = fit_link(kind, n, samples)
-    # A point-to-point send moves the same bytes once: an all-gather between 2 is one.
-    model.links[("send", n)] = model.links[("all_gather", n)]
     return model
