@@ -2,8 +2,9 @@
 
 A leaf package: it imports nothing of the training stack, so every strategy can use
 it and it can be tested without devices or processes. `partition` cuts a model into
-stages; `profile`, `hardware`, `comm`, `layouts`, `estimate` and `api` make
-`scaletrain plan`: memory per device and step time of every strategy at N devices.
+stages; `profile`, `layertime`, `hardware`, `comm`, `overhead`, `layouts`, `schedule`,
+`estimate` and `api` make `scaletrain plan`: memory per device and step time of every
+strategy at N devices.
 
 `st.plan(...)` is this package, called: importing `scaletrain.plan` binds the name
 `plan` on `scaletrain` to this module (Python sets a subpackage as an attribute of its

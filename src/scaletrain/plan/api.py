@@ -17,11 +17,20 @@ from scaletrain.errors import ConfigError, spell
 from scaletrain.plan.comm import SHARDED_STEPS, CommModel
 from scaletrain.plan.estimate import Compute, Estimate, estimate
 from scaletrain.plan.hardware import PROFILES, Hardware, this_machine, usable_cores
+from scaletrain.plan.layertime import layer_shares
 from scaletrain.plan.layouts import Layout, layouts_for
 from scaletrain.plan.partition import Layer, list_layers
 from scaletrain.plan.profile import ModelProfile, profile_model
 
-__all__ = ["PRECISIONS", "Plan", "calibrate", "check_request", "plan_model", "throughput"]
+__all__ = [
+    "PRECISIONS",
+    "Plan",
+    "calibrate",
+    "check_request",
+    "plan_model",
+    "stage_batch",
+    "throughput",
+]
 
 PRECISIONS = ("32", "bf16-mixed", "fp16-mixed", "bf16-true")
 _AUTOCAST = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
@@ -147,6 +156,7 @@ def calibrate(
     sizes: list[int],
     *,
     repeats: int = 5,
+    stage_batch: int | None = None,
 ) -> Compute:
     """Time the real model here: forward+backward at each batch size, and the optimizer
     step, in this process with one thread (as every rank of a CPU job runs).
@@ -154,7 +164,9 @@ def calibrate(
     Times are CPU seconds (what a rank needs of a core); their ratio to wall time is the
     share of a core this process got (the machine's other load). The RSS the steps add
     is measured too (from a restarted peak): in a fresh process it holds the runtime's
-    first-step overhead that no tensor accounting sees.
+    first-step overhead that no tensor accounting sees. Given `stage_batch` (a
+    pipeline's microbatch), each layer's share of the step at that batch
+    (plan/layertime.py), which a pipeline's stages take of it.
     """
     from scaletrain.observe.memory import current_rss_bytes, reset_rss_peak, rss_peak_bytes
 
@@ -182,13 +194,20 @@ def calibrate(
         # run's steps add; measured before them, the runtime term came out that much
         # short (gpt: 13 MiB, a quarter of its growth).
         growth = rss_peak_bytes() - start if start is not None else None
+        # A pipeline's stages: each layer's share of the step at the microbatch.
+        shares = (
+            layer_shares(model, example(stage_batch), loss_fn, list_layers(model))
+            if stage_batch
+            else None
+        )
     finally:
         torch.set_num_threads(threads)
     share = min(1.0, (cpu_total + opt_cpu) / max(wall_total + opt_wall, 1e-9))
-    return Compute.fit(
+    fitted = Compute.fit(
         points, opt_cpu, CALIBRATED, share=share,
         load=os.getloadavg()[0] if hasattr(os, "getloadavg") else None, measured_growth=growth,
     )  # fmt: skip
+    return replace(fitted, layer_shares=shares) if shares else fitted
 
 
 def _with_overheads(
@@ -288,6 +307,12 @@ def _recommend(rows: list[Estimate], batch: int) -> tuple[Estimate | None, str]:
     return best, why
 
 
+def stage_batch(layouts: Sequence[Layout], batch: int) -> int | None:
+    """The microbatch of the plan's first pipeline (None: no pipeline among the rows)."""
+    staged = [x for x in layouts if x.pp > 1]
+    return max(1, batch // (staged[0].microbatches or 1)) if staged else None
+
+
 def plan_model(
     build: Callable[[], nn.Module],
     example: Example,
@@ -334,7 +359,9 @@ def plan_model(
         # first-step overhead (kernel workspaces, allocator and autograd state), which
         # the fake forward/backward below would otherwise have paid in part already.
         sizes = [batch_size] + [batch_size // (x.microbatches or 1) for x in layouts]
-        compute = calibrate(build, example, loss_fn, optimizer, sizes)
+        compute = calibrate(
+            build, example, loss_fn, optimizer, sizes, stage_batch=stage_batch(layouts, batch_size)
+        )
     if compute is not None and compute.source == CALIBRATED:
         assumptions.append(
             f"calibration got {compute.share:.0%} of a core; other load here "

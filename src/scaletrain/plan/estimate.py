@@ -12,28 +12,35 @@ model's sharded steps: the allocator keeps memory FSDP frees, beyond any model o
 
 Step time: compute (measured seconds per sample and per optimizer step, scaled by the
 share of FLOPs and parameters each device holds), exposed communication (alpha-beta
-collectives, less the overlap with the backward) and the pipeline bubble (a
-microbatch of every other stage: (pp-1)/M of a stage's work for 1F1B and GPipe when
-the stages are equal, divided by the virtual stages for interleaved 1F1B). On a CPU
-with more processes than cores, the processes take turns: compute and bubble are
-multiplied by processes/cores (a pipeline's, slot by slot as its stages fill and
-drain it: see _turns). On this machine the probe's measurements add what ranks sharing it
-cost each other: compute grows by their contention (comm.Concurrency), and the step
-waits for the slowest rank and, at each blocking collective, for a core
-(comm.CommModel.meeting).
+collectives, less the overlap with the backward) and, for a pipeline, the bubble. A
+pipeline's step is its schedule simulated (plan/schedule.py): each stage's forward
+and backward of a microbatch are the model's at the microbatch size times the
+stage's measured share (its FLOPs' on a profile), the sends are the hops between
+stages, and on this machine the stages share the cores. Its compute is the busiest
+rank's time at work, its bubble the rest of the step; for equal stages each on a
+device of its own that is the textbook (pp-1)/M of a stage's work (over the virtual
+stages for interleaved 1F1B). Other rows: on a CPU with more processes than cores,
+the processes take turns: compute is multiplied by processes/cores. On this machine
+the probe's measurements add what ranks sharing it cost each other: compute grows by
+their contention (comm.Concurrency), a pipeline stage pays each send and receive's CPU
+(comm.CommModel.send_cpu), and the step waits for the slowest rank and, at each
+blocking collective, for a core (comm.CommModel.meeting).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from itertools import pairwise
 
 from scaletrain.plan.comm import CommModel
-from scaletrain.plan.hardware import Hardware
+from scaletrain.plan.hardware import Hardware, Link
+from scaletrain.plan.layertime import LOSS
 from scaletrain.plan.layouts import Layout
 from scaletrain.plan.partition import Layer, balance_stages
 from scaletrain.plan.profile import ModelProfile
+from scaletrain.plan.schedule import simulate
 
 __all__ = ["DDP_BUCKET_BYTES", "Compute", "Estimate", "Memory", "StepTime", "estimate"]
 
@@ -64,6 +71,10 @@ class Compute:
     profile's prediction for one device."""
     trace_bytes: int = 0
     """RSS a pipeline rank's trace of the model adds after setup (plan/overhead.py)."""
+    layer_shares: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+    """Each layer's forward and backward as fractions of the model's forward+backward,
+    measured at a pipeline's microbatch (plan/layertime.py; the loss under LOSS):
+    what a pipeline's stages take of it. Empty: split by FLOPs."""
     overhead: Mapping[str, float] = field(default_factory=dict)
     """CPU seconds per step a rank spends beyond the model's own work, measured:
     "step", the training runtime's step around it (every row); "tensor", DTensor's
@@ -183,23 +194,103 @@ class Estimate:
     """Which device overflows and by how much, when the row does not fit."""
 
 
-def _turns(ranks: int, pp: int, pieces: int, background: float, cores: int) -> float:
-    """How much slower a rank's work runs for taking turns for `cores` with the other
-    ranks and `background` runnable threads of other programs.
+@dataclass(frozen=True, slots=True)
+class _Piped:
+    stages: list[list[Layer]]
+    """The model cut into pp stages (by parameters, as the pipeline strategy cuts it)."""
+    send: float
+    """Seconds of one microbatch's send between two stages."""
+    send_cpu: float
+    """CPU seconds a send or a receive costs the stage's process (this machine's)."""
+    param_shares: list[float]
 
-    Without a pipeline every rank wants a core all along: (background + ranks) / cores.
-    A pipeline's stages fill and drain it: in a wave of `pieces` (microbatches x
-    virtual stages) over pp stages, slot t has a(t) = 1, 2, .., pp, .., 2, 1 stages of
-    each replica at work, and every slot takes as long as its work at a(t)'s share of
-    the cores: the wave's mean. (Averaging a(t) over the wave first, as this did,
-    read 4 stages on 2 cores 12% fast: 8 units of 4 microbatches' work instead of 9;
-    the gpt recipe's 4-stage rows were 13-28% short.)"""
-    if pp <= 1:
-        return max(1.0, (background + ranks) / cores)
-    slots = pieces + pp - 1
-    replicas = ranks / pp
-    active = [sum(1 for s in range(pp) if 0 <= t - s < pieces) for t in range(slots)]
-    return sum(max(1.0, (background + a * replicas) / cores) for a in active) / slots
+
+def _stage_shares(
+    profile: ModelProfile, compute: Compute, stages: Sequence[Sequence[Layer]]
+) -> tuple[list[float], list[float]]:
+    """Each stage's forward and backward as fractions of the model's forward+backward:
+    its layers' measured shares (the loss on the last stage), else its FLOPs (a
+    backward twice its forward; what runs outside the layers on the last stage)."""
+    names = [layer.name for stage in stages for layer in stage]
+    shares = compute.layer_shares
+    if shares and all(n in shares for n in names):
+        f = [sum(shares[layer.name][0] for layer in stage) for stage in stages]
+        b = [sum(shares[layer.name][1] for layer in stage) for stage in stages]
+        loss_f, loss_b = shares.get(LOSS, (0.0, 0.0))
+    else:
+        flops = [
+            float(_sum(profile, [n for x in stage for n in x.members], "flops")) for stage in stages
+        ]
+        total = max(1.0, float(profile.flops), sum(flops))
+        f = [x / total / 3 for x in flops]
+        b = [2 * x / total / 3 for x in flops]
+        rest = max(0.0, 1 - sum(flops) / total)
+        loss_f, loss_b = rest / 3, 2 * rest / 3
+    f[-1] += loss_f
+    b[-1] += loss_b
+    whole = max(1e-12, sum(f) + sum(b))
+    return [x / whole for x in f], [x / whole for x in b]
+
+
+def _pipeline_time(
+    layout: Layout,
+    profile: ModelProfile,
+    layers: Sequence[Layer],
+    compute: Compute,
+    piped: _Piped,
+    hw: Hardware,
+    contention: float,
+    background: float,
+) -> tuple[float, float, float, float]:
+    """(compute, bubble, slowdown, exposed sends) of a pipeline's busiest rank, from its
+    schedule simulated (scaletrain.plan.schedule): each stage's forward and backward
+    of a microbatch are the whole model's at the microbatch size times the stage's
+    share, plus its share of the pipeline's machinery; the optimizer and the runtime's
+    step run after the schedule. Interleaved 1F1B cuts pp x 2 stages where the model
+    has the layers for them."""
+    pp, m = layout.pp, layout.microbatches or 1
+    virtual = 2 if layout.schedule == "interleaved-1f1b" and len(layers) >= 2 * pp else 1
+    stages = _stages(layers, pp * virtual) if virtual > 1 else piped.stages
+    fshare, bshare = _stage_shares(profile, compute, stages)
+    # Per microbatch: the model's forward+backward and the traced graph's machinery
+    # (measured for the whole model as one stage over m microbatches).
+    unit = (
+        compute.fwd_bwd(profile.batch_size / m) + compute.overhead.get("pipeline", 0.0) / m
+    ) * contention
+    # A stage receives and sends each microbatch's activations and their gradients at
+    # each boundary it has (the ends one, the rest two).
+    ends = [(s > 0) + (s < len(stages) - 1) for s in range(len(stages))]
+    forward = [unit * x + piped.send_cpu * e for x, e in zip(fshare, ends, strict=True)]
+    backward = [unit * x + piped.send_cpu * e for x, e in zip(bshare, ends, strict=True)]
+    params = (
+        piped.param_shares
+        if virtual == 1
+        else [sum(piped.param_shares) / pp] * pp  # interleaved: about even per rank
+    )
+    tail = [
+        (compute.optimizer * params[r] + compute.overhead.get("step", 0.0)) * contention
+        for r in range(pp)
+    ]
+    run = partial(
+        simulate, forward, backward, schedule=layout.schedule or "1f1b", microbatches=m,
+        virtual=virtual, cores=hw.cores, replicas=layout.dp, background=background, tail=tail,
+    )  # fmt: skip
+    quiet, sent = run(), run(hop=piped.send)
+    r = max(range(pp), key=lambda i: quiet.work[i])
+    busy = quiet.running[r]
+    return (
+        busy,
+        quiet.makespan - busy,
+        busy / max(quiet.work[r], 1e-12),
+        max(0.0, sent.makespan - quiet.makespan),
+    )
+
+
+def _broadcast(comm: CommModel, nbytes: float, n: int, link: Link | None) -> float:
+    """Seconds of a broadcast of `nbytes` from one rank to n - 1 others: a send to each
+    in turn (Gloo's small broadcasts here: 0.2 ms at 2 processes, 0.8-1.2 at 4, where a
+    gather of the same bytes took 0.3-0.6 and 3.6-3.8)."""
+    return (n - 1) * comm.time("send", nbytes, 2, link) if n > 1 else 0.0
 
 
 def _stages(layers: Sequence[Layer], pp: int) -> list[list[Layer]]:
@@ -251,7 +342,7 @@ def estimate(
     B = profile.batch_size
     dp, tp, pp = layout.dp, layout.tp, layout.pp
     frac_p = frac_f = 1.0  # share of parameters / FLOPs on the busiest device
-    acts, buffers, comm_s, exposed_free, bubble_units = float(A), 0.0, 0.0, 0.0, 0.0
+    acts, buffers, comm_s, exposed_free = float(A), 0.0, 0.0, 0.0
     meetings = 0  # blocking collectives per step on the busiest rank
     samples = float(B)
     per_node = max(1, layout.devices // max(1, nodes))
@@ -267,17 +358,12 @@ def estimate(
         exposed_free += parts["fwd_msgs"] * fwd + parts["bwd_msgs"] * bwd  # on the critical path
         meetings += parts["fwd_msgs"] + parts["bwd_msgs"]
     m = layout.microbatches or 1
-    virtual = 2 if layout.schedule == "interleaved-1f1b" else 1  # model chunks per stage
-    stage_share = 1.0
+    piped: _Piped | None = None
     if pp > 1:
         stages = _stages(layers, pp)
         members = [[n for layer in s for n in layer.members] for s in stages]
-        flops = [_sum(profile, ms, "flops") for ms in members]
         act = [_sum(profile, ms, "activation_bytes") for ms in members]
         stage_params = [_sum(profile, ms, "param_bytes") for ms in members]
-        s = max(range(pp), key=lambda i: flops[i])
-        stage_share = flops[s] / max(1, sum(flops))
-        frac_f *= stage_share
         frac_p *= max(stage_params) / max(1, sum(stage_params))
         # Microbatches whose activations a stage holds at once: GPipe all M; 1F1B
         # stage s at most pp - s (the first stage the most). The busiest stage counts.
@@ -288,14 +374,19 @@ def estimate(
         boundary = max(profile.modules[ms[-1]].output_bytes for ms in members[:-1])
         buffers += 2 * boundary / m
         send = comm.time("send", boundary / m, 2, hw.inter if pp * tp > per_node else None)
-        exposed_free += 2 * m * send
-        # No meeting per send: the schedule posts its sends and receives ahead, and a
-        # stage waits at a receive only for the data (the bubble). Counted as
-        # collectives among busy ranks, they read the pipelines 17-26% long here.
-        # The busiest stage waits while the others fill and drain the pipeline: one
-        # microbatch of each other stage, (pp-1)/M of its own work when they are equal.
-        # Unequal stages (the ConvNet's first holds most of its FLOPs) wait for less.
-        bubble_units = (1 - stage_share) / max(stage_share, 1e-9) / (m * virtual)
+        # The sends are the simulated schedule's hops: a stage waits at a receive for
+        # the data (posted ahead, they are no meeting of busy ranks: counted as one,
+        # they read the pipelines 17-26% long here).
+        piped = _Piped(
+            stages=stages,
+            send=send,
+            send_cpu=comm.send_cpu.get(layout.devices, 0.0) if hw.cores is not None else 0.0,
+            param_shares=[x / max(1, sum(stage_params)) for x in stage_params],
+        )
+        # Every step ends in the pipeline strategy's broadcast of the loss from the last
+        # stage (a scalar: its latency), a meeting of the stages.
+        exposed_free += _broadcast(comm, 8, pp, hw.inter if pp * tp > per_node else None)
+        meetings += 1
     params, grads, opt = P * frac_p, G * frac_p, Opt * frac_p
     if layout.strategy in ("fsdp", "fsdp x tp") and dp > 1:
         units = [profile.modules[layer.name].param_bytes * frac_p for layer in layers] or [P]
@@ -318,7 +409,7 @@ def estimate(
             # its size, allocated at the first backward, after setup: the gpt recipe's
             # runs grew 2.6 MiB more at 2 processes than at 1 (3.3 MiB of gradients).
             buffers += grads / n_buckets
-    fwd_bwd = compute.fwd_bwd(samples / m) * m * frac_f
+    fwd_bwd = compute.fwd_bwd(samples) * frac_f
     work = fwd_bwd + compute.optimizer * frac_p / (dp if layout.strategy.startswith("fsdp") else 1)
     # Each rank runs every op of its part, however small its shard: the machinery's
     # cost per step is not divided by the degree.
@@ -327,25 +418,27 @@ def estimate(
         work += compute.overhead.get("tensor", 0.0)
     if layout.strategy in ("fsdp", "fsdp x tp") and dp > 1:
         work += compute.overhead.get("fsdp", 0.0)
-    if pp > 1:
-        # A stage runs its share of the traced graph's ops (measured as one stage).
-        work += compute.overhead.get("pipeline", 0.0) * stage_share
     # Ranks stepping side by side on this machine's cores slow each other (shared
     # caches and memory bandwidth: more CPU per step), and every rank waits for the
     # slowest at each step's collectives (both measured by the probe, given the step).
     side = comm.concurrency.get(layout.devices) if hw.cores is not None else None
     contention = side.factor if side is not None else 1.0
-    work *= contention
-    slowdown = 1.0
-    if hw.cores is not None:
-        # Every rank wants a core, and so do other programs (their load inferred from
-        # the calibration's share of a core): the ranks get cores / (load + ranks) each.
-        slowdown = _turns(
-            layout.devices, pp, m * virtual,
-            compute.background(hw.cores), hw.cores,
-        )  # fmt: skip
-    work *= slowdown
-    bubble = fwd_bwd * contention * bubble_units * slowdown
+    background = compute.background(hw.cores) if hw.cores is not None else 0.0
+    bubble = hidden = 0.0
+    if piped is not None:
+        work, bubble, slowdown, sends = _pipeline_time(
+            layout, profile, layers, compute, piped, hw, contention, background
+        )
+        exposed_free += sends
+        hidden = max(0.0, 2 * m * piped.send - sends)
+    else:
+        work *= contention
+        slowdown = 1.0
+        if hw.cores is not None:
+            # Every rank wants a core, and so do other programs (their load inferred from
+            # the calibration's share of a core): the ranks get cores / (load + ranks) each.
+            slowdown = max(1.0, (background + layout.devices) / hw.cores)
+        work *= slowdown
     wait = (work + bubble) * (side.sync(layout.devices) - 1) if side is not None else 0.0
     if hw.cores is not None:
         # Waiting, not CPU: a collective's threads wait for a core, its ranks arrive apart.
@@ -375,7 +468,7 @@ def estimate(
         memory=memory,
         time=StepTime(
             compute=work,
-            comm=comm_s + exposed_free,
+            comm=comm_s + exposed_free + hidden,
             exposed=exposed,
             bubble=bubble,
             slowdown=slowdown,

@@ -240,12 +240,14 @@ def plan(
     if compute is None and hardware is None:
         from dataclasses import replace
 
-        from scaletrain.plan.api import calibrate
+        from scaletrain.plan.api import calibrate, stage_batch
 
         # The runtime first: its memory is measured as a fresh process's first steps.
         cost = runtime_overhead(build, example, loss, optimizer, batch)
         sizes = [batch] + [batch // (x.microbatches or 1) for x in layouts]
-        compute = calibrate(build, example, loss, optimizer, sizes)
+        compute = calibrate(
+            build, example, loss, optimizer, sizes, stage_batch=stage_batch(layouts, batch)
+        )
         if cost is not None:
             compute = replace(
                 compute,
