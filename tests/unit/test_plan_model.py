@@ -687,3 +687,31 @@ def test_ddp_on_gloo_holds_a_bucket_of_working_memory() -> None:
 
     assert buffers(cpu) == p.grad_bytes  # one bucket holds all of the MLP's gradients
     assert buffers(PROFILES["h100-sxm"]) == 0  # a profile (NCCL): not counted
+
+
+def _normed() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def test_ddp_broadcasts_the_buffers_at_every_forward() -> None:
+    # BatchNorm's running statistics go from rank 0 to the others before each forward
+    # (DDP's broadcast_buffers, on by default): one more collective a step, a meeting
+    # on this machine. A model without buffers has none.
+    cpu = Hardware("cpu", "2 cores", 10**12, {}, Link(0, 1e15), Link(0, 1e15), cores=2)
+    compute = Compute(fixed=0.0, per_sample=0.001, optimizer=0.0, source="t")
+    comm = CommModel(default=Link(0.002, 1e15), meeting={2: 0.003})
+
+    def time(build: Any) -> Any:
+        p = profile_model(build, _example(8), nn.functional.cross_entropy, _adam)
+        with torch.device("meta"):
+            layers = list_layers(build())
+        return estimate(
+            Layout("ddp", dp=2), p, layers=layers, tp_plan=None, compute=compute, comm=comm,
+            hw=cpu, overlap=0.0,
+        ).time  # fmt: skip
+
+    plain, normed = time(_mlp), time(_normed)
+    # The gradients' all-reduce: 2(N-1) messages of 2 ms; the buffers' broadcast: N-1 sends.
+    assert plain.exposed == pytest.approx(2 * 0.002)
+    assert normed.exposed == pytest.approx(2 * 0.002 + 0.002)
+    assert normed.wait - plain.wait == pytest.approx(0.003)

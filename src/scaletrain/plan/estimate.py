@@ -404,6 +404,13 @@ def estimate(
         n_buckets = max(1, -(-int(grads) // DDP_BUCKET_BYTES))
         comm_s += n_buckets * comm.time("all_reduce", grads / n_buckets, dp, outer)
         meetings += n_buckets
+        if profile.buffer_bytes:
+            # DDP broadcasts the buffers (BatchNorm's running statistics) from rank 0 at
+            # every forward (its broadcast_buffers, on by default): a collective before
+            # the forward. The ConvNet's runs at 2 processes took 1.2-2 ms a step longer
+            # with it than without.
+            exposed_free += _broadcast(comm, profile.buffer_bytes, dp, outer)
+            meetings += 1
         if hw.cores is not None:
             # Gloo (this CPU machine) reduces a bucket through working buffers of about
             # its size, allocated at the first backward, after setup: the gpt recipe's
