@@ -34,13 +34,16 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
+T = TypeVar("T")
+
 __all__ = [
     "cpu_in_turns",
+    "in_fresh_process",
     "measure_overheads",
     "measure_trace_bytes",
     "model_step",
@@ -272,19 +275,24 @@ def _ignore_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+def in_fresh_process(fn: Callable[..., T], *args: Any, timeout: float = 300.0) -> T | None:
+    """`fn(*args)` in a fresh (spawned) process; None if it fails or takes over `timeout`
+    seconds. Ctrl-C is the planner's: the process ignores it and is killed with the
+    pool."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    try:
+        with ctx.Pool(1, initializer=_ignore_sigint) as pool:
+            result: T = pool.apply_async(fn, args).get(timeout)
+            return result
+    except Exception:
+        return None
+
+
 def trace_bytes(
     build: Callable[[], nn.Module], microbatch: tuple[Any, ...], *, timeout: float = 300.0
 ) -> int | None:
     """`measure_trace_bytes` in a fresh process (spawned: a pipeline rank traces once,
     in a process that has not traced before); None if that process fails."""
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    try:
-        with ctx.Pool(1, initializer=_ignore_sigint) as pool:  # Ctrl-C: the planner's
-            result: int | None = pool.apply_async(measure_trace_bytes, (build, microbatch)).get(
-                timeout
-            )
-            return result
-    except Exception:
-        return None
+    return in_fresh_process(measure_trace_bytes, build, microbatch, timeout=timeout)
