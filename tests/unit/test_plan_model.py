@@ -715,3 +715,46 @@ def test_ddp_broadcasts_the_buffers_at_every_forward() -> None:
     assert plain.exposed == pytest.approx(2 * 0.002)
     assert normed.exposed == pytest.approx(2 * 0.002 + 0.002)
     assert normed.wait - plain.wait == pytest.approx(0.003)
+
+
+def _fails() -> int:
+    raise RuntimeError("this calibration cannot run")
+
+
+def _answer(x: int) -> int:
+    return x + 1
+
+
+def test_a_fresh_process_runs_a_measurement_or_says_none() -> None:
+    from scaletrain.plan.overhead import in_fresh_process
+
+    assert in_fresh_process(_answer, 41) == 42
+    assert in_fresh_process(_fails) is None
+
+
+def test_the_calibration_is_the_median_of_three_processes(monkeypatch: pytest.MonkeyPatch) -> None:
+    # One process's step runs 7.2-11.3 ms where another's runs the same step faster
+    # (the allocator): the planner takes the median of this process and two fresh ones.
+    import scaletrain.plan.overhead as overhead
+    import scaletrain.train.planning as planning
+
+    def sample(per_sample: float, growth: int | None) -> Compute:
+        return Compute(
+            fixed=0.0, per_sample=per_sample, optimizer=0.0, source="t", measured_growth=growth
+        )
+
+    here = sample(0.001, 30)
+    fresh = iter([sample(0.003, 50), sample(0.002, None), sample(0.0015, 40)])
+    monkeypatch.setattr(planning, "_calibration", lambda *a: here)
+    monkeypatch.setattr(overhead, "in_fresh_process", lambda fn, *a, **k: next(fresh))
+    args = (_mlp, _example, nn.functional.cross_entropy, _adam, 8, [8])
+    got = planning.calibrated(*args, samples=3)
+    assert got.per_sample == 0.002  # the middle of 0.001, 0.003, 0.002
+    assert got.measured_growth == 50  # the middle of the growths measured (30, 50)
+    # A fresh process that fails is left out; one slow step (over 0.5 s) is not repeated.
+    monkeypatch.setattr(overhead, "in_fresh_process", lambda fn, *a, **k: None)
+    assert planning.calibrated(*args, samples=3) == here
+    slow = sample(1.0, 10)
+    monkeypatch.setattr(planning, "_calibration", lambda *a: slow)
+    monkeypatch.setattr(overhead, "in_fresh_process", lambda fn, *a, **k: pytest.fail("ran"))
+    assert planning.calibrated(*args, samples=3).per_sample == 1.0
