@@ -318,23 +318,24 @@ def test_strategy_machinery_is_measured_on_the_model() -> None:
         _wide, _wide_example(4), nn.functional.cross_entropy, _adam,
         tp_plan={"0": "colwise", "2": "rowwise"}, layers=["0", "2"], repeats=3,
     )  # fmt: skip
-    assert found is not None and set(found) == {"tensor", "fsdp"}
+    assert found is not None and set(found) == {"ddp", "tensor", "fsdp"}
     # DTensor dispatch on every op of 2 Linears and their optimizer step: far more than
     # the microseconds of FLOPs of a 4-sample batch.
     assert found["tensor"] > 1e-4 and found["fsdp"] > 1e-4
+    assert found["ddp"] >= 0.0  # its reducer (~1 ms on the recipes; a timing here)
     import torch.distributed as dist
 
     assert not dist.is_initialized()  # its one-rank group is gone
 
 
-def test_measured_machinery_is_added_to_tensor_and_fsdp_rows_only() -> None:
+def test_measured_machinery_is_added_to_its_own_rows_only() -> None:
     p = profile_model(_mlp, _example(8), nn.functional.cross_entropy, _adam)
     with torch.device("meta"):
         layers = list_layers(_mlp())
     base = Compute(fixed=0.0, per_sample=0.001, optimizer=0.0, source="t")
     costly = Compute(
         fixed=0.0, per_sample=0.001, optimizer=0.0, source="t",
-        overhead={"tensor": 0.05, "fsdp": 0.02},
+        overhead={"tensor": 0.05, "fsdp": 0.02, "ddp": 0.01},
     )  # fmt: skip
     free = CommModel(default=Link(0, 1e15))
 
@@ -346,7 +347,8 @@ def test_measured_machinery_is_added_to_tensor_and_fsdp_rows_only() -> None:
         return row.time.total
 
     for layout, extra in (
-        (Layout("ddp", dp=2), 0.0),
+        (Layout("ddp", dp=1), 0.0),  # one process: nothing wraps the model
+        (Layout("ddp", dp=2), 0.01),
         (Layout("fsdp", dp=2), 0.02),
         (Layout("tensor", tp=2), 0.05),
         (Layout("fsdp x tp", dp=2, tp=2), 0.07),
@@ -369,7 +371,7 @@ def test_the_pipeline_machinery_is_measured_as_one_stage() -> None:
         _wide, _wide_example(8), nn.functional.cross_entropy, _adam,
         tp_plan=None, layers=["0", "2"], microbatches=4, repeats=3,
     )  # fmt: skip
-    assert found is not None and set(found) == {"fsdp", "pipeline"}
+    assert found is not None and set(found) == {"ddp", "fsdp", "pipeline"}
     # The traced graph and the 1F1B schedule over 4 microbatches, against the plain
     # model over the same 4 microbatches (~2 ms here; its size is a timing, which CI's
     # load can drown at 3 repeats: only that it was measured is asserted).
@@ -758,3 +760,4 @@ def test_the_calibration_is_the_median_of_three_processes(monkeypatch: pytest.Mo
     monkeypatch.setattr(planning, "_calibration", lambda *a: slow)
     monkeypatch.setattr(overhead, "in_fresh_process", lambda fn, *a, **k: pytest.fail("ran"))
     assert planning.calibrated(*args, samples=3).per_sample == 1.0
+

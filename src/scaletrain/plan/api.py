@@ -229,7 +229,7 @@ def _with_overheads(
     )  # fmt: skip
     if found is None:
         assumptions.append(
-            "tensor parallel's, FSDP's and pipelines' own per-step cost not measured (this "
+            "DDP's, tensor parallel's, FSDP's and pipelines' own per-step cost not measured (this "
             "process is already in a process group): their rows count FLOPs and collectives only"
         )
         return compute
@@ -425,13 +425,11 @@ def plan_model(
             assumptions.append(
                 f"a pipeline rank's trace of the model: {traced / 2**20:.1f} MiB (measured)"
             )
-    machinery = any(
-        x.tp > 1 or x.pp > 1 or (x.strategy.startswith("fsdp") and x.dp > 1) for x in layouts
-    )
+    machinery = any(x.tp > 1 or x.pp > 1 or x.dp > 1 for x in layouts)
     if (
         hardware is None
         and machinery
-        and not {"tensor", "fsdp", "pipeline"} & set(compute.overhead)
+        and not {"ddp", "tensor", "fsdp", "pipeline"} & set(compute.overhead)
     ):
         # Per op, not per sample: measured at a small batch, which keeps it to seconds.
         microbatches = staged[0].microbatches if staged else None

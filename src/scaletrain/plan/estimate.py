@@ -77,9 +77,9 @@ class Compute:
     what a pipeline's stages take of it. Empty: split by FLOPs."""
     overhead: Mapping[str, float] = field(default_factory=dict)
     """CPU seconds per step a rank spends beyond the model's own work, measured:
-    "step", the training runtime's step around it (every row); "tensor", DTensor's
-    dispatch; "fsdp", its hooks; "pipeline", the traced graph and the schedule, for
-    the whole model as one stage (plan/overhead.py)."""
+    "step", the training runtime's step around it (every row); "ddp", DDP's reducer;
+    "tensor", DTensor's dispatch; "fsdp", its hooks; "pipeline", the traced graph and
+    the schedule, for the whole model as one stage (plan/overhead.py)."""
 
     def fwd_bwd(self, samples: float) -> float:
         return self.fixed + self.per_sample * samples
@@ -267,8 +267,11 @@ def _pipeline_time(
         if virtual == 1
         else [sum(piped.param_shares) / pp] * pp  # interleaved: about even per rank
     )
+    # After the schedule: the optimizer, the runtime's step and, over data-parallel
+    # replicas, DDP's reducer for the rank's share of the model.
+    reducer = compute.overhead.get("ddp", 0.0) if layout.dp > 1 else 0.0
     tail = [
-        (compute.optimizer * params[r] + compute.overhead.get("step", 0.0)) * contention
+        ((compute.optimizer + reducer) * params[r] + compute.overhead.get("step", 0.0)) * contention
         for r in range(pp)
     ]
     run = partial(
@@ -425,6 +428,8 @@ def estimate(
         work += compute.overhead.get("tensor", 0.0)
     if layout.strategy in ("fsdp", "fsdp x tp") and dp > 1:
         work += compute.overhead.get("fsdp", 0.0)
+    if layout.strategy == "ddp" and dp > 1:
+        work += compute.overhead.get("ddp", 0.0)  # its reducer's hooks and buckets
     # Ranks stepping side by side on this machine's cores slow each other (shared
     # caches and memory bandwidth: more CPU per step), and every rank waits for the
     # slowest at each step's collectives (both measured by the probe, given the step).
