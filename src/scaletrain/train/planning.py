@@ -272,7 +272,8 @@ def calibrated(
     """The model calibrated in this process and in `samples` - 1 fresh ones, one after
     another: the one whose step is the median, with the median RSS growth. Only where
     a step is short (each fresh process costs a start of Python and torch, ~2 s, and
-    ~40 steps); a calibration that fails in a fresh process is left out."""
+    ~40 steps), and not inside a job (st.plan called by a rank: this process alone);
+    a calibration that fails in a fresh process is left out."""
     from dataclasses import replace
 
     from scaletrain.plan.overhead import in_fresh_process
@@ -283,7 +284,10 @@ def calibrated(
     def step(c: Compute) -> float:
         return c.fwd_bwd(batch) + c.optimizer + c.overhead.get("step", 0.0)
 
-    if step(found[0]) < 0.5:
+    import torch.distributed as dist
+
+    in_a_job = dist.is_available() and dist.is_initialized()
+    if step(found[0]) < 0.5 and not in_a_job:
         for _ in range(samples - 1):
             more = in_fresh_process(_calibration, *args)
             if more is not None:
