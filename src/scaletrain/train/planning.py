@@ -318,7 +318,7 @@ def plan(
     `Plan.recommended`); `Plan.table()` is what `scaletrain plan` prints.
 
     hardware=None measures this machine (calibrations of the model and a Gloo probe,
-    10-70 s on 2 CPU cores); a profile name ("h100-sxm", "a100-sxm", "a100-pcie", "ethernet")
+    20-55 s on 2 CPU cores); a profile name ("h100-sxm", "a100-sxm", "a100-pcie", "ethernet")
     plans on paper. `layouts` picks rows; `compute` and `comm` replace this machine's
     measurements (a benchmark measures them once for many plans).
     """
