@@ -15,7 +15,7 @@ from torch import nn
 
 from scaletrain.errors import ConfigError, spell
 from scaletrain.plan.comm import SHARDED_STEPS, CommModel
-from scaletrain.plan.estimate import Compute, Estimate, estimate
+from scaletrain.plan.estimate import Compute, Estimate, estimate, send_bytes
 from scaletrain.plan.hardware import PROFILES, Hardware, this_machine, usable_cores
 from scaletrain.plan.layertime import layer_shares
 from scaletrain.plan.layouts import Layout, layouts_for
@@ -26,6 +26,7 @@ __all__ = [
     "PRECISIONS",
     "Plan",
     "calibrate",
+    "calibration_sizes",
     "check_request",
     "plan_model",
     "stage_batch",
@@ -313,6 +314,12 @@ def stage_batch(layouts: Sequence[Layout], batch: int) -> int | None:
     return max(1, batch // (staged[0].microbatches or 1)) if staged else None
 
 
+def calibration_sizes(layouts: Sequence[Layout], batch: int) -> list[int]:
+    """The batch sizes a calibration times for these rows: the batch, and each pipeline's
+    microbatch."""
+    return [batch] + [batch // (x.microbatches or 1) for x in layouts]
+
+
 def plan_model(
     build: Callable[[], nn.Module],
     example: Example,
@@ -358,10 +365,12 @@ def plan_model(
         # First, in a fresh process: the real steps' RSS growth then holds the runtime's
         # first-step overhead (kernel workspaces, allocator and autograd state), which
         # the fake forward/backward below would otherwise have paid in part already.
-        sizes = [batch_size] + [batch_size // (x.microbatches or 1) for x in layouts]
+        # (st.plan passes the fuller calibration: the training runtime's own loop, in 3
+        # processes, scaletrain.train.planning.calibrated; this package cannot run it.)
         compute = calibrate(
-            build, example, loss_fn, optimizer, sizes, stage_batch=stage_batch(layouts, batch_size)
-        )
+            build, example, loss_fn, optimizer, calibration_sizes(layouts, batch_size),
+            stage_batch=stage_batch(layouts, batch_size),
+        )  # fmt: skip
     if compute is not None and compute.source == CALIBRATED:
         assumptions.append(
             f"calibration got {compute.share:.0%} of a core; other load here "
@@ -387,7 +396,11 @@ def plan_model(
         if hardware is None:
             from scaletrain.plan.comm import probe
 
-            sizes = sorted({profile.grad_bytes, max(4096, profile.grad_bytes // 8)})
+            # The gradients' sizes (DDP's buckets, FSDP's units), and a pipeline's sends.
+            sizes = sorted(
+                {profile.grad_bytes, max(4096, profile.grad_bytes // 8)}
+                | {max(4096, int(send_bytes(x, profile, layers))) for x in layouts if x.pp > 1}
+            )
             from scaletrain.plan.overhead import model_step, sharded_step
 
             work = partial(model_step, build, example(batch_size), loss_fn, optimizer)

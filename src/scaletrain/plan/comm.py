@@ -11,17 +11,18 @@ bytes for an all-gather or a reduce-scatter (bytes = the whole, unsharded tensor
     send            alpha        + bytes / bandwidth
 
 On this machine the probe starts N Gloo processes on loopback, times each collective
-at the sizes the plan will use (a send as half a round trip between two of them),
-and fits alpha and bandwidth per collective (least squares on the formula's own
+at the sizes the plan will use (the gradients', and a pipeline's activations per
+microbatch; a send as half a round trip between two of them), and fits alpha and
+bandwidth per collective (least squares on the formula's own
 factors), so the model is the measured one at those sizes.
 
 The same processes measure what ranks sharing this machine cost each other, which
 the quiet collectives above do not show:
 
 - a collective reached from work (`meeting`): every core is busy up to it, so its
-  threads wait to be scheduled and the ranks arrive apart. Here (2 cores) up to 1 ms
-  more than a quiet one at 2 processes, 1-2 ms at 4: the gpt recipe's FSDP and
-  tensor-parallel steps hold 16-30 such collectives.
+  threads wait to be scheduled and the ranks arrive apart. Here (2 cores), against a
+  quiet one's mean: 0-0.4 ms more at 2 processes, 0-1.2 ms at 4; the gpt recipe's FSDP
+  and tensor-parallel steps hold 16-30 such collectives.
 - given the model's step (`work`), the step side by side against alone, in turns
   (`Concurrency`): the CPU it takes (x1.00-1.17 here: the shared caches and memory),
   and how much one rank's step varies, which synchronous ranks wait for. Timed one
@@ -47,6 +48,7 @@ from scaletrain.plan.hardware import Link, usable_cores
 
 __all__ = [
     "KINDS",
+    "PROBE_BUDGET",
     "SHARDED_STEPS",
     "CommModel",
     "Concurrency",
@@ -350,6 +352,24 @@ def _meeting_cost(rank: int, cores: int, turns: int = 3, meetings: int = 20) -> 
     )
 
 
+PROBE_BUDGET = 0.25
+"""Seconds the probe spends on one collective at one size, about (at least 3 of it)."""
+
+
+def _agreed_count(op: Callable[[], Any], most: int) -> int:
+    """Run `op` once (a warm-up: connections, buffers) and agree on how many of it fit
+    PROBE_BUDGET, between 3 and `most`: every rank the same, the slowest rank's. A
+    large model's 400 MB all-reduce runs 3 times, not 20, within the probe's timeout."""
+    import torch
+    import torch.distributed as dist
+
+    t0 = time.perf_counter()
+    op()
+    took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dist.all_reduce(took, op=dist.ReduceOp.MAX)
+    return max(3, min(most, int(PROBE_BUDGET / max(took.item(), 1e-9))))
+
+
 def _mean_time(op: Callable[[], Any], count: int) -> float:
     """Mean seconds of `op` run `count` times back to back, from one barrier.
 
@@ -395,10 +415,10 @@ def _point_to_point(
                 dist.recv(buf, 0)
                 dist.send(buf, 0)
 
-        trip()  # connections, buffers
+        trips = _agreed_count(trip, count)
         c0 = time.process_time()
-        out.append((float(buf.numel() * 4), _mean_time(trip, count) / 2))
-        cpu.append((time.process_time() - c0) / count / 2)
+        out.append((float(buf.numel() * 4), _mean_time(trip, trips) / 2))
+        cpu.append((time.process_time() - c0) / trips / 2)
         dist.barrier()  # the others waited for the pair
     return out, statistics.median(cpu)
 
@@ -441,8 +461,8 @@ def _probe_rank(
                 "reduce_scatter": partial(dist.reduce_scatter_tensor, shard, full),
             }
             for kind, op in ops.items():
-                op()  # warm-up: connections, buffers
-                out[kind].append((float(numel * 4), _mean_time(op, repeats)))
+                count = _agreed_count(op, repeats)
+                out[kind].append((float(numel * 4), _mean_time(op, count)))
         # Beyond the probe's own tensors (the largest size, whole and one shard).
         own = max(sizes) * (1 + 1 / n)
         out["growth"] = max(0, int(rss_peak_bytes() - before - own)) if before else 0
@@ -479,7 +499,8 @@ def probe(
     sharded: Callable[[], Callable[[], Any]] | None = None,
 ) -> CommModel:
     """Measure Gloo on loopback over `n` processes at `sizes` (bytes); fit each collective
-    (the mean of `repeats` back to back per size) and a send between two of them.
+    (the mean of up to `repeats` back to back per size, as many as fit PROBE_BUDGET) and
+    a send between two of them.
 
     `work` returns the model's training step; given it, the ranks also measure
     `Concurrency` (nothing where it does not pickle, or does not load or run in the

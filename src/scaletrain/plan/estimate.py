@@ -42,7 +42,15 @@ from scaletrain.plan.partition import Layer, balance_stages
 from scaletrain.plan.profile import ModelProfile
 from scaletrain.plan.schedule import simulate
 
-__all__ = ["DDP_BUCKET_BYTES", "Compute", "Estimate", "Memory", "StepTime", "estimate"]
+__all__ = [
+    "DDP_BUCKET_BYTES",
+    "Compute",
+    "Estimate",
+    "Memory",
+    "StepTime",
+    "estimate",
+    "send_bytes",
+]
 
 DDP_BUCKET_BYTES = 25 * 2**20
 """PyTorch DDP's default bucket_cap_mb (25 MiB)."""
@@ -246,10 +254,16 @@ def _pipeline_time(
     schedule simulated (scaletrain.plan.schedule): each stage's forward and backward
     of a microbatch are the whole model's at the microbatch size times the stage's
     share, plus its share of the pipeline's machinery; the optimizer and the runtime's
-    step run after the schedule. Interleaved 1F1B cuts pp x 2 stages where the model
-    has the layers for them."""
+    step run after the schedule. Interleaved 1F1B cuts pp x 2 stages (refused, as the
+    strategy refuses it, where the model has fewer layers)."""
     pp, m = layout.pp, layout.microbatches or 1
-    virtual = 2 if layout.schedule == "interleaved-1f1b" and len(layers) >= 2 * pp else 1
+    virtual = 2 if layout.schedule == "interleaved-1f1b" else 1
+    if len(layers) < pp * virtual:
+        # As the pipeline strategy refuses it (Pipeline.check_layout, split_points).
+        raise ValueError(
+            f"{layout.label}: interleaving needs {pp * virtual} stages, 2 per rank, but the "
+            f"model has {len(layers)} layers to cut; use schedule '1f1b'"
+        )
     stages = _stages(layers, pp * virtual) if virtual > 1 else piped.stages
     fshare, bshare = _stage_shares(profile, compute, stages)
     # Per microbatch: the model's forward+backward and the traced graph's machinery
@@ -289,11 +303,26 @@ def _pipeline_time(
     )
 
 
-def _broadcast(comm: CommModel, nbytes: float, n: int, link: Link | None) -> float:
-    """Seconds of a broadcast of `nbytes` from one rank to n - 1 others: a send to each
-    in turn (Gloo's small broadcasts here: 0.2 ms at 2 processes, 0.8-1.2 at 4, where a
-    gather of the same bytes took 0.3-0.6 and 3.6-3.8)."""
-    return (n - 1) * comm.time("send", nbytes, 2, link) if n > 1 else 0.0
+def send_bytes(layout: Layout, profile: ModelProfile, layers: Sequence[Layer]) -> float:
+    """Bytes of a pipeline's largest send: a microbatch's activations at a stage boundary
+    (0 without stages)."""
+    if layout.pp <= 1:
+        return 0.0
+    stages = _stages(layers, layout.pp)
+    boundary = max(profile.modules[s[-1].members[-1]].output_bytes for s in stages[:-1])
+    return boundary / (layout.microbatches or 1)
+
+
+def _broadcast(comm: CommModel, nbytes: float, n: int, link: Link | None, *, here: bool) -> float:
+    """Seconds of a broadcast of `nbytes` from one rank to n - 1 others. On this machine
+    a send to each in turn (Gloo's small broadcasts: 0.2 ms at 2 processes, 0.8-1.2 at
+    4, where a gather of the same bytes took 0.3-0.6 and 3.6-3.8); on a profile a
+    pipelined ring (NCCL's): the bytes once, a message's latency per hop."""
+    if n <= 1:
+        return 0.0
+    if here:
+        return (n - 1) * comm.time("send", nbytes, 2, link)
+    return comm.time("send", nbytes, 2, link) + (n - 2) * comm.time("send", 1, 2, link)
 
 
 def _stages(layers: Sequence[Layer], pp: int) -> list[list[Layer]]:
@@ -374,9 +403,11 @@ def estimate(
             act[i] * (m if layout.schedule == "gpipe" else min(m, pp - i)) / m for i in range(pp)
         ]
         acts = acts * max(in_flight) / max(1, sum(act))
-        boundary = max(profile.modules[ms[-1]].output_bytes for ms in members[:-1])
-        buffers += 2 * boundary / m
-        send = comm.time("send", boundary / m, 2, hw.inter if pp * tp > per_node else None)
+        buffers += 2 * send_bytes(layout, profile, layers)
+        send = comm.time(
+            "send", send_bytes(layout, profile, layers), 2,
+            hw.inter if pp * tp > per_node else None,
+        )  # fmt: skip
         # The sends are the simulated schedule's hops: a stage waits at a receive for
         # the data (posted ahead, they are no meeting of busy ranks: counted as one,
         # they read the pipelines 17-26% long here).
@@ -388,7 +419,9 @@ def estimate(
         )
         # Every step ends in the pipeline strategy's broadcast of the loss from the last
         # stage (a scalar: its latency), a meeting of the stages.
-        exposed_free += _broadcast(comm, 8, pp, hw.inter if pp * tp > per_node else None)
+        exposed_free += _broadcast(
+            comm, 8, pp, hw.inter if pp * tp > per_node else None, here=hw.cores is not None
+        )
         meetings += 1
     params, grads, opt = P * frac_p, G * frac_p, Opt * frac_p
     if layout.strategy in ("fsdp", "fsdp x tp") and dp > 1:
@@ -412,7 +445,9 @@ def estimate(
             # every forward (its broadcast_buffers, on by default): a collective before
             # the forward. The ConvNet's runs at 2 processes took 1.2-2 ms a step longer
             # with it than without.
-            exposed_free += _broadcast(comm, profile.buffer_bytes, dp, outer)
+            exposed_free += _broadcast(
+                comm, profile.buffer_bytes, dp, outer, here=hw.cores is not None
+            )
             meetings += 1
         if hw.cores is not None:
             # Gloo (this CPU machine) reduces a bucket through working buffers of about

@@ -10,7 +10,9 @@ likewise on the model's output. The input gets a gradient where the model's did 
 later stage computes its input's gradient to send back, the first stage does not).
 What runs outside any layer (a reshape, an addition in the model's forward) is not
 timed: the shares are of what was, and the planner scales them to the whole
-model's measured step.
+model's measured step. A module the forward calls k times counts k calls of its
+first. Timing runs the modules' forwards: BatchNorm's running statistics move, as in
+any training step (the calibration's model is thrown away after).
 """
 
 from __future__ import annotations
@@ -91,12 +93,15 @@ def layer_shares(
     None where a layer does not run alone (the planner then splits by FLOPs)."""
     x, y = batch
     captured: dict[str, tuple[Any, Any]] = {}
+    calls: dict[str, int] = {}
     names = {n: m for n, m in model.named_modules()}
     members = [(layer.name, name) for layer in layers for name in layer.members]
 
     def remember(name: str) -> Callable[..., None]:
         def hook(_: nn.Module, args: Any, kwargs: Any) -> None:
-            captured.setdefault(name, (_fresh(args), _fresh(kwargs)))
+            calls[name] = calls.get(name, 0) + 1
+            if name not in captured:
+                captured[name] = (_fresh(args), _fresh(kwargs))
 
         return hook
 
@@ -117,6 +122,9 @@ def layer_shares(
                 continue  # not called in the forward
             module = names[name]
             f, b = _timed(module, captured[name], list(module.parameters()), repeats)
+            # A module the forward calls k times (a shared activation) costs k calls; timed
+            # on its first call's input.
+            f, b = f * calls[name], b * calls[name]
             prev = times.get(owner, (0.0, 0.0))
             times[owner] = (prev[0] + f, prev[1] + b)
         times[LOSS] = _timed(loss_fn, ((out, y), {}), [], repeats)

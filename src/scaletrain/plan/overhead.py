@@ -283,19 +283,48 @@ def _ignore_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+def _run_and_send(results: Any, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    _ignore_sigint()  # Ctrl-C is the planner's: it kills this process
+    try:
+        results.put((True, fn(*args)))
+    except Exception:  # the measurement's own failure: none, as where it cannot run
+        results.put((False, None))
+
+
 def in_fresh_process(fn: Callable[..., T], *args: Any, timeout: float = 300.0) -> T | None:
-    """`fn(*args)` in a fresh (spawned) process; None if it fails or takes over `timeout`
-    seconds. Ctrl-C is the planner's: the process ignores it and is killed with the
-    pool."""
+    """`fn(*args)` in a fresh (spawned) process; None if it fails, cannot load what it
+    was given (a factory defined in a notebook's __main__), or takes over `timeout`
+    seconds. Not a multiprocessing.Pool: a worker that dies loading its task is
+    replaced and the task lost, so the caller waited out the whole timeout."""
     import multiprocessing as mp
+    import queue
 
     ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    proc = ctx.Process(target=_run_and_send, args=(results, fn, args), daemon=True)
+    deadline = time.monotonic() + timeout
     try:
-        with ctx.Pool(1, initializer=_ignore_sigint) as pool:
-            result: T = pool.apply_async(fn, args).get(timeout)
-            return result
-    except Exception:
+        proc.start()
+        while True:
+            try:
+                ok, value = results.get(timeout=0.2)
+                return value if ok else None
+            except queue.Empty:
+                if proc.exitcode is not None:  # gone without a result: one last look
+                    try:
+                        ok, value = results.get(timeout=0.5)
+                        return value if ok else None
+                    except queue.Empty:
+                        return None
+                if time.monotonic() > deadline:
+                    return None
+    except Exception:  # fn or its arguments do not pickle, or no process can start
         return None
+    finally:
+        if proc.is_alive():  # Ctrl-C, or too slow
+            proc.kill()
+        if proc.pid is not None:
+            proc.join(timeout=10)
 
 
 def trace_bytes(

@@ -57,6 +57,11 @@ def actions(schedule: str, rank: int, pp: int, microbatches: int, virtual: int =
         return out
     if schedule == "interleaved-1f1b":
         rounds = max(1, m // pp)
+        if m % rounds:
+            raise ValueError(
+                f"interleaved 1F1B over {pp} ranks runs {m} microbatches in rounds of "
+                f"{pp}: they must be divisible by the number of rounds ({rounds})"
+            )
         per_round = m // rounds
         warmup = min((virtual - 1) * per_round + 2 * (pp - 1 - rank), m * virtual)
         total = m * virtual
@@ -114,7 +119,6 @@ def simulate(
     replicas: int = 1,
     background: float = 0.0,
     hop: float = 0.0,
-    wake: float = 0.0,
     tail: Sequence[float] | None = None,
 ) -> Timeline:
     """Simulate one step (module docstring).
@@ -123,10 +127,8 @@ def simulate(
     microbatch at a whole core, for pp x `virtual` stages (stage s on rank s % pp).
     `replicas`: copies of the pipeline sharing the cores (ddp x pp); `background`:
     other runnable threads on them. `hop`: seconds from a stage's end of an action to
-    the next stage's start of the one that needs it (the send); `wake`: seconds more
-    when it lands while the cores are all taken (the receiver waits to be scheduled;
-    only with `cores`). `tail[r]`: rank r's work after its last action (the optimizer
-    step)."""
+    the next stage's start of the one that needs it (the send). `tail[r]`: rank r's
+    work after its last action (the optimizer step)."""
     stages = len(forward)
     if stages != len(backward) or stages % virtual:
         raise ValueError("forward and backward need one time per stage, pp x virtual of them")
@@ -199,14 +201,11 @@ def simulate(
             elif not finished[r]:
                 idle[r] += dt
         t += dt
-        ended = [r for r in busy if (left[r] or 0.0) <= 1e-15]
-        for r in ended:
-            left[r] = None
-        taken = sum(1 for x in left if x is not None) * replicas + background
-        late = wake if cores is not None and taken >= cores else 0.0
-        for r in ended:
-            if pos[r] < len(orders[r]):  # an action ended (not the tail)
-                done[orders[r][pos[r]]] = t
-                landed[orders[r][pos[r]]] = t + hop + late
-                pos[r] += 1
+        for r in busy:
+            if (left[r] or 0.0) <= 1e-15:
+                left[r] = None
+                if pos[r] < len(orders[r]):  # an action ended (not the tail)
+                    done[orders[r][pos[r]]] = t
+                    landed[orders[r][pos[r]]] = t + hop
+                    pos[r] += 1
     return Timeline(t, tuple(work), tuple(running), tuple(idle))

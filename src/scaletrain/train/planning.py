@@ -336,12 +336,12 @@ def plan(
             if accepts(x.tp)
         ]
     if compute is None and hardware is None:
-        from scaletrain.plan.api import stage_batch
+        from scaletrain.plan.api import calibration_sizes, stage_batch
 
-        sizes = [batch] + [batch // (x.microbatches or 1) for x in layouts]
         compute = calibrated(
-            build, example, loss, optimizer, batch, sizes, stage_batch(layouts, batch)
-        )
+            build, example, loss, optimizer, batch, calibration_sizes(layouts, batch),
+            stage_batch(layouts, batch),
+        )  # fmt: skip
     return plan_model(
         build, example, loss_fn=loss, optimizer=optimizer, batch_size=batch,
         devices=devices, nodes=nodes, hardware=hardware, precision=precision,
