@@ -103,7 +103,8 @@ def _add_plan(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--nodes", metavar="M", type=int, default=1, help="nodes they are on")
     p.add_argument(
         "--hardware", metavar="PROFILE", default=None,
-        help="h100-sxm, a100-sxm, a100-pcie or ethernet (datasheet); default: this machine",
+        help="h100-sxm, a100-sxm, a100-pcie or ethernet (datasheet); default: this machine "
+        "measured (its GPU where it has one, else its CPU)",
     )  # fmt: skip
     p.add_argument("--batch-size", metavar="B", type=int, default=None, help="per replica")
     p.add_argument("--precision", metavar="P", default="32", help="32, bf16-mixed, ...")

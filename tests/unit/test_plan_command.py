@@ -88,6 +88,52 @@ def test_check_puts_a_tiny_run_beside_its_prediction(
     assert "check: ddp dp=1" in out
     assert "ms predicted" in out and "ms measured (" in out and "%)" in out
     assert "MiB measured (" in out
+    # The same run as if it had trained on a GPU: this CPU machine cannot plan that GPU,
+    # and says so rather than compare a CPU plan with CUDA memory.
+    log = run / "observe" / "rank0.jsonl"
+    lines = [json.loads(x) for x in log.read_text().splitlines()]
+    for r in lines:
+        if r["kind"] == "memory":
+            r["allocated_peak"] = 123 * 2**20
+    log.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert cli.main(["plan", "--check", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert "trained on a GPU" in err and "this machine has none" in err
+
+
+def test_a_gpu_machine_refuses_to_measure_several_devices(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Measured plans of N > 1 devices run Gloo processes on the CPU: on a GPU machine
+    that would plan a CPU job the GPUs never run. Refused before any work, with the fix."""
+    import torch
+
+    import scaletrain as st
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    with pytest.raises(ConfigError, match=r"devices=4 on this GPU machine.*hardware='h100-sxm'"):
+        st.plan("gpt", devices=4)
+    # On paper any count is fine there.
+    assert st.plan("gpt", devices=4, hardware="h100-sxm").rows
+    code, err = _plan(capsys, "--recipe", "gpt", "--devices", "4")
+    assert code == 2 and err.count("scaletrain: error:") == 1
+    assert "--devices 4 on this GPU machine" in err
+    assert "--devices 1" in err and "--hardware h100-sxm" in err
+
+
+def test_a_gpu_run_is_checked_against_cuda_peak_allocated() -> None:
+    import scaletrain as st
+    from scaletrain.train.planning import Check
+
+    row = st.plan("gpt", devices=1, hardware="h100-sxm").rows[0]
+    measured = int(row.memory.total / 1.05)  # the prediction 5% over
+    check = Check(row.layout, row, step_s=row.time.total, growth=7, overlap=None,
+                  cpu_s=0.001, allocated=measured)  # fmt: skip
+    assert check.memory_error == pytest.approx(5.0, abs=0.01)
+    text = check.table()
+    assert "CUDA peak allocated" in text and "(+5.0%)" in text
+    assert "growth after setup" not in text and "CPU time" not in text
 
 
 def test_the_runtime_step_is_measured_beside_the_bare_model_and_leaves_nothing() -> None:

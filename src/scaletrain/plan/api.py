@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-import statistics
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -16,7 +15,7 @@ from torch import nn
 from scaletrain.errors import ConfigError, spell
 from scaletrain.plan.comm import SHARDED_STEPS, CommModel
 from scaletrain.plan.estimate import Compute, Estimate, estimate, send_bytes
-from scaletrain.plan.hardware import PROFILES, Hardware, this_machine, usable_cores
+from scaletrain.plan.hardware import PROFILES, Hardware, this_gpu, this_machine, usable_cores
 from scaletrain.plan.layertime import layer_shares
 from scaletrain.plan.layouts import Layout, layouts_for
 from scaletrain.plan.partition import Layer, list_layers
@@ -28,6 +27,7 @@ __all__ = [
     "calibrate",
     "calibration_sizes",
     "check_request",
+    "measuring_device",
     "plan_model",
     "stage_batch",
     "throughput",
@@ -131,22 +131,29 @@ def check_request(devices: Any, nodes: Any, hardware: Any, precision: Any, batch
             f"{', '.join(PRECISIONS)}.",
             field="precision",
         )
+    if measuring_device(hardware) is not None and devices > 1:
+        raise ConfigError(
+            f"{spell('devices', devices)} on this GPU machine: a measured plan covers one "
+            "GPU here (the probe of several devices runs Gloo processes on the CPU, which "
+            f"say nothing of NCCL between GPUs). Fix: {spell('devices', 1)} to measure this "
+            f"GPU, or {spell('hardware', 'h100-sxm')} (or {', '.join(x for x in PROFILES if x != 'h100-sxm')}) "
+            f"to plan {devices} GPUs on paper.",
+            field="devices",
+        )
 
 
-def _median_time(fn: Callable[[], Any], repeats: int) -> tuple[float, float]:
-    """Median (CPU seconds, wall seconds) of `fn` after one warm-up call."""
-    fn()
-    cpu, wall = [], []
-    for _ in range(repeats):
-        c0, t0 = time.process_time(), time.perf_counter()
-        fn()
-        cpu.append(time.process_time() - c0)
-        wall.append(time.perf_counter() - t0)
-    return statistics.median(cpu), statistics.median(wall)
+def measuring_device(hardware: str | None) -> torch.device | None:
+    """Where a plan measures the model: this machine's GPU where it has one (CUDA) and
+    no profile is named, else None (its CPU: one-thread Gloo processes)."""
+    if hardware is not None or not torch.cuda.is_available():
+        return None
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 CALIBRATED = "calibrated here: CPU seconds, 1 thread"
-"""Compute.source of a calibration on this machine."""
+"""Compute.source of a calibration on this machine's CPU."""
+CALIBRATED_GPU = "calibrated here: GPU seconds"
+"""Compute.source of a calibration on this machine's GPU."""
 
 
 def calibrate(
@@ -158,54 +165,70 @@ def calibrate(
     *,
     repeats: int = 5,
     stage_batch: int | None = None,
+    device: torch.device | None = None,
+    precision: str = "32",
 ) -> Compute:
     """Time the real model here: forward+backward at each batch size, and the optimizer
     step, in this process with one thread (as every rank of a CPU job runs).
 
-    Times are CPU seconds (what a rank needs of a core); their ratio to wall time is the
-    share of a core this process got (the machine's other load). The RSS the steps add
-    is measured too (from a restarted peak): in a fresh process it holds the runtime's
-    first-step overhead that no tensor accounting sees. Given `stage_batch` (a
-    pipeline's microbatch), each layer's share of the step at that batch
-    (plan/layertime.py), which a pipeline's stages take of it.
+    On a CPU (`device` None or cpu) times are CPU seconds (what a rank needs of a core);
+    their ratio to wall time is the share of a core this process got (the machine's
+    other load). The RSS the steps add is measured too (from a restarted peak): in a
+    fresh process it holds the runtime's first-step overhead that no tensor accounting
+    sees. On a GPU (`device` cuda) times are the GPU's seconds per step back to back,
+    and the memory CUDA's allocator adds at its peak (plan/meter.py). Given
+    `stage_batch` (a pipeline's microbatch), each layer's share of the step at that
+    batch (plan/layertime.py, CPU only), which a pipeline's stages take of it.
+    Mixed precisions run the forward under autocast, as the runtime does.
     """
-    from scaletrain.observe.memory import current_rss_bytes, reset_rss_peak, rss_peak_bytes
+    from scaletrain.plan.meter import Peak, is_cuda, median_time, move
 
+    on_gpu = is_cuda(device)
+    cast = (
+        partial(torch.autocast, device_type=device.type if device else "cpu",
+                dtype=_AUTOCAST[precision])
+        if precision in _AUTOCAST
+        else contextlib.nullcontext
+    )  # fmt: skip
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         torch.manual_seed(0)
         model = build()
+        if device is not None:
+            model = model.to(device)
         opt = optimizer(model.parameters())
         points: dict[int, float] = {}
         cpu_total = wall_total = 0.0
-        start = current_rss_bytes() if reset_rss_peak() else None
+        peak = Peak(device)
         for b in sorted(set(sizes), reverse=True):
-            x, y = example(b)
+            x, y = move(example(b), device)
 
             def step(x: Any = x, y: Any = y) -> None:
                 opt.zero_grad(set_to_none=True)
-                loss_fn(model(x), y).backward()
+                with cast():
+                    loss = loss_fn(model(x), y)
+                loss.backward()
 
-            cpu, wall = _median_time(step, repeats)
+            cpu, wall = median_time(step, repeats, device)
             points[b] = cpu
             cpu_total, wall_total = cpu_total + cpu, wall_total + wall
-        opt_cpu, opt_wall = _median_time(opt.step, repeats)
+        opt_cpu, opt_wall = median_time(opt.step, repeats, device)
         # After the optimizer's steps: its state (Adam's two moments) is part of what a
         # run's steps add; measured before them, the runtime term came out that much
         # short (gpt: 13 MiB, a quarter of its growth).
-        growth = rss_peak_bytes() - start if start is not None else None
+        growth = peak.growth()
         # A pipeline's stages: each layer's share of the step at the microbatch.
         shares = (
             layer_shares(model, example(stage_batch), loss_fn, list_layers(model))
-            if stage_batch
+            if stage_batch and not on_gpu
             else None
         )
     finally:
         torch.set_num_threads(threads)
     share = min(1.0, (cpu_total + opt_cpu) / max(wall_total + opt_wall, 1e-9))
     fitted = Compute.fit(
-        points, opt_cpu, CALIBRATED, share=share,
+        points, opt_cpu, CALIBRATED_GPU if on_gpu else CALIBRATED, share=share,
         load=os.getloadavg()[0] if hasattr(os, "getloadavg") else None, measured_growth=growth,
     )  # fmt: skip
     return replace(fitted, layer_shares=shares) if shares else fitted
@@ -356,7 +379,11 @@ def plan_model(
         layouts = layouts_for(
             devices, batch=batch_size, layers=len(layers), tensor_ok=bool(tp_plan)
         )
-    hw = PROFILES[hardware] if hardware is not None else this_machine(devices)
+    device = measuring_device(hardware)
+    if hardware is not None:
+        hw = PROFILES[hardware]
+    else:
+        hw = this_gpu(device) if device is not None else this_machine(devices)
     if hardware is not None and nodes == 1 and devices > hw.devices_per_node:
         # A cluster of the profile's nodes: devices beyond one node's are on others.
         nodes = -(-devices // hw.devices_per_node)
@@ -369,8 +396,18 @@ def plan_model(
         # processes, scaletrain.train.planning.calibrated; this package cannot run it.)
         compute = calibrate(
             build, example, loss_fn, optimizer, calibration_sizes(layouts, batch_size),
-            stage_batch=stage_batch(layouts, batch_size),
+            stage_batch=stage_batch(layouts, batch_size), device=device, precision=precision,
         )  # fmt: skip
+    if compute is not None and compute.source == CALIBRATED_GPU:
+        assumptions.append(
+            f"calibrated on this GPU: the model's step "
+            f"{(compute.fwd_bwd(batch_size) + compute.optimizer) * 1e3:.1f} ms, steps back to back"
+            + (
+                f", and the training runtime's around it {compute.overhead['step'] * 1e3:.1f} ms"
+                if "step" in compute.overhead
+                else ""
+            )
+        )
     if compute is not None and compute.source == CALIBRATED:
         assumptions.append(
             f"calibration got {compute.share:.0%} of a core; other load here "

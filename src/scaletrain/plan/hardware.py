@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-__all__ = ["PROFILES", "Hardware", "Link", "this_machine", "usable_cores"]
+__all__ = ["PROFILES", "Hardware", "Link", "this_gpu", "this_machine", "usable_cores"]
 
 GB = 1e9
 
@@ -132,5 +132,24 @@ def this_machine(devices: int) -> Hardware:
         devices_per_node=max(1, devices),
         compute_efficiency=1.0,
         cores=cores,
+        source="measured",
+    )
+
+
+def this_gpu(device: object) -> Hardware:
+    """This machine's GPU (a torch.device of type cuda): its memory is read, its speed
+    measured later (the calibration); one device, so no links are used."""
+    import torch
+
+    props = torch.cuda.get_device_properties(device)  # type: ignore[arg-type]
+    return Hardware(
+        name="this-gpu",
+        description=f"this machine: {props.name}, {props.total_memory / 2**30:.0f} GiB, CUDA",
+        device_memory=int(props.total_memory) - 2**30,
+        peak_flops={},
+        intra=Link(0.0, 1.0),
+        inter=Link(0.0, 1.0),
+        devices_per_node=1,
+        compute_efficiency=1.0,
         source="measured",
     )

@@ -30,7 +30,6 @@ grew 25-31 MiB more than the stage's tensors account for on both recipes, and on
 from __future__ import annotations
 
 import contextlib
-import statistics
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -40,10 +39,11 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from scaletrain.plan.meter import in_turns
+
 T = TypeVar("T")
 
 __all__ = [
-    "cpu_in_turns",
     "in_fresh_process",
     "measure_overheads",
     "measure_trace_bytes",
@@ -65,21 +65,6 @@ def _one_rank_group() -> Iterator[bool]:
         yield True
     finally:
         dist.destroy_process_group()
-
-
-def cpu_in_turns(steps: Mapping[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
-    """Median CPU seconds of each step, the steps run in turns (one of each, `repeats`
-    times, after two warm-up turns), so that a drift of the machine (the same bare loop
-    ran 25% slower later in one process here) hits all of them alike; the warm-up turns
-    fill DTensor's sharding caches and FSDP's buffers."""
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    for i in range(repeats + 2):
-        for name, step in steps.items():
-            c0 = time.process_time()
-            step()
-            if i >= 2:
-                times[name].append(time.process_time() - c0)
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def _step(
@@ -242,7 +227,7 @@ def measure_overheads(
                     _step, model, optimizer(model.parameters()), batch, loss_fn, m
                 )
                 steps["pipeline"] = piped
-            cpu = cpu_in_turns(steps, repeats)
+            cpu = in_turns(steps, repeats)
     finally:
         torch.set_num_threads(threads)
     base = {"pipeline": cpu.get("chunks", 0.0)}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import json
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -36,6 +37,7 @@ __all__ = [
     "fsdp_units_of",
     "layout_of",
     "measured",
+    "measured_allocated",
     "measured_cpu",
     "plan",
     "resolve_model",
@@ -144,6 +146,8 @@ def runtime_overhead(
     batch: int,
     *,
     repeats: int = 7,
+    device: torch.device | None = None,
+    precision: str = "32",
 ) -> RuntimeCost | None:
     """scaletrain's own step (rt.forward_backward, rt.step, the step ledger) on one
     process, against the bare model's forward, backward and optimizer step.
@@ -152,27 +156,30 @@ def runtime_overhead(
     steps add after rt.setup, exactly what a 1-process run's ledger reports; a bare
     loop's growth was 5-7 MiB short of it for both recipes (the runtime's own threads
     and buffers). Then time: the two loops in turns, so a drift of the machine hits both
-    alike; a bare loop alone predicted the recipes' steps 5-25% short. None inside a
-    job (a process group exists): nothing is measured there."""
+    alike; a bare loop alone predicted the recipes' steps 5-25% short. On a GPU
+    (`device` cuda): the memory CUDA's allocator adds, and GPU seconds per step back to
+    back (plan/meter.py). None inside a job (a process group exists): nothing is
+    measured there."""
     import tempfile
-    import time
 
     import torch.distributed as dist
 
-    from scaletrain.observe.memory import current_rss_bytes, reset_rss_peak, rss_peak_bytes
-    from scaletrain.plan.overhead import cpu_in_turns
+    from scaletrain.plan.meter import Peak, in_turns, is_cuda, median_time, move
     from scaletrain.runtime import LedgerConfig, init
 
     if dist.is_available() and dist.is_initialized():
         return None
-    x, y = example(batch)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         with tempfile.TemporaryDirectory() as tmp:
             ledger = LedgerConfig(out=tmp, every=10, flops=False, summary=False)
-            rt = init(strategy="ddp", ledger=ledger)
+            rt = init(
+                strategy="ddp", ledger=ledger, precision=precision,
+                device=str(device) if device is not None else "cpu",
+            )  # fmt: skip
             try:
+                x, y = move(example(batch), rt.device)
                 torch.manual_seed(0)
                 net = build()
                 model, opt = rt.setup(net, optimizer(net.parameters()))
@@ -183,31 +190,39 @@ def runtime_overhead(
                     rt.step(opt)
                     opt.zero_grad(set_to_none=True)
 
-                start = current_rss_bytes() if reset_rss_peak() else None
+                peak = Peak(rt.device)
                 # Two of the ledger's windows (every 10 steps): RSS creeps for a while
                 # (the convnet recipe's grew 30-34 MiB in 11 steps, 33-35 in 20 and 40).
-                spent = []
-                for _ in range(20):
-                    c0 = time.process_time()
+                if is_cuda(rt.device):
                     ours()
-                    spent.append(time.process_time() - c0)
-                growth = rss_peak_bytes() - start if start is not None else None
+                    whole = median_time(ours, 4, rt.device)[1]  # 4 blocks back to back
+                else:
+                    spent = []
+                    for _ in range(20):
+                        c0 = time.process_time()
+                        ours()
+                        spent.append(time.process_time() - c0)
+                    whole = statistics.median(spent[1:])
+                growth = peak.growth()
                 torch.manual_seed(0)
-                bare = build()
+                bare = build().to(rt.device)
                 bare_opt = optimizer(bare.parameters())
+                cast = rt.precision.forward_context
 
                 def theirs() -> None:
                     bare_opt.zero_grad(set_to_none=True)
-                    loss(bare(x), y).backward()
+                    with cast():
+                        out = loss(bare(x), y)
+                    out.backward()
                     bare_opt.step()
 
-                cpu = cpu_in_turns({"ours": ours, "theirs": theirs}, repeats)
+                cpu = in_turns({"ours": ours, "theirs": theirs}, repeats, rt.device)
             finally:
                 rt.shutdown()
     finally:
         torch.set_num_threads(threads)
     step = max(0.0, cpu["ours"] - cpu["theirs"])
-    return RuntimeCost(step=step, growth=growth, whole=statistics.median(spent[1:]))
+    return RuntimeCost(step=step, growth=growth, whole=whole)
 
 
 CALIBRATIONS = 3
@@ -226,6 +241,8 @@ def _calibration(
     batch: int,
     sizes: list[int],
     stage: int | None,
+    device: torch.device | None = None,
+    precision: str = "32",
 ) -> Compute:
     """One calibration in this process: the runtime's step first (its memory is a fresh
     process's first steps), then the model's (plan.api.calibrate)."""
@@ -233,8 +250,13 @@ def _calibration(
 
     from scaletrain.plan.api import calibrate
 
-    cost = runtime_overhead(build, example, loss, optimizer, batch)
-    compute = calibrate(build, example, loss, optimizer, sizes, stage_batch=stage)
+    cost = runtime_overhead(
+        build, example, loss, optimizer, batch, device=device, precision=precision
+    )
+    compute = calibrate(
+        build, example, loss, optimizer, sizes, stage_batch=stage, device=device,
+        precision=precision,
+    )  # fmt: skip
     if cost is None:
         return compute
     bare = compute.fwd_bwd(batch) + compute.optimizer
@@ -268,17 +290,24 @@ def calibrated(
     stage: int | None = None,
     *,
     samples: int = CALIBRATIONS,
+    device: torch.device | None = None,
+    precision: str = "32",
 ) -> Compute:
     """The model calibrated in this process and in `samples` - 1 fresh ones, one after
     another: the one whose step is the median, with the median RSS growth. Only where
     a step is short (each fresh process costs a start of Python and torch, ~2 s, and
     ~40 steps), and not inside a job (st.plan called by a rank: this process alone);
-    a calibration that fails in a fresh process is left out."""
+    a calibration that fails in a fresh process is left out. On a GPU (`device` cuda)
+    this process alone: the spread between processes is the CPU allocator's (below),
+    and each fresh process would pay CUDA's start again."""
     from dataclasses import replace
 
+    from scaletrain.plan.meter import is_cuda
     from scaletrain.plan.overhead import in_fresh_process
 
-    args = (build, example, loss, optimizer, batch, sizes, stage)
+    if is_cuda(device):
+        samples = 1
+    args = (build, example, loss, optimizer, batch, sizes, stage, device, precision)
     found = [_calibration(*args)]
 
     def step(c: Compute) -> float:
@@ -336,11 +365,11 @@ def plan(
             if accepts(x.tp)
         ]
     if compute is None and hardware is None:
-        from scaletrain.plan.api import calibration_sizes, stage_batch
+        from scaletrain.plan.api import calibration_sizes, measuring_device, stage_batch
 
         compute = calibrated(
             build, example, loss, optimizer, batch, calibration_sizes(layouts, batch),
-            stage_batch(layouts, batch),
+            stage_batch(layouts, batch), device=measuring_device(hardware), precision=precision,
         )  # fmt: skip
     return plan_model(
         build, example, loss_fn=loss, optimizer=optimizer, batch_size=batch,
@@ -389,6 +418,9 @@ class Check:
     growth: int | None
     overlap: float | None
     cpu_s: float | None = None
+    allocated: int | None = None
+    """A GPU run's peak of CUDA allocated bytes (busiest rank): compared with the
+    predicted total, not the RSS growth."""
 
     @property
     def step_error(self) -> float:
@@ -396,30 +428,41 @@ class Check:
 
     @property
     def memory_error(self) -> float | None:
+        if self.allocated:
+            return (self.predicted.memory.total - self.allocated) / self.allocated * 100
         if not self.growth:
             return None
         return (self.predicted.memory.growth - self.growth) / self.growth * 100
 
     def table(self) -> str:
         p = self.predicted
-        mem = (
-            f"{p.memory.growth / 2**20:.1f} MiB predicted, {self.growth / 2**20:.1f} MiB "
-            f"measured ({self.memory_error:+.1f}%)"
-            if self.growth and self.memory_error is not None
-            else f"{p.memory.growth / 2**20:.1f} MiB predicted, not measured (no rss_setup)"
-        )
+        if self.allocated:
+            mem = (
+                f"{p.memory.total / 2**20:.1f} MiB predicted, {self.allocated / 2**20:.1f} MiB "
+                f"measured ({self.memory_error:+.1f}%) (CUDA peak allocated, busiest rank)"
+            )
+        elif self.growth and self.memory_error is not None:
+            mem = (
+                f"{p.memory.growth / 2**20:.1f} MiB predicted, {self.growth / 2**20:.1f} MiB "
+                f"measured ({self.memory_error:+.1f}%) (growth after setup, busiest rank)"
+            )
+        else:
+            mem = (
+                f"{p.memory.growth / 2**20:.1f} MiB predicted, not measured (no rss_setup) "
+                "(growth after setup, busiest rank)"
+            )
         return "\n".join(
             [
                 f"check: {self.layout.label}",
                 f"  step time   {p.time.total * 1e3:.1f} ms predicted, {self.step_s * 1e3:.1f} "
                 f"ms measured ({self.step_error:+.1f}%)",
-                f"  memory      {mem} (growth after setup, busiest rank)",
+                f"  memory      {mem}",
                 *(
                     [
                         f"  CPU time    {p.time.cpu * 1e3:.1f} ms predicted, {self.cpu_s * 1e3:.1f} "
                         f"ms measured per step ({(p.time.cpu - self.cpu_s) / self.cpu_s:+.1%})"
                     ]
-                    if self.cpu_s
+                    if self.cpu_s and not self.allocated
                     else []
                 ),
                 "  overlap     "
@@ -469,6 +512,21 @@ def measured(run: str | Path) -> tuple[float, int | None, float | None]:
     return max(work), growth, (statistics.median(overlaps) if overlaps else None)
 
 
+def measured_allocated(run: str | Path) -> int | None:
+    """A GPU run's peak of CUDA allocated bytes on its busiest rank (the ledger's
+    allocated_peak, which is never restarted: its last record is the run's peak); None
+    for a CPU run."""
+    from scaletrain.observe.records import read_run
+
+    peaks = [
+        int(m["allocated_peak"])
+        for rr in read_run(run).ranks.values()
+        for m in rr.memory
+        if m.get("allocated_peak")
+    ]
+    return max(peaks) if peaks else None
+
+
 def measured_cpu(run: str | Path) -> float | None:
     """Median CPU seconds per step (all threads of the process) of the busiest rank."""
     from scaletrain.observe.records import read_run
@@ -495,9 +553,19 @@ def check_run(run: str | Path) -> Check:
     cfg = json.loads(config.read_text(encoding="utf-8"))
     world = int(cfg.get("run", {}).get("world_size", cfg.get("nproc") or 1))
     step, growth, overlap = measured(base)
+    allocated = measured_allocated(base)
+    if allocated and not torch.cuda.is_available():
+        raise ConfigError(
+            f"{spell('check', str(run))} trained on a GPU (its ledger holds CUDA memory), "
+            "and this machine has none: its plan would be of this CPU. Fix: run the check "
+            "on a machine with the run's GPU.",
+            field="check",
+        )
     layout = layout_of(cfg.get("strategy", "ddp"), cfg.get("mesh"), world)
     result = plan(
         cfg.get("recipe"), devices=world, batch_size=int(cfg["batch_size"]),
         precision=str(cfg.get("precision", "32")), overlap=overlap, layouts=[layout],
     )  # fmt: skip
-    return Check(layout, result.rows[0], step, growth, overlap, measured_cpu(base))
+    return Check(
+        layout, result.rows[0], step, growth, overlap, measured_cpu(base), allocated=allocated
+    )
