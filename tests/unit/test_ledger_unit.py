@@ -229,3 +229,26 @@ def test_a_cached_peak_a_run_beats_is_dropped(
     assert summary["mfu"]["measured"] > 1 and "measurement error" in summary["mfu"]["error"]
     left = json.loads(_cache_file().read_text())
     assert list(left) == [k for k in left if "procs=2" in k] and len(left) == 1
+
+
+def test_a_one_process_run_without_a_process_group_gets_its_summary(tmp_path: Path) -> None:
+    """rt.shutdown finishes the ledger without a collective where no process group
+    exists, as in every 1-process run: its summary.json was never written (found on a
+    GPU machine, where the CUDA ledger's test reads it)."""
+    import torch
+    from torch import nn
+
+    import scaletrain as st
+
+    rt = st.init(strategy="single", env="local", ledger=st.LedgerConfig(out=tmp_path, every=5))
+    bare = nn.Linear(8, 8)
+    model, opt = rt.setup(bare, torch.optim.SGD(bare.parameters(), lr=0.1))
+    for _ in range(12):
+        loss = model(torch.randn(4, 8)).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    rt.shutdown()
+    run = read_run(tmp_path)
+    assert run.summary is not None and (tmp_path / "observe" / "summary.json").is_file()
+    assert run.summary["ranks"] and "forward" in run.summary["phases"]
