@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 import scaletrain.dist.sync_batchnorm as sbn
-from scaletrain.dist.sync_batchnorm import SyncBatchNorm, sync_batchnorm
+from scaletrain.dist.sync_batchnorm import SyncBatchNorm, _takes_bias, sync_batchnorm
 from scaletrain.errors import ConfigError
 
 C = 3
@@ -89,7 +89,8 @@ def _zoo() -> nn.Module:
     )
     model.add_module("bn3", nn.BatchNorm3d(2, eps=1e-3, affine=False))
     model.add_module("untracked", nn.BatchNorm1d(5, track_running_stats=False))
-    model.add_module("nobias", nn.BatchNorm1d(5, bias=False))
+    if _takes_bias(_BatchNorm.__init__):  # torch 2.13 on; none before
+        model.add_module("nobias", nn.BatchNorm1d(5, bias=False))
     for i, bn in enumerate(m for m in model.modules() if isinstance(m, _BatchNorm)):
         _randomise(bn, seed=i)
         if bn.num_batches_tracked is not None:
@@ -331,3 +332,29 @@ def test_cuda_layers_get_torch_sync_batchnorm_and_ours_matches_on_cuda() -> None
     w = torch.randn_like(x)
     got = {k.replace("bn.", ""): v for k, v in _run(fn, x, w).items()}
     _assert_same(got, _run(ref, x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_builds_on_a_torch_whose_batchnorm_has_no_bias_argument(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torch before 2.13 (2.11 on a GPU machine here): BatchNorm takes no `bias`, and
+    passing it raised TypeError in every SyncBatchNorm."""
+    original = _BatchNorm.__init__
+
+    def old_init(  # the torch 2.11 signature
+        self: _BatchNorm, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
+        affine: bool = True, track_running_stats: bool = True, device: Any = None,
+        dtype: Any = None,
+    ) -> None:  # fmt: skip
+        original(self, num_features, eps, momentum, affine, track_running_stats,
+                 device=device, dtype=dtype)  # fmt: skip
+
+    monkeypatch.setattr(_BatchNorm, "__init__", old_init)
+    bn = SyncBatchNorm(C)
+    assert bn.weight is not None and bn.bias is not None
+    no_bias = SyncBatchNorm(C, bias=False)
+    assert no_bias.weight is not None and no_bias.bias is None
+    x = torch.randn(4, C, 5)
+    ref = nn.BatchNorm1d(C)
+    ref.load_state_dict(bn.state_dict())
+    torch.testing.assert_close(bn(x), ref(x))

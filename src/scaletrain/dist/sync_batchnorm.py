@@ -228,6 +228,16 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias, None, None, None, None, None
 
 
+def _takes_bias(init: Any) -> bool:
+    """Whether this torch's BatchNorm takes `bias` (added in torch 2.13)."""
+    import inspect
+
+    try:
+        return "bias" in inspect.signature(init).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 class SyncBatchNorm(_BatchNorm):
     """BatchNorm over the global batch of a process group; runs on CPU/Gloo and any device.
 
@@ -251,16 +261,26 @@ class SyncBatchNorm(_BatchNorm):
         *,
         bias: bool = True,
     ) -> None:
-        super().__init__(
-            num_features,
-            eps,
-            momentum,
-            affine,
-            track_running_stats,
-            device=device,
-            dtype=dtype,
-            bias=bias,
-        )
+        if _takes_bias(_BatchNorm.__init__):
+            super().__init__(
+                num_features,
+                eps,
+                momentum,
+                affine,
+                track_running_stats,
+                device=device,
+                dtype=dtype,
+                bias=bias,
+            )
+        else:
+            # torch before 2.13 (2.11 on an H200 here): BatchNorm has no `bias` argument,
+            # and passing it raised TypeError. Without a bias, none is registered.
+            super().__init__(
+                num_features, eps, momentum, affine, track_running_stats, device=device,
+                dtype=dtype,
+            )  # fmt: skip
+            if affine and not bias:
+                self.register_parameter("bias", None)
         self.process_group = process_group
 
     def _check_input_dim(self, input: Tensor) -> None:
