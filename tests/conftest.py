@@ -45,6 +45,24 @@ def _tmpdir_for_error_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setenv("TMPDIR", str(tmp_path))
 
 
+@pytest.fixture(autouse=True)
+def _plans_measure_the_cpu_outside_gpu_tests(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # On a GPU machine `scaletrain plan` measures the GPU and refuses several devices;
+    # the planner's CPU tests (Gloo processes) then measure the CPU there as on CI.
+    if "gpu" in request.keywords:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        import scaletrain.plan.api
+
+        monkeypatch.setattr(
+            scaletrain.plan.api, "measuring_device", lambda hardware, device=None: None
+        )
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     import torch
 

@@ -10,6 +10,10 @@ import pytest
 
 from scaletrain import cli
 from scaletrain.errors import ConfigError
+from scaletrain.plan.api import measuring_device
+
+MEASURING_DEVICE = measuring_device
+"""The real one (tests/conftest.py pins plans to the CPU on a GPU machine)."""
 
 
 def _plan(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
@@ -55,6 +59,12 @@ def test_recipe_and_model_together_are_refused_by_the_parser(
 def test_the_library_speaks_its_own_names() -> None:
     import scaletrain as st
 
+    with pytest.raises(ConfigError, match=r"device='tpu' is not known"):
+        st.plan("gpt", devices=1, device="tpu")
+    if not __import__("torch").cuda.is_available():
+        with pytest.raises(ConfigError, match=r"device='cuda': this machine has no CUDA GPU"):
+            st.plan("gpt", devices=1, device="cuda")
+
     with pytest.raises(ConfigError, match=r"hardware='tpu' is not a known profile"):
         st.plan("gpt", devices=2, hardware="tpu")
     with pytest.raises(ConfigError, match=r"devices=0 must be"):
@@ -71,7 +81,7 @@ def test_paper_plan_prints_a_table(capsys: pytest.CaptureFixture[str]) -> None:
 
 @pytest.mark.timeout(240)
 def test_check_puts_a_tiny_run_beside_its_prediction(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     run = tmp_path / "run"
     code = cli.main(
@@ -96,6 +106,7 @@ def test_check_puts_a_tiny_run_beside_its_prediction(
         if r["kind"] == "memory":
             r["allocated_peak"] = 123 * 2**20
     log.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     assert cli.main(["plan", "--check", str(run)]) == 2
     err = capsys.readouterr().err
     assert "trained on a GPU" in err and "this machine has none" in err
@@ -109,13 +120,17 @@ def test_a_gpu_machine_refuses_to_measure_several_devices(
     import torch
 
     import scaletrain as st
+    import scaletrain.plan.api
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(scaletrain.plan.api, "measuring_device", MEASURING_DEVICE)
     with pytest.raises(ConfigError, match=r"devices=4 on this GPU machine.*hardware='h100-sxm'"):
         st.plan("gpt", devices=4)
-    # On paper any count is fine there.
+    # On paper any count is fine there, and its CPU can be measured on purpose.
     assert st.plan("gpt", devices=4, hardware="h100-sxm").rows
+    assert MEASURING_DEVICE(None, "cpu") is None
+    assert MEASURING_DEVICE(None) == torch.device("cuda", 0)
     code, err = _plan(capsys, "--recipe", "gpt", "--devices", "4")
     assert code == 2 and err.count("scaletrain: error:") == 1
     assert "--devices 4 on this GPU machine" in err

@@ -98,7 +98,9 @@ class Plan:
         return "\n".join(lines)
 
 
-def check_request(devices: Any, nodes: Any, hardware: Any, precision: Any, batch: Any) -> None:
+def check_request(
+    devices: Any, nodes: Any, hardware: Any, precision: Any, batch: Any, device: Any = None
+) -> None:
     """Refuse a bad request before any work, naming the setting (in the caller's words)."""
     for key, value, low in (("devices", devices, 1), ("nodes", nodes, 1), ("batch_size", batch, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -131,7 +133,20 @@ def check_request(devices: Any, nodes: Any, hardware: Any, precision: Any, batch
             f"{', '.join(PRECISIONS)}.",
             field="precision",
         )
-    if measuring_device(hardware) is not None and devices > 1:
+    if device not in (None, "cpu", "cuda"):
+        raise ConfigError(
+            f"{spell('device', device)} is not known; expected 'cpu' or 'cuda', or leave it "
+            "out (this machine's GPU where it has one, else its CPU).",
+            field="device",
+        )
+    if device == "cuda" and hardware is None and not torch.cuda.is_available():
+        raise ConfigError(
+            f"{spell('device', device)}: this machine has no CUDA GPU to measure. Fix: "
+            f"leave {spell('device')} out to measure its CPU, or {spell('hardware', 'h100-sxm')} "
+            "to plan GPUs on paper.",
+            field="device",
+        )
+    if measuring_device(hardware, device) is not None and devices > 1:
         raise ConfigError(
             f"{spell('devices', devices)} on this GPU machine: a measured plan covers one "
             "GPU here (the probe of several devices runs Gloo processes on the CPU, which "
@@ -142,10 +157,11 @@ def check_request(devices: Any, nodes: Any, hardware: Any, precision: Any, batch
         )
 
 
-def measuring_device(hardware: str | None) -> torch.device | None:
-    """Where a plan measures the model: this machine's GPU where it has one (CUDA) and
-    no profile is named, else None (its CPU: one-thread Gloo processes)."""
-    if hardware is not None or not torch.cuda.is_available():
+def measuring_device(hardware: str | None, device: str | None = None) -> torch.device | None:
+    """Where a plan measures the model: this machine's GPU where it has one (CUDA), no
+    profile is named and `device` is not "cpu", else None (its CPU: one-thread Gloo
+    processes)."""
+    if hardware is not None or device == "cpu" or not torch.cuda.is_available():
         return None
     return torch.device("cuda", torch.cuda.current_device())
 
@@ -361,6 +377,7 @@ def plan_model(
     name: str | None = None,
     layouts: list[Layout] | None = None,
     fsdp_units: Sequence[str] | None = None,
+    device: str | None = None,
 ) -> Plan:
     """Plan `build()` over `devices` (see scaletrain.plan.estimate for the model).
 
@@ -368,22 +385,23 @@ def plan_model(
     the fsdp strategy's wrap); the probe's fully sharded steps use them (default: each
     of the model's layers).
 
-    `hardware` None measures this machine (a short calibration and a Gloo probe); a
-    profile name (scaletrain.plan.hardware.PROFILES) plans on paper. `compute` and
+    `hardware` None measures this machine: its GPU where it has one (one device; `device`
+    "cpu" measures its CPU instead), else its CPU (a short calibration and a Gloo
+    probe); a profile name (scaletrain.plan.hardware.PROFILES) plans on paper. `compute` and
     `comm` replace the measurements (a benchmark measures them once for many plans).
     """
-    check_request(devices, nodes, hardware, precision, batch_size)
+    check_request(devices, nodes, hardware, precision, batch_size, device)
     with torch.device("meta"):
         layers = list_layers(build())
     if layouts is None:
         layouts = layouts_for(
             devices, batch=batch_size, layers=len(layers), tensor_ok=bool(tp_plan)
         )
-    device = measuring_device(hardware)
+    where = measuring_device(hardware, device)
     if hardware is not None:
         hw = PROFILES[hardware]
     else:
-        hw = this_gpu(device) if device is not None else this_machine(devices)
+        hw = this_gpu(where) if where is not None else this_machine(devices)
     if hardware is not None and nodes == 1 and devices > hw.devices_per_node:
         # A cluster of the profile's nodes: devices beyond one node's are on others.
         nodes = -(-devices // hw.devices_per_node)
@@ -396,7 +414,7 @@ def plan_model(
         # processes, scaletrain.train.planning.calibrated; this package cannot run it.)
         compute = calibrate(
             build, example, loss_fn, optimizer, calibration_sizes(layouts, batch_size),
-            stage_batch=stage_batch(layouts, batch_size), device=device, precision=precision,
+            stage_batch=stage_batch(layouts, batch_size), device=where, precision=precision,
         )  # fmt: skip
     if compute is not None and compute.source == CALIBRATED_GPU:
         assumptions.append(

@@ -341,19 +341,22 @@ def plan(
     layouts: list[Layout] | None = None,
     compute: Compute | None = None,
     comm: CommModel | None = None,
+    device: str | None = None,
 ) -> Plan:
     """Memory per device and step time of every layout of `devices` for a recipe or a
     model ("module:factory"); see scaletrain.plan. Returns data (`Plan.rows`,
     `Plan.recommended`); `Plan.table()` is what `scaletrain plan` prints.
 
-    hardware=None measures this machine (calibrations of the model and a Gloo probe,
-    20-55 s on 2 CPU cores); a profile name ("h100-sxm", "a100-sxm", "a100-pcie", "ethernet")
+    hardware=None measures this machine: its GPU where it has one (1 device; 10-20 s on
+    an H200 for the recipes), else its CPU (calibrations of the model and a Gloo probe,
+    20-55 s on 2 CPU cores); `device` "cpu" measures the CPU of a GPU machine, "cuda"
+    insists on its GPU. A profile name ("h100-sxm", "a100-sxm", "a100-pcie", "ethernet")
     plans on paper. `layouts` picks rows; `compute` and `comm` replace this machine's
     measurements (a benchmark measures them once for many plans).
     """
     name, build, example, loss, optimizer, default_batch = resolve_model(recipe, model)
     batch = default_batch if batch_size is None else batch_size
-    check_request(devices, nodes, hardware, precision, batch)
+    check_request(devices, nodes, hardware, precision, batch, device)
     tp_plan, accepts = _tp_plan(build)
     if layouts is None:
         with torch.device("meta"):
@@ -369,13 +372,14 @@ def plan(
 
         compute = calibrated(
             build, example, loss, optimizer, batch, calibration_sizes(layouts, batch),
-            stage_batch(layouts, batch), device=measuring_device(hardware), precision=precision,
+            stage_batch(layouts, batch), device=measuring_device(hardware, device),
+            precision=precision,
         )  # fmt: skip
     return plan_model(
         build, example, loss_fn=loss, optimizer=optimizer, batch_size=batch,
         devices=devices, nodes=nodes, hardware=hardware, precision=precision,
         tp_plan=tp_plan, overlap=overlap, name=name, layouts=layouts, compute=compute,
-        comm=comm, fsdp_units=fsdp_units_of(build),
+        comm=comm, fsdp_units=fsdp_units_of(build), device=device,
     )  # fmt: skip
 
 
@@ -562,9 +566,11 @@ def check_run(run: str | Path) -> Check:
             field="check",
         )
     layout = layout_of(cfg.get("strategy", "ddp"), cfg.get("mesh"), world)
+    # Measured where the run ran: a CPU run on a GPU machine is planned on its CPU.
     result = plan(
         cfg.get("recipe"), devices=world, batch_size=int(cfg["batch_size"]),
         precision=str(cfg.get("precision", "32")), overlap=overlap, layouts=[layout],
+        device="cuda" if allocated else "cpu",
     )  # fmt: skip
     return Check(
         layout, result.rows[0], step, growth, overlap, measured_cpu(base), allocated=allocated
