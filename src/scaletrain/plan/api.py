@@ -76,7 +76,12 @@ class Plan:
             f"{self.profile.batch_size} per replica; memory MiB per device, time ms per step "
             "(comm = exposed communication, wait = for the slowest rank; runtime = the "
             "processes' own memory beyond the tensors, and for FSDP here what the allocator "
-            "keeps)",
+            "keeps"
+            + (
+                "; total = the peak: the gradients alive at the activations' peak, not all)"
+                if self.hardware.cores is None
+                else ")"
+            ),
             head,
             "-" * len(head),
         ]
