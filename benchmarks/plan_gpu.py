@@ -127,23 +127,27 @@ def _train_1b(steps: int, out: str) -> None:
     rt.shutdown()
 
 
-def part2(steps: int) -> None:
+def _paper(devices: int, mfu: float | None = None) -> Any:
     import gpt_1b
 
     import scaletrain as st
+
+    return st.plan(model="gpt_1b:build", devices=devices, hardware="h100-sxm",
+                   batch_size=gpt_1b.BATCH, precision="bf16-mixed", mfu=mfu)  # fmt: skip
+
+
+def part2(steps: int) -> None:
+    import gpt_1b
+
     from scaletrain.observe.records import read_run
     from scaletrain.train.planning import measured, measured_allocated
 
-    model = "gpt_1b:build"
-    paper = {
-        n: st.plan(model=model, devices=n, hardware="h100-sxm", batch_size=gpt_1b.BATCH,
-                   precision="bf16-mixed")
-        for n in (1, 8, 64)
-    }  # fmt: skip
-    one = paper[1].rows[0]
-    params = paper[1].profile.param_bytes / 4 / 1e9
+    first = _paper(1)
+    one = first.rows[0]
+    params = first.profile.param_bytes / 4 / 1e9
     print(f"\ngpt_1b: {params:.2f}B parameters, batch {gpt_1b.BATCH} x "
           f"{gpt_1b.CFG.block_size} tokens, bf16-mixed, AdamW")  # fmt: skip
+    mfu = None
     if torch.cuda.is_available():
         with tempfile.TemporaryDirectory() as tmp:
             with _fresh() as pool:
@@ -154,14 +158,18 @@ def part2(steps: int) -> None:
         mfu = (summary.get("mfu") or {}).get("datasheet")
         print(f"| | step ms | CUDA peak MiB | MFU |\n|---|---:|---:|---:|\n"
               f"| measured, this GPU ({torch.cuda.get_device_name()}) | {step * 1e3:.1f} | "
-              f"{(peak or 0) / 2**20:.0f} | {'n/a' if mfu is None else f'{mfu:.0%}'} |\n"
+              f"{(peak or 0) / 2**20:.0f} | {'n/a' if mfu is None else f'{mfu:.1%}'} |\n"
               f"| paper plan, 1 x h100-sxm (40% of peak assumed) | {one.time.total * 1e3:.1f} | "
               f"{one.memory.total / 2**20:.0f} | 40% |\n"
               f"| error of the paper plan % | {_pct(one.time.total, step)} | "
               f"{_pct(one.memory.total, peak)} | |")  # fmt: skip
     for n in (8, 64):
-        print(f"\nPREDICTION (on paper, nothing measured): {n} x H100\n")
-        print(paper[n].table())
+        for m in (None, mfu) if mfu else (None,):
+            p = _paper(n, m)
+            what = (f"at the MFU measured on this GPU, {m:.1%}" if m
+                    else "at the profile's assumed 40% of peak")  # fmt: skip
+            print(f"\nPREDICTION (on paper, nothing measured at this size): {n} x H100, {what}\n")
+            print(p.table() if m or not mfu else f"recommended: {p.reason}")
 
 
 def main() -> None:

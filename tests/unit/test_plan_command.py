@@ -30,6 +30,12 @@ def _plan(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
         (["--devices", "3", "--nodes", "2", "--hardware", "h100-sxm"], "split evenly"),
         (["--devices", "2", "--precision", "fp8"], "--precision fp8 is not known"),
         (["--devices", "2", "--batch-size", "0"], "--batch-size 0 must be a whole number"),
+        (
+            ["--devices", "2", "--hardware", "h100-sxm", "--mfu", "0"],
+            "--mfu 0.0 must be a fraction",
+        ),
+        (["--devices", "2", "--hardware", "h100-sxm", "--mfu", "1.5"], "--mfu 1.5 must be"),
+        (["--devices", "2", "--mfu", "0.5"], "no --hardware was given"),
         (["--devices", "2", "--recipe", "nope"], "--recipe nope is not known"),
         (["--devices", "2", "--model", "no_such_module_x:build"], "cannot import"),
         (["--devices", "2", "--model", "json:loads"], "example(batch_size)"),
@@ -69,6 +75,18 @@ def test_the_library_speaks_its_own_names() -> None:
         st.plan("gpt", devices=2, hardware="tpu")
     with pytest.raises(ConfigError, match=r"devices=0 must be"):
         st.plan("gpt", devices=0)
+
+
+def test_a_measured_mfu_sets_a_paper_plan_s_compute() -> None:
+    import scaletrain as st
+
+    base = st.plan("gpt", devices=8, hardware="h100-sxm", precision="bf16-mixed")
+    slow = st.plan("gpt", devices=8, hardware="h100-sxm", precision="bf16-mixed", mfu=0.2)
+    for a, b in zip(base.rows, slow.rows, strict=True):
+        assert b.time.compute == pytest.approx(2 * a.time.compute)
+        assert b.memory == a.memory
+    assert any("40% of the datasheet peak" in x and "--mfu sets it" in x for x in base.assumptions)
+    assert any("20% of the datasheet peak" in x and "(given)" in x for x in slow.assumptions)
 
 
 def test_paper_plan_prints_a_table(capsys: pytest.CaptureFixture[str]) -> None:

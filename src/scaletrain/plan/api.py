@@ -104,9 +104,29 @@ class Plan:
 
 
 def check_request(
-    devices: Any, nodes: Any, hardware: Any, precision: Any, batch: Any, device: Any = None
+    devices: Any,
+    nodes: Any,
+    hardware: Any,
+    precision: Any,
+    batch: Any,
+    device: Any = None,
+    mfu: Any = None,
 ) -> None:
     """Refuse a bad request before any work, naming the setting (in the caller's words)."""
+    if mfu is not None:
+        if isinstance(mfu, bool) or not isinstance(mfu, (int, float)) or not 0 < mfu <= 1:
+            raise ConfigError(
+                f"{spell('mfu', mfu)} must be a fraction of the datasheet peak in (0, 1], "
+                f"e.g. {spell('mfu', 0.4)} (a run's measured MFU: its ledger summary).",
+                field="mfu",
+            )
+        if hardware is None:
+            raise ConfigError(
+                f"{spell('mfu', mfu)} sets a datasheet profile's achieved fraction of peak, "
+                f"but no {spell('hardware')} was given: this machine is measured, not "
+                f"assumed. Fix: add {spell('hardware', 'h100-sxm')}, or drop {spell('mfu')}.",
+                field="mfu",
+            )
     for key, value, low in (("devices", devices, 1), ("nodes", nodes, 1), ("batch_size", batch, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ConfigError(
@@ -383,6 +403,7 @@ def plan_model(
     layouts: list[Layout] | None = None,
     fsdp_units: Sequence[str] | None = None,
     device: str | None = None,
+    mfu: float | None = None,
 ) -> Plan:
     """Plan `build()` over `devices` (see scaletrain.plan.estimate for the model).
 
@@ -392,10 +413,12 @@ def plan_model(
 
     `hardware` None measures this machine: its GPU where it has one (one device; `device`
     "cpu" measures its CPU instead), else its CPU (a short calibration and a Gloo
-    probe); a profile name (scaletrain.plan.hardware.PROFILES) plans on paper. `compute` and
+    probe); a profile name (scaletrain.plan.hardware.PROFILES) plans on paper, its
+    compute at `mfu` of the datasheet peak (default the profile's assumption, 40%;
+    a run's measured MFU makes it a measurement). `compute` and
     `comm` replace the measurements (a benchmark measures them once for many plans).
     """
-    check_request(devices, nodes, hardware, precision, batch_size, device)
+    check_request(devices, nodes, hardware, precision, batch_size, device, mfu)
     with torch.device("meta"):
         layers = list_layers(build())
     if layouts is None:
@@ -405,6 +428,8 @@ def plan_model(
     where = measuring_device(hardware, device)
     if hardware is not None:
         hw = PROFILES[hardware]
+        if mfu is not None:
+            hw = replace(hw, compute_efficiency=float(mfu))
     else:
         hw = this_gpu(where) if where is not None else this_machine(devices)
     if hardware is not None and nodes == 1 and devices > hw.devices_per_node:
@@ -451,6 +476,7 @@ def plan_model(
         assumptions.append(
             f"compute at {hw.compute_efficiency:.0%} of the datasheet peak "
             f"({hw.peak_flops[precision] / 1e12:.0f} TFLOP/s at precision {precision})"
+            + (" (given)" if mfu is not None else " (the profile's assumption; --mfu sets it)")
         )
     if comm is None:
         if hardware is None:

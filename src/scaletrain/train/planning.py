@@ -342,6 +342,7 @@ def plan(
     compute: Compute | None = None,
     comm: CommModel | None = None,
     device: str | None = None,
+    mfu: float | None = None,
 ) -> Plan:
     """Memory per device and step time of every layout of `devices` for a recipe or a
     model ("module:factory"); see scaletrain.plan. Returns data (`Plan.rows`,
@@ -351,12 +352,12 @@ def plan(
     an H200 for the recipes), else its CPU (calibrations of the model and a Gloo probe,
     20-55 s on 2 CPU cores); `device` "cpu" measures the CPU of a GPU machine, "cuda"
     insists on its GPU. A profile name ("h100-sxm", "a100-sxm", "a100-pcie", "ethernet")
-    plans on paper. `layouts` picks rows; `compute` and `comm` replace this machine's
+    plans on paper, at `mfu` of its datasheet peak (default 40%). `layouts` picks rows; `compute` and `comm` replace this machine's
     measurements (a benchmark measures them once for many plans).
     """
     name, build, example, loss, optimizer, default_batch = resolve_model(recipe, model)
     batch = default_batch if batch_size is None else batch_size
-    check_request(devices, nodes, hardware, precision, batch, device)
+    check_request(devices, nodes, hardware, precision, batch, device, mfu)
     tp_plan, accepts = _tp_plan(build)
     if layouts is None:
         with torch.device("meta"):
@@ -379,7 +380,7 @@ def plan(
         build, example, loss_fn=loss, optimizer=optimizer, batch_size=batch,
         devices=devices, nodes=nodes, hardware=hardware, precision=precision,
         tp_plan=tp_plan, overlap=overlap, name=name, layouts=layouts, compute=compute,
-        comm=comm, fsdp_units=fsdp_units_of(build), device=device,
+        comm=comm, fsdp_units=fsdp_units_of(build), device=device, mfu=mfu,
     )  # fmt: skip
 
 
