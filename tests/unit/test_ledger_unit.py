@@ -244,7 +244,7 @@ def test_a_one_process_run_without_a_process_group_gets_its_summary(tmp_path: Pa
     bare = nn.Linear(8, 8)
     model, opt = rt.setup(bare, torch.optim.SGD(bare.parameters(), lr=0.1))
     for _ in range(12):
-        loss = model(torch.randn(4, 8)).sum()
+        loss = model(torch.randn(4, 8, device=rt.device)).sum()
         opt.zero_grad()
         loss.backward()
         opt.step()
