@@ -466,9 +466,7 @@ class StepLedger:
         self._finished = True
         if self.profile is not None:
             self.profile.abandon(self)
-        # One process gathers from itself (no collective): its summary is written
-        # whether or not a process group exists (a 1-process run has none).
-        if (not collective and self.world_size > 1) or self.closed == 0:
+        if not collective or self.closed == 0:
             self.close()
             return None
         from scaletrain.observe.summary import build_summary, print_summary

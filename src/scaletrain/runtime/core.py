@@ -425,7 +425,10 @@ class Runtime:
             return
         self._closed = True
         if self.ledger is not None:
-            self.ledger.finish(collective=not failed and _dist.is_initialized())
+            # One process gathers from itself, no collective needed: its summary is
+            # written whether or not a process group exists (a 1-process run has none).
+            alone = self.ledger.world_size == 1
+            self.ledger.finish(collective=not failed and (_dist.is_initialized() or alone))
         from scaletrain.checkpoint import wait_pending
 
         # An asynchronous save still writing needs the process group to finish.
