@@ -94,7 +94,9 @@ def _plan_job(recipe: str, n: int, strategy: str, comm: Any) -> Any:
     from scaletrain.train.planning import layout_of, plan
 
     layout = layout_of(strategy, None, n)
-    return plan(recipe, devices=n, batch_size=BATCH[recipe], layouts=[layout], comm=comm).rows[0]
+    return plan(
+        recipe, devices=n, batch_size=BATCH[recipe], layouts=[layout], comm=comm, device="cpu"
+    ).rows[0]
 
 
 def _predict(recipe: str, n: int, strategy: str, calib: dict[str, Any]) -> tuple[float, int, float]:

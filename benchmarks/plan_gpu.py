@@ -32,7 +32,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-CONFIGS = (("convnet", 128, "32"), ("gpt", 32, "32"), ("gpt", 32, "bf16-mixed"))
+CONFIGS = (
+    ("convnet", 128, "32"),
+    ("gpt", 32, "32"),
+    ("gpt", 32, "bf16-mixed"),
+    ("gpt", 32, "bf16-true"),
+)
 """(recipe, batch, precision) measured on this GPU."""
 
 

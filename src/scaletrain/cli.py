@@ -109,6 +109,11 @@ def _add_plan(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--batch-size", metavar="B", type=int, default=None, help="per replica")
     p.add_argument("--precision", metavar="P", default="32", help="32, bf16-mixed, ...")
     p.add_argument(
+        "--device", metavar="D", default=None,
+        help="without --hardware: what to measure, cpu or cuda (default: this machine's GPU "
+        "where it has one, else its CPU)",
+    )  # fmt: skip
+    p.add_argument(
         "--mfu", metavar="F", type=float, default=None,
         help="with --hardware: the fraction of datasheet peak a step reaches (default 0.4; "
         "a run's measured MFU is in its ledger summary)",
@@ -118,7 +123,9 @@ def _add_plan(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def _cmd_plan(ns: argparse.Namespace) -> int:
     given = [
-        f for f in ("recipe", "model", "devices", "hardware", "batch_size", "mfu") if getattr(ns, f)
+        f
+        for f in ("recipe", "model", "devices", "hardware", "batch_size", "mfu", "device")
+        if getattr(ns, f)
     ]
     if ns.check is not None:
         if given or ns.nodes != 1 or ns.precision != "32":
@@ -143,7 +150,7 @@ def _cmd_plan(ns: argparse.Namespace) -> int:
 
     result = plan(
         ns.recipe, model=ns.model, devices=ns.devices, nodes=ns.nodes, hardware=ns.hardware,
-        batch_size=ns.batch_size, precision=ns.precision, mfu=ns.mfu,
+        batch_size=ns.batch_size, precision=ns.precision, mfu=ns.mfu, device=ns.device,
     )  # fmt: skip
     print(result.table())
     return EXIT_OK

@@ -41,6 +41,8 @@ def _plan(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
         (["--devices", "2", "--model", "json:loads"], "example(batch_size)"),
         ([], "--devices is missing"),
         (["--check", "RUN", "--devices", "2"], "--check RUN takes the model"),
+        (["--check", "RUN", "--device", "cpu"], "--check RUN takes the model"),
+        (["--devices", "1", "--device", "tpu"], "--device tpu is not known"),
         (["--check", "/no/such/run"], "is not a finished run with a ledger"),
     ],
 )
@@ -128,6 +130,14 @@ def test_check_puts_a_tiny_run_beside_its_prediction(
     assert cli.main(["plan", "--check", str(run)]) == 2
     err = capsys.readouterr().err
     assert "trained on a GPU" in err and "this machine has none" in err
+    # A run of 2 GPUs: no measured plan of several GPUs exists; said in --check's terms.
+    config = json.loads((run / "config.json").read_text())
+    config["nproc"] = 2
+    config.setdefault("run", {})["world_size"] = 2
+    (run / "config.json").write_text(json.dumps(config))
+    assert cli.main(["plan", "--check", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert "trained on 2 GPUs" in err and "--devices 2 --hardware h100-sxm" in err
 
 
 def test_a_gpu_machine_refuses_to_measure_several_devices(
@@ -143,7 +153,9 @@ def test_a_gpu_machine_refuses_to_measure_several_devices(
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(scaletrain.plan.api, "measuring_device", MEASURING_DEVICE)
-    with pytest.raises(ConfigError, match=r"devices=4 on this GPU machine.*hardware='h100-sxm'"):
+    with pytest.raises(
+        ConfigError, match=r"devices=4 on this GPU machine.*hardware='h100-sxm'.*device='cpu'"
+    ):
         st.plan("gpt", devices=4)
     # On paper any count is fine there, and its CPU can be measured on purpose.
     assert st.plan("gpt", devices=4, hardware="h100-sxm").rows
@@ -152,7 +164,7 @@ def test_a_gpu_machine_refuses_to_measure_several_devices(
     code, err = _plan(capsys, "--recipe", "gpt", "--devices", "4")
     assert code == 2 and err.count("scaletrain: error:") == 1
     assert "--devices 4 on this GPU machine" in err
-    assert "--devices 1" in err and "--hardware h100-sxm" in err
+    assert "--devices 1" in err and "--hardware h100-sxm" in err and "--device cpu" in err
 
 
 def test_a_gpu_run_is_checked_against_cuda_peak_allocated() -> None:

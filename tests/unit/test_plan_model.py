@@ -867,3 +867,69 @@ def test_a_gpu_peak_counts_only_the_gradients_alive_with_the_activations() -> No
     assert m.total >= m.params + m.grads + m.optimizer  # the optimizer step's moment
     # DDP's gradients live in its buckets from setup: all of them at the peak.
     assert st.plan("gpt", devices=2, hardware="h100-sxm").row("ddp").memory.reused == 0
+
+
+def test_gradients_count_whole_where_they_outlive_the_peak() -> None:
+    """No reuse on this CPU machine (its RSS keeps what was freed), nor for a 1F1B stage
+    with more microbatches than stages (its later forwards run beside its gradients)."""
+    import scaletrain as st
+    from scaletrain.plan.comm import CommModel
+    from scaletrain.plan.estimate import Compute, estimate
+    from scaletrain.plan.hardware import this_machine
+    from scaletrain.plan.layouts import Layout
+    from scaletrain.plan.partition import list_layers
+    from scaletrain.train.recipes import get_recipe
+
+    two = st.plan("gpt", devices=2, hardware="h100-sxm", batch_size=32)
+    piped = [r for r in two.rows if r.layout.strategy == "pipeline"]
+    one_f = next(r for r in piped if r.layout.schedule == "1f1b")
+    gpipe = next(r for r in piped if r.layout.schedule == "gpipe")
+    assert (one_f.layout.microbatches or 1) > one_f.layout.pp
+    assert one_f.memory.reused == 0 and gpipe.memory.reused > 0
+    with torch.device("meta"):
+        layers = list_layers(get_recipe("gpt").build())
+    cpu = estimate(
+        Layout("ddp"), two.profile, layers=layers, tp_plan=None,
+        compute=Compute(0.0, 1e-3, 0.0, "test"), comm=CommModel(), hw=this_machine(1),
+        overlap=0.0,
+    )  # fmt: skip
+    assert cpu.memory.reused == 0
+
+
+def test_cpu_calibrations_time_the_fp32_step_at_any_precision(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The CPU planner's accuracy was measured on fp32 steps: a plan at another
+    precision calibrates the same (fp16-mixed does not even run on a CPU)."""
+    import scaletrain.plan.api as api
+    import scaletrain.train.planning as planning
+    from scaletrain.plan.estimate import Compute
+
+    seen: list[str] = []
+
+    def fake_runtime(*args: object, precision: str = "32", **kwargs: object) -> None:
+        seen.append(precision)
+
+    def fake_calibrate(*args: object, precision: str = "32", **kwargs: object) -> Compute:
+        seen.append(precision)
+        return Compute(0.0, 1e-3, 0.0, "test")
+
+    monkeypatch.setattr(planning, "runtime_overhead", fake_runtime)
+    monkeypatch.setattr(api, "calibrate", fake_calibrate)
+    for precision in ("bf16-mixed", "fp16-mixed", "bf16-true"):
+        planning._calibration(
+            lambda: None, lambda b: None, None, None, 8, [8], None, None, precision
+        )  # type: ignore[arg-type]
+    assert seen == ["32"] * 6
+
+
+def test_bf16_true_holds_the_weights_in_half_the_bytes() -> None:
+    """bf16-true keeps parameters, gradients and the optimizer's state in bfloat16:
+    planned as fp32 before, its memory read twice the run's."""
+    import scaletrain as st
+
+    full = st.plan("gpt", devices=1, hardware="h100-sxm").rows[0].memory
+    half = st.plan("gpt", devices=1, hardware="h100-sxm", precision="bf16-true").rows[0].memory
+    assert half.params * 2 == full.params and half.grads * 2 == full.grads
+    assert half.optimizer * 2 == full.optimizer
+    assert half.activations < full.activations

@@ -78,7 +78,8 @@ class Plan:
             "processes' own memory beyond the tensors, and for FSDP here what the allocator "
             "keeps"
             + (
-                "; total = the peak: the gradients alive at the activations' peak, not all)"
+                "; on GPUs the total is the peak: with the gradients alive at the "
+                "activations' peak where the others come later)"
                 if self.hardware.cores is None
                 else ")"
             ),
@@ -177,7 +178,8 @@ def check_request(
             "GPU here (the probe of several devices runs Gloo processes on the CPU, which "
             f"say nothing of NCCL between GPUs). Fix: {spell('devices', 1)} to measure this "
             f"GPU, or {spell('hardware', 'h100-sxm')} (or {', '.join(x for x in PROFILES if x != 'h100-sxm')}) "
-            f"to plan {devices} GPUs on paper.",
+            f"to plan {devices} GPUs on paper, or {spell('device', 'cpu')} for {devices} "
+            "CPU processes.",
             field="devices",
         )
 
@@ -220,7 +222,9 @@ def calibrate(
     and the memory CUDA's allocator adds at its peak (plan/meter.py). Given
     `stage_batch` (a pipeline's microbatch), each layer's share of the step at that
     batch (plan/layertime.py, CPU only), which a pipeline's stages take of it.
-    Mixed precisions run the forward under autocast, as the runtime does.
+    Mixed precisions run the forward under autocast, as the runtime does, bf16-true
+    the model in bfloat16 (the planner asks this on GPUs only: its CPU calibrations
+    time the fp32 step, as they were checked against the runs).
     """
     from scaletrain.plan.meter import Peak, is_cuda, median_time, move
 
@@ -232,18 +236,24 @@ def calibrate(
         else contextlib.nullcontext
     )  # fmt: skip
     threads = torch.get_num_threads()
+    # bf16-true: the weights themselves in bfloat16, and the floating inputs (as the
+    # runtime converts them).
+    true_bf16 = torch.bfloat16 if precision == "bf16-true" else None
     torch.set_num_threads(1)
     try:
         torch.manual_seed(0)
         model = build()
         if device is not None:
             model = model.to(device)
+        if true_bf16 is not None:
+            model = model.to(true_bf16)
         opt = optimizer(model.parameters())
         points: dict[int, float] = {}
         cpu_total = wall_total = 0.0
         peak = Peak(device)
         for b in sorted(set(sizes), reverse=True):
             x, y = move(example(b), device)
+            x = move(x, None, true_bf16)
 
             def step(x: Any = x, y: Any = y) -> None:
                 opt.zero_grad(set_to_none=True)
@@ -414,8 +424,9 @@ def plan_model(
     `hardware` None measures this machine: its GPU where it has one (one device; `device`
     "cpu" measures its CPU instead), else its CPU (a short calibration and a Gloo
     probe); a profile name (scaletrain.plan.hardware.PROFILES) plans on paper, its
-    compute at `mfu` of the datasheet peak (default the profile's assumption, 40%;
-    a run's measured MFU makes it a measurement). `compute` and
+    compute at `mfu` of the datasheet peak (default the profile's assumption, 40%; a
+    run's measured MFU grounds it for layouts like that run's: tensor and pipeline
+    shards run smaller matrix products, which reach less). `compute` and
     `comm` replace the measurements (a benchmark measures them once for many plans).
     """
     check_request(devices, nodes, hardware, precision, batch_size, device, mfu)
@@ -444,7 +455,8 @@ def plan_model(
         # processes, scaletrain.train.planning.calibrated; this package cannot run it.)
         compute = calibrate(
             build, example, loss_fn, optimizer, calibration_sizes(layouts, batch_size),
-            stage_batch=stage_batch(layouts, batch_size), device=where, precision=precision,
+            stage_batch=stage_batch(layouts, batch_size), device=where,
+            precision=precision if where is not None else "32",
         )  # fmt: skip
     if compute is not None and compute.source == CALIBRATED_GPU:
         assumptions.append(
@@ -470,6 +482,7 @@ def plan_model(
     profile = profile_model(
         build, example(batch_size), loss_fn, optimizer,
         autocast_dtype=_AUTOCAST.get(precision), name=name,
+        param_dtype=torch.bfloat16 if precision == "bf16-true" else None,
     )  # fmt: skip
     if compute is None:
         compute = Compute.from_flops(profile, hw, precision)

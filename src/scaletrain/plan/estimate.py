@@ -511,7 +511,10 @@ def estimate(
         grads_at_setup=layout.strategy in ("ddp", "ddp x pp") and dp > 1,
         group=comm.runtime_bytes.get(layout.devices, 0),
     )
-    if hw.cores is None and not memory.grads_at_setup and profile.grad_bytes:
+    # A 1F1B stage with more microbatches than stages runs forwards after its first
+    # backward: its gradients exist from then on, at every later activation peak.
+    steady = pp > 1 and layout.schedule != "gpipe" and m > pp
+    if hw.cores is None and not memory.grads_at_setup and profile.grad_bytes and not steady:
         # A GPU's peak: the activations and the gradients alive with them (measured by
         # the profile's tracker), not every gradient (the gpt recipe at 1B parameters,
         # bf16-mixed on an H200: 26,752 MiB peak allocated, where counting every

@@ -83,9 +83,26 @@ def _tensor_bytes(value: Any) -> int:
     return 0
 
 
-def _meta_sizes(build: Callable[[], nn.Module]) -> tuple[int, int]:
+def _built(build: Callable[[], nn.Module], dtype: torch.dtype | None) -> nn.Module:
+    """`build()`, its floating parameters and buffers in `dtype` where given: built
+    under that default dtype, as `module.to(dtype)` cannot swap a fake tensor's
+    parameters (RuntimeError under FakeTensorMode). Only the build: the forward keeps
+    the default dtype, as in a run that converts a built model."""
+    if dtype is None:
+        return build()
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        return build()
+    finally:
+        torch.set_default_dtype(old)
+
+
+def _meta_sizes(
+    build: Callable[[], nn.Module], dtype: torch.dtype | None = None
+) -> tuple[int, int]:
     with torch.device("meta"):
-        model = build()
+        model = _built(build, dtype)
     seen: set[int] = set()
     params = 0
     for p in model.parameters():
@@ -104,18 +121,23 @@ def profile_model(
     *,
     autocast_dtype: torch.dtype | None = None,
     name: str | None = None,
+    param_dtype: torch.dtype | None = None,
 ) -> ModelProfile:
     """Measure one training step of `build()` on `example` = (inputs, targets).
 
     `optimizer(params)` builds the optimizer; `autocast_dtype` runs the forward under
-    torch.autocast (mixed precision). Nothing here allocates real tensor memory.
+    torch.autocast (mixed precision); `param_dtype` holds the weights themselves (and
+    the floating inputs) in that dtype (bf16-true). Nothing here allocates real tensor
+    memory.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModState
     from torch.utils.flop_counter import FlopCounterMode
 
-    param_bytes, buffer_bytes = _meta_sizes(build)
+    param_bytes, buffer_bytes = _meta_sizes(build, param_dtype)
     inputs, targets = example
+    if param_dtype is not None and inputs.is_floating_point():
+        inputs = inputs.to(param_dtype)
     batch = int(inputs.shape[0])
     io: dict[str, list[int]] = {}
 
@@ -123,7 +145,7 @@ def profile_model(
         io[names[id(module)]] = [_tensor_bytes(args), _tensor_bytes(out)]
 
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        model = build()
+        model = _built(build, param_dtype)
         names = {id(m): n for n, m in model.named_modules()}
         handles = [m.register_forward_hook(remember) for m in model.modules()]
         opt = optimizer(model.parameters())

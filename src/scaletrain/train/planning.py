@@ -205,14 +205,17 @@ def runtime_overhead(
                     whole = statistics.median(spent[1:])
                 growth = peak.growth()
                 torch.manual_seed(0)
-                bare = build().to(rt.device)
+                # As the runtime sets the model and its input up (bf16-true: both in
+                # bfloat16), so that the difference is the runtime's own step.
+                bare = rt.precision.convert_module(build().to(rt.device))
                 bare_opt = optimizer(bare.parameters())
                 cast = rt.precision.forward_context
+                bare_x = rt.precision.convert_input(x)
 
                 def theirs() -> None:
                     bare_opt.zero_grad(set_to_none=True)
                     with cast():
-                        out = loss(bare(x), y)
+                        out = loss(bare(bare_x), y)
                     out.backward()
                     bare_opt.step()
 
@@ -249,7 +252,12 @@ def _calibration(
     from dataclasses import replace
 
     from scaletrain.plan.api import calibrate
+    from scaletrain.plan.meter import is_cuda
 
+    if not is_cuda(device):
+        # The CPU planner times the fp32 step, as its accuracy was measured (mixed
+        # precision on a CPU is not modelled; fp16-mixed does not run on one).
+        precision = "32"
     cost = runtime_overhead(
         build, example, loss, optimizer, batch, device=device, precision=precision
     )
@@ -559,6 +567,14 @@ def check_run(run: str | Path) -> Check:
     world = int(cfg.get("run", {}).get("world_size", cfg.get("nproc") or 1))
     step, growth, overlap = measured(base)
     allocated = measured_allocated(base)
+    if allocated and world > 1:
+        raise ConfigError(
+            f"{spell('check', str(run))} trained on {world} GPUs: a measured check covers "
+            "runs of one GPU (a plan of several would need NCCL, which the probe does not "
+            f"run). Its layouts on paper: scaletrain plan --recipe {cfg.get('recipe')} "
+            f"--devices {world} --hardware h100-sxm (or another profile).",
+            field="check",
+        )
     if allocated and not torch.cuda.is_available():
         raise ConfigError(
             f"{spell('check', str(run))} trained on a GPU (its ledger holds CUDA memory), "
