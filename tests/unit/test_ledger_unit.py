@@ -260,3 +260,29 @@ def test_a_one_process_run_without_a_process_group_gets_its_summary(tmp_path: Pa
         model(torch.randn(4, 8, device=rt.device)).sum().backward()
     rt.shutdown(failed=True)
     assert read_run(failed).summary is None
+
+
+def test_the_flops_peak_measurement_is_not_counted_as_training_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ledger's FLOP/s measurement (4096 x 4096 matrices on a GPU) ran after the
+    memory's starting point: a GPU run's CUDA peak held its 192 MiB (a split-net run
+    on an H200: 257 MiB against 0.02 planned). The starting point now follows it (and
+    on a GPU, CUDA's peak counters restart there)."""
+    import torch
+    from torch import nn
+
+    import scaletrain as st
+    import scaletrain.observe.flops as flops
+    import scaletrain.observe.memory as memory
+
+    calls: list[str] = []
+    monkeypatch.setattr(flops, "measure_peak", lambda *a, **k: calls.append("peak") or 1e9)
+    real = memory.reset_rss_peak
+    monkeypatch.setattr(memory, "reset_rss_peak", lambda: calls.append("setup") or real())
+    ledger = st.LedgerConfig(out=tmp_path, every=5, flops=True, summary=False)
+    rt = st.init(strategy="single", env="local", ledger=ledger)
+    bare = nn.Linear(4, 4)
+    rt.setup(bare, torch.optim.SGD(bare.parameters(), lr=0.1))
+    rt.shutdown()
+    assert calls == ["peak", "setup"]

@@ -98,10 +98,6 @@ def attach_model(ledger: StepLedger, model: Any, optimizer: Any | None) -> None:
     from scaletrain.observe.hooks import watch_ddp, watch_module, watch_optimizer, watch_stages
     from scaletrain.observe.memory import current_rss_bytes, reset_rss_peak
 
-    # Where training's memory starts (data and model built and wrapped): the peak RSS
-    # counts from here, so rss_peak - rss_setup is what training itself adds (what
-    # `scaletrain plan --check` compares with its prediction).
-    ledger.rss_setup = current_rss_bytes() if reset_rss_peak() else None
     if not watch_stages(ledger, model):
         watch_module(ledger, model)
     if isinstance(model, DistributedDataParallel):
@@ -129,3 +125,14 @@ def attach_model(ledger: StepLedger, model: Any, optimizer: Any | None) -> None:
             processes=ledger.local_world_size,
         )
         ledger.flops = FlopCounter()
+    # Where training's memory starts (data and model built and wrapped, the FLOP/s peak
+    # measured): the peaks count from here, so rss_peak - rss_setup is what training
+    # itself adds (what `scaletrain plan --check` compares with its prediction on a
+    # CPU), and CUDA's allocated_peak is the model's and training's, not the peak
+    # measurement's matrices (3 x 64 MiB at 4096 x 4096 fp32: a 1-process split-net
+    # run on an H200 reported 257 MiB, its plan 0.02).
+    ledger.rss_setup = current_rss_bytes() if reset_rss_peak() else None
+    if ledger.device_type == "cuda":
+        import torch
+
+        torch.cuda.reset_peak_memory_stats(ledger.device)

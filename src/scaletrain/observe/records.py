@@ -17,7 +17,7 @@ Lines of rank<r>.jsonl, told apart by "kind":
   fraction of it hidden behind backward; null where not timed), `flags` (subset of
   "warmup", "flops", "profiled": steps the statistics leave out).
 - "memory" (every window): `step`, `allocated_peak`, `reserved_peak` (CUDA bytes, null on
-  CPU), `rss_peak` (bytes), `gpu_util` (percent from NVML, null without it), `rss_setup`
+  CPU; the peaks since rt.setup, where CUDA's counters restart), `rss_peak` (bytes), `gpu_util` (percent from NVML, null without it), `rss_setup`
   (the RSS when rt.setup ran; on Linux the peak RSS restarts there, so `rss_peak` is the
   peak since setup and `rss_peak - rss_setup` what training itself added; null where the
   peak could not be restarted, and `rss_peak` is then the process's whole life).
