@@ -41,6 +41,17 @@ CONFIGS = (
 """(recipe, batch, precision) measured on this GPU."""
 
 
+def _steps(rt: Any, model: Any, opt: Any, batch: Any, loss: Any, steps: int) -> None:
+    """`steps` training steps of one batch on the runtime's device, then shutdown."""
+    x, y = (t.to(rt.device) for t in batch)
+    rt.prepare(model, x)
+    for _ in range(steps):
+        rt.forward_backward(model, x, y, loss)
+        rt.step(opt)
+        opt.zero_grad(set_to_none=True)
+    rt.shutdown()
+
+
 def _train(recipe_name: str, batch: int, precision: str, steps: int, out: str) -> None:
     import scaletrain as st
     from scaletrain.train.recipes import get_recipe
@@ -51,13 +62,7 @@ def _train(recipe_name: str, batch: int, precision: str, steps: int, out: str) -
     torch.manual_seed(0)
     bare = recipe.build()
     model, opt = rt.setup(bare, recipe.optimizer(bare.parameters(), 1e-3))
-    x, y = (t.to(rt.device) for t in recipe.example(batch))
-    rt.prepare(model, x)
-    for _ in range(steps):
-        rt.forward_backward(model, x, y, recipe.loss)
-        rt.step(opt)
-        opt.zero_grad(set_to_none=True)
-    rt.shutdown()
+    _steps(rt, model, opt, recipe.example(batch), recipe.loss, steps)
 
 
 def _measure(recipe: str, batch: int, precision: str, steps: int) -> tuple[float, int | None]:
@@ -123,13 +128,7 @@ def _train_1b(steps: int, out: str) -> None:
     with torch.device(rt.device):
         bare = gpt_1b.build()  # initialised on the GPU: seconds, not minutes
     model, opt = rt.setup(bare, torch.optim.AdamW(bare.parameters(), lr=1e-4))
-    x, y = (t.to(rt.device) for t in gpt_1b.example(gpt_1b.BATCH))
-    rt.prepare(model, x)
-    for _ in range(steps):
-        rt.forward_backward(model, x, y, gpt_1b.loss)
-        rt.step(opt)
-        opt.zero_grad(set_to_none=True)
-    rt.shutdown()
+    _steps(rt, model, opt, gpt_1b.example(gpt_1b.BATCH), gpt_1b.loss, steps)
 
 
 def _paper(devices: int, mfu: float | None = None) -> Any:
