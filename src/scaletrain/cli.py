@@ -90,7 +90,8 @@ def _add_plan(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
             "Predict, for every strategy and mesh of N devices (ddp, fsdp, tensor, pipeline, "
             "fsdp x tp, ddp x pp), the memory per device and the step time, from the model "
             "itself; recommend the fastest that fits. Without --hardware this machine is "
-            "measured (a few seconds). --check RUN compares a finished run with its prediction."
+            "measured (10-60 s on 2 CPU cores). --check RUN compares a finished run with its "
+            "prediction."
         ),
     )
     which = p.add_mutually_exclusive_group()

@@ -43,6 +43,8 @@ def _plan(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
         (["--check", "RUN", "--devices", "2"], "--check RUN takes the model"),
         (["--check", "RUN", "--device", "cpu"], "--check RUN takes the model"),
         (["--devices", "1", "--device", "tpu"], "--device tpu is not known"),
+        (["--devices", "8", "--hardware", "h100-sxm", "--device", "cpu"], "plans on paper"),
+        (["--devices", "2", "--model", "json"], "Fix: --model json:build"),
         (["--check", "/no/such/run"], "is not a finished run with a ledger"),
     ],
 )

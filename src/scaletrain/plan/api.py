@@ -71,7 +71,7 @@ class Plan:
             f"{'buffers':>8} {'runtime':>8} {'total':>8} | {'compute':>8} {'comm':>8} {'bubble':>8} {'wait':>8} {'step':>8} {'samples/s':>10}"
         )
         lines = [
-            f"{self.model} on {self.devices} device(s) x {self.nodes} node(s), "
+            f"{self.model} on {self.devices} device(s) over {self.nodes} node(s), "
             f"{self.hardware.description}, precision {self.precision}, batch "
             f"{self.profile.batch_size} per replica; memory MiB per device, time ms per step "
             "(comm = exposed communication, wait = for the slowest rank; runtime = the "
@@ -158,6 +158,13 @@ def check_request(
             f"{spell('precision', precision)} is not known; expected one of "
             f"{', '.join(PRECISIONS)}.",
             field="precision",
+        )
+    if device is not None and hardware is not None:
+        raise ConfigError(
+            f"{spell('device', device)} picks what this machine measures, but "
+            f"{spell('hardware', hardware)} plans on paper: nothing is measured. Fix: drop "
+            f"one of them.",
+            field="device",
         )
     if device not in (None, "cpu", "cuda"):
         raise ConfigError(

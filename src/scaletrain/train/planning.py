@@ -84,7 +84,12 @@ def resolve_model(
         raise ConfigError(
             f"{spell('model', model)}: expected 'module:factory' where factory() builds the "
             "nn.Module and the same module defines example(batch_size) -> (inputs, "
-            f"targets); {'found no callable ' + repr(attr) if not callable(factory) else 'no example()'}.",
+            f"targets); {'found no callable ' + repr(attr) if not callable(factory) else 'no example()'}."
+            + (
+                f" Fix: {spell('model', where + ':build')} (the factory's name after ':')."
+                if not attr
+                else ""
+            ),
             field="model",
         )
     return where, factory, example, _token_loss, torch.optim.AdamW, 32
