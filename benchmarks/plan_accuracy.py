@@ -123,8 +123,9 @@ def _calibrate() -> dict[str, Any]:
     """The round's Gloo probes, per recipe at 2 and 4 processes: what `scaletrain plan`
     measures in its probe (alpha and bandwidth per collective, a collective's cost among
     busy ranks, the model's step side by side, the RSS its fully sharded steps add)."""
-    from scaletrain.plan.comm import CommModel, probe
+    from scaletrain.plan.comm import CommModel
     from scaletrain.plan.overhead import model_step, sharded_step
+    from scaletrain.plan.probe import probe
     from scaletrain.train.planning import fsdp_units_of, resolve_model
 
     calib: dict[str, Any] = {"comm": {1: CommModel()}}

@@ -500,8 +500,8 @@ def test_the_probe_measures_ranks_side_by_side() -> None:
     from functools import partial
 
     from scaletrain.observe.memory import reset_rss_peak
-    from scaletrain.plan.comm import probe
     from scaletrain.plan.overhead import model_step, sharded_step
+    from scaletrain.plan.probe import probe
 
     work = partial(model_step, _wide, _wide_example(16), nn.functional.cross_entropy, _adam)
     sharded = partial(
@@ -553,7 +553,7 @@ def test_a_plan_here_holds_what_fsdps_steps_grew() -> None:
     import re
 
     from scaletrain.observe.memory import reset_rss_peak
-    from scaletrain.plan.comm import SHARDED_STEPS
+    from scaletrain.plan.probe import SHARDED_STEPS
 
     # In a process of its own, as `scaletrain plan` runs: the planning process's RSS
     # is measured, and what a plan frees here would feed later tests' measurements.

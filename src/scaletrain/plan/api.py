@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
-import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -13,13 +11,21 @@ import torch
 from torch import nn
 
 from scaletrain.errors import ConfigError, spell
-from scaletrain.plan.comm import SHARDED_STEPS, CommModel
+from scaletrain.plan.calibration import (
+    AUTOCAST,
+    CALIBRATED,
+    CALIBRATED_GPU,
+    Example,
+    calibrate,
+)
+from scaletrain.plan.comm import CommModel
 from scaletrain.plan.estimate import Compute, Estimate, estimate, send_bytes
-from scaletrain.plan.hardware import PROFILES, Hardware, this_gpu, this_machine, usable_cores
-from scaletrain.plan.layertime import layer_shares
+from scaletrain.plan.hardware import PROFILES, this_gpu, this_machine, usable_cores
 from scaletrain.plan.layouts import Layout, layouts_for
 from scaletrain.plan.partition import Layer, list_layers
-from scaletrain.plan.profile import ModelProfile, profile_model
+from scaletrain.plan.probe import SHARDED_STEPS
+from scaletrain.plan.profile import profile_model
+from scaletrain.plan.result import Plan, throughput
 
 __all__ = [
     "PRECISIONS",
@@ -34,74 +40,9 @@ __all__ = [
 ]
 
 PRECISIONS = ("32", "bf16-mixed", "fp16-mixed", "bf16-true")
-_AUTOCAST = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
 DEFAULT_OVERLAP = {"this-machine": 0.0, "datasheet": 0.5}
 """Fraction of DDP/FSDP gradient communication hidden behind the backward when no run
 measured it: none on a CPU (Gloo works on the cores the backward needs), half on GPUs."""
-
-Example = Callable[[int], tuple[Any, Any]]
-"""batch size -> (inputs, targets) of that many samples."""
-
-
-@dataclass(slots=True)
-class Plan:
-    """Every layout of `devices` for one model: rows, the recommended one and why."""
-
-    model: str
-    devices: int
-    nodes: int
-    hardware: Hardware
-    precision: str
-    profile: ModelProfile
-    rows: list[Estimate]
-    recommended: Estimate | None
-    reason: str
-    assumptions: list[str] = field(default_factory=list)
-
-    def row(self, label: str) -> Estimate:
-        for r in self.rows:
-            if r.layout.label == label or r.layout.strategy == label:
-                return r
-        raise KeyError(label)
-
-    def table(self) -> str:
-        mib = 2**20
-        head = (
-            f"{'layout':<28} {'fits':<5} {'params':>8} {'grads':>8} {'optim':>8} {'acts':>8} "
-            f"{'buffers':>8} {'runtime':>8} {'total':>8} | {'compute':>8} {'comm':>8} {'bubble':>8} {'wait':>8} {'step':>8} {'samples/s':>10}"
-        )
-        lines = [
-            f"{self.model} on {self.devices} device(s) over {self.nodes} node(s), "
-            f"{self.hardware.description}, precision {self.precision}, batch "
-            f"{self.profile.batch_size} per replica; memory MiB per device, time ms per step "
-            "(comm = exposed communication, wait = for the slowest rank; runtime = the "
-            "processes' own memory beyond the tensors, and for FSDP here what the allocator "
-            "keeps"
-            + (
-                "; on GPUs the total is the peak: with the gradients alive at the "
-                "activations' peak where the others come later)"
-                if self.hardware.cores is None
-                else ")"
-            ),
-            head,
-            "-" * len(head),
-        ]
-        for r in self.rows:
-            m, t = r.memory, r.time
-            mark = "*" if r is self.recommended else ""
-            lines.append(
-                f"{(r.layout.label + mark):<28} {('yes' if r.fits else 'NO'):<5} "
-                f"{m.params / mib:8.1f} {m.grads / mib:8.1f} {m.optimizer / mib:8.1f} "
-                f"{m.activations / mib:8.1f} {m.buffers / mib:8.1f} {(m.runtime + m.group + m.held) / mib:8.1f} "
-                f"{m.total / mib:8.1f} | "
-                f"{t.compute * 1e3:8.1f} {t.exposed * 1e3:8.1f} {t.bubble * 1e3:8.1f} "
-                f"{t.wait * 1e3:8.1f} {t.total * 1e3:8.1f} {throughput(r, self.profile.batch_size):10,.0f}"
-            )
-            if r.overflow:
-                lines.append(f"    does not fit: {r.overflow}")
-        lines.append(f"recommended: {self.reason}")
-        lines.extend(f"assumption: {a}" for a in self.assumptions)
-        return "\n".join(lines)
 
 
 def check_request(
@@ -200,98 +141,6 @@ def measuring_device(hardware: str | None, device: str | None = None) -> torch.d
     return torch.device("cuda", torch.cuda.current_device())
 
 
-CALIBRATED = "calibrated here: CPU seconds, 1 thread"
-"""Compute.source of a calibration on this machine's CPU."""
-CALIBRATED_GPU = "calibrated here: GPU seconds"
-"""Compute.source of a calibration on this machine's GPU."""
-
-
-def calibrate(
-    build: Callable[[], nn.Module],
-    example: Example,
-    loss_fn: Callable[[Any, Any], torch.Tensor],
-    optimizer: Callable[[Any], torch.optim.Optimizer],
-    sizes: list[int],
-    *,
-    repeats: int = 5,
-    stage_batch: int | None = None,
-    device: torch.device | None = None,
-    precision: str = "32",
-) -> Compute:
-    """Time the real model here: forward+backward at each batch size, and the optimizer
-    step, in this process with one thread (as every rank of a CPU job runs).
-
-    On a CPU (`device` None or cpu) times are CPU seconds (what a rank needs of a core);
-    their ratio to wall time is the share of a core this process got (the machine's
-    other load). The RSS the steps add is measured too (from a restarted peak): in a
-    fresh process it holds the runtime's first-step overhead that no tensor accounting
-    sees. On a GPU (`device` cuda) times are the GPU's seconds per step back to back,
-    and the memory CUDA's allocator adds at its peak (plan/meter.py). Given
-    `stage_batch` (a pipeline's microbatch), each layer's share of the step at that
-    batch (plan/layertime.py, CPU only), which a pipeline's stages take of it.
-    Mixed precisions run the forward under autocast, as the runtime does, bf16-true
-    the model in bfloat16 (the planner asks this on GPUs only: its CPU calibrations
-    time the fp32 step, as they were checked against the runs).
-    """
-    from scaletrain.plan.meter import Peak, is_cuda, median_time, move
-
-    on_gpu = is_cuda(device)
-    cast = (
-        partial(torch.autocast, device_type=device.type if device else "cpu",
-                dtype=_AUTOCAST[precision])
-        if precision in _AUTOCAST
-        else contextlib.nullcontext
-    )  # fmt: skip
-    threads = torch.get_num_threads()
-    # bf16-true: the weights themselves in bfloat16, and the floating inputs (as the
-    # runtime converts them).
-    true_bf16 = torch.bfloat16 if precision == "bf16-true" else None
-    torch.set_num_threads(1)
-    try:
-        torch.manual_seed(0)
-        model = build()
-        if device is not None:
-            model = model.to(device)
-        if true_bf16 is not None:
-            model = model.to(true_bf16)
-        opt = optimizer(model.parameters())
-        points: dict[int, float] = {}
-        cpu_total = wall_total = 0.0
-        peak = Peak(device)
-        for b in sorted(set(sizes), reverse=True):
-            x, y = move(example(b), device)
-            x = move(x, None, true_bf16)
-
-            def step(x: Any = x, y: Any = y) -> None:
-                opt.zero_grad(set_to_none=True)
-                with cast():
-                    loss = loss_fn(model(x), y)
-                loss.backward()
-
-            cpu, wall = median_time(step, repeats, device)
-            points[b] = cpu
-            cpu_total, wall_total = cpu_total + cpu, wall_total + wall
-        opt_cpu, opt_wall = median_time(opt.step, repeats, device)
-        # After the optimizer's steps: its state (Adam's two moments) is part of what a
-        # run's steps add; measured before them, the runtime term came out that much
-        # short (gpt: 13 MiB, a quarter of its growth).
-        growth = peak.growth()
-        # A pipeline's stages: each layer's share of the step at the microbatch.
-        shares = (
-            layer_shares(model, example(stage_batch), loss_fn, list_layers(model))
-            if stage_batch and not on_gpu
-            else None
-        )
-    finally:
-        torch.set_num_threads(threads)
-    share = min(1.0, (cpu_total + opt_cpu) / max(wall_total + opt_wall, 1e-9))
-    fitted = Compute.fit(
-        points, opt_cpu, CALIBRATED_GPU if on_gpu else CALIBRATED, share=share,
-        load=os.getloadavg()[0] if hasattr(os, "getloadavg") else None, measured_growth=growth,
-    )  # fmt: skip
-    return replace(fitted, layer_shares=shares) if shares else fitted
-
-
 def _with_overheads(
     compute: Compute,
     build: Callable[[], nn.Module],
@@ -362,11 +211,6 @@ def _say_side_by_side(
         assumptions.append(
             f"ranks side by side not measured ({why}): no contention, no wait for the slowest"
         )
-
-
-def throughput(row: Estimate, batch: int) -> float:
-    """Samples per second: every data-parallel replica (dp of them) takes `batch`."""
-    return batch * row.layout.dp / max(row.time.total, 1e-12)
 
 
 def _recommend(rows: list[Estimate], batch: int) -> tuple[Estimate | None, str]:
@@ -488,7 +332,7 @@ def plan_model(
             )
     profile = profile_model(
         build, example(batch_size), loss_fn, optimizer,
-        autocast_dtype=_AUTOCAST.get(precision), name=name,
+        autocast_dtype=AUTOCAST.get(precision), name=name,
         param_dtype=torch.bfloat16 if precision == "bf16-true" else None,
     )  # fmt: skip
     if compute is None:
@@ -500,7 +344,7 @@ def plan_model(
         )
     if comm is None:
         if hardware is None:
-            from scaletrain.plan.comm import probe
+            from scaletrain.plan.probe import probe
 
             # The gradients' sizes (DDP's buckets, FSDP's units), and a pipeline's sends.
             sizes = sorted(

@@ -92,7 +92,7 @@ def model_step(
     loss_fn: Callable[[Any, Any], torch.Tensor],
     optimizer: Callable[[Any], torch.optim.Optimizer],
 ) -> Callable[[], None]:
-    """The plain model's training step, built here (comm.probe's `work`, given as a
+    """The plain model's training step, built here (probe.probe's `work`, given as a
     functools.partial of this so that it pickles into the probe's processes)."""
     torch.manual_seed(0)
     model = build()

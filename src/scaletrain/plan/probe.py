@@ -1,0 +1,451 @@
+"""The probe: N Gloo processes on this machine measure the CommModel the plan uses.
+
+On this machine the probe starts N Gloo processes on loopback, times each collective
+at the sizes the plan will use (the gradients', and a pipeline's activations per
+microbatch; a send as half a round trip between two of them), and fits alpha and
+bandwidth per collective (least squares on the formula's own
+factors), so the model is the measured one at those sizes.
+
+The same processes measure what ranks sharing this machine cost each other, which
+the quiet collectives above do not show:
+
+- a collective reached from work (`meeting`): every core is busy up to it, so its
+  threads wait to be scheduled and the ranks arrive apart. Here (2 cores), against a
+  quiet one's mean: 0-0.4 ms more at 2 processes, 0-1.2 ms at 4; the gpt recipe's FSDP
+  and tensor-parallel steps hold 16-30 such collectives.
+- given the model's step (`work`), the step side by side against alone, in turns
+  (`Concurrency`): the CPU it takes (x1.00-1.17 here: the shared caches and memory),
+  and how much one rank's step varies, which synchronous ranks wait for. Timed one
+  run after the other instead, the drift of this machine (the same 1-process run
+  took 20 to 32 ms a step within minutes) looked like a 15-35% slowdown.
+- given the model's step fully sharded over their group (`sharded`), the RSS 20 such
+  steps add (`sharded_growth`): on a CPU most of an FSDP run's growth is freed memory
+  glibc keeps, which no accounting of the tensors predicts (see _sharded_growth).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
+
+from scaletrain.plan.comm import KINDS, CommModel, Concurrency, fit_link
+from scaletrain.plan.hardware import usable_cores
+
+__all__ = ["PROBE_BUDGET", "SHARDED_STEPS", "probe"]
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _timed_steps(step: Callable[[], Any], seconds: float) -> list[tuple[float, float]]:
+    """(CPU, wall) seconds of each step, for about `seconds` and at least 5 steps (a
+    turn's median is then not one of 3)."""
+    out: list[tuple[float, float]] = []
+    end = time.perf_counter() + seconds
+    while len(out) < 5 or time.perf_counter() < end:
+        c0, w0 = time.process_time(), time.perf_counter()
+        step()
+        out.append((time.process_time() - c0, time.perf_counter() - w0))
+    return out
+
+
+def _loaded(work: bytes, warm_up: int = 0) -> Callable[[], Any] | None:
+    """The step a pickled factory builds, run `warm_up` times; None where it fails (the
+    training's to explain: no measurement)."""
+    import pickle
+
+    try:
+        step = pickle.loads(work)()
+        for _ in range(warm_up):
+            step()
+    except Exception:
+        return None
+    return step
+
+
+def _every_rank(ready: bool) -> bool:
+    """Whether every rank is ready: a measurement on every rank or on none, so that all
+    reach the same collectives (each rank calls this at the same point)."""
+    import torch
+    import torch.distributed as dist
+
+    ok = torch.tensor([1 if ready else 0])
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    return bool(ok.item())
+
+
+def _side_by_side(rank: int, work: bytes, cores: int, turns: int = 2) -> Concurrency | None:
+    """Rank 0 steps alone, then with the ranks below `cores` beside it, in turns (a
+    drift of the machine hits both); the others wait in a barrier (blocked, not
+    spinning). The spread pools every busy rank's steps, each over its own median in
+    its turn: a drift of the machine that slows every rank alike makes no rank wait.
+
+    `work` is pickled: a factory that cannot be loaded here (one defined in a
+    notebook's __main__) or a step that raises gives no measurement, on every rank
+    alike (so that all reach the same collectives), instead of failing the probe."""
+    import torch.distributed as dist
+
+    busy = min(dist.get_world_size(), cores)
+    # Warmed up twice: the allocator, the optimizer's state.
+    step = _loaded(work, warm_up=2) if rank < busy else None
+    if not _every_rank(step is not None or rank >= busy) or busy < 2:
+        return None
+    alone: list[float] = []
+    cpu: list[float] = []
+    spread: list[float] = []
+    failed = False
+
+    def timed() -> list[tuple[float, float]]:
+        nonlocal failed
+        if step is None or failed:
+            return []
+        try:
+            return _timed_steps(step, 0.4)
+        except Exception:  # every rank still meets the barriers below
+            failed = True
+            return []
+
+    for _ in range(turns):
+        dist.barrier()
+        if rank == 0:
+            alone += [c for c, _ in timed()]
+        dist.barrier()
+        steps = timed()
+        if steps:
+            cpu += [c for c, _ in steps]
+            mid = statistics.median(w for _, w in steps)
+            spread += [w / mid for _, w in steps]
+        dist.barrier()
+    pooled: list[list[float] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(pooled, None if failed else spread)
+    if rank != 0 or not alone or any(x is None for x in pooled):
+        return None
+    factor = statistics.median(cpu) / max(statistics.median(alone), 1e-9)
+    return Concurrency(busy, max(1.0, factor), tuple(sorted(x for r in pooled if r for x in r)))
+
+
+SHARDED_STEPS = 20
+"""Steps of the model fully sharded whose RSS growth the probe measures."""
+
+
+def _sharded_growth(work: bytes, steps: int = SHARDED_STEPS) -> int | None:
+    """RSS the model's fully sharded step adds over `steps` steps after its setup, on
+    the largest rank (None where it does not load or run: on every rank alike).
+
+    Not predictable from the model on a CPU: glibc's allocator keeps much of the
+    memory FSDP frees at every unit (gathered parameters, unsharded gradients), and
+    how much depends on the sizes and order of those buffers. Measured here (the gpt
+    recipe widened to 256, 2 ranks): a step's end held 122-164 MiB, 35 MiB once
+    `malloc_trim` returned what was free; DDP's same model 106-114. It creeps for a
+    while: the gpt recipe's sharded steps at 2 ranks grew 53-60 MiB in 10 steps, 61 in
+    20 (a 20-step run of the training runtime: 64), 65-68 in 40."""
+    import torch
+    import torch.distributed as dist
+
+    from scaletrain.observe.memory import current_rss_bytes, reset_rss_peak, rss_peak_bytes
+
+    step = _loaded(work)
+    start = current_rss_bytes() if step is not None and reset_rss_peak() else None
+    # Every rank steps, or none: a rank that could not would leave the others waiting
+    # in the steps' all-gathers. (A step failing on some ranks only still would.)
+    if not _every_rank(step is not None and bool(start)) or step is None or not start:
+        return None
+    grown = -1.0
+    try:
+        for _ in range(steps):
+            step()
+        grown = float(rss_peak_bytes() - start)
+    except Exception:  # the model's own error, on every rank alike
+        grown = -1.0
+    del step
+    out = torch.tensor([grown, -grown], dtype=torch.float64)
+    dist.all_reduce(out, op=dist.ReduceOp.MAX)  # the largest rank, and any failure
+    return None if -out[1].item() < 0 else int(out[0].item())
+
+
+def _meeting_cost(rank: int, cores: int, turns: int = 3, meetings: int = 20) -> float:
+    """Seconds a collective costs when the ranks come to it from work, beyond the work
+    and what the quiet collective costs (which the alpha-beta fit holds).
+
+    On a CPU the ranks' cores are busy up to the collective; the collective's threads
+    then wait to be scheduled, and the ranks arrive apart. Measured: every rank runs
+    a ~2 ms piece of work then a one-element all-reduce, `meetings` times; against
+    rank 0's piece alone (taking turns for a core when there are more ranks than
+    cores) and the quiet all-reduce, back to back, in `turns` turns. Means, as the
+    links' are (a step pays the mean; a collective's time here is bimodal): medians
+    of a few made this 0.03-1.3 ms at 2 ranks from probe to probe."""
+    import torch
+    import torch.distributed as dist
+
+    n = dist.get_world_size()
+    a = torch.ones(96, 96)
+    tiny = torch.zeros(1)
+    t0 = time.perf_counter()
+    for _ in range(20):
+        torch.mm(a, a)
+    count = torch.tensor([max(1.0, 0.002 / max((time.perf_counter() - t0) / 20, 1e-7))])
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)  # every rank the same piece
+
+    def piece() -> None:
+        for _ in range(int(count.item())):
+            torch.mm(a, a)
+
+    def meet() -> None:
+        piece()
+        dist.all_reduce(tiny)
+
+    alone: list[float] = []
+    quiet: list[float] = []
+    loaded: list[float] = []
+    piece()
+    dist.all_reduce(tiny)
+    for _ in range(turns):
+        dist.barrier()
+        if rank == 0:
+            w0 = time.perf_counter()
+            for _ in range(5):
+                piece()
+            alone.append((time.perf_counter() - w0) / 5)
+        quiet.append(_mean_time(partial(dist.all_reduce, tiny), meetings))
+        loaded.append(_mean_time(meet, meetings))
+    if rank != 0:
+        return 0.0
+    turns_for_a_core = max(1.0, n / cores)
+    return max(
+        0.0,
+        statistics.fmean(loaded)
+        - statistics.fmean(alone) * turns_for_a_core
+        - statistics.fmean(quiet),
+    )
+
+
+PROBE_BUDGET = 0.25
+"""Seconds the probe spends on one collective at one size, about (at least 3 of it)."""
+
+
+def _agreed_count(op: Callable[[], Any], most: int) -> int:
+    """Run `op` once (a warm-up: connections, buffers) and agree on how many of it fit
+    PROBE_BUDGET, between 3 and `most`: every rank the same, the slowest rank's. A
+    large model's 400 MB all-reduce runs 3 times, not 20, within the probe's timeout."""
+    import torch
+    import torch.distributed as dist
+
+    t0 = time.perf_counter()
+    op()
+    took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dist.all_reduce(took, op=dist.ReduceOp.MAX)
+    return max(3, min(most, int(PROBE_BUDGET / max(took.item(), 1e-9))))
+
+
+def _mean_time(op: Callable[[], Any], count: int) -> float:
+    """Mean seconds of `op` run `count` times back to back, from one barrier.
+
+    The mean, not a median: on this machine a collective's time is bimodal (a 117 KB
+    all-reduce between 2 processes: 200-600 us, or 2-4 ms when a rank's wake-up is
+    late, a third of the time), so a median of a few flips between the modes from
+    probe to probe (alpha 0.2-1.1 ms), while a step pays their mean."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(count):
+        op()
+    return (time.perf_counter() - t0) / count
+
+
+def _point_to_point(
+    rank: int, sizes: list[int], count: int
+) -> tuple[list[tuple[float, float]], float]:
+    """(bytes, seconds) of one send from rank 0 to rank 1 at each size: half a round
+    trip (0 sends, 1 receives and sends it back), the mean of `count`; the other ranks
+    wait in the barriers. A pipeline stage's sends are these: one peer, one message.
+    Priced as an all-gather between 2 instead, they were 3x too slow here at 2
+    processes (190-300 us against 60-110 at 50-260 KB) and 10-20x at 4, where a
+    collective waits for all 4 ranks to get one of 2 cores.
+
+    Also the CPU seconds a send or a receive costs its process (rank 0's over the
+    trips, per message, at the sizes' median): Gloo's threads, the system calls, the
+    wake-ups."""
+    import torch
+    import torch.distributed as dist
+
+    out: list[tuple[float, float]] = []
+    cpu: list[float] = []
+    for size in sizes:
+        buf = torch.ones(max(1, size // 4))
+
+        def trip(buf: torch.Tensor = buf) -> None:
+            if rank == 0:
+                dist.send(buf, 1)
+                dist.recv(buf, 1)
+            elif rank == 1:
+                dist.recv(buf, 0)
+                dist.send(buf, 0)
+
+        trips = _agreed_count(trip, count)
+        c0 = time.process_time()
+        out.append((float(buf.numel() * 4), _mean_time(trip, trips) / 2))
+        cpu.append((time.process_time() - c0) / trips / 2)
+        dist.barrier()  # the others waited for the pair
+    return out, statistics.median(cpu)
+
+
+def _probe_rank(
+    rank: int,
+    n: int,
+    port: int,
+    sizes: list[int],
+    repeats: int,
+    q: Any,
+    work: bytes | None = None,
+    cores: int = 1,
+    sharded: bytes | None = None,
+) -> None:
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    warnings.filterwarnings("ignore", category=FutureWarning)  # *_tensor's new names
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+    from scaletrain.observe.memory import current_rss_bytes, reset_rss_peak, rss_peak_bytes
+
+    # From before the group: the planner counts this as the group's own memory in a
+    # device's total, not in the growth after setup (see estimate.Memory.group).
+    reset_rss_peak()
+    before = current_rss_bytes() or 0
+    dist.init_process_group("gloo", rank=rank, world_size=n)
+    out: dict[str, Any] = {k: [] for k in KINDS[:3]}
+    try:
+        for size in sizes:
+            numel = max(n, size // 4 // n * n)
+            full = torch.ones(numel)
+            shard = torch.ones(numel // n)
+            ops: dict[str, Callable[[], Any]] = {
+                "all_reduce": partial(dist.all_reduce, full),
+                "all_gather": partial(dist.all_gather_into_tensor, full, shard),
+                "reduce_scatter": partial(dist.reduce_scatter_tensor, shard, full),
+            }
+            for kind, op in ops.items():
+                count = _agreed_count(op, repeats)
+                out[kind].append((float(numel * 4), _mean_time(op, count)))
+        # Beyond the probe's own tensors (the largest size, whole and one shard).
+        own = max(sizes) * (1 + 1 / n)
+        out["growth"] = max(0, int(rss_peak_bytes() - before - own)) if before else 0
+        grown = torch.tensor([out["growth"]], dtype=torch.float64)
+        dist.all_reduce(grown, op=dist.ReduceOp.MAX)
+        out["growth"] = int(grown.item())
+        if sharded is not None:
+            # Before the plain model's steps below, whose freed memory it would reuse.
+            out["sharded"] = _sharded_growth(sharded)
+        # After the memory measurements: its buffers would be theirs to reuse.
+        out["send"], out["send_cpu"] = _point_to_point(rank, sizes, repeats)
+        out["meeting"] = _meeting_cost(rank, cores)
+        if work is not None:
+            out["concurrency"] = _side_by_side(rank, work, cores)
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        q.put(out)
+        q.close()
+        q.join_thread()  # the result is in the pipe before this process goes
+    # Gone without the interpreter's exit: its C++ static destructors at exit met a
+    # thread still joinable in about 1 of 4 probes over 4 processes ("terminate called
+    # without an active exception" on the user's terminal, the rank aborted).
+    os._exit(0)
+
+
+def probe(
+    n: int,
+    sizes: Sequence[int],
+    *,
+    repeats: int = 20,
+    timeout: float = 120.0,
+    work: Callable[[], Callable[[], Any]] | None = None,
+    sharded: Callable[[], Callable[[], Any]] | None = None,
+) -> CommModel:
+    """Measure Gloo on loopback over `n` processes at `sizes` (bytes); fit each collective
+    (the mean of up to `repeats` back to back per size, as many as fit PROBE_BUDGET) and
+    a send between two of them.
+
+    `work` returns the model's training step; given it, the ranks also measure
+    `Concurrency` (nothing where it does not pickle, or does not load or run in the
+    ranks). `sharded` likewise returns the model's step fully sharded over the ranks'
+    group: given it, they measure its memory (`sharded_growth`). Takes a few seconds
+    (starting the processes dominates); `timeout` should leave room for a few dozen
+    of the model's steps, and SHARDED_STEPS fully sharded ones on every rank at once.
+    Ranks run one thread each.
+    """
+    import pickle
+
+    def packed_or_none(f: Callable[[], Callable[[], Any]] | None) -> bytes | None:
+        try:
+            return pickle.dumps(f) if f is not None else None
+        except Exception:
+            return None
+
+    packed, packed_sharded = packed_or_none(work), packed_or_none(sharded)
+    import multiprocessing as mp
+
+    model = CommModel(source=f"probe: Gloo over loopback, {n} processes")
+    if n <= 1:
+        return model
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    chosen = sorted({max(4096, int(s)) for s in sizes})
+    if len(chosen) < 2:
+        chosen = [chosen[0] // 4 or 4096, *chosen]
+    procs = [
+        ctx.Process(
+            target=_probe_rank,
+            args=(r, n, port, chosen, repeats, q, packed, usable_cores(), packed_sharded),
+            daemon=True,
+        )
+        for r in range(n)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            try:
+                result = q.get(timeout=0.5)
+                break
+            except Exception:
+                failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if failed or time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"the Gloo probe over {n} processes failed (exit codes {failed}) "
+                        f"or took over {timeout:.0f} s"
+                    ) from None
+    except BaseException:  # Ctrl-C, or a rank failed: the others would wait in a collective
+        for p in procs:
+            p.kill()
+        raise
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    model.runtime_bytes[n] = int(result.pop("growth"))
+    model.send_cpu[n] = float(result.pop("send_cpu"))
+    model.meeting[n] = float(result.pop("meeting"))
+    grown = result.pop("sharded", None)
+    if grown is not None:
+        model.sharded_growth[n] = int(grown)
+    side = result.pop("concurrency", None)
+    if side is not None:
+        model.concurrency[n] = side
+    for kind, samples in result.items():
+        model.links[(kind, n)] = fit_link(kind, n, samples)
+    return model
