@@ -62,23 +62,25 @@ def _block(fn: Callable[[], Any], device: torch.device) -> float:
     return (time.perf_counter() - t0) / BLOCK
 
 
+def _spent(fn: Callable[[], Any], device: torch.device | None) -> tuple[float, float]:
+    """(CPU seconds, wall seconds) of one call of `fn`; on a GPU both are the wall
+    seconds per call of a back-to-back block."""
+    if device is not None and is_cuda(device):
+        wall = _block(fn, device)
+        return wall, wall
+    c0, t0 = time.process_time(), time.perf_counter()
+    fn()
+    return time.process_time() - c0, time.perf_counter() - t0
+
+
 def median_time(
     fn: Callable[[], Any], repeats: int, device: torch.device | None = None
 ) -> tuple[float, float]:
     """Median (CPU seconds, wall seconds) of a call of `fn` after one warm-up call.
     On a GPU both are the wall seconds per call of back-to-back blocks."""
     fn()
-    if is_cuda(device):
-        assert device is not None
-        wall = statistics.median(_block(fn, device) for _ in range(max(1, repeats)))
-        return wall, wall
-    cpu, walls = [], []
-    for _ in range(repeats):
-        c0, t0 = time.process_time(), time.perf_counter()
-        fn()
-        cpu.append(time.process_time() - c0)
-        walls.append(time.perf_counter() - t0)
-    return statistics.median(cpu), statistics.median(walls)
+    cpu, wall = zip(*(_spent(fn, device) for _ in range(max(1, repeats))), strict=True)
+    return statistics.median(cpu), statistics.median(wall)
 
 
 def in_turns(
@@ -92,13 +94,7 @@ def in_turns(
     times: dict[str, list[float]] = {name: [] for name in steps}
     for i in range(repeats + 2):
         for name, step in steps.items():
-            if is_cuda(device):
-                assert device is not None
-                spent = _block(step, device)
-            else:
-                c0 = time.process_time()
-                step()
-                spent = time.process_time() - c0
+            spent = _spent(step, device)[0]
             if i >= 2:
                 times[name].append(spent)
     return {name: statistics.median(t) for name, t in times.items()}
