@@ -141,6 +141,12 @@ class RuntimeCost:
     whole training step as a run's ledger measures it."""
 
 
+GPU_WARMUP = 8
+"""Steps run before a GPU's step is timed."""
+GPU_BLOCKS = 12
+"""Back-to-back blocks (plan/meter.py's BLOCK steps each) a GPU's step is the median of."""
+
+
 def runtime_overhead(
     build: Callable[[], nn.Module],
     example: Callable[[int], Any],
@@ -197,8 +203,14 @@ def runtime_overhead(
                 # Two of the ledger's windows (every 10 steps): RSS creeps for a while
                 # (the convnet recipe's grew 30-34 MiB in 11 steps, 33-35 in 20 and 40).
                 if is_cuda(rt.device):
-                    ours()
-                    whole = median_time(ours, 4, rt.device)[1]  # 4 blocks back to back
+                    # A launch-bound step (the recipes': 2-12 ms on an H200) runs slower
+                    # for its first steps and then moves +-15% over a few blocks: 4
+                    # blocks after 1 step read a gpt step 7.1-9.8 ms in one process,
+                    # whose run's steps had medians of 7.8-8.9. Warmed up, and the
+                    # median of more blocks, as a run's median is of all its steps.
+                    for _ in range(GPU_WARMUP):
+                        ours()
+                    whole = median_time(ours, GPU_BLOCKS, rt.device)[1]
                 else:
                     spent = []
                     for _ in range(20):
