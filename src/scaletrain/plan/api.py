@@ -171,6 +171,16 @@ def _with_overheads(
     return replace(compute, overhead={**compute.overhead, **found})
 
 
+def _scaled(compute: Compute) -> str:
+    """The calibration's scale to the training loop, where it is not 1."""
+    if abs(compute.scale - 1.0) < 0.005:
+        return ""
+    return (
+        f"; the model's step timed in parts (forward+backward, optimizer), x{compute.scale:.2f} "
+        "to the training loop's whole step"
+    )
+
+
 def _say_side_by_side(
     comm: CommModel, devices: int, assumptions: list[str], sharded: bool = False
 ) -> None:
@@ -318,17 +328,20 @@ def plan_model(
                 if "step" in compute.overhead
                 else ""
             )
+            + _scaled(compute)
         )
     if compute is not None and compute.source == CALIBRATED:
+        busy = compute.background(hw.cores or 1)
         assumptions.append(
-            f"calibration got {compute.share:.0%} of a core; other load here "
-            f"{compute.background(hw.cores or 1):.1f} runnable threads (what that share "
-            "implies)"
+            f"other programs on this machine keep about {busy:.1f} threads busy, which the "
+            f"ranks share its {hw.cores or 1} cores with (inferred: the calibration's "
+            f"process got {compute.share:.0%} of a core)"
         )
         if "step" in compute.overhead:
             assumptions.append(
                 f"the training runtime's step around the model: "
                 f"{compute.overhead['step'] * 1e3:.1f} ms CPU per step (measured)"
+                + _scaled(compute)
             )
     profile = profile_model(
         build, example(batch_size), loss_fn, optimizer,

@@ -40,6 +40,9 @@ class Compute:
     """Each layer's forward and backward as fractions of the model's forward+backward,
     measured at a pipeline's microbatch (plan/layertime.py; the loss under LOSS):
     what a pipeline's stages take of it. Empty: split by FLOPs."""
+    scale: float = 1.0
+    """The factor the model's step timed alone was scaled by to the training loop's own
+    (the runtime's whole step less its measured overhead; 1.0 where not measured)."""
     overhead: Mapping[str, float] = field(default_factory=dict)
     """CPU seconds per step a rank spends beyond the model's own work, measured:
     "step", the training runtime's step around it (every row); "ddp", DDP's reducer;

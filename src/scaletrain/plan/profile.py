@@ -45,6 +45,8 @@ class ModuleCost:
     """Bytes the module's forward leaves alive for the backward."""
     input_bytes: int
     output_bytes: int
+    buffer_bytes: int = 0
+    """Its buffers' bytes (BatchNorm's running statistics), its children's included."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,6 +198,7 @@ def profile_model(
             activation_bytes=held,
             input_bytes=in_b,
             output_bytes=out_b,
+            buffer_bytes=sum(b.numel() * b.element_size() for b in module.buffers()),
         )
     return ModelProfile(
         model=name or root,

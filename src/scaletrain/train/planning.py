@@ -295,6 +295,7 @@ def _calibration(
             fixed=compute.fixed * scale,
             per_sample=compute.per_sample * scale,
             optimizer=compute.optimizer * scale,
+            scale=scale,
         )
     return replace(
         compute,
@@ -346,8 +347,17 @@ def calibrated(
                 found.append(more)
     found.sort(key=step)
     middle = found[len(found) // 2]
-    growths = sorted(c.measured_growth for c in found if c.measured_growth is not None)
-    growth = growths[len(growths) // 2] if growths else None
+    if len(found) % 2 == 0:
+        # Two middles (a fresh process failed): their mean, the faster one's shape scaled
+        # to it, not the slower one.
+        low = found[len(found) // 2 - 1]
+        f = (step(low) + step(middle)) / 2 / step(low) if step(low) > 0 else 1.0
+        middle = replace(
+            low, fixed=low.fixed * f, per_sample=low.per_sample * f,
+            optimizer=low.optimizer * f, overhead={k: v * f for k, v in low.overhead.items()},
+        )  # fmt: skip
+    growths = [c.measured_growth for c in found if c.measured_growth is not None]
+    growth = int(statistics.median(growths)) if growths else None
     return replace(middle, measured_growth=growth)
 
 
