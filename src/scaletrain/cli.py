@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from scaletrain import __version__
-from scaletrain.errors import ConfigError, ScaletrainError, spell, use_cli_names
+from scaletrain.errors import ConfigError, ScaletrainError, closest, spell, use_cli_names
 from scaletrain.exitcodes import EXIT_ABORTED, EXIT_ERROR, EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE
 
 if TYPE_CHECKING:
@@ -25,6 +26,46 @@ __all__ = ["build_parser", "main", "train_config"]
 _SUPERVISED = "SCALETRAIN_SUPERVISED"
 """Set by `scaletrain train` for the workers it launches: they record errors in their
 error files and leave the printing to it (once, for the first rank that failed)."""
+
+
+_CHOICE = re.compile(
+    r"argument (?P<flag>[^:]+): invalid choice: '(?P<value>[^']*)' \(choose from (?P<choices>.*)\)"
+)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's refusals in one line, as the commands' own errors are: what was
+    received and what is expected (argparse's words), the fix where a choice is near,
+    else where the flags are described; not argparse's usage block (30 lines for
+    `train`) above it."""
+
+    def error(self, message: str) -> NoReturn:
+        m = _CHOICE.fullmatch(message)
+        said: list[str] = []
+        if m is not None:
+            choices = [c.strip().strip("'") for c in m["choices"].split(",")]
+            flag = m["flag"].split("/")[-1]
+            said = [
+                f"{flag} {c}" if flag.startswith("-") else f"{self.prog} {c}"
+                for c in closest(m["value"], choices)
+            ]
+        self.refuse(message, " or ".join(said))
+
+    def refuse(self, message: str, fix: str = "") -> NoReturn:
+        """Exit 2 with one line: the message, then the fix, else where the flags are."""
+        then = f"Fix: {fix}." if fix else f"See: {self.prog} --help."
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}. {then}\n")
+
+    def unrecognized(self, extra: list[str]) -> NoReturn:
+        """Flags this command does not take, with the ones of its that are near."""
+        known = {o[2:]: o for o in self._option_string_actions if o.startswith("--")}
+
+        def near(flag: str) -> str:
+            found = [known[k] for k in closest(flag.split("=")[0].lstrip("-"), list(known))]
+            return f"{' or '.join(found)} (not {flag})" if found else ""
+
+        fixes = [f for flag in extra if flag.startswith("-") and (f := near(flag))]
+        self.refuse(f"unrecognized arguments: {' '.join(extra)}", ", ".join(fixes))
 
 
 def _add_train(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -123,15 +164,28 @@ _COMMANDS = {
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The whole CLI, or only `command`'s part: every worker parses its train flags
     again, and the launch and job parsers' imports cost 0.05-0.1 s of its start."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="scaletrain",
         description="Scale PyTorch training from one device to many GPUs and machines.",
     )
     parser.add_argument("--version", action="version", version=f"scaletrain {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    # Each command's parser a _Parser too (one-line refusals); typed as argparse's.
+    sub: argparse._SubParsersAction[argparse.ArgumentParser] = parser.add_subparsers(
+        dest="command", metavar="COMMAND", parser_class=_Parser
+    )
     for name, add in _COMMANDS.items():
         if command is None or name == command:
             add(sub)
+    return parser
+
+
+def _command_parser(parser: argparse.ArgumentParser, command: str | None) -> _Parser:
+    """`command`'s own parser (whose flags a typo is compared with), else the whole CLI's."""
+    for action in parser._subparsers._group_actions if parser._subparsers else []:
+        found = getattr(action, "choices", None) or {}
+        if command in found and isinstance(found[command], _Parser):
+            return found[command]
+    assert isinstance(parser, _Parser)
     return parser
 
 
@@ -409,7 +463,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     use_cli_names()
     # The first word names the command; anything else (--help, a typo) gets the whole CLI.
     parser = build_parser(args[0] if args and args[0] in _COMMANDS else None)
-    ns = parser.parse_args(args)
+    ns, extra = parser.parse_known_args(args)
+    if extra:
+        _command_parser(parser, ns.command).unrecognized(extra)
     try:
         if ns.command == "env":
             return _cmd_env()

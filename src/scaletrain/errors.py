@@ -5,6 +5,8 @@ Each message says what was received, what was expected, and how to fix it.
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Sequence
 from typing import Any
 
 __all__ = [
@@ -15,9 +17,11 @@ __all__ = [
     "LaunchError",
     "PeerFailure",
     "ScaletrainError",
+    "closest",
     "interface",
     "say",
     "spell",
+    "unknown",
     "use_cli_names",
 ]
 
@@ -56,6 +60,22 @@ def spell(field: str, value: Any = _UNSET) -> str:
 def say(*, api: str, cli: str) -> str:
     """The words for the interface in use: an API call or the equivalent command."""
     return cli if _INTERFACE == "cli" else api
+
+
+def closest(value: object, choices: Sequence[str]) -> list[str]:
+    """The choices a mistyped value most likely meant: those it begins (`bf16` of
+    bf16-mixed and bf16-true), else the close spellings (`dpp` of ddp); none if neither."""
+    v = str(value).lower()
+    starts = [c for c in choices if v and c.lower().startswith(v)]
+    return starts or difflib.get_close_matches(v, list(choices), n=2, cutoff=0.6)
+
+
+def unknown(field: str, value: object, choices: Sequence[str]) -> str:
+    """ "`--precision bf16` is not known; expected one of ...", and the fix where a
+    choice is near."""
+    near = closest(value, choices)
+    fix = f" Fix: {' or '.join(spell(field, c) for c in near)}." if near else ""
+    return f"{spell(field, value)} is not known; expected one of {', '.join(choices)}.{fix}"
 
 
 class ScaletrainError(RuntimeError):

@@ -18,12 +18,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from scaletrain.errors import ConfigError, spell
+from scaletrain.errors import ConfigError, spell, unknown
 
-__all__ = ["PRECISIONS", "Precision"]
+__all__ = ["PRECISIONS", "Precision", "canonical"]
 
 PRECISIONS = ("32", "bf16-mixed", "fp16-mixed", "bf16-true")
 _ALIASES = {"32-true": "32", "fp32": "32", "bf16": "bf16-mixed", "fp16": "fp16-mixed", "16-mixed": "fp16-mixed"}  # fmt: skip
+
+
+def canonical(name: str) -> str:
+    """A precision's own name for one of its other spellings (`bf16`: bf16-mixed)."""
+    return _ALIASES.get(str(name), str(name))
 
 
 @dataclass(kw_only=True, slots=True)
@@ -40,13 +45,9 @@ class Precision:
     """False when the strategy casts itself (FSDP's MixedPrecisionPolicy)."""
 
     def __post_init__(self) -> None:
-        self.name = _ALIASES.get(str(self.name), str(self.name))
+        self.name = canonical(self.name)
         if self.name not in PRECISIONS:
-            raise ConfigError(
-                f"{spell('precision', self.name)} is not known; expected one of "
-                f"{', '.join(PRECISIONS)}.",
-                field="precision",
-            )
+            raise ConfigError(unknown("precision", self.name, PRECISIONS), field="precision")
         if self.name == "fp16-mixed":
             if self.device.type != "cuda":
                 raise ConfigError(

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from scaletrain.errors import ConfigError, spell
+from scaletrain.errors import ConfigError, spell, unknown
 from scaletrain.plan.calibration import (
     AUTOCAST,
     CALIBRATED,
@@ -26,6 +26,7 @@ from scaletrain.plan.partition import Layer, list_layers
 from scaletrain.plan.probe import SHARDED_STEPS
 from scaletrain.plan.profile import profile_model
 from scaletrain.plan.result import Plan, throughput
+from scaletrain.precision import canonical
 
 __all__ = [
     "PRECISIONS",
@@ -94,12 +95,8 @@ def check_request(
             "for a cluster on paper, or leave out the nodes.",
             field="nodes",
         )
-    if precision not in PRECISIONS:
-        raise ConfigError(
-            f"{spell('precision', precision)} is not known; expected one of "
-            f"{', '.join(PRECISIONS)}.",
-            field="precision",
-        )
+    if canonical(precision) not in PRECISIONS:
+        raise ConfigError(unknown("precision", precision, PRECISIONS), field="precision")
     if device is not None and hardware is not None:
         raise ConfigError(
             f"{spell('device', device)} picks what this machine measures, but "
@@ -290,6 +287,7 @@ def plan_model(
     shards run smaller matrix products, which reach less). `compute` and
     `comm` replace the measurements (a benchmark measures them once for many plans).
     """
+    precision = canonical(precision)  # bf16 is bf16-mixed, as st.init takes it
     check_request(devices, nodes, hardware, precision, batch_size, device, mfu)
     with torch.device("meta"):
         layers = list_layers(build())

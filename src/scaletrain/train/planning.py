@@ -25,6 +25,7 @@ from scaletrain.plan.comm import CommModel
 from scaletrain.plan.estimate import Compute
 from scaletrain.plan.layouts import Layout, layouts_for
 from scaletrain.plan.partition import list_layers
+from scaletrain.precision import canonical
 
 __all__ = [
     "CALIBRATIONS",
@@ -390,6 +391,7 @@ def plan(
     """
     name, build, example, loss, optimizer, default_batch = resolve_model(recipe, model)
     batch = default_batch if batch_size is None else batch_size
+    precision = canonical(precision)  # bf16 is bf16-mixed, as st.init takes it
     check_request(devices, nodes, hardware, precision, batch, device, mfu)
     tp_plan, accepts = _tp_plan(build)
     if layouts is None:

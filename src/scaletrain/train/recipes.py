@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from scaletrain.errors import ConfigError, DatasetError, spell
+from scaletrain.errors import ConfigError, DatasetError, spell, unknown
 from scaletrain.train.models import GPT, ConvNet, GPTConfig, SplitNet, WideResNet
 
 __all__ = ["RECIPES", "Recipe", "get_recipe"]
@@ -187,8 +187,5 @@ RECIPES: dict[str, Recipe] = {
 
 def get_recipe(name: str) -> Recipe:
     if name not in RECIPES:
-        raise ConfigError(
-            f"{spell('recipe', name)} is not known; expected one of {', '.join(sorted(RECIPES))}.",
-            field="recipe",
-        )
+        raise ConfigError(unknown("recipe", name, sorted(RECIPES)), field="recipe")
     return RECIPES[name]
