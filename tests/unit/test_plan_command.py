@@ -120,6 +120,16 @@ def test_check_puts_a_tiny_run_beside_its_prediction(
     assert "check: ddp dp=1" in out
     assert "ms predicted" in out and "ms measured (" in out and "%)" in out
     assert "MiB measured (" in out
+    # A 0.3 ms step is too short to judge a plan by, and the check says so; a longer one
+    # gets no such remark.
+    assert "too short to judge the plan by" in out
+    from dataclasses import replace
+
+    from scaletrain.train.planning import check_run
+
+    check = check_run(run)
+    assert check.step_s < 0.002 and "too short" in check.table()
+    assert "too short" not in replace(check, step_s=0.05, cpu_s=0.05).table()
     # The same run as if it had trained on a GPU: this CPU machine cannot plan that GPU,
     # and says so rather than compare a CPU plan with CUDA memory.
     log = run / "observe" / "rank0.jsonl"
