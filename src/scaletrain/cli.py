@@ -44,7 +44,8 @@ class _Parser(argparse.ArgumentParser):
         said: list[str] = []
         if m is not None:
             choices = [c.strip().strip("'") for c in m["choices"].split(",")]
-            flag = m["flag"].split("/")[-1]
+            names = m["flag"].split("/")
+            flag = next((n for n in names if n.startswith("--")), names[-1])
             said = [
                 f"{flag} {c}" if flag.startswith("-") else f"{self.prog} {c}"
                 for c in closest(m["value"], choices)
@@ -58,13 +59,17 @@ class _Parser(argparse.ArgumentParser):
 
     def unrecognized(self, extra: list[str]) -> NoReturn:
         """Flags this command does not take, with the ones of its that are near."""
-        known = {o[2:]: o for o in self._option_string_actions if o.startswith("--")}
+        # Each flag by its first long name (--nproc-per-node, not also --nproc_per_node).
+        known: dict[str, str] = {}
+        for action in self._actions:
+            longs = [o for o in action.option_strings if o.startswith("--")]
+            known.update({o[2:]: longs[0] for o in longs})
 
         def near(flag: str) -> str:
-            found = [known[k] for k in closest(flag.split("=")[0].lstrip("-"), list(known))]
+            found = dict.fromkeys(known[k] for k in closest(flag.split("=")[0][2:], list(known)))
             return f"{' or '.join(found)} (not {flag})" if found else ""
 
-        fixes = [f for flag in extra if flag.startswith("-") and (f := near(flag))]
+        fixes = [f for flag in extra if flag.startswith("--") and (f := near(flag))]
         self.refuse(f"unrecognized arguments: {' '.join(extra)}", ", ".join(fixes))
 
 
@@ -179,14 +184,22 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-def _command_parser(parser: argparse.ArgumentParser, command: str | None) -> _Parser:
-    """`command`'s own parser (whose flags a typo is compared with), else the whole CLI's."""
-    for action in parser._subparsers._group_actions if parser._subparsers else []:
-        found = getattr(action, "choices", None) or {}
-        if command in found and isinstance(found[command], _Parser):
-            return found[command]
-    assert isinstance(parser, _Parser)
-    return parser
+def _command_parser(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> _Parser:
+    """The parser of the (sub)command `ns` chose, down every level (`job sbatch`): the
+    flags a typo is compared with, and whose --help the refusal names."""
+    current = parser
+    while current._subparsers is not None:
+        chosen = None
+        for action in current._subparsers._group_actions:
+            choices = getattr(action, "choices", None) or {}
+            picked = getattr(ns, action.dest, None) if action.dest else None
+            if isinstance(picked, str) and isinstance(choices.get(picked), _Parser):
+                chosen = choices[picked]
+        if chosen is None:
+            break
+        current = chosen
+    assert isinstance(current, _Parser)
+    return current
 
 
 # -- train ------------------------------------------------------------------------------
@@ -465,7 +478,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser(args[0] if args and args[0] in _COMMANDS else None)
     ns, extra = parser.parse_known_args(args)
     if extra:
-        _command_parser(parser, ns.command).unrecognized(extra)
+        _command_parser(parser, ns).unrecognized(extra)
     try:
         if ns.command == "env":
             return _cmd_env()

@@ -63,11 +63,14 @@ def say(*, api: str, cli: str) -> str:
 
 
 def closest(value: object, choices: Sequence[str]) -> list[str]:
-    """The choices a mistyped value most likely meant: those it begins (`bf16` of
-    bf16-mixed and bf16-true), else the close spellings (`dpp` of ddp); none if neither."""
+    """The choices a mistyped value most likely meant, at most 2: those it begins
+    (`split` of split-net), else the close spellings (`gtp` of gpt); none if neither (a
+    beginning of more than 2 says nothing: `n` of 9 flags)."""
     v = str(value).lower()
     starts = [c for c in choices if v and c.lower().startswith(v)]
-    return starts or difflib.get_close_matches(v, list(choices), n=2, cutoff=0.6)
+    if 0 < len(starts) <= 2:
+        return starts
+    return difflib.get_close_matches(v, list(choices), n=2, cutoff=0.6)
 
 
 def unknown(field: str, value: object, choices: Sequence[str]) -> str:

@@ -18,17 +18,17 @@ from typing import Any
 import torch
 from torch import nn
 
+from scaletrain import spellings
 from scaletrain.errors import ConfigError, spell, unknown
 
 __all__ = ["PRECISIONS", "Precision", "canonical"]
 
 PRECISIONS = ("32", "bf16-mixed", "fp16-mixed", "bf16-true")
-_ALIASES = {"32-true": "32", "fp32": "32", "bf16": "bf16-mixed", "fp16": "fp16-mixed", "16-mixed": "fp16-mixed"}  # fmt: skip
 
 
 def canonical(name: str) -> str:
     """A precision's own name for one of its other spellings (`bf16`: bf16-mixed)."""
-    return _ALIASES.get(str(name), str(name))
+    return str(spellings.canonical("precision", str(name)))
 
 
 @dataclass(kw_only=True, slots=True)

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 from scaletrain.errors import ConfigError
+from scaletrain.spellings import ALIASES, canonical
 
 __all__ = [
     "RESERVED_FILE_KEYS",
@@ -145,12 +146,22 @@ def add_flags(
         if spec.base is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
-            kwargs["type"] = spec.base
+            # Other spellings (--precision bf16) become the value's own name before
+            # argparse checks the choices.
+            kwargs["type"] = (
+                functools.partial(_spelled, spec.name, spec.base)
+                if spec.name in ALIASES
+                else spec.base
+            )
             kwargs["metavar"] = (metavars or {}).get(spec.name, spec.name.upper())
             if spec.choices is not None:
                 kwargs["choices"] = spec.choices
                 kwargs["metavar"] = "{" + ",".join(map(str, spec.choices)) + "}"
         parser.add_argument(spec.flag, **kwargs)
+
+
+def _spelled(name: str, base: type, text: str) -> Any:
+    return canonical(name, base(text))
 
 
 def typed_flags(ns: argparse.Namespace, cls: type) -> dict[str, Any]:
@@ -186,6 +197,7 @@ def _coerce(spec: FieldSpec, value: Any, where: str) -> Any:
             f"{where}: {spec.name}: {value!r} is not {expected[spec.base]} ({spec.doc}).",
             field=spec.name,
         )
+    value = canonical(spec.name, value)
     if spec.choices is not None and value not in spec.choices:
         raise ConfigError(
             f"{where}: {spec.name}: {value!r} is not one of {', '.join(map(repr, spec.choices))}.",

@@ -13,7 +13,8 @@ from scaletrain.errors import closest, unknown
     ("args", "words"),
     [
         (["plan", "--devices", "abc"], "invalid int value: 'abc'. See: scaletrain plan --help."),
-        (["train", "--precision", "bf16"], "Fix: --precision bf16-mixed or --precision bf16-true."),
+        (["train", "--precision", "bf16-mix"], "Fix: --precision bf16-mixed."),
+        (["train", "--strategy", "pipe"], "Fix: --strategy pipeline."),
         (["train", "--recipe", "gtp"], "Fix: --recipe gpt."),
         (["tain"], "Fix: scaletrain train."),
         (["train", "--max-stpes", "3"], "Fix: --max-steps (not --max-stpes)."),
@@ -23,6 +24,13 @@ from scaletrain.errors import closest, unknown
             "unrecognized arguments: --bogus 1. See: scaletrain train --help.",
         ),
         (["job"], "the following arguments are required: KIND. See: scaletrain job --help."),
+        # A subcommand's subcommand: its own flags, its own --help.
+        (["job", "sbatch", "--nodez", "2"], "scaletrain job sbatch: error: unrecognized"),
+        (["job", "sbatch", "--nodez", "2"], "Fix: --nnodes (not --nodez)."),
+        # A beginning of many flags names none; each flag by its first long name, once.
+        (["train", "-n", "3"], "See: scaletrain train --help."),
+        (["train", "--no", "3"], "See: scaletrain train --help."),
+        (["launch", "--nproc", "1", "s.py"], "Fix: --nproc-per-node (not --nproc)."),
     ],
 )
 def test_a_parser_refusal_is_one_line_with_the_fix(
@@ -40,6 +48,7 @@ def test_the_choices_a_typo_meant() -> None:
     assert closest("bf16", ["32", "bf16-mixed", "bf16-true"]) == ["bf16-mixed", "bf16-true"]
     assert closest("gtp", ["convnet", "gpt", "wrn"]) == ["gpt"]
     assert closest("fp8", ["32", "bf16-mixed"]) == []
+    assert closest("n", ["nproc", "nnodes", "no-ledger", "node-rank"]) == []
     assert unknown("recipe", "gtp", ["convnet", "gpt"]).endswith("Fix: recipe='gpt'.")
 
 
@@ -53,3 +62,17 @@ def test_plans_take_a_precision_by_the_names_st_init_takes(
     code = cli.main(["plan", "--recipe", "gpt", "--devices", "2", "--precision", "bf16x"])
     assert code == 2
     assert "Fix: --precision bf16-mixed." in capsys.readouterr().err
+
+
+def test_other_spellings_of_a_value_are_taken_by_every_interface(tmp_path: object) -> None:
+    from pathlib import Path
+
+    from scaletrain.settings import read_config_file
+    from scaletrain.train.config import TrainConfig
+
+    ns = cli.build_parser("train").parse_args(["train", "--precision", "bf16"])
+    assert ns.precision == "bf16-mixed"
+    assert cli.train_config(ns).precision == "bf16-mixed"
+    config = Path(str(tmp_path)) / "run.yaml"
+    config.write_text("precision: fp32\n")
+    assert read_config_file(config, TrainConfig)["precision"] == "32"

@@ -42,6 +42,8 @@ def _plan(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
         ([], "--devices is missing"),
         (["--check", "RUN", "--devices", "2"], "--check RUN takes the model"),
         (["--check", "RUN", "--device", "cpu"], "--check RUN takes the model"),
+        (["--check", "RUN", "--precision", "bf16"], "--precision bf16 was given too"),
+        (["--check", "RUN", "--nodes", "2"], "--nodes 2 was given too"),
         (["--devices", "1", "--device", "tpu"], "--device tpu is not known"),
         (["--devices", "8", "--hardware", "h100-sxm", "--device", "cpu"], "plans on paper"),
         (["--devices", "2", "--model", "json"], "Fix: --model json:build"),
@@ -130,6 +132,12 @@ def test_check_puts_a_tiny_run_beside_its_prediction(
     check = check_run(run)
     assert check.step_s < 0.002 and "too short" in check.table()
     assert "too short" not in replace(check, step_s=0.05, cpu_s=0.05).table()
+    # On a GPU: shorter steps still judge (the convnet's 2-3 ms read within 10% on an
+    # H200), and no CPU time is cited, as the GPU check shows none.
+    gpu = replace(check, allocated=2**20, step_s=0.0015)
+    assert "too short" not in gpu.table()
+    tiny = replace(gpu, step_s=0.0004, cpu_s=0.001).table()
+    assert "too short" in tiny and "CPU" not in tiny
     # The same run as if it had trained on a GPU: this CPU machine cannot plan that GPU,
     # and says so rather than compare a CPU plan with CUDA memory.
     log = run / "observe" / "rank0.jsonl"

@@ -678,8 +678,8 @@ def test_the_assumptions_say_how_the_calibration_was_scaled_and_what_else_runs()
 
     def assumptions(scale: float) -> list[str]:
         known = Compute(
-            fixed=0.0, per_sample=0.001, optimizer=0.0, source=CALIBRATED, share=0.5,
-            overhead={"step": 0.001}, scale=scale,
+            fixed=0.0, per_sample=0.001, optimizer=0.0, source=CALIBRATED,
+            overhead={"step": 0.001}, scale=scale, share=0.5 if scale != 1.0 else 1.0,
         )  # fmt: skip
         return plan_model(
             _mlp, _example, loss_fn=nn.functional.cross_entropy, optimizer=_adam,
@@ -690,8 +690,12 @@ def test_the_assumptions_say_how_the_calibration_was_scaled_and_what_else_runs()
     scaled = assumptions(1.25)
     assert any("runtime's step" in a and "x1.25 to the training loop's" in a for a in scaled)
     assert not any("x1.00" in a for a in assumptions(1.0))
-    # Half a core: one other busy thread per core, said in words a user can act on.
-    assert any("other programs on this machine keep about" in a for a in scaled)
+    # Half a core: other busy threads, said as what the share implies; a whole core:
+    # no other load, not "0.0 threads".
+    assert any("seem to keep about" in a and "threads busy" in a for a in scaled)
+    quiet = assumptions(1.0)
+    assert not any("threads busy" in a for a in quiet)
+    assert any("no other load seen" in a for a in quiet)
 
 
 def _normed_layers() -> nn.Module:
@@ -828,6 +832,7 @@ def test_the_calibration_is_the_median_of_three_processes(monkeypatch: pytest.Mo
     fresh = iter([None, sample(0.003, 50)])
     got = planning.calibrated(*args, samples=3)
     assert got.per_sample == pytest.approx(0.002) and got.measured_growth == 40
+    assert got.scale == pytest.approx(2.0)  # the factor applied, as the plan reports it
     monkeypatch.setattr(overhead, "in_fresh_process", lambda fn, *a, **k: None)
     assert planning.calibrated(*args, samples=3) == here
     slow = sample(1.0, 10)

@@ -331,9 +331,12 @@ def plan_model(
     if compute is not None and compute.source == CALIBRATED:
         busy = compute.background(hw.cores or 1)
         assumptions.append(
-            f"other programs on this machine keep about {busy:.1f} threads busy, which the "
-            f"ranks share its {hw.cores or 1} cores with (inferred: the calibration's "
-            f"process got {compute.share:.0%} of a core)"
+            f"other programs on this machine seem to keep about {busy:.1f} threads busy, "
+            f"which the ranks would share its {hw.cores or 1} cores with (what the "
+            f"calibration's process getting {compute.share:.0%} of a core implies)"
+            if busy > 0
+            else f"no other load seen on this machine (the calibration's process got "
+            f"{compute.share:.0%} of a core)"
         )
         if "step" in compute.overhead:
             assumptions.append(

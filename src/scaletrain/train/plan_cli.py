@@ -58,8 +58,14 @@ def run_plan(ns: argparse.Namespace) -> int:
         if getattr(ns, f)
     ]
     if ns.check is not None:
-        if given or ns.nodes != 1 or ns.precision != "32":
-            extra = spell((given or ["nodes"])[0], getattr(ns, (given or ["nodes"])[0]))
+        from scaletrain.spellings import canonical
+
+        if ns.nodes != 1:
+            given.append("nodes")
+        if canonical("precision", ns.precision) != "32":
+            given.append("precision")
+        if given:
+            extra = spell(given[0], getattr(ns, given[0]))
             raise ConfigError(
                 f"{spell('check', ns.check)} takes the model, devices and batch from the run's "
                 f"config.json, but {extra} was given too. Fix: drop it, or plan without "

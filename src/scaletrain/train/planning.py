@@ -349,13 +349,20 @@ def calibrated(
     found.sort(key=step)
     middle = found[len(found) // 2]
     if len(found) % 2 == 0:
-        # Two middles (a fresh process failed): their mean, the faster one's shape scaled
-        # to it, not the slower one.
-        low = found[len(found) // 2 - 1]
-        f = (step(low) + step(middle)) / 2 / step(low) if step(low) > 0 else 1.0
+        # Two middles (a fresh process failed): their mean, not the slower one: the
+        # faster one's model work scaled to the two's mean, their overheads averaged.
+        low, high = found[len(found) // 2 - 1], middle
+
+        def model(c: Compute) -> float:
+            return c.fwd_bwd(batch) + c.optimizer
+
+        f = (model(low) + model(high)) / 2 / model(low) if model(low) > 0 else 1.0
+        overhead = {
+            k: (v + high.overhead.get(k, v)) / 2 for k, v in low.overhead.items()
+        }  # fmt: skip
         middle = replace(
             low, fixed=low.fixed * f, per_sample=low.per_sample * f,
-            optimizer=low.optimizer * f, overhead={k: v * f for k, v in low.overhead.items()},
+            optimizer=low.optimizer * f, overhead=overhead, scale=low.scale * f,
         )  # fmt: skip
     growths = [c.measured_growth for c in found if c.measured_growth is not None]
     growth = int(statistics.median(growths)) if growths else None
