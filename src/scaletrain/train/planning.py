@@ -146,6 +146,8 @@ GPU_WARMUP = 8
 """Steps run before a GPU's step is timed."""
 GPU_BLOCKS = 12
 """Back-to-back blocks (plan/meter.py's BLOCK steps each) a GPU's step is the median of."""
+GPU_SECONDS = 3.0
+"""About how long the timing of a GPU's step may take, warm-up included."""
 
 
 def runtime_overhead(
@@ -174,7 +176,7 @@ def runtime_overhead(
 
     import torch.distributed as dist
 
-    from scaletrain.plan.meter import Peak, in_turns, is_cuda, median_time, move
+    from scaletrain.plan.meter import BLOCK, Peak, in_turns, is_cuda, median_time, move, sync
     from scaletrain.runtime import LedgerConfig, init
 
     if dist.is_available() and dist.is_initialized():
@@ -209,9 +211,17 @@ def runtime_overhead(
                     # blocks after 1 step read a gpt step 7.1-9.8 ms in one process,
                     # whose run's steps had medians of 7.8-8.9. Warmed up, and the
                     # median of more blocks, as a run's median is of all its steps.
-                    for _ in range(GPU_WARMUP):
+                    # A slow model's (0.5 s a step) is timed over fewer: about
+                    # GPU_SECONDS in all, at least 4 blocks.
+                    sync(rt.device)
+                    t0, done = time.perf_counter(), 0
+                    while done < GPU_WARMUP and time.perf_counter() - t0 < GPU_SECONDS / 3:
                         ours()
-                    whole = median_time(ours, GPU_BLOCKS, rt.device)[1]
+                        done += 1
+                    sync(rt.device)
+                    each = (time.perf_counter() - t0) / max(1, done)
+                    blocks = int(GPU_SECONDS / (each * BLOCK)) if each > 0 else GPU_BLOCKS
+                    whole = median_time(ours, min(GPU_BLOCKS, max(4, blocks)), rt.device)[1]
                 else:
                     spent = []
                     for _ in range(20):
