@@ -729,6 +729,21 @@ def test_a_ddp_x_pp_stage_broadcasts_its_own_buffers_not_the_whole_models() -> N
     grads = comm(Layout("ddp", dp=2)) - _broadcast(slow, p.buffer_bytes, 2, None, here=False)
     assert both - alone - grads / 2 == pytest.approx(half, rel=0.05)
 
+    # Buffers of no layer (registered on the model itself) are not lost: counted with
+    # the largest stage's.
+    def rooted() -> nn.Module:
+        m = _normed_layers()
+        m.register_buffer("scale", torch.ones(64))
+        return m
+
+    q = profile_model(rooted, (torch.randn(8, 8), torch.randn(8, 8)), nn.functional.mse_loss, _adam)
+    assert q.buffer_bytes == p.buffer_bytes + 64 * 4
+    more = estimate(
+        Layout("ddp x pp", dp=2, pp=2, schedule="1f1b", microbatches=2), q, layers=layers,
+        tp_plan=None, compute=compute, comm=slow, hw=hw, overlap=0.0,
+    ).time.exposed  # fmt: skip
+    assert more - both == pytest.approx(64 * 4 / 1e3, rel=0.05)
+
 
 def test_ddp_on_gloo_holds_a_bucket_of_working_memory() -> None:
     p = profile_model(_mlp, _example(8), nn.functional.cross_entropy, _adam)

@@ -297,8 +297,13 @@ def estimate(
         n_buckets = max(1, -(-int(grads) // DDP_BUCKET_BYTES))
         comm_s += n_buckets * comm.time("all_reduce", grads / n_buckets, dp, outer)
         meetings += n_buckets
-        # A ddp x pp stage's DDP holds (and broadcasts) its own stage's buffers only.
-        held = max(stage_buffers) if pp > 1 and stage_buffers else profile.buffer_bytes
+        # A ddp x pp stage's DDP holds (and broadcasts) its own stage's buffers only;
+        # those of no layer (registered on the model itself) counted with the largest.
+        held = (
+            max(stage_buffers) + max(0, profile.buffer_bytes - sum(stage_buffers))
+            if pp > 1 and stage_buffers
+            else profile.buffer_bytes
+        )
         if held:
             # DDP broadcasts the buffers (BatchNorm's running statistics) from rank 0 at
             # every forward (its broadcast_buffers, on by default): a collective before
