@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 from scaletrain import __version__
-from scaletrain.errors import ConfigError, ScaletrainError, closest, spell, use_cli_names
+from scaletrain.errors import ConfigError, ScaletrainError, spell, use_cli_names
 from scaletrain.exitcodes import EXIT_ABORTED, EXIT_ERROR, EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE
+from scaletrain.settings import Parser, command_parser
 
 if TYPE_CHECKING:
     from scaletrain.train import TrainConfig
@@ -26,51 +26,6 @@ __all__ = ["build_parser", "main", "train_config"]
 _SUPERVISED = "SCALETRAIN_SUPERVISED"
 """Set by `scaletrain train` for the workers it launches: they record errors in their
 error files and leave the printing to it (once, for the first rank that failed)."""
-
-
-_CHOICE = re.compile(
-    r"argument (?P<flag>[^:]+): invalid choice: '(?P<value>[^']*)' \(choose from (?P<choices>.*)\)"
-)
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse's refusals in one line, as the commands' own errors are: what was
-    received and what is expected (argparse's words), the fix where a choice is near,
-    else where the flags are described; not argparse's usage block (30 lines for
-    `train`) above it."""
-
-    def error(self, message: str) -> NoReturn:
-        m = _CHOICE.fullmatch(message)
-        said: list[str] = []
-        if m is not None:
-            choices = [c.strip().strip("'") for c in m["choices"].split(",")]
-            names = m["flag"].split("/")
-            flag = next((n for n in names if n.startswith("--")), names[-1])
-            said = [
-                f"{flag} {c}" if flag.startswith("-") else f"{self.prog} {c}"
-                for c in closest(m["value"], choices)
-            ]
-        self.refuse(message, " or ".join(said))
-
-    def refuse(self, message: str, fix: str = "") -> NoReturn:
-        """Exit 2 with one line: the message, then the fix, else where the flags are."""
-        then = f"Fix: {fix}." if fix else f"See: {self.prog} --help."
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}. {then}\n")
-
-    def unrecognized(self, extra: list[str]) -> NoReturn:
-        """Flags this command does not take, with the ones of its that are near."""
-        # Each flag by its first long name (--nproc-per-node, not also --nproc_per_node).
-        known: dict[str, str] = {}
-        for action in self._actions:
-            longs = [o for o in action.option_strings if o.startswith("--")]
-            known.update({o[2:]: longs[0] for o in longs})
-
-        def near(flag: str) -> str:
-            found = dict.fromkeys(known[k] for k in closest(flag.split("=")[0][2:], list(known)))
-            return f"{' or '.join(found)} (not {flag})" if found else ""
-
-        fixes = [f for flag in extra if flag.startswith("--") and (f := near(flag))]
-        self.refuse(f"unrecognized arguments: {' '.join(extra)}", ", ".join(fixes))
 
 
 def _add_train(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -169,37 +124,19 @@ _COMMANDS = {
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The whole CLI, or only `command`'s part: every worker parses its train flags
     again, and the launch and job parsers' imports cost 0.05-0.1 s of its start."""
-    parser = _Parser(
+    parser = Parser(
         prog="scaletrain",
         description="Scale PyTorch training from one device to many GPUs and machines.",
     )
     parser.add_argument("--version", action="version", version=f"scaletrain {__version__}")
-    # Each command's parser a _Parser too (one-line refusals); typed as argparse's.
+    # Each command's parser a Parser too (one-line refusals); typed as argparse's.
     sub: argparse._SubParsersAction[argparse.ArgumentParser] = parser.add_subparsers(
-        dest="command", metavar="COMMAND", parser_class=_Parser
+        dest="command", metavar="COMMAND", parser_class=Parser
     )
     for name, add in _COMMANDS.items():
         if command is None or name == command:
             add(sub)
     return parser
-
-
-def _command_parser(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> _Parser:
-    """The parser of the (sub)command `ns` chose, down every level (`job sbatch`): the
-    flags a typo is compared with, and whose --help the refusal names."""
-    current = parser
-    while current._subparsers is not None:
-        chosen = None
-        for action in current._subparsers._group_actions:
-            choices = getattr(action, "choices", None) or {}
-            picked = getattr(ns, action.dest, None) if action.dest else None
-            if isinstance(picked, str) and isinstance(choices.get(picked), _Parser):
-                chosen = choices[picked]
-        if chosen is None:
-            break
-        current = chosen
-    assert isinstance(current, _Parser)
-    return current
 
 
 # -- train ------------------------------------------------------------------------------
@@ -478,7 +415,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser(args[0] if args and args[0] in _COMMANDS else None)
     ns, extra = parser.parse_known_args(args)
     if extra:
-        _command_parser(parser, ns).unrecognized(extra)
+        command_parser(parser, ns).unrecognized(extra)
     try:
         if ns.command == "env":
             return _cmd_env()

@@ -25,20 +25,24 @@ import dataclasses
 import functools
 import inspect
 import itertools
+import re
 import textwrap
 import types
 import typing
 from collections.abc import Collection, Mapping
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import Any, Literal, NoReturn, get_args, get_origin
 
-from scaletrain.errors import ConfigError
+from scaletrain.errors import ConfigError, closest
+from scaletrain.exitcodes import EXIT_USAGE
 from scaletrain.spellings import ALIASES, canonical
 
 __all__ = [
     "RESERVED_FILE_KEYS",
     "FieldSpec",
+    "Parser",
     "add_flags",
+    "command_parser",
     "field_docs",
     "field_specs",
     "read_config_file",
@@ -253,3 +257,68 @@ def read_config_file(path: str | Path, cls: type) -> dict[str, Any]:
             f"settings: {', '.join(specs)}."
         )
     return values
+
+
+# -- parsers ------------------------------------------------------------------------
+
+_CHOICE = re.compile(
+    r"argument (?P<flag>[^:]+): invalid choice: '(?P<value>[^']*)' \(choose from (?P<choices>.*)\)"
+)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's refusals in one line, as the commands' own errors are: what was
+    received and what is expected (argparse's words), the fix where a choice is near,
+    else where the flags are described; not argparse's usage block (30 lines for
+    `train`) above it."""
+
+    def error(self, message: str) -> NoReturn:
+        m = _CHOICE.fullmatch(message)
+        said: list[str] = []
+        if m is not None:
+            choices = [c.strip().strip("'") for c in m["choices"].split(",")]
+            names = m["flag"].split("/")
+            flag = next((n for n in names if n.startswith("--")), names[-1])
+            said = [
+                f"{flag} {c}" if flag.startswith("-") else f"{self.prog} {c}"
+                for c in closest(m["value"], choices)
+            ]
+        self.refuse(message, " or ".join(said))
+
+    def refuse(self, message: str, fix: str = "") -> NoReturn:
+        """Exit 2 with one line: the message, then the fix, else where the flags are."""
+        then = f"Fix: {fix}." if fix else f"See: {self.prog} --help."
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}. {then}\n")
+
+    def unrecognized(self, extra: list[str]) -> NoReturn:
+        """Flags this command does not take, with the ones of its that are near."""
+        # Each flag by its first long name (--nproc-per-node, not also --nproc_per_node).
+        known: dict[str, str] = {}
+        for action in self._actions:
+            longs = [o for o in action.option_strings if o.startswith("--")]
+            known.update({o[2:]: longs[0] for o in longs})
+
+        def near(flag: str) -> str:
+            found = dict.fromkeys(known[k] for k in closest(flag.split("=")[0][2:], list(known)))
+            return f"{' or '.join(found)} (not {flag})" if found else ""
+
+        fixes = [f for flag in extra if flag.startswith("--") and (f := near(flag))]
+        self.refuse(f"unrecognized arguments: {' '.join(extra)}", ", ".join(fixes))
+
+
+def command_parser(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> Parser:
+    """The parser of the (sub)command `ns` chose, down every level (`job sbatch`): the
+    flags a typo is compared with, and whose --help the refusal names."""
+    current = parser
+    while current._subparsers is not None:
+        chosen = None
+        for action in current._subparsers._group_actions:
+            choices = getattr(action, "choices", None) or {}
+            picked = getattr(ns, action.dest, None) if action.dest else None
+            if isinstance(picked, str) and isinstance(choices.get(picked), Parser):
+                chosen = choices[picked]
+        if chosen is None:
+            break
+        current = chosen
+    assert isinstance(current, Parser)
+    return current
