@@ -76,3 +76,14 @@ def test_other_spellings_of_a_value_are_taken_by_every_interface(tmp_path: objec
     config = Path(str(tmp_path)) / "run.yaml"
     config.write_text("precision: fp32\n")
     assert read_config_file(config, TrainConfig)["precision"] == "32"
+
+
+def test_python_m_launch_refuses_in_one_line_too(capsys: pytest.CaptureFixture[str]) -> None:
+    from scaletrain.launch.__main__ import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--nproc", "1", "train.py"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "usage:" not in err
+    assert "python -m scaletrain.launch: error:" in err and "Fix: --nproc-per-node" in err

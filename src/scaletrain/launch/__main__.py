@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 from scaletrain.launch.cli import DESCRIPTION, add_arguments, run
+from scaletrain.settings import Parser
 
 __all__ = ["main"]
 
 
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="python -m scaletrain.launch", description=DESCRIPTION)
+    parser = Parser(prog="python -m scaletrain.launch", description=DESCRIPTION)
     add_arguments(parser)
-    return run(parser.parse_args(args), args, prog=(sys.executable, "-m", "scaletrain.launch"))
+    ns, extra = parser.parse_known_args(args)
+    if extra:
+        parser.unrecognized(extra)
+    return run(ns, args, prog=(sys.executable, "-m", "scaletrain.launch"))
 
 
 if __name__ == "__main__":
