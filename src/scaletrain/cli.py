@@ -415,7 +415,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser(args[0] if args and args[0] in _COMMANDS else None)
     ns, extra = parser.parse_known_args(args)
     if extra:
-        command_parser(parser, ns).unrecognized(extra)
+        # A word typed before the command is the whole CLI's, not the command's.
+        first = args.index(ns.command) if ns.command in args else len(args)
+        before = any(e in args[:first] for e in extra)
+        target = parser if before and isinstance(parser, Parser) else command_parser(parser, ns)
+        target.unrecognized(extra)
     try:
         if ns.command == "env":
             return _cmd_env()

@@ -23,6 +23,8 @@ from scaletrain.errors import closest, unknown
             ["train", "--bogus", "1"],
             "unrecognized arguments: --bogus 1. See: scaletrain train --help.",
         ),
+        # A word before the command is the whole CLI's.
+        (["--bogus", "train"], "scaletrain: error: unrecognized arguments: --bogus. See:"),
         (["job"], "the following arguments are required: KIND. See: scaletrain job --help."),
         # A subcommand's subcommand: its own flags, its own --help.
         (["job", "sbatch", "--nodez", "2"], "scaletrain job sbatch: error: unrecognized"),
