@@ -261,26 +261,15 @@ class SyncBatchNorm(_BatchNorm):
         *,
         bias: bool = True,
     ) -> None:
-        if _takes_bias(_BatchNorm.__init__):
-            super().__init__(
-                num_features,
-                eps,
-                momentum,
-                affine,
-                track_running_stats,
-                device=device,
-                dtype=dtype,
-                bias=bias,
-            )
-        else:
-            # torch before 2.13 (2.11 on an H200 here): BatchNorm has no `bias` argument,
-            # and passing it raised TypeError. Without a bias, none is registered.
-            super().__init__(
-                num_features, eps, momentum, affine, track_running_stats, device=device,
-                dtype=dtype,
-            )  # fmt: skip
-            if affine and not bias:
-                self.register_parameter("bias", None)
+        # torch before 2.13 (2.11 on an H200 here): BatchNorm has no `bias` argument,
+        # and passing it raised TypeError. Without a bias, none is registered.
+        takes_bias = _takes_bias(_BatchNorm.__init__)
+        super().__init__(
+            num_features, eps, momentum, affine, track_running_stats, device=device,
+            dtype=dtype, **({"bias": bias} if takes_bias else {}),
+        )  # fmt: skip
+        if not takes_bias and affine and not bias:
+            self.register_parameter("bias", None)
         self.process_group = process_group
 
     def _check_input_dim(self, input: Tensor) -> None:
