@@ -21,9 +21,11 @@ from torch import nn
 from scaletrain import spellings
 from scaletrain.errors import ConfigError, spell, unknown
 
-__all__ = ["PRECISIONS", "Precision", "canonical"]
+__all__ = ["AUTOCAST_DTYPES", "PRECISIONS", "Precision", "canonical"]
 
 PRECISIONS = ("32", "bf16-mixed", "fp16-mixed", "bf16-true")
+AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
+"""The mixed precisions' autocast dtypes (the others autocast nothing)."""
 
 
 def canonical(name: str) -> str:
@@ -73,7 +75,7 @@ class Precision:
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:
-        return {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(self.name)
+        return AUTOCAST_DTYPES.get(self.name)
 
     def forward_context(self) -> contextlib.AbstractContextManager[Any]:
         """Autocast for the forward pass (and the loss computed on its outputs)."""

@@ -12,7 +12,6 @@ from torch import nn
 
 from scaletrain.errors import ConfigError, spell, unknown
 from scaletrain.plan.calibration import (
-    AUTOCAST,
     CALIBRATED,
     CALIBRATED_GPU,
     Example,
@@ -26,7 +25,7 @@ from scaletrain.plan.partition import Layer, list_layers
 from scaletrain.plan.probe import SHARDED_STEPS
 from scaletrain.plan.profile import profile_model
 from scaletrain.plan.result import Plan, throughput
-from scaletrain.precision import canonical
+from scaletrain.precision import AUTOCAST_DTYPES, canonical
 
 __all__ = [
     "PRECISIONS",
@@ -346,7 +345,7 @@ def plan_model(
             )
     profile = profile_model(
         build, example(batch_size), loss_fn, optimizer,
-        autocast_dtype=AUTOCAST.get(precision), name=name,
+        autocast_dtype=AUTOCAST_DTYPES.get(precision), name=name,
         param_dtype=torch.bfloat16 if precision == "bf16-true" else None,
     )  # fmt: skip
     if compute is None:

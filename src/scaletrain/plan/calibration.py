@@ -3,11 +3,9 @@ thread, as every rank of a CPU job runs; or its GPU), and the memory the steps a
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Callable
 from dataclasses import replace
-from functools import partial
 from typing import Any
 
 import torch
@@ -16,11 +14,9 @@ from torch import nn
 from scaletrain.plan.costs import Compute
 from scaletrain.plan.layertime import layer_shares
 from scaletrain.plan.partition import list_layers
+from scaletrain.precision import Precision
 
-__all__ = ["AUTOCAST", "CALIBRATED", "CALIBRATED_GPU", "Example", "calibrate"]
-
-AUTOCAST = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
-"""The mixed precisions' autocast dtypes."""
+__all__ = ["CALIBRATED", "CALIBRATED_GPU", "Example", "calibrate"]
 
 Example = Callable[[int], tuple[Any, Any]]
 """batch size -> (inputs, targets) of that many samples."""
@@ -61,35 +57,28 @@ def calibrate(
     from scaletrain.plan.meter import Peak, is_cuda, median_time, move
 
     on_gpu = is_cuda(device)
-    cast = (
-        partial(torch.autocast, device_type=device.type if device else "cpu",
-                dtype=AUTOCAST[precision])
-        if precision in AUTOCAST
-        else contextlib.nullcontext
-    )  # fmt: skip
+    # As the runtime computes (scaletrain.precision): mixed precisions' forward under
+    # autocast, bf16-true's weights and floating inputs in bfloat16.
+    prec = Precision(name=precision, device=device or torch.device("cpu"))
     threads = torch.get_num_threads()
-    # bf16-true: the weights themselves in bfloat16, and the floating inputs (as the
-    # runtime converts them).
-    true_bf16 = torch.bfloat16 if precision == "bf16-true" else None
     torch.set_num_threads(1)
     try:
         torch.manual_seed(0)
         model = build()
         if device is not None:
             model = model.to(device)
-        if true_bf16 is not None:
-            model = model.to(true_bf16)
+        model = prec.convert_module(model)
         opt = optimizer(model.parameters())
         points: dict[int, float] = {}
         cpu_total = wall_total = 0.0
         peak = Peak(device)
         for b in sorted(set(sizes), reverse=True):
             x, y = move(example(b), device)
-            x = move(x, None, true_bf16)
+            x = prec.convert_input(x)
 
             def step(x: Any = x, y: Any = y) -> None:
                 opt.zero_grad(set_to_none=True)
-                with cast():
+                with prec.forward_context():
                     loss = loss_fn(model(x), y)
                 loss.backward()
 

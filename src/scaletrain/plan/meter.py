@@ -37,18 +37,16 @@ def sync(device: torch.device | None) -> None:
         torch.cuda.synchronize(device)
 
 
-def move(value: Any, device: torch.device | None, floats: torch.dtype | None = None) -> Any:
-    """Tensors in `value` (nested tuples, lists, dicts) on `device`, floating ones in
-    `floats` where given (bf16-true: inputs follow the weights; token ids stay ints)."""
-    if device is None and floats is None:
+def move(value: Any, device: torch.device | None) -> Any:
+    """Tensors in `value` (nested tuples, lists, dicts) on `device` (None: as they are)."""
+    if device is None:
         return value
     if isinstance(value, torch.Tensor):
-        out = value.to(device) if device is not None else value
-        return out.to(floats) if floats is not None and out.is_floating_point() else out
+        return value.to(device)
     if isinstance(value, (tuple, list)):
-        return type(value)(move(v, device, floats) for v in value)
+        return type(value)(move(v, device) for v in value)
     if isinstance(value, dict):
-        return {k: move(v, device, floats) for k, v in value.items()}
+        return {k: move(v, device) for k, v in value.items()}
     return value
 
 
