@@ -19,6 +19,7 @@ __all__ = [
     "ScaletrainError",
     "closest",
     "interface",
+    "near_fix",
     "say",
     "spell",
     "unknown",
@@ -73,12 +74,19 @@ def closest(value: object, choices: Sequence[str]) -> list[str]:
     return difflib.get_close_matches(v, list(choices), n=2, cutoff=0.6)
 
 
+def near_fix(field: str, value: object, choices: Sequence[str]) -> str:
+    """ " Fix: --hardware a100-sxm or --hardware a100-pcie." for the choices near a
+    mistyped value, "" where none is."""
+    near = closest(value, choices)
+    return f" Fix: {' or '.join(spell(field, c) for c in near)}." if near else ""
+
+
 def unknown(field: str, value: object, choices: Sequence[str]) -> str:
     """ "`--precision bf16` is not known; expected one of ...", and the fix where a
     choice is near."""
-    near = closest(value, choices)
-    fix = f" Fix: {' or '.join(spell(field, c) for c in near)}." if near else ""
-    return f"{spell(field, value)} is not known; expected one of {', '.join(choices)}.{fix}"
+    return f"{spell(field, value)} is not known; expected one of {', '.join(choices)}." + near_fix(
+        field, value, choices
+    )
 
 
 class ScaletrainError(RuntimeError):

@@ -26,6 +26,7 @@ def _plan(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
     [
         (["--devices", "0"], "--devices 0 must be a whole number >= 1"),
         (["--devices", "2", "--hardware", "tpu-v9"], "--hardware tpu-v9 is not a known profile"),
+        (["--devices", "2", "--hardware", "h100"], "Fix: --hardware h100-sxm."),
         (["--devices", "4", "--nodes", "2"], "--nodes 2 cannot be measured on this one machine"),
         (["--devices", "3", "--nodes", "2", "--hardware", "h100-sxm"], "split evenly"),
         (["--devices", "2", "--precision", "fp8"], "--precision fp8 is not known"),

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from scaletrain.errors import ConfigError, spell, unknown
+from scaletrain.errors import ConfigError, near_fix, spell, unknown
 from scaletrain.plan.calibration import (
     CALIBRATED,
     CALIBRATED_GPU,
@@ -84,7 +84,8 @@ def check_request(
     if hardware is not None and hardware not in PROFILES:
         raise ConfigError(
             f"{spell('hardware', hardware)} is not a known profile; expected one of "
-            f"{', '.join(PROFILES)}, or leave it out to measure this machine.",
+            f"{', '.join(PROFILES)}, or leave it out to measure this machine."
+            + near_fix("hardware", hardware, list(PROFILES)),
             field="hardware",
         )
     if hardware is None and nodes > 1:
