@@ -285,6 +285,58 @@ def test_a_pipeline_pays_its_sends_and_the_loss_broadcast_here() -> None:
     )
 
 
+def test_a_pipelines_hops_are_the_probes_stage_hops_here() -> None:
+    # On this machine a pipeline's sends are priced as the probe timed a stage's (the
+    # sender going on with its work, the other ranks computing), at the row's group
+    # size; a row of another size keeps the send's link, and a profile (GPUs) its own.
+    cpu = Hardware("cpu", "2 cores", 10**12, {}, Link(0, 1e12), Link(0, 1e12), cores=2)
+    compute = Compute(fixed=0.0, per_sample=0.01, optimizer=0.0, source="t")
+    quiet = CommModel(default=Link(1e-4, 1e15))
+    late = CommModel(default=Link(1e-4, 1e15), stage_hop={4: Link(0.005, 1e15)})
+    four = "pipeline pp=4 1f1b m=4"
+    base = _deep_rows(compute, cpu, quiet)[four]
+    slow = _deep_rows(compute, cpu, late)[four]
+    # The chain through 4 stages and back has 6 hops on its path at least.
+    assert slow.total > base.total + 6 * (0.005 - 1e-4) * 0.99
+    assert slow.compute == pytest.approx(base.compute)  # waiting, not work
+    two = "pipeline pp=2 1f1b m=4"
+    assert _deep_rows(compute, cpu, late)[two].total == pytest.approx(
+        _deep_rows(compute, cpu, quiet)[two].total
+    )
+    gpu = PROFILES["h100-sxm"]
+    assert _deep_rows(compute, gpu, late)[four].total == pytest.approx(
+        _deep_rows(compute, gpu, quiet)[four].total
+    )
+    # The plan says what it took a hop to cost, beside a quiet send's.
+    from scaletrain.plan.api import plan_model
+
+    def said(comm: CommModel) -> list[str]:
+        known = replace(compute, overhead={"step": 0.0, "pipeline": 0.0}, trace_bytes=1)
+        return plan_model(
+            _deep, lambda b: (torch.randn(b, 8), torch.randn(b, 8)),
+            loss_fn=nn.functional.mse_loss, optimizer=_adam, batch_size=8, devices=2,
+            layouts=[Layout("pipeline", pp=2, schedule="1f1b", microbatches=2)],
+            compute=known, comm=comm, device="cpu",
+        ).assumptions  # fmt: skip
+
+    hop = CommModel(default=Link(1e-4, 1e15), stage_hop={2: Link(0.003, 1e15)})
+    assert any("hop of" in a and "3.00 ms as a stage makes it" in a and "0.10 ms quiet" in a
+               for a in said(hop))  # fmt: skip
+    assert not any("as a stage makes it" in a for a in said(quiet))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_the_probe_times_a_stage_hop_while_the_other_ranks_compute() -> None:
+    # 3 ranks: the third computes until the pair is done, then all go on (no rank
+    # left waiting: the probe returns).
+    from scaletrain.plan.probe import probe
+
+    comm = probe(3, [4096, 65536])
+    hop = comm.stage_hop[3]
+    assert hop.alpha >= 0 and hop.bandwidth > 0 and ("send", 3) in comm.links
+
+
 def test_a_small_child_of_a_large_parent_reports_its_own_peak_rss() -> None:
     # ru_maxrss would report the parent's RSS at the fork (Linux keeps it across exec);
     # the ledger's and the planner's peak is VmHWM, the child's own.
@@ -515,6 +567,10 @@ def test_the_probe_measures_ranks_side_by_side() -> None:
     # or a receive costs its process in CPU is measured with it.
     assert comm.links[("send", 2)] is not comm.links[("all_gather", 2)]
     assert comm.send_cpu[2] > 0
+    # A pipeline's hop as a stage makes it (the sender going on with its work): timed
+    # by the receiver, a positive latency.
+    assert comm.stage_hop[2].alpha >= 0 and comm.stage_hop[2].bandwidth > 0
+    assert comm.stage_hop[2].alpha + 65536 / comm.stage_hop[2].bandwidth > 0
     # Adam's two moments of a rank's half of the 4 MiB model at least (where RSS can
     # be read: no measurement elsewhere).
     if reset_rss_peak():

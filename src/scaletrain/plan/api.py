@@ -17,7 +17,7 @@ from scaletrain.plan.calibration import (
     Example,
     calibrate,
 )
-from scaletrain.plan.comm import CommModel
+from scaletrain.plan.comm import CommModel, collective_time
 from scaletrain.plan.estimate import Compute, Estimate, estimate, send_bytes
 from scaletrain.plan.hardware import PROFILES, this_gpu, this_machine, usable_cores
 from scaletrain.plan.layouts import Layout, layouts_for
@@ -392,6 +392,15 @@ def plan_model(
                 f"node, {hw.inter.alpha * 1e6:.0f} us between nodes (typical, not measured)"
             )
     staged = [x for x in layouts if x.pp > 1]
+    hop = comm.stage_hop.get(devices) if hardware is None else None
+    if staged and hop is not None:
+        size = send_bytes(staged[0], profile, layers)
+        assumptions.append(
+            f"a pipeline's hop of {size / 2**10:.0f} KiB between stages: "
+            f"{collective_time('send', size, 2, hop) * 1e3:.2f} ms as a stage makes it "
+            f"(measured: the sender goes on with its work, the other ranks compute), "
+            f"{comm.time('send', size, 2) * 1e3:.2f} ms quiet"
+        )
     if hardware is None and staged and not compute.trace_bytes:
         from scaletrain.plan.overhead import trace_bytes
 

@@ -12,8 +12,8 @@ bytes for an all-gather or a reduce-scatter (bytes = the whole, unsharded tensor
 
 The links come from a datasheet profile, or from this machine's probe
 (scaletrain.plan.probe), which also measures what ranks sharing this machine cost each
-other (`meeting`, `Concurrency`, `sharded_growth`, `send_cpu`): all of it lands here,
-in a CommModel.
+other (`meeting`, `Concurrency`, `sharded_growth`, `send_cpu`, `stage_hop`): all of it
+lands here, in a CommModel.
 """
 
 from __future__ import annotations
@@ -118,6 +118,10 @@ class CommModel:
     concurrency: dict[int, Concurrency] = field(default_factory=dict)
     """By group size: ranks stepping side by side (measured when the probe got the
     model's step)."""
+    stage_hop: dict[int, Link] = field(default_factory=dict)
+    """By group size: a pipeline's send between two stages as a stage makes it, the
+    sender going on with its work and the other ranks computing (measured on this
+    machine: where ranks outnumber cores, its I/O and its receiver wait for them)."""
     send_cpu: dict[int, float] = field(default_factory=dict)
     """By group size: CPU seconds one send or receive costs its process (measured on
     this machine: a pipeline stage pays it per microbatch at each boundary)."""

@@ -16,7 +16,8 @@ collectives, less the overlap with the backward) and, for a pipeline, the bubble
 pipeline's step is its schedule simulated (plan/schedule.py): each stage's forward
 and backward of a microbatch are the model's at the microbatch size times the
 stage's measured share (its FLOPs' on a profile), the sends are the hops between
-stages, and on this machine the stages share the cores. Its compute is the busiest
+stages (on this machine each as the probe timed a stage's: comm.CommModel.stage_hop),
+and on this machine the stages share the cores. Its compute is the busiest
 rank's time at work, its bubble the rest of the step; for equal stages each on a
 device of its own that is the textbook (pp-1)/M of a stage's work (over the virtual
 stages for interleaved 1F1B). Other rows: on a CPU with more processes than cores,
@@ -34,7 +35,7 @@ from dataclasses import dataclass, replace
 from functools import partial
 from itertools import pairwise
 
-from scaletrain.plan.comm import CommModel
+from scaletrain.plan.comm import CommModel, collective_time
 from scaletrain.plan.costs import Compute, Estimate, Memory, StepTime
 from scaletrain.plan.hardware import Hardware, Link
 from scaletrain.plan.layertime import LOSS
@@ -261,9 +262,17 @@ def estimate(
         ]
         acts = acts * max(in_flight) / max(1, sum(act))
         buffers += 2 * send_bytes(layout, profile, layers)
-        send = comm.time(
-            "send", send_bytes(layout, profile, layers), 2,
-            hw.inter if pp * tp > per_node else None,
+        # A hop as a stage makes it, where measured here at this group size (the sender
+        # goes on with its work, the others compute: comm.CommModel.stage_hop); else a
+        # send's link.
+        hop = comm.stage_hop.get(layout.devices) if hw.cores is not None else None
+        send = (
+            collective_time("send", send_bytes(layout, profile, layers), 2, hop)
+            if hop is not None and pp * tp <= per_node
+            else comm.time(
+                "send", send_bytes(layout, profile, layers), 2,
+                hw.inter if pp * tp > per_node else None,
+            )
         )  # fmt: skip
         # The sends are the simulated schedule's hops: a stage waits at a receive for
         # the data (posted ahead, they are no meeting of busy ranks: counted as one,

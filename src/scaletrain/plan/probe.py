@@ -9,6 +9,10 @@ factors), so the model is the measured one at those sizes.
 The same processes measure what ranks sharing this machine cost each other, which
 the quiet collectives above do not show:
 
+- a pipeline's hop as a stage makes it (`stage_hop`): one rank sends and goes on
+  computing, the others compute, and the receiver's clock says when the data came
+  (the same clock: one machine). With more ranks than cores the hop waits for cores
+  at both ends; see _stage_hop;
 - a collective reached from work (`meeting`): every core is busy up to it, so its
   threads wait to be scheduled and the ranks arrive apart. Here (2 cores), against a
   quiet one's mean: 0-0.4 ms more at 2 processes, 0-1.2 ms at 4; the gpt recipe's FSDP
@@ -298,6 +302,91 @@ def _point_to_point(
     return out, statistics.median(cpu)
 
 
+STAGE_WORK = 0.002
+"""Seconds of work a stage goes on with after each send in _stage_hop (about a recipe
+stage's forward or backward of a microbatch here: 1-3 ms)."""
+STAGE_HOPS = 60
+"""Hops _stage_hop times at each size (about 0.2 s at 4 processes here): the mean of 20
+moved 0.9-2.7 ms from probe to probe, of 60 1.0-2.3, a hop's time being mostly how
+long a core takes to come free."""
+
+
+def _compute_until_told(source: int, a: Any) -> None:
+    """Multiply `a` by itself until `source` sends a word (heard by a listener thread:
+    Gloo's receive blocks)."""
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    told = threading.Event()
+
+    def listen() -> None:
+        dist.recv(torch.zeros(1), source)
+        told.set()
+
+    listener = threading.Thread(target=listen, daemon=True)
+    listener.start()
+    while not told.is_set():
+        torch.mm(a, a)
+    listener.join()
+
+
+def _stage_hop(rank: int, sizes: list[int], count: int) -> list[tuple[float, float]]:
+    """(bytes, seconds) of a pipeline's hop from rank 0 to rank 1 at each size, as a
+    stage makes it: rank 0 sends and goes on with STAGE_WORK of work (the stage's next
+    action) while the ranks beyond 1 keep computing (the other stages), and rank 1
+    reads, on the machine's monotonic clock, how long after the send the data came;
+    the mean of `count` after a few to warm up, each acknowledged before the next.
+
+    Measured so because a quiet send is not what a stage's send costs where the ranks
+    outnumber the cores: here (2 cores), a 64 KB hop took 0.05-0.2 ms quiet, and with
+    the sender and the others computing 0.2-0.3 ms at 2 processes, 0.6-0.9 at 3 and
+    0.9-2.3 at 4 (its I/O and its receiver's wake-up each wait for a core). The gpt
+    recipe's 4-stage pipeline, its hops priced as quiet sends, read 22-33% short in
+    every run; priced so, 16-28% (the rest is not explained yet)."""
+    import torch
+    import torch.distributed as dist
+
+    n = dist.get_world_size()
+    a = torch.ones(96, 96)
+
+    def work(seconds: float) -> None:
+        end = time.thread_time() + seconds  # the CPU's seconds: waiting does not count
+        while time.thread_time() < end:
+            torch.mm(a, a)
+
+    out: list[tuple[float, float]] = []
+    ack = torch.zeros(1)
+    for size in sizes:
+        # float64: the send's time in its first element, to the microsecond.
+        buf = torch.zeros(max(1, size // 8), dtype=torch.float64)
+        dist.barrier()
+        if rank >= 2:
+            _compute_until_told(0, a)  # the other stages
+            continue
+        took: list[float] = []
+        for i in range(count + 3):
+            if rank == 0:
+                buf[0] = time.perf_counter()
+                sent = dist.isend(buf, 1)
+                work(STAGE_WORK)
+                if sent is not None:
+                    sent.wait()
+                dist.recv(ack, 1)
+            else:
+                dist.recv(buf, 0)
+                if i >= 3:
+                    took.append(time.perf_counter() - float(buf[0].item()))
+                dist.send(ack, 0)
+        if rank == 0:
+            for other in range(2, n):
+                dist.send(torch.zeros(1), other)
+        else:
+            out.append((float(buf.numel() * 8), statistics.fmean(took)))
+    return out
+
+
 def _probe_rank(
     rank: int,
     n: int,
@@ -349,6 +438,11 @@ def _probe_rank(
             out["sharded"] = _sharded_growth(sharded)
         # After the memory measurements: its buffers would be theirs to reuse.
         out["send"], out["send_cpu"] = _point_to_point(rank, sizes, repeats)
+        hops = _stage_hop(rank, sizes, STAGE_HOPS)
+        # The receiver measured: rank 1's samples, to rank 0, which reports.
+        gathered: list[Any] = [None] * n
+        dist.all_gather_object(gathered, hops)
+        out["stage_hop"] = gathered[1]
         out["meeting"] = _meeting_cost(rank, cores)
         if work is not None:
             out["concurrency"] = _side_by_side(rank, work, cores)
@@ -439,6 +533,7 @@ def probe(
                 p.kill()
     model.runtime_bytes[n] = int(result.pop("growth"))
     model.send_cpu[n] = float(result.pop("send_cpu"))
+    model.stage_hop[n] = fit_link("send", 2, result.pop("stage_hop"))
     model.meeting[n] = float(result.pop("meeting"))
     grown = result.pop("sharded", None)
     if grown is not None:
