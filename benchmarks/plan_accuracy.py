@@ -140,7 +140,9 @@ def _calibrate() -> dict[str, Any]:
         units = tuple(fsdp_units_of(build))  # as the fsdp strategy wraps
         sharded = partial(sharded_step, build, example(BATCH[recipe]), loss, optimizer, units)
         for n in (2, 4):
-            c = calib["comm"][(recipe, n)] = probe(n, sizes, work=work, sharded=sharded)
+            c = calib["comm"][(recipe, n)] = probe(
+                n, sizes, work=work, sharded=sharded, hop_sizes=_hop_sizes(recipe, n)
+            )
             side = c.concurrency.get(n)
             print(f"probe {recipe} {n}: process group {c.runtime_bytes[n] / 2**20:.1f} MiB, "
                   f"fsdp steps {c.sharded_growth.get(n, 0) / 2**20:.1f} MiB, "
@@ -149,6 +151,25 @@ def _calibrate() -> dict[str, Any]:
                   + ", ".join(f"{k}: alpha {v.alpha * 1e6:.0f} us, {v.bandwidth / 1e9:.2f} GB/s"
                               for (k, m), v in c.links.items() if m == n), flush=True)  # fmt: skip
     return calib
+
+
+def _hop_sizes(recipe: str, n: int) -> list[int]:
+    """Bytes of the n-stage pipeline's send for the recipe, as `scaletrain plan` gives
+    its probe (none where the recipe has fewer layers than stages)."""
+    from scaletrain.plan.estimate import send_bytes
+    from scaletrain.plan.partition import list_layers
+    from scaletrain.plan.profile import profile_model
+    from scaletrain.train.planning import layout_of, resolve_model
+
+    _, build, example, loss, optimizer, _ = resolve_model(recipe, None)
+    import torch
+
+    with torch.device("meta"):
+        layers = list_layers(build())
+    if len(layers) < n:
+        return []
+    profile = profile_model(build, example(BATCH[recipe]), loss, optimizer)
+    return [max(8, int(send_bytes(layout_of("pipeline", None, n), profile, layers)))]
 
 
 def _pct(pred: float, meas: float | None) -> float | None:

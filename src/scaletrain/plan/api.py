@@ -379,8 +379,18 @@ def plan_model(
             step = compute.fwd_bwd(batch_size) + compute.optimizer if compute else 0.0
             turns = max(1.0, devices / (hw.cores or devices))
             room = 40 + (3 * SHARDED_STEPS * turns if sharded is not None else 0)
+            hops = sorted(
+                {max(8, int(send_bytes(x, profile, layers))) for x in layouts if x.pp > 1}
+            )
             comm = (
-                probe(devices, sizes, work=work, sharded=sharded, timeout=120 + room * step)
+                probe(
+                    devices,
+                    sizes,
+                    work=work,
+                    sharded=sharded,
+                    timeout=120 + room * step,
+                    hop_sizes=hops,
+                )
                 if devices > 1
                 else CommModel()
             )
@@ -398,7 +408,7 @@ def plan_model(
         assumptions.append(
             f"a pipeline's hop of {size / 2**10:.0f} KiB between stages: "
             f"{collective_time('send', size, 2, hop) * 1e3:.2f} ms as a stage makes it "
-            f"(measured: the sender goes on with its work, the other ranks compute), "
+            f"(the probe's: the sender goes on with its work, the other ranks compute), "
             f"{comm.time('send', size, 2) * 1e3:.2f} ms quiet"
         )
     if hardware is None and staged and not compute.trace_bytes:

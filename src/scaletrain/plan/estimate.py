@@ -16,7 +16,8 @@ collectives, less the overlap with the backward) and, for a pipeline, the bubble
 pipeline's step is its schedule simulated (plan/schedule.py): each stage's forward
 and backward of a microbatch are the model's at the microbatch size times the
 stage's measured share (its FLOPs' on a profile), the sends are the hops between
-stages (on this machine each as the probe timed a stage's: comm.CommModel.stage_hop),
+stages (on this machine, where the probe timed a stage's at the row's group size, as
+it did: comm.CommModel.stage_hop),
 and on this machine the stages share the cores. Its compute is the busiest
 rank's time at work, its bubble the rest of the step; for equal stages each on a
 device of its own that is the textbook (pp-1)/M of a stage's work (over the virtual
@@ -263,8 +264,8 @@ def estimate(
         acts = acts * max(in_flight) / max(1, sum(act))
         buffers += 2 * send_bytes(layout, profile, layers)
         # A hop as a stage makes it, where measured here at this group size (the sender
-        # goes on with its work, the others compute: comm.CommModel.stage_hop); else a
-        # send's link.
+        # goes on with its work, the others compute: comm.CommModel.stage_hop; a ddp x pp
+        # row's two pipelines meet the same crowd of ranks); else a send's link.
         hop = comm.stage_hop.get(layout.devices) if hw.cores is not None else None
         send = (
             collective_time("send", send_bytes(layout, profile, layers), 2, hop)

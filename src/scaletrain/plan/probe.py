@@ -322,8 +322,10 @@ def _compute_until_told(source: int, a: Any) -> None:
     told = threading.Event()
 
     def listen() -> None:
-        dist.recv(torch.zeros(1), source)
-        told.set()
+        try:
+            dist.recv(torch.zeros(1), source)
+        finally:  # a peer gone (the receive raised) must not leave this rank spinning
+            told.set()
 
     listener = threading.Thread(target=listen, daemon=True)
     listener.start()
@@ -359,12 +361,12 @@ def _stage_hop(rank: int, sizes: list[int], count: int) -> list[tuple[float, flo
     out: list[tuple[float, float]] = []
     ack = torch.zeros(1)
     for size in sizes:
-        # float64: the send's time in its first element, to the microsecond.
-        buf = torch.zeros(max(1, size // 8), dtype=torch.float64)
         dist.barrier()
         if rank >= 2:
             _compute_until_told(0, a)  # the other stages
             continue
+        # float64: the send's time in its first element, to the microsecond.
+        buf = torch.zeros(max(1, size // 8), dtype=torch.float64)
         took: list[float] = []
         for i in range(count + 3):
             if rank == 0:
@@ -397,6 +399,7 @@ def _probe_rank(
     work: bytes | None = None,
     cores: int = 1,
     sharded: bytes | None = None,
+    hop_sizes: list[int] | None = None,
 ) -> None:
     import warnings
 
@@ -438,11 +441,12 @@ def _probe_rank(
             out["sharded"] = _sharded_growth(sharded)
         # After the memory measurements: its buffers would be theirs to reuse.
         out["send"], out["send_cpu"] = _point_to_point(rank, sizes, repeats)
-        hops = _stage_hop(rank, sizes, STAGE_HOPS)
-        # The receiver measured: rank 1's samples, to rank 0, which reports.
-        gathered: list[Any] = [None] * n
-        dist.all_gather_object(gathered, hops)
-        out["stage_hop"] = gathered[1]
+        if hop_sizes:
+            hops = _stage_hop(rank, hop_sizes, STAGE_HOPS)
+            # The receiver measured: rank 1's samples, to rank 0, which reports.
+            gathered: list[Any] = [None] * n
+            dist.all_gather_object(gathered, hops)
+            out["stage_hop"] = gathered[1]
         out["meeting"] = _meeting_cost(rank, cores)
         if work is not None:
             out["concurrency"] = _side_by_side(rank, work, cores)
@@ -466,10 +470,12 @@ def probe(
     timeout: float = 120.0,
     work: Callable[[], Callable[[], Any]] | None = None,
     sharded: Callable[[], Callable[[], Any]] | None = None,
+    hop_sizes: Sequence[int] = (),
 ) -> CommModel:
     """Measure Gloo on loopback over `n` processes at `sizes` (bytes); fit each collective
     (the mean of up to `repeats` back to back per size, as many as fit PROBE_BUDGET) and
-    a send between two of them.
+    a send between two of them; at `hop_sizes` (a pipeline's sends, bytes), a hop
+    between two stages as a stage makes it (`stage_hop`; none without them).
 
     `work` returns the model's training step; given it, the ranks also measure
     `Concurrency` (nothing where it does not pickle, or does not load or run in the
@@ -502,7 +508,18 @@ def probe(
     procs = [
         ctx.Process(
             target=_probe_rank,
-            args=(r, n, port, chosen, repeats, q, packed, usable_cores(), packed_sharded),
+            args=(
+                r,
+                n,
+                port,
+                chosen,
+                repeats,
+                q,
+                packed,
+                usable_cores(),
+                packed_sharded,
+                sorted({max(8, int(s)) for s in hop_sizes or ()}),
+            ),
             daemon=True,
         )
         for r in range(n)
@@ -533,7 +550,9 @@ def probe(
                 p.kill()
     model.runtime_bytes[n] = int(result.pop("growth"))
     model.send_cpu[n] = float(result.pop("send_cpu"))
-    model.stage_hop[n] = fit_link("send", 2, result.pop("stage_hop"))
+    hops = result.pop("stage_hop", None)
+    if hops:
+        model.stage_hop[n] = fit_link("send", 2, hops)
     model.meeting[n] = float(result.pop("meeting"))
     grown = result.pop("sharded", None)
     if grown is not None:
