@@ -345,8 +345,8 @@ def _stage_hop(rank: int, sizes: list[int], count: int) -> list[tuple[float, flo
     outnumber the cores: here (2 cores), a 64 KB hop took 0.05-0.2 ms quiet, and with
     the sender and the others computing 0.2-0.3 ms at 2 processes, 0.6-0.9 at 3 and
     0.9-2.3 at 4 (its I/O and its receiver's wake-up each wait for a core). The gpt
-    recipe's 4-stage pipeline, its hops priced as quiet sends, read 22-33% short in
-    every run; priced so, 16-28% (the rest is not explained yet)."""
+    recipe's 4-stage pipeline, its hops priced as quiet sends, read 30-32% short in
+    5-round runs; priced so, -10% (and -21% in a 3-round run)."""
     import torch
     import torch.distributed as dist
 
