@@ -1068,3 +1068,34 @@ def test_bf16_true_holds_the_weights_in_half_the_bytes() -> None:
     assert half.params * 2 == full.params and half.grads * 2 == full.grads
     assert half.optimizer * 2 == full.optimizer
     assert half.activations < full.activations
+
+
+def _blocked_signals(q: Any) -> None:
+    import signal
+
+    q.put(sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])))
+
+
+@pytest.mark.timeout(60)
+def test_the_planners_children_never_see_ctrl_c_and_the_planner_still_does() -> None:
+    # Ctrl-C reaches the terminal's whole process group. A child started inside
+    # ctrl_c_held has SIGINT blocked from its first instruction (it printed its own
+    # KeyboardInterrupt over the planner's one line); the planner's own Ctrl-C,
+    # pending meanwhile, arrives when the block ends.
+    import multiprocessing as mp
+    import os
+    import signal
+
+    from scaletrain.plan.children import ctrl_c_held
+
+    if not hasattr(signal, "pthread_sigmask"):
+        pytest.skip("no signal masks here")
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    with pytest.raises(KeyboardInterrupt), ctrl_c_held():
+        child = ctx.Process(target=_blocked_signals, args=(q,))
+        child.start()
+        os.kill(os.getpid(), signal.SIGINT)  # pending, not lost
+    assert int(signal.SIGINT) in q.get(timeout=30)
+    child.join(timeout=30)
+    assert int(signal.SIGINT) not in signal.pthread_sigmask(signal.SIG_BLOCK, [])

@@ -39,6 +39,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from scaletrain.plan.children import ctrl_c_held
 from scaletrain.plan.meter import in_turns
 
 T = TypeVar("T")
@@ -289,7 +290,8 @@ def in_fresh_process(fn: Callable[..., T], *args: Any, timeout: float = 300.0) -
     proc = ctx.Process(target=_run_and_send, args=(results, fn, args), daemon=True)
     deadline = time.monotonic() + timeout
     try:
-        proc.start()
+        with ctrl_c_held():  # Ctrl-C is the caller's: it kills this process
+            proc.start()
         while True:
             try:
                 ok, value = results.get(timeout=0.2)

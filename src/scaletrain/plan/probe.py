@@ -37,6 +37,7 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
+from scaletrain.plan.children import ctrl_c_held
 from scaletrain.plan.comm import KINDS, CommModel, Concurrency, fit_link
 from scaletrain.plan.hardware import usable_cores
 
@@ -524,10 +525,11 @@ def probe(
         )
         for r in range(n)
     ]
-    for p in procs:
-        p.start()
     deadline = time.monotonic() + timeout
     try:
+        with ctrl_c_held():  # Ctrl-C is the planner's: it kills the ranks (plan/children.py)
+            for p in procs:
+                p.start()
         while True:
             try:
                 result = q.get(timeout=0.5)
@@ -541,10 +543,13 @@ def probe(
                     ) from None
     except BaseException:  # Ctrl-C, or a rank failed: the others would wait in a collective
         for p in procs:
-            p.kill()
+            if p.pid is not None:
+                p.kill()
         raise
     finally:
         for p in procs:
+            if p.pid is None:  # not started (Ctrl-C came first)
+                continue
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
