@@ -1092,10 +1092,13 @@ def test_the_planners_children_never_see_ctrl_c_and_the_planner_still_does() -> 
         pytest.skip("no signal masks here")
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
+    # Python's own handler, as in a terminal (a background job starts with SIGINT ignored).
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
     with pytest.raises(KeyboardInterrupt), ctrl_c_held():
         child = ctx.Process(target=_blocked_signals, args=(q,))
         child.start()
         os.kill(os.getpid(), signal.SIGINT)  # pending, not lost
+    signal.signal(signal.SIGINT, before)
     assert int(signal.SIGINT) in q.get(timeout=30)
     child.join(timeout=30)
     assert int(signal.SIGINT) not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
