@@ -169,7 +169,7 @@ def _hop_sizes(recipe: str, n: int) -> list[int]:
     if len(layers) < n:
         return []
     profile = profile_model(build, example(BATCH[recipe]), loss, optimizer)
-    return [max(8, int(send_bytes(layout_of("pipeline", None, n), profile, layers)))]
+    return [int(send_bytes(layout_of("pipeline", None, n), profile, layers))]
 
 
 def _pct(pred: float, meas: float | None) -> float | None:

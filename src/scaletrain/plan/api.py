@@ -17,7 +17,7 @@ from scaletrain.plan.calibration import (
     Example,
     calibrate,
 )
-from scaletrain.plan.comm import CommModel, collective_time
+from scaletrain.plan.comm import CommModel
 from scaletrain.plan.estimate import Compute, Estimate, estimate, send_bytes
 from scaletrain.plan.hardware import PROFILES, this_gpu, this_machine, usable_cores
 from scaletrain.plan.layouts import Layout, layouts_for
@@ -379,9 +379,7 @@ def plan_model(
             step = compute.fwd_bwd(batch_size) + compute.optimizer if compute else 0.0
             turns = max(1.0, devices / (hw.cores or devices))
             room = 40 + (3 * SHARDED_STEPS * turns if sharded is not None else 0)
-            hops = sorted(
-                {max(8, int(send_bytes(x, profile, layers))) for x in layouts if x.pp > 1}
-            )
+            hops = [int(send_bytes(x, profile, layers)) for x in layouts if x.pp > 1]
             comm = (
                 probe(
                     devices,
@@ -407,7 +405,7 @@ def plan_model(
         size = send_bytes(staged[0], profile, layers)
         assumptions.append(
             f"a pipeline's hop of {size / 2**10:.0f} KiB between stages: "
-            f"{collective_time('send', size, 2, hop) * 1e3:.2f} ms as a stage makes it "
+            f"{comm.time('send', size, 2, hop) * 1e3:.2f} ms as a stage makes it "
             f"(the probe's: the sender goes on with its work, the other ranks compute), "
             f"{comm.time('send', size, 2) * 1e3:.2f} ms quiet"
         )

@@ -127,7 +127,7 @@ class CommModel:
     this machine: a pipeline stage pays it per microbatch at each boundary)."""
     sharded_growth: dict[int, int] = field(default_factory=dict)
     """By group size: RSS the model's fully sharded steps added after setup (measured
-    when the probe got that step; see _sharded_growth)."""
+    when the probe got that step; see crowd.sharded_growth)."""
 
     def time(self, kind: str, nbytes: float, n: int, link: Link | None = None) -> float:
         if n <= 1 or nbytes <= 0:

@@ -107,7 +107,7 @@ class Memory:
     measures 20-35 MiB."""
     held: int = 0
     """Freed memory the allocator keeps beyond the growth modelled above: FSDP on this
-    machine, where the probe measured the model's sharded steps (probe._sharded_growth);
+    machine, where the probe measured the model's sharded steps (crowd.sharded_growth);
     0 elsewhere."""
     reused: int = 0
     """Gradients that are not alive at the activations' peak, so not in the step's

@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 from functools import partial
 from itertools import pairwise
 
-from scaletrain.plan.comm import CommModel, collective_time
+from scaletrain.plan.comm import CommModel
 from scaletrain.plan.costs import Compute, Estimate, Memory, StepTime
 from scaletrain.plan.hardware import Hardware, Link
 from scaletrain.plan.layertime import LOSS
@@ -262,19 +262,18 @@ def estimate(
             act[i] * (m if layout.schedule == "gpipe" else min(m, pp - i)) / m for i in range(pp)
         ]
         acts = acts * max(in_flight) / max(1, sum(act))
-        buffers += 2 * send_bytes(layout, profile, layers)
-        # A hop as a stage makes it, where measured here at this group size (the sender
-        # goes on with its work, the others compute: comm.CommModel.stage_hop; a ddp x pp
-        # row's two pipelines meet the same crowd of ranks); else a send's link.
-        hop = comm.stage_hop.get(layout.devices) if hw.cores is not None else None
-        send = (
-            collective_time("send", send_bytes(layout, profile, layers), 2, hop)
-            if hop is not None and pp * tp <= per_node
-            else comm.time(
-                "send", send_bytes(layout, profile, layers), 2,
-                hw.inter if pp * tp > per_node else None,
-            )
-        )  # fmt: skip
+        sent = send_bytes(layout, profile, layers)
+        buffers += 2 * sent
+        # Between nodes the inter-node link; else, where measured here at this group size,
+        # a hop as a stage makes it (the sender goes on with its work, the others
+        # compute: comm.CommModel.stage_hop; a ddp x pp row's two pipelines meet the same
+        # crowd of ranks); else a send's link.
+        link = (
+            hw.inter
+            if pp * tp > per_node
+            else (comm.stage_hop.get(layout.devices) if hw.cores is not None else None)
+        )
+        send = comm.time("send", sent, 2, link)
         # The sends are the simulated schedule's hops: a stage waits at a receive for
         # the data (posted ahead, they are no meeting of busy ranks: counted as one,
         # they read the pipelines 17-26% long here).

@@ -7,24 +7,9 @@ bandwidth per collective (least squares on the formula's own
 factors), so the model is the measured one at those sizes.
 
 The same processes measure what ranks sharing this machine cost each other, which
-the quiet collectives above do not show:
-
-- a pipeline's hop as a stage makes it (`stage_hop`): one rank sends and goes on
-  computing, the others compute, and the receiver's clock says when the data came
-  (the same clock: one machine). With more ranks than cores the hop waits for cores
-  at both ends; see _stage_hop;
-- a collective reached from work (`meeting`): every core is busy up to it, so its
-  threads wait to be scheduled and the ranks arrive apart. Here (2 cores), against a
-  quiet one's mean: 0-0.4 ms more at 2 processes, 0-1.2 ms at 4; the gpt recipe's FSDP
-  and tensor-parallel steps hold 16-30 such collectives.
-- given the model's step (`work`), the step side by side against alone, in turns
-  (`Concurrency`): the CPU it takes (x1.00-1.17 here: the shared caches and memory),
-  and how much one rank's step varies, which synchronous ranks wait for. Timed one
-  run after the other instead, the drift of this machine (the same 1-process run
-  took 20 to 32 ms a step within minutes) looked like a 15-35% slowdown.
-- given the model's step fully sharded over their group (`sharded`), the RSS 20 such
-  steps add (`sharded_growth`): on a CPU most of an FSDP run's growth is freed memory
-  glibc keeps, which no accounting of the tensors predicts (see _sharded_growth).
+the quiet collectives do not show (scaletrain.plan.crowd: a pipeline's hop as a stage
+makes it, a collective reached from work, the model's step side by side, the RSS of
+its fully sharded steps).
 """
 
 from __future__ import annotations
@@ -38,7 +23,16 @@ from functools import partial
 from typing import Any
 
 from scaletrain.plan.children import ctrl_c_held
-from scaletrain.plan.comm import KINDS, CommModel, Concurrency, fit_link
+from scaletrain.plan.comm import KINDS, CommModel, fit_link
+from scaletrain.plan.crowd import (
+    SHARDED_STEPS,
+    STAGE_HOPS,
+    mean_time,
+    meeting_cost,
+    sharded_growth,
+    side_by_side,
+    stage_hop,
+)
 from scaletrain.plan.hardware import usable_cores
 
 __all__ = ["PROBE_BUDGET", "SHARDED_STEPS", "probe"]
@@ -48,188 +42,6 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _timed_steps(step: Callable[[], Any], seconds: float) -> list[tuple[float, float]]:
-    """(CPU, wall) seconds of each step, for about `seconds` and at least 5 steps (a
-    turn's median is then not one of 3)."""
-    out: list[tuple[float, float]] = []
-    end = time.perf_counter() + seconds
-    while len(out) < 5 or time.perf_counter() < end:
-        c0, w0 = time.process_time(), time.perf_counter()
-        step()
-        out.append((time.process_time() - c0, time.perf_counter() - w0))
-    return out
-
-
-def _loaded(work: bytes, warm_up: int = 0) -> Callable[[], Any] | None:
-    """The step a pickled factory builds, run `warm_up` times; None where it fails (the
-    training's to explain: no measurement)."""
-    import pickle
-
-    try:
-        step = pickle.loads(work)()
-        for _ in range(warm_up):
-            step()
-    except Exception:
-        return None
-    return step
-
-
-def _every_rank(ready: bool) -> bool:
-    """Whether every rank is ready: a measurement on every rank or on none, so that all
-    reach the same collectives (each rank calls this at the same point)."""
-    import torch
-    import torch.distributed as dist
-
-    ok = torch.tensor([1 if ready else 0])
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    return bool(ok.item())
-
-
-def _side_by_side(rank: int, work: bytes, cores: int, turns: int = 2) -> Concurrency | None:
-    """Rank 0 steps alone, then with the ranks below `cores` beside it, in turns (a
-    drift of the machine hits both); the others wait in a barrier (blocked, not
-    spinning). The spread pools every busy rank's steps, each over its own median in
-    its turn: a drift of the machine that slows every rank alike makes no rank wait.
-
-    `work` is pickled: a factory that cannot be loaded here (one defined in a
-    notebook's __main__) or a step that raises gives no measurement, on every rank
-    alike (so that all reach the same collectives), instead of failing the probe."""
-    import torch.distributed as dist
-
-    busy = min(dist.get_world_size(), cores)
-    # Warmed up twice: the allocator, the optimizer's state.
-    step = _loaded(work, warm_up=2) if rank < busy else None
-    if not _every_rank(step is not None or rank >= busy) or busy < 2:
-        return None
-    alone: list[float] = []
-    cpu: list[float] = []
-    spread: list[float] = []
-    failed = False
-
-    def timed() -> list[tuple[float, float]]:
-        nonlocal failed
-        if step is None or failed:
-            return []
-        try:
-            return _timed_steps(step, 0.4)
-        except Exception:  # every rank still meets the barriers below
-            failed = True
-            return []
-
-    for _ in range(turns):
-        dist.barrier()
-        if rank == 0:
-            alone += [c for c, _ in timed()]
-        dist.barrier()
-        steps = timed()
-        if steps:
-            cpu += [c for c, _ in steps]
-            mid = statistics.median(w for _, w in steps)
-            spread += [w / mid for _, w in steps]
-        dist.barrier()
-    pooled: list[list[float] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(pooled, None if failed else spread)
-    if rank != 0 or not alone or any(x is None for x in pooled):
-        return None
-    factor = statistics.median(cpu) / max(statistics.median(alone), 1e-9)
-    return Concurrency(busy, max(1.0, factor), tuple(sorted(x for r in pooled if r for x in r)))
-
-
-SHARDED_STEPS = 20
-"""Steps of the model fully sharded whose RSS growth the probe measures."""
-
-
-def _sharded_growth(work: bytes, steps: int = SHARDED_STEPS) -> int | None:
-    """RSS the model's fully sharded step adds over `steps` steps after its setup, on
-    the largest rank (None where it does not load or run: on every rank alike).
-
-    Not predictable from the model on a CPU: glibc's allocator keeps much of the
-    memory FSDP frees at every unit (gathered parameters, unsharded gradients), and
-    how much depends on the sizes and order of those buffers. Measured here (the gpt
-    recipe widened to 256, 2 ranks): a step's end held 122-164 MiB, 35 MiB once
-    `malloc_trim` returned what was free; DDP's same model 106-114. It creeps for a
-    while: the gpt recipe's sharded steps at 2 ranks grew 53-60 MiB in 10 steps, 61 in
-    20 (a 20-step run of the training runtime: 64), 65-68 in 40."""
-    import torch
-    import torch.distributed as dist
-
-    from scaletrain.observe.memory import current_rss_bytes, reset_rss_peak, rss_peak_bytes
-
-    step = _loaded(work)
-    start = current_rss_bytes() if step is not None and reset_rss_peak() else None
-    # Every rank steps, or none: a rank that could not would leave the others waiting
-    # in the steps' all-gathers. (A step failing on some ranks only still would.)
-    if not _every_rank(step is not None and bool(start)) or step is None or not start:
-        return None
-    grown = -1.0
-    try:
-        for _ in range(steps):
-            step()
-        grown = float(rss_peak_bytes() - start)
-    except Exception:  # the model's own error, on every rank alike
-        grown = -1.0
-    del step
-    out = torch.tensor([grown, -grown], dtype=torch.float64)
-    dist.all_reduce(out, op=dist.ReduceOp.MAX)  # the largest rank, and any failure
-    return None if -out[1].item() < 0 else int(out[0].item())
-
-
-def _meeting_cost(rank: int, cores: int, turns: int = 3, meetings: int = 20) -> float:
-    """Seconds a collective costs when the ranks come to it from work, beyond the work
-    and what the quiet collective costs (which the alpha-beta fit holds).
-
-    On a CPU the ranks' cores are busy up to the collective; the collective's threads
-    then wait to be scheduled, and the ranks arrive apart. Measured: every rank runs
-    a ~2 ms piece of work then a one-element all-reduce, `meetings` times; against
-    rank 0's piece alone (taking turns for a core when there are more ranks than
-    cores) and the quiet all-reduce, back to back, in `turns` turns. Means, as the
-    links' are (a step pays the mean; a collective's time here is bimodal): medians
-    of a few made this 0.03-1.3 ms at 2 ranks from probe to probe."""
-    import torch
-    import torch.distributed as dist
-
-    n = dist.get_world_size()
-    a = torch.ones(96, 96)
-    tiny = torch.zeros(1)
-    t0 = time.perf_counter()
-    for _ in range(20):
-        torch.mm(a, a)
-    count = torch.tensor([max(1.0, 0.002 / max((time.perf_counter() - t0) / 20, 1e-7))])
-    dist.all_reduce(count, op=dist.ReduceOp.MAX)  # every rank the same piece
-
-    def piece() -> None:
-        for _ in range(int(count.item())):
-            torch.mm(a, a)
-
-    def meet() -> None:
-        piece()
-        dist.all_reduce(tiny)
-
-    alone: list[float] = []
-    quiet: list[float] = []
-    loaded: list[float] = []
-    piece()
-    dist.all_reduce(tiny)
-    for _ in range(turns):
-        dist.barrier()
-        if rank == 0:
-            w0 = time.perf_counter()
-            for _ in range(5):
-                piece()
-            alone.append((time.perf_counter() - w0) / 5)
-        quiet.append(_mean_time(partial(dist.all_reduce, tiny), meetings))
-        loaded.append(_mean_time(meet, meetings))
-    if rank != 0:
-        return 0.0
-    turns_for_a_core = max(1.0, n / cores)
-    return max(
-        0.0,
-        statistics.fmean(loaded)
-        - statistics.fmean(alone) * turns_for_a_core
-        - statistics.fmean(quiet),
-    )
 
 
 PROBE_BUDGET = 0.25
@@ -248,22 +60,6 @@ def _agreed_count(op: Callable[[], Any], most: int) -> int:
     took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
     dist.all_reduce(took, op=dist.ReduceOp.MAX)
     return max(3, min(most, int(PROBE_BUDGET / max(took.item(), 1e-9))))
-
-
-def _mean_time(op: Callable[[], Any], count: int) -> float:
-    """Mean seconds of `op` run `count` times back to back, from one barrier.
-
-    The mean, not a median: on this machine a collective's time is bimodal (a 117 KB
-    all-reduce between 2 processes: 200-600 us, or 2-4 ms when a rank's wake-up is
-    late, a third of the time), so a median of a few flips between the modes from
-    probe to probe (alpha 0.2-1.1 ms), while a step pays their mean."""
-    import torch.distributed as dist
-
-    dist.barrier()
-    t0 = time.perf_counter()
-    for _ in range(count):
-        op()
-    return (time.perf_counter() - t0) / count
 
 
 def _point_to_point(
@@ -297,97 +93,10 @@ def _point_to_point(
 
         trips = _agreed_count(trip, count)
         c0 = time.process_time()
-        out.append((float(buf.numel() * 4), _mean_time(trip, trips) / 2))
+        out.append((float(buf.numel() * 4), mean_time(trip, trips) / 2))
         cpu.append((time.process_time() - c0) / trips / 2)
         dist.barrier()  # the others waited for the pair
     return out, statistics.median(cpu)
-
-
-STAGE_WORK = 0.002
-"""Seconds of work a stage goes on with after each send in _stage_hop (about a recipe
-stage's forward or backward of a microbatch here: 1-3 ms)."""
-STAGE_HOPS = 60
-"""Hops _stage_hop times at each size (about 0.2 s at 4 processes here): the mean of 20
-moved 0.9-2.7 ms from probe to probe, of 60 1.0-2.3, a hop's time being mostly how
-long a core takes to come free."""
-
-
-def _compute_until_told(source: int, a: Any) -> None:
-    """Multiply `a` by itself until `source` sends a word (heard by a listener thread:
-    Gloo's receive blocks)."""
-    import threading
-
-    import torch
-    import torch.distributed as dist
-
-    told = threading.Event()
-
-    def listen() -> None:
-        try:
-            dist.recv(torch.zeros(1), source)
-        finally:  # a peer gone (the receive raised) must not leave this rank spinning
-            told.set()
-
-    listener = threading.Thread(target=listen, daemon=True)
-    listener.start()
-    while not told.is_set():
-        torch.mm(a, a)
-    listener.join()
-
-
-def _stage_hop(rank: int, sizes: list[int], count: int) -> list[tuple[float, float]]:
-    """(bytes, seconds) of a pipeline's hop from rank 0 to rank 1 at each size, as a
-    stage makes it: rank 0 sends and goes on with STAGE_WORK of work (the stage's next
-    action) while the ranks beyond 1 keep computing (the other stages), and rank 1
-    reads, on the machine's monotonic clock, how long after the send the data came;
-    the mean of `count` after a few to warm up, each acknowledged before the next.
-
-    Measured so because a quiet send is not what a stage's send costs where the ranks
-    outnumber the cores: here (2 cores), a 64 KB hop took 0.05-0.2 ms quiet, and with
-    the sender and the others computing 0.2-0.3 ms at 2 processes, 0.6-0.9 at 3 and
-    0.9-2.3 at 4 (its I/O and its receiver's wake-up each wait for a core). The gpt
-    recipe's 4-stage pipeline, its hops priced as quiet sends, read 30-32% short in
-    5-round runs; priced so, -10% (and -21% in a 3-round run)."""
-    import torch
-    import torch.distributed as dist
-
-    n = dist.get_world_size()
-    a = torch.ones(96, 96)
-
-    def work(seconds: float) -> None:
-        end = time.thread_time() + seconds  # the CPU's seconds: waiting does not count
-        while time.thread_time() < end:
-            torch.mm(a, a)
-
-    out: list[tuple[float, float]] = []
-    ack = torch.zeros(1)
-    for size in sizes:
-        dist.barrier()
-        if rank >= 2:
-            _compute_until_told(0, a)  # the other stages
-            continue
-        # float64: the send's time in its first element, to the microsecond.
-        buf = torch.zeros(max(1, size // 8), dtype=torch.float64)
-        took: list[float] = []
-        for i in range(count + 3):
-            if rank == 0:
-                buf[0] = time.perf_counter()
-                sent = dist.isend(buf, 1)
-                work(STAGE_WORK)
-                if sent is not None:
-                    sent.wait()
-                dist.recv(ack, 1)
-            else:
-                dist.recv(buf, 0)
-                if i >= 3:
-                    took.append(time.perf_counter() - float(buf[0].item()))
-                dist.send(ack, 0)
-        if rank == 0:
-            for other in range(2, n):
-                dist.send(torch.zeros(1), other)
-        else:
-            out.append((float(buf.numel() * 8), statistics.fmean(took)))
-    return out
 
 
 def _probe_rank(
@@ -430,7 +139,7 @@ def _probe_rank(
             }
             for kind, op in ops.items():
                 count = _agreed_count(op, repeats)
-                out[kind].append((float(numel * 4), _mean_time(op, count)))
+                out[kind].append((float(numel * 4), mean_time(op, count)))
         # Beyond the probe's own tensors (the largest size, whole and one shard).
         own = max(sizes) * (1 + 1 / n)
         out["growth"] = max(0, int(rss_peak_bytes() - before - own)) if before else 0
@@ -439,18 +148,18 @@ def _probe_rank(
         out["growth"] = int(grown.item())
         if sharded is not None:
             # Before the plain model's steps below, whose freed memory it would reuse.
-            out["sharded"] = _sharded_growth(sharded)
+            out["sharded"] = sharded_growth(sharded)
         # After the memory measurements: its buffers would be theirs to reuse.
         out["send"], out["send_cpu"] = _point_to_point(rank, sizes, repeats)
         if hop_sizes:
-            hops = _stage_hop(rank, hop_sizes, STAGE_HOPS)
+            hops = stage_hop(rank, hop_sizes, STAGE_HOPS)
             # The receiver measured: rank 1's samples, to rank 0, which reports.
             gathered: list[Any] = [None] * n
             dist.all_gather_object(gathered, hops)
             out["stage_hop"] = gathered[1]
-        out["meeting"] = _meeting_cost(rank, cores)
+        out["meeting"] = meeting_cost(rank, cores)
         if work is not None:
-            out["concurrency"] = _side_by_side(rank, work, cores)
+            out["concurrency"] = side_by_side(rank, work, cores)
     finally:
         dist.destroy_process_group()
     if rank == 0:
