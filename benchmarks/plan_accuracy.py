@@ -32,7 +32,6 @@ import random
 import statistics
 import tempfile
 import time
-from functools import partial
 from typing import Any
 
 BATCH = {"convnet": 32, "gpt": 8}
@@ -120,56 +119,46 @@ def _predict(recipe: str, n: int, strategy: str, calib: dict[str, Any]) -> tuple
 
 
 def _calibrate() -> dict[str, Any]:
-    """The round's Gloo probes, per recipe at 2 and 4 processes: what `scaletrain plan`
-    measures in its probe (alpha and bandwidth per collective, a collective's cost among
-    busy ranks, the model's step side by side, the RSS its fully sharded steps add)."""
+    """The round's Gloo probes, per recipe at 2 and 4 processes: the probe `scaletrain
+    plan` runs for all of that size's rows (alpha and bandwidth per collective, a
+    collective's cost among busy ranks, the model's step side by side, the RSS its fully
+    sharded steps add, its tensor-parallel step's CPU, a pipeline's hop)."""
+    import torch
+
+    from scaletrain.plan.api import probe_here
     from scaletrain.plan.comm import CommModel
-    from scaletrain.plan.overhead import model_step, sharded_step
-    from scaletrain.plan.probe import probe
-    from scaletrain.train.planning import fsdp_units_of, resolve_model
+    from scaletrain.plan.hardware import usable_cores
+    from scaletrain.plan.layouts import layouts_for
+    from scaletrain.plan.partition import list_layers
+    from scaletrain.plan.profile import profile_model
+    from scaletrain.train.planning import fsdp_units_of, resolve_model, tp_plan_of
 
     calib: dict[str, Any] = {"comm": {1: CommModel()}}
-    sizes = [4096]
-    for recipe in BATCH:
-        _, build, _, _, _, _ = resolve_model(recipe, None)
-        grads = sum(p.numel() * 4 for p in build().parameters())
-        sizes += [grads, grads // 8]
     for recipe in BATCH:
         _, build, example, loss, optimizer, _ = resolve_model(recipe, None)
-        work = partial(model_step, build, example(BATCH[recipe]), loss, optimizer)
-        units = tuple(fsdp_units_of(build))  # as the fsdp strategy wraps
-        sharded = partial(sharded_step, build, example(BATCH[recipe]), loss, optimizer, units)
+        with torch.device("meta"):
+            layers = list_layers(build())
+        profile = profile_model(build, example(BATCH[recipe]), loss, optimizer)
+        tp_plan = tp_plan_of(build)
         for n in (2, 4):
-            c = calib["comm"][(recipe, n)] = probe(
-                n, sizes, work=work, sharded=sharded, hop_sizes=_hop_sizes(recipe, n)
+            layouts = layouts_for(
+                n, batch=BATCH[recipe], layers=len(layers), tensor_ok=bool(tp_plan)
             )
+            c = calib["comm"][(recipe, n)] = probe_here(
+                build, example, loss_fn=loss, optimizer=optimizer, batch_size=BATCH[recipe],
+                devices=n, profile=profile, layers=layers,
+                layouts=[x for x in layouts if x.strategy in STRATEGIES], tp_plan=tp_plan,
+                fsdp_units=fsdp_units_of(build), cores=usable_cores(),
+            )  # fmt: skip
             side = c.concurrency.get(n)
             print(f"probe {recipe} {n}: process group {c.runtime_bytes[n] / 2**20:.1f} MiB, "
                   f"fsdp steps {c.sharded_growth.get(n, 0) / 2**20:.1f} MiB, "
                   f"meeting {c.meeting[n] * 1e3:.2f} ms, side by side "
                   + (f"x{side.factor:.2f}, slowest of {n} x{side.sync(n):.2f}; " if side else "-; ")
+                  + (f"tensor x{c.tensor_step[n]:.2f}; " if n in c.tensor_step else "")
                   + ", ".join(f"{k}: alpha {v.alpha * 1e6:.0f} us, {v.bandwidth / 1e9:.2f} GB/s"
                               for (k, m), v in c.links.items() if m == n), flush=True)  # fmt: skip
     return calib
-
-
-def _hop_sizes(recipe: str, n: int) -> list[int]:
-    """Bytes of the n-stage pipeline's send for the recipe, as `scaletrain plan` gives
-    its probe (none where the recipe has fewer layers than stages)."""
-    from scaletrain.plan.estimate import send_bytes
-    from scaletrain.plan.partition import list_layers
-    from scaletrain.plan.profile import profile_model
-    from scaletrain.train.planning import layout_of, resolve_model
-
-    _, build, example, loss, optimizer, _ = resolve_model(recipe, None)
-    import torch
-
-    with torch.device("meta"):
-        layers = list_layers(build())
-    if len(layers) < n:
-        return []
-    profile = profile_model(build, example(BATCH[recipe]), loss, optimizer)
-    return [int(send_bytes(layout_of("pipeline", None, n), profile, layers))]
 
 
 def _pct(pred: float, meas: float | None) -> float | None:

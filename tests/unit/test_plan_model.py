@@ -492,6 +492,48 @@ def test_side_by_side_costs_count_on_this_machine_only() -> None:
     assert time(ddp, measured, gpu).total == pytest.approx(time(ddp, quiet, gpu).total)
 
 
+def test_a_tensor_row_here_works_as_long_as_the_probe_measured_its_step() -> None:
+    # Where ranks outnumber cores, DTensor's dispatch runs on caches left cold at every
+    # collective (the gpt recipe at 4 ranks on 2 cores: 51-60 ms of CPU a step, its
+    # work alone 31-34): the probe times the tensor-parallel step among the ranks, and
+    # the row's work is that (x the plain step's), not the count times the contention.
+    from scaletrain.plan.comm import Concurrency
+    from scaletrain.plan.estimate import tensor_all_reduces
+
+    p = profile_model(_sharded_model, _sharded_example(4), nn.functional.cross_entropy, _adam)
+    with torch.device("meta"):
+        layers = list_layers(_sharded_model())
+    tp_plan = {"0": "colwise", "2": "rowwise"}
+    # A rowwise layer's output forward, a colwise one's input gradient backward.
+    assert tensor_all_reduces(p, tp_plan) == [4 * 512 * 4, 4 * 512 * 4]
+    compute = Compute(fixed=0.01, per_sample=0.001, optimizer=0.004, source="t",
+                      overhead={"step": 0.002, "tensor": 0.003})  # fmt: skip
+    cpu = Hardware("cpu", "2 cores", 10**12, {}, Link(0, 1e15), Link(0, 1e15), cores=2)
+    side = Concurrency(ranks=2, factor=1.25, spread=(1.0,))
+    counted = CommModel(default=Link(0, 1e15), concurrency={4: side})
+    measured = replace(counted, tensor_step={4: 1.5})
+
+    def time(layout: Layout, comm: CommModel, hw: Hardware = cpu) -> Any:
+        return estimate(
+            layout, p, layers=layers, tp_plan=tp_plan, compute=compute, comm=comm, hw=hw,
+            overlap=0.0,
+        ).time  # fmt: skip
+
+    tensor = Layout("tensor", tp=4)
+    # 4 ranks on 2 cores take turns (x2): the plain step (0.01 + 0.004 + 0.004) x 1.5
+    # measured, and the runtime's step around it; no contention on top.
+    assert time(tensor, measured).compute == pytest.approx(((0.018 * 1.5) + 0.002) * 2)
+    assert time(tensor, counted).compute != pytest.approx(time(tensor, measured).compute)
+    # Only where measured: another degree, other strategies and a profile are as before.
+    assert time(Layout("tensor", tp=2), measured).total == pytest.approx(
+        time(Layout("tensor", tp=2), counted).total
+    )
+    for other in (Layout("ddp", dp=4), Layout("fsdp x tp", dp=2, tp=2)):
+        assert time(other, measured).total == pytest.approx(time(other, counted).total)
+    gpu = PROFILES["h100-sxm"]
+    assert time(tensor, measured, gpu).total == pytest.approx(time(tensor, counted, gpu).total)
+
+
 def test_an_fsdp_row_grows_at_least_what_the_probe_measured_of_its_steps() -> None:
     # On a CPU the allocator keeps much of what FSDP frees at every unit (the gpt
     # recipe's sharded runs grew 10 MiB more than DDP's, holding half its optimizer
@@ -537,6 +579,18 @@ def test_a_plan_says_when_fsdps_steps_went_unmeasured() -> None:
     assert not any("not measured (the model's step did not load" in a for a in quiet)
 
 
+def test_a_plan_says_what_the_tensor_parallel_step_took_among_the_ranks() -> None:
+    from scaletrain.plan.api import _say_side_by_side
+
+    said: list[str] = []
+    _say_side_by_side(CommModel(tensor_step={4: 1.3}), 4, said)
+    assert any("work among 4 ranks takes x1.30 the CPU of the plain step alone" in a
+               for a in said), said  # fmt: skip
+    quiet: list[str] = []
+    _say_side_by_side(CommModel(tensor_step={2: 1.3}), 4, quiet)
+    assert not any("tensor-parallel" in a for a in quiet), quiet
+
+
 def _sharded_model() -> nn.Module:
     return nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 512))
 
@@ -555,7 +609,7 @@ def test_the_probe_measures_ranks_side_by_side() -> None:
     from functools import partial
 
     from scaletrain.observe.memory import reset_rss_peak
-    from scaletrain.plan.overhead import model_step, sharded_step
+    from scaletrain.plan.overhead import model_step, sharded_step, tensor_step
     from scaletrain.plan.probe import probe
 
     work = partial(model_step, _wide, _wide_example(16), nn.functional.cross_entropy, _adam)
@@ -563,7 +617,12 @@ def test_the_probe_measures_ranks_side_by_side() -> None:
         sharded_step, _sharded_model, _sharded_example(4), nn.functional.cross_entropy, _adam,
         ("0", "2"),
     )  # fmt: skip
-    comm = probe(2, [4096, 65536], work=work, sharded=sharded)
+    tensored = partial(
+        tensor_step, _sharded_model, _sharded_example(4), nn.functional.cross_entropy, _adam,
+        {"0": "colwise", "2": "rowwise"},
+    )  # fmt: skip
+    comm = probe(2, [4096, 65536], work=work, sharded=sharded, tensored=tensored,
+                 tensor_all_reduces=[4 * 512 * 4, 4 * 512 * 4])  # fmt: skip
     assert {("all_reduce", 2), ("all_gather", 2), ("send", 2)} <= set(comm.links)
     assert 2 in comm.meeting
     # A send is timed between two ranks, not borrowed from the all-gather; what a send
@@ -581,15 +640,25 @@ def test_the_probe_measures_ranks_side_by_side() -> None:
     # 2 ranks x 2 turns x at least 5 steps, each over its turn's median.
     assert len(side.spread) >= 20 and list(side.spread) == sorted(side.spread)
     assert side.spread[len(side.spread) // 2] == pytest.approx(1.0, rel=0.2)
+    # The tensor-parallel step, both ranks stepping, over the plain step alone: a real
+    # share of it (a 4 MiB model's halves, against the 16-sample wide model).
+    assert side.alone > 0
+    assert 0.01 < comm.tensor_step[2] < 100
     # A step that cannot be sent (a lambda) or fails in the ranks: collectives and the
     # meeting cost only, and no failure (the plan goes on without it).
     for bad in (
         partial(model_step, lambda: _wide(), _wide_example(4), nn.functional.cross_entropy, _adam),
         partial(model_step, _broken, _wide_example(4), nn.functional.cross_entropy, _adam),
     ):
-        bare = probe(2, [4096, 65536], work=bad, sharded=partial(sharded_step, *bad.args, ()))
+        bare = probe(2, [4096, 65536], work=bad, sharded=partial(sharded_step, *bad.args, ()),
+                     tensored=partial(tensor_step, *bad.args, {"0": "colwise"}))  # fmt: skip
         assert 2 in bare.meeting and ("all_reduce", 2) in bare.links and not bare.concurrency
-        assert not bare.sharded_growth
+        assert not bare.sharded_growth and not bare.tensor_step
+    # A tensor-parallel step that fails in the ranks, beside a plain step that runs: no
+    # measurement of it, the rest as before.
+    broken = partial(tensor_step, _broken, *tensored.args[1:])
+    half = probe(2, [4096, 65536], work=work, tensored=broken, tensor_all_reduces=[2048])
+    assert 2 in half.concurrency and not half.tensor_step
 
 
 def _plan_with_fsdp(q: Any) -> None:

@@ -18,12 +18,12 @@ from scaletrain.plan.calibration import (
     calibrate,
 )
 from scaletrain.plan.comm import CommModel
-from scaletrain.plan.estimate import Compute, Estimate, estimate, send_bytes
+from scaletrain.plan.estimate import Compute, Estimate, estimate, send_bytes, tensor_all_reduces
 from scaletrain.plan.hardware import PROFILES, this_gpu, this_machine, usable_cores
 from scaletrain.plan.layouts import Layout, layouts_for
 from scaletrain.plan.partition import Layer, list_layers
-from scaletrain.plan.probe import SHARDED_STEPS
-from scaletrain.plan.profile import profile_model
+from scaletrain.plan.probe import SHARDED_STEPS, TENSOR_STEPS
+from scaletrain.plan.profile import ModelProfile, profile_model
 from scaletrain.plan.result import Plan, throughput
 from scaletrain.precision import AUTOCAST_DTYPES, canonical
 
@@ -35,6 +35,7 @@ __all__ = [
     "check_request",
     "measuring_device",
     "plan_model",
+    "probe_here",
     "stage_batch",
     "throughput",
 ]
@@ -201,6 +202,13 @@ def _say_side_by_side(
             "in the probe's processes, or RSS cannot be read here): its row's memory is "
             "its tensors' and the runtime's, without what the allocator keeps"
         )
+    if devices in comm.tensor_step:
+        assumptions.append(
+            f"a tensor-parallel rank's work among {devices} ranks takes "
+            f"x{comm.tensor_step[devices]:.2f} the CPU of the plain step alone (measured: "
+            "its shards and DTensor's dispatch, every rank stepping, its all-reduces' own "
+            "CPU aside)"
+        )
     side = comm.concurrency.get(devices)
     if side is not None:
         assumptions.append(
@@ -250,6 +258,64 @@ def calibration_sizes(layouts: Sequence[Layout], batch: int) -> list[int]:
     """The batch sizes a calibration times for these rows: the batch, and each pipeline's
     microbatch."""
     return [batch] + [batch // (x.microbatches or 1) for x in layouts]
+
+
+def probe_here(
+    build: Callable[[], nn.Module],
+    example: Example,
+    *,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    optimizer: Callable[[Any], torch.optim.Optimizer],
+    batch_size: int,
+    devices: int,
+    profile: ModelProfile,
+    layers: Sequence[Layer],
+    layouts: Sequence[Layout],
+    tp_plan: Mapping[str, str] | None,
+    fsdp_units: Sequence[str] | None,
+    step_seconds: float = 0.0,
+    cores: int | None = None,
+) -> CommModel:
+    """The Gloo probe `plan_model` runs on this machine for these rows (scaletrain.plan
+    .probe): the collectives at the gradients' sizes and a pipeline's sends, the model's
+    step side by side, and the steps of the rows that need their own (FSDP's memory,
+    tensor parallel's CPU). `step_seconds`, the plain step's, sizes its timeout;
+    `cores`, the machine's. No probe (an empty model) for one device."""
+    from scaletrain.plan.overhead import model_step, sharded_step, tensor_step
+    from scaletrain.plan.probe import probe
+
+    if devices <= 1:
+        return CommModel()
+    # The gradients' sizes (DDP's buckets, FSDP's units), and a pipeline's sends.
+    sizes = sorted(
+        {profile.grad_bytes, max(4096, profile.grad_bytes // 8)}
+        | {max(4096, int(send_bytes(x, profile, layers))) for x in layouts if x.pp > 1}
+    )
+    work = partial(model_step, build, example(batch_size), loss_fn, optimizer)
+    sharded = None
+    if any(x.strategy == "fsdp" and x.dp == devices for x in layouts):
+        units = tuple(fsdp_units if fsdp_units is not None else (x.name for x in layers))
+        sharded = partial(sharded_step, build, example(batch_size), loss_fn, optimizer, units)
+    tensored = None
+    if tp_plan and any(x.strategy == "tensor" and x.tp == devices for x in layouts):
+        tensored = partial(tensor_step, build, example(batch_size), loss_fn, optimizer,
+                           dict(tp_plan))  # fmt: skip
+    # Room for the probe's few dozen steps of the model, however slow, and its fully
+    # sharded and tensor-parallel ones (~3x the plain step's CPU each, every rank at
+    # once: taking turns where the ranks outnumber the cores).
+    turns = max(1.0, devices / (cores or devices))
+    room = 40 + (3 * SHARDED_STEPS * turns if sharded is not None else 0)
+    room += 3 * (TENSOR_STEPS + 2) * turns if tensored is not None else 0
+    return probe(
+        devices,
+        sizes,
+        work=work,
+        sharded=sharded,
+        timeout=120 + room * step_seconds,
+        hop_sizes=[int(send_bytes(x, profile, layers)) for x in layouts if x.pp > 1],
+        tensored=tensored,
+        tensor_all_reduces=tensor_all_reduces(profile, tp_plan) if tensored and tp_plan else (),
+    )
 
 
 def plan_model(
@@ -358,41 +424,14 @@ def plan_model(
         )
     if comm is None:
         if hardware is None:
-            from scaletrain.plan.probe import probe
-
-            # The gradients' sizes (DDP's buckets, FSDP's units), and a pipeline's sends.
-            sizes = sorted(
-                {profile.grad_bytes, max(4096, profile.grad_bytes // 8)}
-                | {max(4096, int(send_bytes(x, profile, layers))) for x in layouts if x.pp > 1}
-            )
-            from scaletrain.plan.overhead import model_step, sharded_step
-
-            work = partial(model_step, build, example(batch_size), loss_fn, optimizer)
-            sharded = None
-            if any(x.strategy == "fsdp" and x.dp == devices for x in layouts):
-                units = tuple(fsdp_units if fsdp_units is not None else (x.name for x in layers))
-                sharded = partial(sharded_step, build, example(batch_size), loss_fn,
-                                  optimizer, units)  # fmt: skip
-            # Room for the probe's few dozen steps of the model, however slow, and its
-            # fully sharded ones (~3x the plain step's CPU each, every rank at once:
-            # taking turns where the ranks outnumber the cores).
             step = compute.fwd_bwd(batch_size) + compute.optimizer if compute else 0.0
-            turns = max(1.0, devices / (hw.cores or devices))
-            room = 40 + (3 * SHARDED_STEPS * turns if sharded is not None else 0)
-            hops = [int(send_bytes(x, profile, layers)) for x in layouts if x.pp > 1]
-            comm = (
-                probe(
-                    devices,
-                    sizes,
-                    work=work,
-                    sharded=sharded,
-                    timeout=120 + room * step,
-                    hop_sizes=hops,
-                )
-                if devices > 1
-                else CommModel()
-            )
-            _say_side_by_side(comm, devices, assumptions, sharded is not None)
+            comm = probe_here(
+                build, example, loss_fn=loss_fn, optimizer=optimizer, batch_size=batch_size,
+                devices=devices, profile=profile, layers=layers, layouts=layouts,
+                tp_plan=tp_plan, fsdp_units=fsdp_units, step_seconds=step, cores=hw.cores,
+            )  # fmt: skip
+            sharded = any(x.strategy == "fsdp" and x.dp == devices for x in layouts)
+            _say_side_by_side(comm, devices, assumptions, sharded)
         else:
             comm = CommModel(default=hw.intra, source=hw.name)
             assumptions.append(

@@ -86,6 +86,8 @@ class Concurrency:
     """Steps' wall times among them, each over the median of its rank's turn (so about
     1 in the middle), sorted: how much one rank's step varies, which every synchronous
     rank waits for (see `sync`)."""
+    alone: float = 0.0
+    """CPU seconds of one plain step alone (rank 0's median; 0: not kept)."""
 
     def sync(self, ranks: int) -> float:
         """Median of the slowest of `ranks` independent steps, over one step's median (the
@@ -128,6 +130,11 @@ class CommModel:
     sharded_growth: dict[int, int] = field(default_factory=dict)
     """By group size: RSS the model's fully sharded steps added after setup (measured
     when the probe got that step; see crowd.sharded_growth)."""
+    tensor_step: dict[int, float] = field(default_factory=dict)
+    """By group size: a tensor-parallel rank's CPU per step with every rank of the group
+    stepping, over the plain model's step alone (its work between the collectives, not
+    their own CPU; measured on this machine when the probe got that step; see
+    crowd.tensor_cpu)."""
 
     def time(self, kind: str, nbytes: float, n: int, link: Link | None = None) -> float:
         if n <= 1 or nbytes <= 0:

@@ -16,7 +16,11 @@ processes (scaletrain.plan.probe), which the quiet collectives do not show:
   took 20 to 32 ms a step within minutes) looked like a 15-35% slowdown.
 - given the model's step fully sharded over their group (`sharded`), the RSS 20 such
   steps add (`sharded_growth`): on a CPU most of an FSDP run's growth is freed memory
-  glibc keeps, which no accounting of the tensors predicts (see sharded_growth).
+  glibc keeps, which no accounting of the tensors predicts (see sharded_growth);
+- given the model's step tensor-parallel over their group (`tensored`), the CPU its
+  work between the collectives takes among them (`tensor_cpu`): where ranks
+  outnumber cores, DTensor's dispatch runs on caches the other ranks left cold after
+  every collective (x1.6-1.8 its CPU alone here at 4 ranks on 2 cores).
 """
 
 from __future__ import annotations
@@ -33,11 +37,13 @@ __all__ = [
     "SHARDED_STEPS",
     "STAGE_HOPS",
     "STAGE_WORK",
+    "TENSOR_STEPS",
     "mean_time",
     "meeting_cost",
     "sharded_growth",
     "side_by_side",
     "stage_hop",
+    "tensor_cpu",
 ]
 
 
@@ -140,8 +146,10 @@ def side_by_side(rank: int, work: bytes, cores: int, turns: int = 2) -> Concurre
     dist.all_gather_object(pooled, None if failed else spread)
     if rank != 0 or not alone or any(x is None for x in pooled):
         return None
-    factor = statistics.median(cpu) / max(statistics.median(alone), 1e-9)
-    return Concurrency(busy, max(1.0, factor), tuple(sorted(x for r in pooled if r for x in r)))
+    one = statistics.median(alone)
+    factor = statistics.median(cpu) / max(one, 1e-9)
+    spread_all = tuple(sorted(x for r in pooled if r for x in r))
+    return Concurrency(busy, max(1.0, factor), spread_all, alone=one)
 
 
 SHARDED_STEPS = 20
@@ -181,6 +189,63 @@ def sharded_growth(work: bytes, steps: int = SHARDED_STEPS) -> int | None:
     out = torch.tensor([grown, -grown], dtype=torch.float64)
     dist.all_reduce(out, op=dist.ReduceOp.MAX)  # the largest rank, and any failure
     return None if -out[1].item() < 0 else int(out[0].item())
+
+
+TENSOR_STEPS = 8
+"""Tensor-parallel steps tensor_cpu times on every rank (after 2 to warm up)."""
+
+
+def tensor_cpu(work: bytes, all_reduces: list[int], steps: int = TENSOR_STEPS) -> float | None:
+    """CPU seconds a rank's main thread spends per step of the model's tensor-parallel
+    step over the probe's group (`work`, pickled; every rank steps), less what its
+    all-reduces (`all_reduces`: each one's bytes in a step) cost the calling thread
+    when quiet: the work between the collectives, as this crowd of ranks makes it.
+    The median over the ranks; None where the step does not load or run (on every
+    rank alike).
+
+    Not a count of the work alone times the contention of plain steps side by side:
+    where ranks outnumber the cores, each blocking collective switches a rank out and
+    another in, and the work after it runs on cold caches. DTensor's dispatch (Python,
+    op by op) loses far more to that than a plain model's products. Measured here
+    (gpt recipe, batch 8, 4 ranks on 2 cores, 24 all-reduces a step): a rank's work
+    took 31-34 ms of CPU alone (on torch's fake process group, its shards at their
+    real shapes) and 51-60 ms among the 4, its collectives' own CPU aside; the
+    same shards with real all-reduces of the same size at the same points took 52,
+    and with no collective (4 ranks side by side) 38. A plain model's step broken by
+    72 all-reduces lost 0.21-0.26 ms to each, this step 0.8 to each. At 2 ranks the
+    two agree within 10% (41-46 and 46-50 ms)."""
+    import torch
+    import torch.distributed as dist
+
+    step = _loaded(work)
+    if not _every_rank(step is not None) or step is None:
+        return None
+    cpu = -1.0
+    try:
+        for _ in range(2):  # the allocator, the optimizer's state, DTensor's caches
+            step()
+        dist.barrier()
+        c0 = time.thread_time()
+        for _ in range(steps):
+            step()
+        cpu = (time.thread_time() - c0) / steps
+    except Exception:  # the model's own error, on every rank alike
+        cpu = -1.0
+    del step
+    callers = 0.0
+    for size in sorted(set(all_reduces)):
+        buf = torch.ones(max(1, size // 4))
+        dist.all_reduce(buf)
+        dist.barrier()
+        c0 = time.thread_time()
+        for _ in range(10):
+            dist.all_reduce(buf)
+        callers += (time.thread_time() - c0) / 10 * all_reduces.count(size)
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, cpu - callers if cpu >= 0 else None)
+    if any(x is None for x in gathered):
+        return None
+    return max(0.0, statistics.median(gathered))
 
 
 def meeting_cost(rank: int, cores: int, turns: int = 3, meetings: int = 20) -> float:

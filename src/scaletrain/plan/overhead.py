@@ -50,6 +50,7 @@ __all__ = [
     "measure_trace_bytes",
     "model_step",
     "sharded_step",
+    "tensor_step",
     "trace_bytes",
 ]
 
@@ -116,7 +117,24 @@ def sharded_step(
     return partial(_step, model, optimizer(model.parameters()), batch, loss_fn)
 
 
-def _tensor(model: nn.Module, tp_plan: Mapping[str, str]) -> nn.Module:
+def tensor_step(
+    build: Callable[[], nn.Module],
+    batch: tuple[Any, Any],
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    optimizer: Callable[[Any], torch.optim.Optimizer],
+    tp_plan: Mapping[str, str],
+) -> Callable[[], None]:
+    """The model's training step tensor-parallel over the default process group (every
+    rank the whole batch, as the tensor strategy's ranks have it), built here: the
+    probe's `tensored` (a functools.partial of this, so that it pickles)."""
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = _tensor(build(), tp_plan, dist.get_world_size())
+    return partial(_step, model, optimizer(model.parameters()), batch, loss_fn)
+
+
+def _tensor(model: nn.Module, tp_plan: Mapping[str, str], size: int = 1) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -124,7 +142,7 @@ def _tensor(model: nn.Module, tp_plan: Mapping[str, str]) -> nn.Module:
         parallelize_module,
     )
 
-    mesh = init_device_mesh("cpu", (1,))
+    mesh = init_device_mesh("cpu", (size,))
     styles = {
         k: ColwiseParallel() if v == "colwise" else RowwiseParallel() for k, v in tp_plan.items()
     }

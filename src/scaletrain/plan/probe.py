@@ -9,7 +9,7 @@ factors), so the model is the measured one at those sizes.
 The same processes measure what ranks sharing this machine cost each other, which
 the quiet collectives do not show (scaletrain.plan.crowd: a pipeline's hop as a stage
 makes it, a collective reached from work, the model's step side by side, the RSS of
-its fully sharded steps).
+its fully sharded steps, the CPU of its tensor-parallel step among them).
 """
 
 from __future__ import annotations
@@ -27,15 +27,17 @@ from scaletrain.plan.comm import KINDS, CommModel, fit_link
 from scaletrain.plan.crowd import (
     SHARDED_STEPS,
     STAGE_HOPS,
+    TENSOR_STEPS,
     mean_time,
     meeting_cost,
     sharded_growth,
     side_by_side,
     stage_hop,
+    tensor_cpu,
 )
 from scaletrain.plan.hardware import usable_cores
 
-__all__ = ["PROBE_BUDGET", "SHARDED_STEPS", "probe"]
+__all__ = ["PROBE_BUDGET", "SHARDED_STEPS", "TENSOR_STEPS", "probe"]
 
 
 def _free_port() -> int:
@@ -110,6 +112,8 @@ def _probe_rank(
     cores: int = 1,
     sharded: bytes | None = None,
     hop_sizes: list[int] | None = None,
+    tensored: bytes | None = None,
+    tensor_all_reduces: list[int] | None = None,
 ) -> None:
     import warnings
 
@@ -160,6 +164,8 @@ def _probe_rank(
         out["meeting"] = meeting_cost(rank, cores)
         if work is not None:
             out["concurrency"] = side_by_side(rank, work, cores)
+        if tensored is not None:
+            out["tensor_cpu"] = tensor_cpu(tensored, tensor_all_reduces or [])
     finally:
         dist.destroy_process_group()
     if rank == 0:
@@ -181,6 +187,8 @@ def probe(
     work: Callable[[], Callable[[], Any]] | None = None,
     sharded: Callable[[], Callable[[], Any]] | None = None,
     hop_sizes: Sequence[int] = (),
+    tensored: Callable[[], Callable[[], Any]] | None = None,
+    tensor_all_reduces: Sequence[int] = (),
 ) -> CommModel:
     """Measure Gloo on loopback over `n` processes at `sizes` (bytes); fit each collective
     (the mean of up to `repeats` back to back per size, as many as fit PROBE_BUDGET) and
@@ -190,9 +198,13 @@ def probe(
     `work` returns the model's training step; given it, the ranks also measure
     `Concurrency` (nothing where it does not pickle, or does not load or run in the
     ranks). `sharded` likewise returns the model's step fully sharded over the ranks'
-    group: given it, they measure its memory (`sharded_growth`). Takes a few seconds
+    group: given it, they measure its memory (`sharded_growth`). `tensored` returns the
+    model's step tensor-parallel over the group, whose all-reduces in a step are
+    `tensor_all_reduces` (bytes each): given it and `work`, they measure its CPU among
+    them against the plain step's alone (`CommModel.tensor_step`). Takes a few seconds
     (starting the processes dominates); `timeout` should leave room for a few dozen
-    of the model's steps, and SHARDED_STEPS fully sharded ones on every rank at once.
+    of the model's steps, and SHARDED_STEPS fully sharded ones and TENSOR_STEPS + 2
+    tensor-parallel ones on every rank at once.
     Ranks run one thread each.
     """
     import pickle
@@ -204,6 +216,7 @@ def probe(
             return None
 
     packed, packed_sharded = packed_or_none(work), packed_or_none(sharded)
+    packed_tensored = packed_or_none(tensored) if packed is not None else None
     import multiprocessing as mp
 
     model = CommModel(source=f"probe: Gloo over loopback, {n} processes")
@@ -229,6 +242,8 @@ def probe(
                 usable_cores(),
                 packed_sharded,
                 sorted({max(8, int(s)) for s in hop_sizes or ()}),
+                packed_tensored,
+                [int(s) for s in tensor_all_reduces],
             ),
             daemon=True,
         )
@@ -274,6 +289,9 @@ def probe(
     side = result.pop("concurrency", None)
     if side is not None:
         model.concurrency[n] = side
+    crowded = result.pop("tensor_cpu", None)
+    if crowded is not None and side is not None and side.alone > 0:
+        model.tensor_step[n] = crowded / side.alone
     for kind, samples in result.items():
         model.links[(kind, n)] = fit_link(kind, n, samples)
     return model
