@@ -534,6 +534,56 @@ def test_a_tensor_row_here_works_as_long_as_the_probe_measured_its_step() -> Non
     assert time(tensor, measured, gpu).total == pytest.approx(time(tensor, counted, gpu).total)
 
 
+class _Blocks(nn.Module):
+    """Two blocks in a container (FSDP's units) and a head on the root."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(2)])
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_an_fsdp_rows_collectives_are_the_strategys_units_and_its_root() -> None:
+    # FSDP gathers each unit for its forward and again for its backward and reduces it
+    # once; the root (what no unit holds) is gathered once, kept to its backward. The
+    # gpt recipe's 4 blocks and root: 9 all-gathers and 5 reduce-scatters a step,
+    # counted in a run; priced as the planner's 8 layers they were 16 and 8.
+    from scaletrain.train.planning import fsdp_units_of
+
+    p = profile_model(_Blocks, _example(8), nn.functional.cross_entropy, _adam)
+    with torch.device("meta"):
+        layers = list_layers(_Blocks())
+    units = fsdp_units_of(_Blocks)
+    assert units == ["blocks.0", "blocks.1"]
+    # Latency only: an all-gather 1 s, a reduce-scatter 10 s per message (1 of each at 2).
+    comm = CommModel(links={
+        ("all_gather", 2): Link(1.0, 1e30), ("reduce_scatter", 2): Link(10.0, 1e30),
+    })  # fmt: skip
+    compute = Compute(fixed=0.0, per_sample=0.0, optimizer=0.0, source="t")
+
+    def row(names: list[str] | None) -> Any:
+        return estimate(
+            Layout("fsdp", dp=2), p, layers=layers, tp_plan=None, compute=compute,
+            comm=comm, hw=PROFILES["h100-sxm"], overlap=0.0, fsdp_units=names,
+        )  # fmt: skip
+
+    assert row(units).time.comm == pytest.approx(2 * (2 * 1.0 + 10.0) + (1.0 + 10.0))
+    # Without the strategy's units, each of the planner's layers is one (as before).
+    assert row(None).time.comm == pytest.approx(len(layers) * (2 * 1.0 + 10.0))
+    # No containers: the whole model is the root, gathered once.
+    assert row([]).time.comm == pytest.approx(1.0 + 10.0)
+    # The two largest units' gathered parameters (one in use, the next prefetched) and
+    # the largest again for its gradients: the blocks (8 x 8 + 8 each), not the root's
+    # head (8 x 4 + 4).
+    assert row(units).memory.buffers == 3 * 72 * 4
+    assert row([]).memory.buffers == 2 * (2 * 72 + 36) * 4  # one unit: the whole model
+
+
 def test_an_fsdp_row_grows_at_least_what_the_probe_measured_of_its_steps() -> None:
     # On a CPU the allocator keeps much of what FSDP frees at every unit (the gpt
     # recipe's sharded runs grew 10 MiB more than DDP's, holding half its optimizer

@@ -342,8 +342,8 @@ def plan_model(
     """Plan `build()` over `devices` (see scaletrain.plan.estimate for the model).
 
     `fsdp_units`: the modules FSDP shards as units, by name (`scaletrain plan` gives
-    the fsdp strategy's wrap); the probe's fully sharded steps use them (default: each
-    of the model's layers).
+    the fsdp strategy's wrap); the FSDP rows' collectives and the probe's fully sharded
+    steps use them (default: each of the model's layers).
 
     `hardware` None measures this machine: its GPU where it has one (one device; `device`
     "cpu" measures its CPU instead), else its CPU (a short calibration and a Gloo
@@ -501,6 +501,7 @@ def plan_model(
             hw=hw,
             overlap=overlap,
             nodes=nodes,
+            fsdp_units=fsdp_units,
         )
         for x in layouts
     ]

@@ -212,6 +212,25 @@ def _tp_parts(profile: ModelProfile, tp_plan: Mapping[str, str]) -> dict[str, in
     }  # fmt: skip
 
 
+def _fsdp_units(
+    profile: ModelProfile, layers: Sequence[Layer], names: Sequence[str] | None, frac: float
+) -> list[tuple[float, int]]:
+    """(parameter bytes, all-gathers per step) of each unit FSDP shards: the modules the
+    strategy wraps (`names`), each gathered for its forward and again for its backward
+    and reduce-scattered once, and the root holding the rest, gathered once (FSDP keeps
+    the root's parameters from its forward to its backward). Without `names`, each of
+    the planner's layers. The gpt recipe's 4 blocks and root make 9 all-gathers and 5
+    reduce-scatters a step (counted in a run); priced as its 8 layers, 16 and 8."""
+    if names is None:
+        return [(profile.modules[layer.name].param_bytes * frac, 2) for layer in layers]
+    own = [profile.modules[n].param_bytes for n in names if n in profile.modules]
+    units = [(b * frac, 2) for b in own]
+    rest = profile.param_bytes - sum(own)
+    if rest > 0:
+        units.append((rest * frac, 1))
+    return units
+
+
 def tensor_all_reduces(profile: ModelProfile, tp_plan: Mapping[str, str]) -> list[int]:
     """Bytes of each all-reduce a tensor-parallel rank makes in a step (a rowwise layer's
     output in the forward, a colwise one's input gradient in the backward): the same at
@@ -235,8 +254,11 @@ def estimate(
     hw: Hardware,
     overlap: float,
     nodes: int = 1,
+    fsdp_units: Sequence[str] | None = None,
 ) -> Estimate:
-    """One row of the plan: `layout` for `profile` on `hw` (see the module docstring)."""
+    """One row of the plan: `layout` for `profile` on `hw` (see the module docstring).
+    `fsdp_units`: the modules the fsdp strategy shards as units, by name (default: each
+    of `layers`)."""
     P, G, Opt, A = (
         profile.param_bytes + profile.buffer_bytes,
         profile.grad_bytes,
@@ -306,14 +328,15 @@ def estimate(
         meetings += 1
     params, grads, opt = P * frac_p, G * frac_p, Opt * frac_p
     if layout.strategy in ("fsdp", "fsdp x tp") and dp > 1:
-        units = [profile.modules[layer.name].param_bytes * frac_p for layer in layers] or [P]
+        units = _fsdp_units(profile, layers, fsdp_units, frac_p) or [(P * frac_p, 2)]
         outer = hw.inter if layout.devices > per_node else None
         comm_s += sum(
-            2 * comm.time("all_gather", u, dp, outer) + comm.time("reduce_scatter", u, dp, outer)
-            for u in units
+            gathers * comm.time("all_gather", u, dp, outer)
+            + comm.time("reduce_scatter", u, dp, outer)
+            for u, gathers in units
         )
-        meetings += 3 * len(units)  # two all-gathers (forward, backward), a reduce-scatter
-        top = sorted(units, reverse=True)
+        meetings += sum(gathers + 1 for _, gathers in units)
+        top = sorted((u for u, _ in units), reverse=True)
         buffers += sum(top[:2]) + top[0]
         params, grads, opt = params / dp, grads / dp, opt / dp
     elif dp > 1:
