@@ -584,6 +584,52 @@ def test_an_fsdp_rows_collectives_are_the_strategys_units_and_its_root() -> None
     assert row([]).memory.buffers == 2 * (2 * 72 + 36) * 4  # one unit: the whole model
 
 
+def test_collectives_here_cost_what_the_probe_timed_as_a_step_reaches_them() -> None:
+    # On this machine a step's collectives are reached from work (every core busy up to
+    # them): the probe times them so, and DDP's buckets, FSDP's gathers and reductions
+    # and tensor parallel's all-reduces cost that, with no meeting cost on top; where it
+    # did not (another group size) or on a profile, quiet plus a meeting as before.
+    p = profile_model(_Blocks, _example(8), nn.functional.cross_entropy, _adam)
+    with torch.device("meta"):
+        layers = list_layers(_Blocks())
+    compute = Compute(fixed=0.0, per_sample=0.0, optimizer=0.0, source="t")
+    cpu = Hardware("cpu", "2 cores", 10**12, {}, Link(0, 1e30), Link(0, 1e30), cores=2)
+    busy = {
+        ("all_reduce", 2): Link(1.0, 1e30),
+        ("all_gather", 2): Link(10.0, 1e30),
+        ("reduce_scatter", 2): Link(100.0, 1e30),
+    }
+    quiet = CommModel(default=Link(0.0, 1e30), meeting={2: 0.001, 4: 0.001})
+    measured = replace(quiet, busy=busy)
+    tp_plan = {"blocks.0.0": "colwise", "blocks.1.0": "rowwise"}
+
+    def time(layout: Layout, comm: CommModel, hw: Hardware = cpu) -> Any:
+        return estimate(
+            layout, p, layers=layers, tp_plan=tp_plan, compute=compute, comm=comm, hw=hw,
+            overlap=0.0, fsdp_units=["blocks.0", "blocks.1"],
+        ).time  # fmt: skip
+
+    ar = collective_time("all_reduce", 1, 2, busy[("all_reduce", 2)])  # 2 messages at 2
+    ddp = time(Layout("ddp", dp=2), measured)
+    assert ddp.exposed == pytest.approx(ar) and ddp.wait == 0.0  # one bucket, no buffers
+    fsdp = time(Layout("fsdp", dp=2), measured)
+    # 2 units gathered twice, the root once; 3 reduced: one message each at 2.
+    assert fsdp.exposed == pytest.approx(5 * 10.0 + 3 * 100.0) and fsdp.wait == 0.0
+    tensor = time(Layout("tensor", tp=2), measured)
+    assert tensor.exposed == pytest.approx(2 * ar) and tensor.wait == 0.0
+    # Not probed at this group size (4 devices, FSDP over 2 of them), or a profile:
+    # quiet (0 here), and each a meeting.
+    mixed = time(Layout("fsdp x tp", dp=2, tp=2), replace(measured, busy={}))
+    assert mixed.exposed == pytest.approx(0.0) and mixed.wait == pytest.approx(
+        0.001 * 8 + 0.001 * 2
+    )
+    assert time(Layout("fsdp x tp", dp=2, tp=2), measured).total == pytest.approx(mixed.total)
+    gpu = PROFILES["h100-sxm"]
+    for layout in (Layout("ddp", dp=2), Layout("fsdp", dp=2), Layout("tensor", tp=2)):
+        assert time(layout, measured, gpu).total == pytest.approx(time(layout, quiet, gpu).total)
+        assert time(layout, quiet).wait > 0  # measured quiet here: each a meeting
+
+
 def test_an_fsdp_row_grows_at_least_what_the_probe_measured_of_its_steps() -> None:
     # On a CPU the allocator keeps much of what FSDP frees at every unit (the gpt
     # recipe's sharded runs grew 10 MiB more than DDP's, holding half its optimizer
@@ -627,6 +673,21 @@ def test_a_plan_says_when_fsdps_steps_went_unmeasured() -> None:
     _say_side_by_side(CommModel(sharded_growth={2: 2**20}), 2, quiet, sharded=True)
     assert any("grew RSS by 1.0 MiB" in a for a in quiet), quiet
     assert not any("not measured (the model's step did not load" in a for a in quiet)
+
+
+def test_a_plan_says_what_its_collectives_cost_as_a_step_reaches_them() -> None:
+    from scaletrain.plan.api import _say_side_by_side
+
+    comm = CommModel(
+        links={("all_gather", 2): Link(0.0005, 1e30)},
+        busy={("all_gather", 2): Link(0.0015, 1e30)},
+    )
+    said: list[str] = []
+    _say_side_by_side(comm, 2, said, size=2**20)
+    assert any("at 1024 KiB, all-gather 1.50 ms (0.50 ms back to back)" in a for a in said), said
+    quiet: list[str] = []
+    _say_side_by_side(comm, 4, quiet, size=2**20)
+    assert not any("as a step reaches them" in a for a in quiet), quiet
 
 
 def test_a_plan_says_what_the_tensor_parallel_step_took_among_the_ranks() -> None:
@@ -694,6 +755,8 @@ def test_the_probe_measures_ranks_side_by_side() -> None:
     # share of it (a 4 MiB model's halves, against the 16-sample wide model).
     assert side.alone > 0
     assert 0.01 < comm.tensor_step[2] < 100
+    # Every collective also timed as a step reaches it (every rank from work).
+    assert {("all_reduce", 2), ("all_gather", 2), ("reduce_scatter", 2)} <= set(comm.busy)
     # A step that cannot be sent (a lambda) or fails in the ranks: collectives and the
     # meeting cost only, and no failure (the plan goes on without it).
     for bad in (

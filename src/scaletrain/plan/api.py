@@ -180,10 +180,23 @@ def _scaled(compute: Compute) -> str:
 
 
 def _say_side_by_side(
-    comm: CommModel, devices: int, assumptions: list[str], sharded: bool = False
+    comm: CommModel, devices: int, assumptions: list[str], sharded: bool = False, size: int = 0
 ) -> None:
     """The probe's measurements of ranks sharing this machine, as assumptions
-    (`sharded`: the model's fully sharded steps were sent to be measured)."""
+    (`sharded`: the model's fully sharded steps were sent to be measured; `size`, the
+    bytes at which to say what its collectives cost: the gradients')."""
+    timed = [k for k in ("all_reduce", "all_gather", "reduce_scatter") if (k, devices) in comm.busy]
+    if timed and size > 0:
+        each = ", ".join(
+            f"{k.replace('_', '-')} {comm.time(k, size, devices, comm.busy[(k, devices)]) * 1e3:.2f}"
+            f" ms ({comm.time(k, size, devices) * 1e3:.2f} ms back to back)"
+            for k in timed
+        )
+        assumptions.append(
+            f"collectives as a step reaches them, every rank coming from work (measured; the "
+            f"rows' DDP, FSDP and tensor-parallel collectives cost these): at {size / 2**10:.0f} "
+            f"KiB, {each}"
+        )
     if devices in comm.meeting:
         assumptions.append(
             f"a collective reached from work (every core busy) costs "
@@ -431,7 +444,7 @@ def plan_model(
                 tp_plan=tp_plan, fsdp_units=fsdp_units, step_seconds=step, cores=hw.cores,
             )  # fmt: skip
             sharded = any(x.strategy == "fsdp" and x.dp == devices for x in layouts)
-            _say_side_by_side(comm, devices, assumptions, sharded)
+            _say_side_by_side(comm, devices, assumptions, sharded, profile.grad_bytes)
         else:
             comm = CommModel(default=hw.intra, source=hw.name)
             assumptions.append(

@@ -130,6 +130,10 @@ class CommModel:
     sharded_growth: dict[int, int] = field(default_factory=dict)
     """By group size: RSS the model's fully sharded steps added after setup (measured
     when the probe got that step; see crowd.sharded_growth)."""
+    busy: dict[tuple[str, int], Link] = field(default_factory=dict)
+    """Per (collective, group size): the link fitted to the collective timed as a step
+    reaches it, every rank coming from work (measured on this CPU machine, where the
+    cores are busy up to it: see crowd.from_work)."""
     tensor_step: dict[int, float] = field(default_factory=dict)
     """By group size: a tensor-parallel rank's CPU per step with every rank of the group
     stepping, over the plain model's step alone (its work between the collectives, not

@@ -5,6 +5,8 @@ processes (scaletrain.plan.probe), which the quiet collectives do not show:
   computing, the others compute, and the receiver's clock says when the data came
   (the same clock: one machine). With more ranks than cores the hop waits for cores
   at both ends; see stage_hop;
+- each collective at each size reached from work (`from_work`), as a step reaches it
+  (below, for a one-element all-reduce);
 - a collective reached from work (`meeting`): every core is busy up to it, so its
   threads wait to be scheduled and the ranks arrive apart. Here (2 cores), against a
   quiet one's mean: 0-0.4 ms more at 2 processes, 0-1.2 ms at 4; the gpt recipe's FSDP
@@ -38,6 +40,7 @@ __all__ = [
     "STAGE_HOPS",
     "STAGE_WORK",
     "TENSOR_STEPS",
+    "from_work",
     "mean_time",
     "meeting_cost",
     "sharded_growth",
@@ -61,6 +64,36 @@ def mean_time(op: Callable[[], Any], count: int) -> float:
     for _ in range(count):
         op()
     return (time.perf_counter() - t0) / count
+
+
+def from_work(op: Callable[[], Any], count: int, seconds: float | None = None) -> float:
+    """Mean seconds of `op` (a blocking collective) when every rank comes to it from
+    `seconds` of work (default STAGE_WORK), as a step's collectives are reached; the
+    work timed by the thread's own CPU clock, so that waiting for a core does not
+    shorten it.
+
+    On this machine that is what a step's collectives cost, not their quiet time back
+    to back: the collective's threads wait for a core, the ranks arrive apart, and its
+    caller's caches are cold. Measured (convnet recipe's FSDP units, 52 KB, 2 ranks, 2
+    ms of work): an all-gather 1.0-1.6 ms where back to back it took 0.3-0.9, a
+    reduce-scatter 1.8-2.9 against 1.0-2.1; at 4 ranks and 400 KB, 4.9-6.1 against
+    3.7-4.0 and 6.8-7.2 against 5.5-6.1. A one-element all-reduce (meeting_cost)
+    showed 0-0.6 ms of it; FSDP's rows at 2 processes read 16-29% short."""
+    import torch
+    import torch.distributed as dist
+
+    a = torch.ones(96, 96)
+    work = STAGE_WORK if seconds is None else seconds
+    took: list[float] = []
+    dist.barrier()
+    for _ in range(count):
+        end = time.thread_time() + work
+        while time.thread_time() < end:
+            torch.mm(a, a)
+        t0 = time.perf_counter()
+        op()
+        took.append(time.perf_counter() - t0)
+    return statistics.fmean(took)
 
 
 def _timed_steps(step: Callable[[], Any], seconds: float) -> list[tuple[float, float]]:

@@ -269,7 +269,23 @@ def estimate(
     dp, tp, pp = layout.dp, layout.tp, layout.pp
     frac_p = frac_f = 1.0  # share of parameters / FLOPs on the busiest device
     acts, buffers, comm_s, exposed_free = float(A), 0.0, 0.0, 0.0
-    meetings = 0  # blocking collectives per step on the busiest rank
+    meetings = 0  # blocking collectives per step on the busiest rank, priced quiet
+    here = hw.cores is not None
+
+    def reached(kind: str, nbytes: float, n: int, link: Link | None, count: int = 1) -> float:
+        """Seconds of `count` blocking collectives the ranks come to from their work: as
+        the probe timed them so on this machine (CommModel.busy, over all the layout's
+        ranks, within a node), else quiet, each then a meeting (its cost beyond quiet,
+        comm.CommModel.meeting)."""
+        nonlocal meetings
+        # Timed at the probe's size, all of this layout's ranks (a smaller group among
+        # them meets another crowd).
+        timed = here and link is None and n == layout.devices
+        busy = comm.busy.get((kind, n)) if timed else None
+        if busy is None:
+            meetings += count
+        return count * comm.time(kind, nbytes, n, busy or link)
+
     samples = float(B)
     per_node = max(1, layout.devices // max(1, nodes))
     inner = hw.inter if tp > per_node else None
@@ -279,10 +295,10 @@ def estimate(
         frac_f = 1.0 - parts["flops"] / max(1, profile.flops) * (1 - 1 / tp)
         acts = A - parts["acts"] * (1 - 1 / tp)
         buffers += parts["largest"]
-        fwd = comm.time("all_reduce", parts["fwd_bytes"] / max(1, parts["fwd_msgs"]), tp, inner)
-        bwd = comm.time("all_reduce", parts["bwd_bytes"] / max(1, parts["bwd_msgs"]), tp, inner)
-        exposed_free += parts["fwd_msgs"] * fwd + parts["bwd_msgs"] * bwd  # on the critical path
-        meetings += parts["fwd_msgs"] + parts["bwd_msgs"]
+        for way in ("fwd", "bwd"):  # on the critical path
+            msgs = parts[f"{way}_msgs"]
+            exposed_free += reached("all_reduce", parts[f"{way}_bytes"] / max(1, msgs), tp,
+                                    inner, msgs)  # fmt: skip
     m = layout.microbatches or 1
     piped: _Piped | None = None
     stage_buffers: list[int] = []
@@ -331,19 +347,16 @@ def estimate(
         units = _fsdp_units(profile, layers, fsdp_units, frac_p) or [(P * frac_p, 2)]
         outer = hw.inter if layout.devices > per_node else None
         comm_s += sum(
-            gathers * comm.time("all_gather", u, dp, outer)
-            + comm.time("reduce_scatter", u, dp, outer)
+            reached("all_gather", u, dp, outer, gathers) + reached("reduce_scatter", u, dp, outer)
             for u, gathers in units
         )
-        meetings += sum(gathers + 1 for _, gathers in units)
         top = sorted((u for u, _ in units), reverse=True)
         buffers += sum(top[:2]) + top[0]
         params, grads, opt = params / dp, grads / dp, opt / dp
     elif dp > 1:
         outer = hw.inter if layout.devices > per_node else None
         n_buckets = max(1, -(-int(grads) // DDP_BUCKET_BYTES))
-        comm_s += n_buckets * comm.time("all_reduce", grads / n_buckets, dp, outer)
-        meetings += n_buckets
+        comm_s += reached("all_reduce", grads / n_buckets, dp, outer, n_buckets)
         # A ddp x pp stage's DDP holds (and broadcasts) its own stage's buffers only;
         # those of no layer (registered on the model itself) counted with the largest.
         held = (

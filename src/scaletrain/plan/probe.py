@@ -2,9 +2,10 @@
 
 On this machine the probe starts N Gloo processes on loopback, times each collective
 at the sizes the plan will use (the gradients', and a pipeline's activations per
-microbatch; a send as half a round trip between two of them), and fits alpha and
-bandwidth per collective (least squares on the formula's own
-factors), so the model is the measured one at those sizes.
+microbatch; a send as half a round trip between two of them), back to back and as a
+step reaches it (every rank coming from work), and fits alpha and bandwidth per
+collective (least squares on the formula's own factors), so the model is the measured
+one at those sizes.
 
 The same processes measure what ranks sharing this machine cost each other, which
 the quiet collectives do not show (scaletrain.plan.crowd: a pipeline's hop as a stage
@@ -28,6 +29,7 @@ from scaletrain.plan.crowd import (
     SHARDED_STEPS,
     STAGE_HOPS,
     TENSOR_STEPS,
+    from_work,
     mean_time,
     meeting_cost,
     sharded_growth,
@@ -131,6 +133,7 @@ def _probe_rank(
     before = current_rss_bytes() or 0
     dist.init_process_group("gloo", rank=rank, world_size=n)
     out: dict[str, Any] = {k: [] for k in KINDS[:3]}
+    busy: dict[str, list[tuple[float, float]]] = {k: [] for k in KINDS[:3]}
     try:
         for size in sizes:
             numel = max(n, size // 4 // n * n)
@@ -144,12 +147,14 @@ def _probe_rank(
             for kind, op in ops.items():
                 count = _agreed_count(op, repeats)
                 out[kind].append((float(numel * 4), mean_time(op, count)))
+                busy[kind].append((float(numel * 4), from_work(op, count)))
         # Beyond the probe's own tensors (the largest size, whole and one shard).
         own = max(sizes) * (1 + 1 / n)
         out["growth"] = max(0, int(rss_peak_bytes() - before - own)) if before else 0
         grown = torch.tensor([out["growth"]], dtype=torch.float64)
         dist.all_reduce(grown, op=dist.ReduceOp.MAX)
         out["growth"] = int(grown.item())
+        out["busy"] = busy
         if sharded is not None:
             # Before the plain model's steps below, whose freed memory it would reuse.
             out["sharded"] = sharded_growth(sharded)
@@ -289,6 +294,8 @@ def probe(
     side = result.pop("concurrency", None)
     if side is not None:
         model.concurrency[n] = side
+    for kind, samples in result.pop("busy").items():
+        model.busy[(kind, n)] = fit_link(kind, n, samples)
     crowded = result.pop("tensor_cpu", None)
     if crowded is not None and side is not None and side.alone > 0:
         model.tensor_step[n] = crowded / side.alone
