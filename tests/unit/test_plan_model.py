@@ -492,26 +492,28 @@ def test_side_by_side_costs_count_on_this_machine_only() -> None:
     assert time(ddp, measured, gpu).total == pytest.approx(time(ddp, quiet, gpu).total)
 
 
-def test_a_tensor_row_here_works_as_long_as_the_probe_measured_its_step() -> None:
+def test_fsdp_and_tensor_rows_here_work_as_long_as_the_probe_measured_their_steps() -> None:
     # Where ranks outnumber cores, DTensor's dispatch runs on caches left cold at every
     # collective (the gpt recipe at 4 ranks on 2 cores: 51-60 ms of CPU a step, its
     # work alone 31-34): the probe times the tensor-parallel step among the ranks, and
     # the row's work is that (x the plain step's), not the count times the contention.
     from scaletrain.plan.comm import Concurrency
-    from scaletrain.plan.estimate import tensor_all_reduces
+    from scaletrain.plan.estimate import step_collectives
 
     p = profile_model(_sharded_model, _sharded_example(4), nn.functional.cross_entropy, _adam)
     with torch.device("meta"):
         layers = list_layers(_sharded_model())
     tp_plan = {"0": "colwise", "2": "rowwise"}
     # A rowwise layer's output forward, a colwise one's input gradient backward.
-    assert tensor_all_reduces(p, tp_plan) == [4 * 512 * 4, 4 * 512 * 4]
+    assert step_collectives(p, layers, tp_plan, None)["tensor"] == [
+        ("all_reduce", 4 * 512 * 4), ("all_reduce", 4 * 512 * 4),
+    ]  # fmt: skip
     compute = Compute(fixed=0.01, per_sample=0.001, optimizer=0.004, source="t",
                       overhead={"step": 0.002, "tensor": 0.003})  # fmt: skip
     cpu = Hardware("cpu", "2 cores", 10**12, {}, Link(0, 1e15), Link(0, 1e15), cores=2)
     side = Concurrency(ranks=2, factor=1.25, spread=(1.0,))
     counted = CommModel(default=Link(0, 1e15), concurrency={4: side})
-    measured = replace(counted, tensor_step={4: 1.5})
+    measured = replace(counted, step_cpu={("tensor", 4): 1.5})
 
     def time(layout: Layout, comm: CommModel, hw: Hardware = cpu) -> Any:
         return estimate(
@@ -528,10 +530,15 @@ def test_a_tensor_row_here_works_as_long_as_the_probe_measured_its_step() -> Non
     assert time(Layout("tensor", tp=2), measured).total == pytest.approx(
         time(Layout("tensor", tp=2), counted).total
     )
-    for other in (Layout("ddp", dp=4), Layout("fsdp x tp", dp=2, tp=2)):
+    for other in (Layout("ddp", dp=4), Layout("fsdp x tp", dp=2, tp=2), Layout("fsdp", dp=4)):
         assert time(other, measured).total == pytest.approx(time(other, counted).total)
     gpu = PROFILES["h100-sxm"]
     assert time(tensor, measured, gpu).total == pytest.approx(time(tensor, counted, gpu).total)
+    # FSDP's likewise (its copies and hooks around each unit), for its own row.
+    sharded = replace(counted, step_cpu={("fsdp", 4): 1.2})
+    fsdp = Layout("fsdp", dp=4)
+    assert time(fsdp, sharded).compute == pytest.approx(((0.018 * 1.2) + 0.002) * 2)
+    assert time(tensor, sharded).total == pytest.approx(time(tensor, counted).total)
 
 
 class _Blocks(nn.Module):
@@ -694,11 +701,12 @@ def test_a_plan_says_what_the_tensor_parallel_step_took_among_the_ranks() -> Non
     from scaletrain.plan.api import _say_side_by_side
 
     said: list[str] = []
-    _say_side_by_side(CommModel(tensor_step={4: 1.3}), 4, said)
-    assert any("work among 4 ranks takes x1.30 the CPU of the plain step alone" in a
-               for a in said), said  # fmt: skip
+    _say_side_by_side(CommModel(step_cpu={("tensor", 4): 1.3, ("fsdp", 4): 1.1}), 4, said)
+    assert any("tensor-parallel rank's work (its shards and DTensor's dispatch) among 4 ranks "
+               "takes x1.30 the CPU of the plain step alone" in a for a in said), said  # fmt: skip
+    assert any("FSDP rank's work" in a and "x1.10" in a for a in said), said
     quiet: list[str] = []
-    _say_side_by_side(CommModel(tensor_step={2: 1.3}), 4, quiet)
+    _say_side_by_side(CommModel(step_cpu={("tensor", 2): 1.3}), 4, quiet)
     assert not any("tensor-parallel" in a for a in quiet), quiet
 
 
@@ -732,8 +740,12 @@ def test_the_probe_measures_ranks_side_by_side() -> None:
         tensor_step, _sharded_model, _sharded_example(4), nn.functional.cross_entropy, _adam,
         {"0": "colwise", "2": "rowwise"},
     )  # fmt: skip
+    collectives = {
+        "tensor": [("all_reduce", 4 * 512 * 4)] * 2,
+        "fsdp": [("all_gather", 2 * 2**20)] * 2 + [("reduce_scatter", 2 * 2**20)],
+    }
     comm = probe(2, [4096, 65536], work=work, sharded=sharded, tensored=tensored,
-                 tensor_all_reduces=[4 * 512 * 4, 4 * 512 * 4])  # fmt: skip
+                 collectives=collectives)  # fmt: skip
     assert {("all_reduce", 2), ("all_gather", 2), ("send", 2)} <= set(comm.links)
     assert 2 in comm.meeting
     # A send is timed between two ranks, not borrowed from the all-gather; what a send
@@ -754,7 +766,8 @@ def test_the_probe_measures_ranks_side_by_side() -> None:
     # The tensor-parallel step, both ranks stepping, over the plain step alone: a real
     # share of it (a 4 MiB model's halves, against the 16-sample wide model).
     assert side.alone > 0
-    assert 0.01 < comm.tensor_step[2] < 100
+    assert 0.01 < comm.step_cpu[("tensor", 2)] < 100
+    assert 0.01 < comm.step_cpu[("fsdp", 2)] < 100
     # Every collective also timed as a step reaches it (every rank from work).
     assert {("all_reduce", 2), ("all_gather", 2), ("reduce_scatter", 2)} <= set(comm.busy)
     # A step that cannot be sent (a lambda) or fails in the ranks: collectives and the
@@ -766,12 +779,12 @@ def test_the_probe_measures_ranks_side_by_side() -> None:
         bare = probe(2, [4096, 65536], work=bad, sharded=partial(sharded_step, *bad.args, ()),
                      tensored=partial(tensor_step, *bad.args, {"0": "colwise"}))  # fmt: skip
         assert 2 in bare.meeting and ("all_reduce", 2) in bare.links and not bare.concurrency
-        assert not bare.sharded_growth and not bare.tensor_step
+        assert not bare.sharded_growth and not bare.step_cpu
     # A tensor-parallel step that fails in the ranks, beside a plain step that runs: no
     # measurement of it, the rest as before.
     broken = partial(tensor_step, _broken, *tensored.args[1:])
-    half = probe(2, [4096, 65536], work=work, tensored=broken, tensor_all_reduces=[2048])
-    assert 2 in half.concurrency and not half.tensor_step
+    half = probe(2, [4096, 65536], work=work, tensored=broken, collectives=collectives)
+    assert 2 in half.concurrency and not half.step_cpu
 
 
 def _plan_with_fsdp(q: Any) -> None:

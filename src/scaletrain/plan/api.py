@@ -18,7 +18,7 @@ from scaletrain.plan.calibration import (
     calibrate,
 )
 from scaletrain.plan.comm import CommModel
-from scaletrain.plan.estimate import Compute, Estimate, estimate, send_bytes, tensor_all_reduces
+from scaletrain.plan.estimate import Compute, Estimate, estimate, send_bytes, step_collectives
 from scaletrain.plan.hardware import PROFILES, this_gpu, this_machine, usable_cores
 from scaletrain.plan.layouts import Layout, layouts_for
 from scaletrain.plan.partition import Layer, list_layers
@@ -215,13 +215,16 @@ def _say_side_by_side(
             "in the probe's processes, or RSS cannot be read here): its row's memory is "
             "its tensors' and the runtime's, without what the allocator keeps"
         )
-    if devices in comm.tensor_step:
-        assumptions.append(
-            f"a tensor-parallel rank's work among {devices} ranks takes "
-            f"x{comm.tensor_step[devices]:.2f} the CPU of the plain step alone (measured: "
-            "its shards and DTensor's dispatch, every rank stepping, its all-reduces' own "
-            "CPU aside)"
-        )
+    for strategy, what in (
+        ("fsdp", "an FSDP rank's work (FSDP's copies and hooks around each unit)"),
+        ("tensor", "a tensor-parallel rank's work (its shards and DTensor's dispatch)"),
+    ):
+        if (strategy, devices) in comm.step_cpu:
+            assumptions.append(
+                f"{what} among {devices} ranks takes "
+                f"x{comm.step_cpu[(strategy, devices)]:.2f} the CPU of the plain step alone "
+                "(measured, every rank stepping, its collectives' own CPU aside)"
+            )
     side = comm.concurrency.get(devices)
     if side is not None:
         assumptions.append(
@@ -327,7 +330,7 @@ def probe_here(
         timeout=120 + room * step_seconds,
         hop_sizes=[int(send_bytes(x, profile, layers)) for x in layouts if x.pp > 1],
         tensored=tensored,
-        tensor_all_reduces=tensor_all_reduces(profile, tp_plan) if tensored and tp_plan else (),
+        collectives=step_collectives(profile, layers, tp_plan, fsdp_units),
     )
 
 

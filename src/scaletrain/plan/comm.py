@@ -134,11 +134,11 @@ class CommModel:
     """Per (collective, group size): the link fitted to the collective timed as a step
     reaches it, every rank coming from work (measured on this CPU machine, where the
     cores are busy up to it: see crowd.from_work)."""
-    tensor_step: dict[int, float] = field(default_factory=dict)
-    """By group size: a tensor-parallel rank's CPU per step with every rank of the group
-    stepping, over the plain model's step alone (its work between the collectives, not
-    their own CPU; measured on this machine when the probe got that step; see
-    crowd.tensor_cpu)."""
+    step_cpu: dict[tuple[str, int], float] = field(default_factory=dict)
+    """By (strategy, group size): a rank's CPU per step of that strategy over the whole
+    group ("fsdp", "tensor"), every rank stepping, over the plain model's step alone
+    (its work between the collectives, not their own CPU; measured on this machine
+    when the probe got those steps; see crowd.step_cpu)."""
 
     def time(self, kind: str, nbytes: float, n: int, link: Link | None = None) -> float:
         if n <= 1 or nbytes <= 0:

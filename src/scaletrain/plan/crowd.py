@@ -19,10 +19,11 @@ processes (scaletrain.plan.probe), which the quiet collectives do not show:
 - given the model's step fully sharded over their group (`sharded`), the RSS 20 such
   steps add (`sharded_growth`): on a CPU most of an FSDP run's growth is freed memory
   glibc keeps, which no accounting of the tensors predicts (see sharded_growth);
-- given the model's step tensor-parallel over their group (`tensored`), the CPU its
-  work between the collectives takes among them (`tensor_cpu`): where ranks
-  outnumber cores, DTensor's dispatch runs on caches the other ranks left cold after
-  every collective (x1.6-1.8 its CPU alone here at 4 ranks on 2 cores).
+- given the model's step tensor-parallel over their group (`tensored`), and with the
+  fully sharded one, the CPU the work between their collectives takes among them
+  (`step_cpu`): DTensor's dispatch and FSDP's copies run on caches the other ranks
+  left cold at every collective (tensor parallel's x1.6-1.8 its CPU alone here at 4
+  ranks on 2 cores).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ __all__ = [
     "sharded_growth",
     "side_by_side",
     "stage_hop",
-    "tensor_cpu",
+    "step_cpu",
 ]
 
 
@@ -189,14 +190,18 @@ SHARDED_STEPS = 20
 """Steps of the model fully sharded whose RSS growth the probe measures."""
 
 
-def sharded_growth(work: bytes, steps: int = SHARDED_STEPS) -> int | None:
+def sharded_growth(
+    work: bytes, collectives: list[tuple[str, int]] | None = None, steps: int = SHARDED_STEPS
+) -> tuple[int | None, float | None]:
     """RSS the model's fully sharded step adds over `steps` steps after its setup, on
-    the largest rank (None where it does not load or run: on every rank alike).
+    the largest rank, and the CPU its main thread spends on a step among the ranks
+    (`step_cpu`, over the second half of the steps, less the quiet CPU of its
+    `collectives`). (None, None) where it does not load or run: on every rank alike.
 
-    Not predictable from the model on a CPU: glibc's allocator keeps much of the
-    memory FSDP frees at every unit (gathered parameters, unsharded gradients), and
-    how much depends on the sizes and order of those buffers. Measured here (the gpt
-    recipe widened to 256, 2 ranks): a step's end held 122-164 MiB, 35 MiB once
+    The growth is not predictable from the model on a CPU: glibc's allocator keeps much
+    of the memory FSDP frees at every unit (gathered parameters, unsharded gradients),
+    and how much depends on the sizes and order of those buffers. Measured here (the
+    gpt recipe widened to 256, 2 ranks): a step's end held 122-164 MiB, 35 MiB once
     `malloc_trim` returned what was free; DDP's same model 106-114. It creeps for a
     while: the gpt recipe's sharded steps at 2 ranks grew 53-60 MiB in 10 steps, 61 in
     20 (a 20-step run of the training runtime: 64), 65-68 in 40."""
@@ -210,46 +215,53 @@ def sharded_growth(work: bytes, steps: int = SHARDED_STEPS) -> int | None:
     # Every rank steps, or none: a rank that could not would leave the others waiting
     # in the steps' all-gathers. (A step failing on some ranks only still would.)
     if not _every_rank(step is not None and bool(start)) or step is None or not start:
-        return None
-    grown = -1.0
+        return None, None
+    grown, cpu = -1.0, -1.0
     try:
-        for _ in range(steps):
+        for _ in range(steps - steps // 2):
             step()
+        c0 = time.thread_time()
+        for _ in range(steps // 2):
+            step()
+        cpu = (time.thread_time() - c0) / max(1, steps // 2)
         grown = float(rss_peak_bytes() - start)
     except Exception:  # the model's own error, on every rank alike
         grown = -1.0
     del step
     out = torch.tensor([grown, -grown], dtype=torch.float64)
     dist.all_reduce(out, op=dist.ReduceOp.MAX)  # the largest rank, and any failure
-    return None if -out[1].item() < 0 else int(out[0].item())
+    if -out[1].item() < 0:
+        return None, None
+    return int(out[0].item()), _less_callers(cpu, collectives or [])
 
 
-TENSOR_STEPS = 8
-"""Tensor-parallel steps tensor_cpu times on every rank (after 2 to warm up)."""
+TENSOR_STEPS = 12
+"""Tensor-parallel steps step_cpu times on every rank (after 2 to warm up)."""
 
 
-def tensor_cpu(work: bytes, all_reduces: list[int], steps: int = TENSOR_STEPS) -> float | None:
-    """CPU seconds a rank's main thread spends per step of the model's tensor-parallel
-    step over the probe's group (`work`, pickled; every rank steps), less what its
-    all-reduces (`all_reduces`: each one's bytes in a step) cost the calling thread
-    when quiet: the work between the collectives, as this crowd of ranks makes it.
-    The median over the ranks; None where the step does not load or run (on every
-    rank alike).
+def step_cpu(
+    work: bytes, collectives: list[tuple[str, int]], steps: int = TENSOR_STEPS
+) -> float | None:
+    """CPU seconds a rank's main thread spends per step of a parallel step over the
+    probe's group (`work`, pickled: the model's tensor-parallel step; every rank
+    steps), less what its `collectives` ((kind, bytes) of each in a step) cost the
+    calling thread when quiet: the work between the collectives, as this crowd of
+    ranks makes it. The median over the ranks; None where the step does not load or
+    run (on every rank alike).
 
     Not a count of the work alone times the contention of plain steps side by side:
-    where ranks outnumber the cores, each blocking collective switches a rank out and
-    another in, and the work after it runs on cold caches. DTensor's dispatch (Python,
-    op by op) loses far more to that than a plain model's products. Measured here
-    (gpt recipe, batch 8, 4 ranks on 2 cores, 24 all-reduces a step): a rank's work
-    took 31-34 ms of CPU alone (on torch's fake process group, its shards at their
-    real shapes) and 51-60 ms among the 4, its collectives' own CPU aside; the
-    same shards with real all-reduces of the same size at the same points took 52,
-    and with no collective (4 ranks side by side) 38. A plain model's step broken by
-    72 all-reduces lost 0.21-0.26 ms to each, this step 0.8 to each. At 2 ranks the
-    two agree within 10% (41-46 and 46-50 ms)."""
-    import torch
-    import torch.distributed as dist
-
+    each blocking collective switches a rank out and another in, and the work after
+    it runs on cold caches. DTensor's dispatch (Python, op by op) and FSDP's copies
+    around each unit lose far more to that than a plain model's products. Measured
+    here (gpt recipe, batch 8, tensor parallel over 4 ranks on 2 cores, 24
+    all-reduces a step): a rank's work took 31-34 ms of CPU alone (on torch's fake
+    process group, its shards at their real shapes) and 51-60 ms among the 4, its
+    collectives' own CPU aside; the same shards with real all-reduces of the same size
+    at the same points took 52, and with no collective (4 ranks side by side) 38. A
+    plain model's step broken by 72 all-reduces lost 0.21-0.26 ms to each, this step
+    0.8 to each. At 2 ranks the two agree within 10% (41-46 and 46-50 ms). The
+    convnet recipe's FSDP step at 2 ranks (8 collectives): 14-17 ms, where the count
+    of its work and FSDP's machinery on one rank made 10."""
     step = _loaded(work)
     if not _every_rank(step is not None) or step is None:
         return None
@@ -257,6 +269,8 @@ def tensor_cpu(work: bytes, all_reduces: list[int], steps: int = TENSOR_STEPS) -
     try:
         for _ in range(2):  # the allocator, the optimizer's state, DTensor's caches
             step()
+        import torch.distributed as dist
+
         dist.barrier()
         c0 = time.thread_time()
         for _ in range(steps):
@@ -265,16 +279,34 @@ def tensor_cpu(work: bytes, all_reduces: list[int], steps: int = TENSOR_STEPS) -
     except Exception:  # the model's own error, on every rank alike
         cpu = -1.0
     del step
+    return _less_callers(cpu, collectives)
+
+
+def _less_callers(cpu: float, collectives: list[tuple[str, int]]) -> float | None:
+    """`cpu` (a rank's; < 0: its step failed) less what `collectives` cost the calling
+    thread back to back, the median over the ranks (each calls this at the same
+    point); None where any rank's step failed."""
+    import torch
+    import torch.distributed as dist
+
+    n = dist.get_world_size()
     callers = 0.0
-    for size in sorted(set(all_reduces)):
-        buf = torch.ones(max(1, size // 4))
-        dist.all_reduce(buf)
+    for kind, size in sorted(set(collectives)):
+        numel = max(n, size // 4 // n * n)
+        full, shard = torch.ones(numel), torch.ones(numel // n)
+        ops: dict[str, Callable[[], Any]] = {
+            "all_reduce": partial(dist.all_reduce, full),
+            "all_gather": partial(dist.all_gather_into_tensor, full, shard),
+            "reduce_scatter": partial(dist.reduce_scatter_tensor, shard, full),
+        }
+        op = ops[kind]
+        op()
         dist.barrier()
         c0 = time.thread_time()
         for _ in range(10):
-            dist.all_reduce(buf)
-        callers += (time.thread_time() - c0) / 10 * all_reduces.count(size)
-    gathered: list[Any] = [None] * dist.get_world_size()
+            op()
+        callers += (time.thread_time() - c0) / 10 * collectives.count((kind, size))
+    gathered: list[Any] = [None] * n
     dist.all_gather_object(gathered, cpu - callers if cpu >= 0 else None)
     if any(x is None for x in gathered):
         return None

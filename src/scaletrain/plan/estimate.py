@@ -24,9 +24,9 @@ device of its own that is the textbook (pp-1)/M of a stage's work (over the virt
 stages for interleaved 1F1B). Other rows: on a CPU with more processes than cores,
 the processes take turns: compute is multiplied by processes/cores. On this machine
 the probe's measurements add what ranks sharing it cost each other: compute grows by
-their contention (comm.Concurrency; a tensor-parallel row's work is the probe's own
-measurement of its step among the ranks, comm.CommModel.tensor_step, where it has
-one), a pipeline stage pays each send and receive's CPU
+their contention (comm.Concurrency; an FSDP or tensor-parallel row's work is the
+probe's own measurement of its step among the ranks, comm.CommModel.step_cpu, where it
+has one), a pipeline stage pays each send and receive's CPU
 (comm.CommModel.send_cpu), and the step waits for the slowest rank and, at each
 blocking collective, for a core (comm.CommModel.meeting).
 """
@@ -55,7 +55,7 @@ __all__ = [
     "StepTime",
     "estimate",
     "send_bytes",
-    "tensor_all_reduces",
+    "step_collectives",
 ]
 
 DDP_BUCKET_BYTES = 25 * 2**20
@@ -231,15 +231,26 @@ def _fsdp_units(
     return units
 
 
-def tensor_all_reduces(profile: ModelProfile, tp_plan: Mapping[str, str]) -> list[int]:
-    """Bytes of each all-reduce a tensor-parallel rank makes in a step (a rowwise layer's
-    output in the forward, a colwise one's input gradient in the backward): the same at
-    every degree, each rank holding the whole tensor."""
-    parts = _tp_parts(profile, tp_plan)
-    out: list[int] = []
-    for way in ("fwd", "bwd"):
-        if parts[f"{way}_msgs"]:
-            out += [parts[f"{way}_bytes"] // parts[f"{way}_msgs"]] * parts[f"{way}_msgs"]
+def step_collectives(
+    profile: ModelProfile,
+    layers: Sequence[Layer],
+    tp_plan: Mapping[str, str] | None,
+    fsdp_units: Sequence[str] | None,
+) -> dict[str, list[tuple[str, int]]]:
+    """(kind, bytes) of each collective a rank makes in a step over the whole group,
+    for "fsdp" (each unit's gathers and reduction) and "tensor" (a rowwise layer's
+    output in the forward, a colwise one's input gradient in the backward: the same at
+    every degree, each rank holding the whole tensor)."""
+    out: dict[str, list[tuple[str, int]]] = {"fsdp": []}
+    for u, gathers in _fsdp_units(profile, layers, fsdp_units, 1.0):
+        out["fsdp"] += [("all_gather", int(u))] * gathers + [("reduce_scatter", int(u))]
+    if tp_plan:
+        parts = _tp_parts(profile, tp_plan)
+        out["tensor"] = []
+        for way in ("fwd", "bwd"):
+            if parts[f"{way}_msgs"]:
+                each = parts[f"{way}_bytes"] // parts[f"{way}_msgs"]
+                out["tensor"] += [("all_reduce", each)] * parts[f"{way}_msgs"]
     return out
 
 
@@ -392,13 +403,11 @@ def estimate(
     # slowest at each step's collectives (both measured by the probe, given the step).
     side = comm.concurrency.get(layout.devices) if hw.cores is not None else None
     contention = side.factor if side is not None else 1.0
-    crowded = (
-        comm.tensor_step.get(tp) if hw.cores is not None and layout.strategy == "tensor" else None
-    )
-    if crowded is not None and tp_plan:
-        # Measured by the probe with every rank stepping (crowd.tensor_cpu): where ranks
-        # outnumber cores DTensor's dispatch runs on caches left cold at every
-        # collective, which neither the count above nor plain steps' contention sees.
+    crowded = comm.step_cpu.get((layout.strategy, layout.devices)) if here else None
+    if crowded is not None and (tp_plan or layout.strategy != "tensor"):
+        # Measured by the probe with every rank stepping (crowd.step_cpu): DTensor's
+        # dispatch and FSDP's copies run on caches left cold at every collective,
+        # which neither the count above nor plain steps' contention sees.
         work = (compute.fwd_bwd(samples) + compute.optimizer) * crowded
         work += compute.overhead.get("step", 0.0)
         contention = 1.0

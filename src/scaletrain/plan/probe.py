@@ -19,7 +19,7 @@ import os
 import socket
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -35,7 +35,7 @@ from scaletrain.plan.crowd import (
     sharded_growth,
     side_by_side,
     stage_hop,
-    tensor_cpu,
+    step_cpu,
 )
 from scaletrain.plan.hardware import usable_cores
 
@@ -115,7 +115,7 @@ def _probe_rank(
     sharded: bytes | None = None,
     hop_sizes: list[int] | None = None,
     tensored: bytes | None = None,
-    tensor_all_reduces: list[int] | None = None,
+    collectives: dict[str, list[tuple[str, int]]] | None = None,
 ) -> None:
     import warnings
 
@@ -157,7 +157,9 @@ def _probe_rank(
         out["busy"] = busy
         if sharded is not None:
             # Before the plain model's steps below, whose freed memory it would reuse.
-            out["sharded"] = sharded_growth(sharded)
+            out["sharded"], out["fsdp_cpu"] = sharded_growth(
+                sharded, (collectives or {}).get("fsdp")
+            )
         # After the memory measurements: its buffers would be theirs to reuse.
         out["send"], out["send_cpu"] = _point_to_point(rank, sizes, repeats)
         if hop_sizes:
@@ -170,7 +172,7 @@ def _probe_rank(
         if work is not None:
             out["concurrency"] = side_by_side(rank, work, cores)
         if tensored is not None:
-            out["tensor_cpu"] = tensor_cpu(tensored, tensor_all_reduces or [])
+            out["tensor_cpu"] = step_cpu(tensored, (collectives or {}).get("tensor", []))
     finally:
         dist.destroy_process_group()
     if rank == 0:
@@ -193,7 +195,7 @@ def probe(
     sharded: Callable[[], Callable[[], Any]] | None = None,
     hop_sizes: Sequence[int] = (),
     tensored: Callable[[], Callable[[], Any]] | None = None,
-    tensor_all_reduces: Sequence[int] = (),
+    collectives: Mapping[str, Sequence[tuple[str, int]]] | None = None,
 ) -> CommModel:
     """Measure Gloo on loopback over `n` processes at `sizes` (bytes); fit each collective
     (the mean of up to `repeats` back to back per size, as many as fit PROBE_BUDGET) and
@@ -204,9 +206,10 @@ def probe(
     `Concurrency` (nothing where it does not pickle, or does not load or run in the
     ranks). `sharded` likewise returns the model's step fully sharded over the ranks'
     group: given it, they measure its memory (`sharded_growth`). `tensored` returns the
-    model's step tensor-parallel over the group, whose all-reduces in a step are
-    `tensor_all_reduces` (bytes each): given it and `work`, they measure its CPU among
-    them against the plain step's alone (`CommModel.tensor_step`). Takes a few seconds
+    model's step tensor-parallel over the group. Given `work`, they measure the CPU of
+    both among them against the plain step's alone (`CommModel.step_cpu`), less that
+    of their `collectives` ({"fsdp": [(kind, bytes), ...], "tensor": ...}: each one
+    in a step). Takes a few seconds
     (starting the processes dominates); `timeout` should leave room for a few dozen
     of the model's steps, and SHARDED_STEPS fully sharded ones and TENSOR_STEPS + 2
     tensor-parallel ones on every rank at once.
@@ -248,7 +251,7 @@ def probe(
                 packed_sharded,
                 sorted({max(8, int(s)) for s in hop_sizes or ()}),
                 packed_tensored,
-                [int(s) for s in tensor_all_reduces],
+                {k: [(kind, int(b)) for kind, b in v] for k, v in (collectives or {}).items()},
             ),
             daemon=True,
         )
@@ -296,9 +299,10 @@ def probe(
         model.concurrency[n] = side
     for kind, samples in result.pop("busy").items():
         model.busy[(kind, n)] = fit_link(kind, n, samples)
-    crowded = result.pop("tensor_cpu", None)
-    if crowded is not None and side is not None and side.alone > 0:
-        model.tensor_step[n] = crowded / side.alone
+    for strategy in ("fsdp", "tensor"):
+        crowded = result.pop(f"{strategy}_cpu", None)
+        if crowded is not None and side is not None and side.alone > 0:
+            model.step_cpu[(strategy, n)] = crowded / side.alone
     for kind, samples in result.items():
         model.links[(kind, n)] = fit_link(kind, n, samples)
     return model
