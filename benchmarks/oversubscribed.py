@@ -1,8 +1,9 @@
 """Where a tensor-parallel rank's time goes with more processes than cores.
 
-The planner's worst CPU row (`plan_accuracy.py`): the gpt recipe (batch 8) under
-tensor parallel at 4 Gloo processes on a 2-core machine, predicted 20-23% short in
-every run. This puts a real run's step beside its skeleton: the same 24 all-reduces
+What was the planner's worst CPU row (`plan_accuracy.py`): the gpt recipe (batch 8)
+under tensor parallel at 4 Gloo processes on a 2-core machine, predicted 20-23% short
+in every run until its probe timed the tensor-parallel step among the ranks (what this
+found: the work between the collectives runs slower, not the collectives). This puts a real run's step beside its skeleton: the same 24 all-reduces
 of the same size (the activations of a rowwise layer, or the input gradient of a
 colwise one: batch x block x embedding, fp32) in the same 4 processes, with pieces
 of work between them that take a fixed amount of CPU (`--work` ms per step, small
