@@ -310,7 +310,8 @@ def _less_callers(cpu: float, collectives: list[tuple[str, int]]) -> float | Non
     dist.all_gather_object(gathered, cpu - callers if cpu >= 0 else None)
     if any(x is None for x in gathered):
         return None
-    return max(0.0, statistics.median(gathered))
+    median = statistics.median(gathered)
+    return median if median > 0 else None  # no work left: nothing a row could use
 
 
 def meeting_cost(rank: int, cores: int, turns: int = 3, meetings: int = 20) -> float:

@@ -28,7 +28,8 @@ their contention (comm.Concurrency; an FSDP or tensor-parallel row's work is the
 probe's own measurement of its step among the ranks, comm.CommModel.step_cpu, where it
 has one), a pipeline stage pays each send and receive's CPU
 (comm.CommModel.send_cpu), and the step waits for the slowest rank and, at each
-blocking collective, for a core (comm.CommModel.meeting).
+blocking collective not timed from work by the probe (comm.CommModel.busy), for a
+core (comm.CommModel.meeting).
 """
 
 from __future__ import annotations
@@ -355,7 +356,9 @@ def estimate(
         meetings += 1
     params, grads, opt = P * frac_p, G * frac_p, Opt * frac_p
     if layout.strategy in ("fsdp", "fsdp x tp") and dp > 1:
-        units = _fsdp_units(profile, layers, fsdp_units, frac_p) or [(P * frac_p, 2)]
+        units = _fsdp_units(profile, layers, fsdp_units, frac_p) or [
+            (profile.param_bytes * frac_p, 1)  # all of it the root's
+        ]
         outer = hw.inter if layout.devices > per_node else None
         comm_s += sum(
             reached("all_gather", u, dp, outer, gathers) + reached("reduce_scatter", u, dp, outer)
