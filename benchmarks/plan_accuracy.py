@@ -125,9 +125,9 @@ def _calibrate() -> dict[str, Any]:
     sharded steps add, its tensor-parallel step's CPU, a pipeline's hop)."""
     import torch
 
-    from scaletrain.plan.api import probe_here
     from scaletrain.plan.comm import CommModel
     from scaletrain.plan.hardware import usable_cores
+    from scaletrain.plan.here import probe_here
     from scaletrain.plan.layouts import layouts_for
     from scaletrain.plan.partition import list_layers
     from scaletrain.plan.profile import profile_model

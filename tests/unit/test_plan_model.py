@@ -671,7 +671,7 @@ def test_an_fsdp_row_grows_at_least_what_the_probe_measured_of_its_steps() -> No
 
 
 def test_a_plan_says_when_fsdps_steps_went_unmeasured() -> None:
-    from scaletrain.plan.api import _say_side_by_side
+    from scaletrain.plan.here import _say_side_by_side
 
     said: list[str] = []
     _say_side_by_side(CommModel(), 2, said, sharded=True)
@@ -683,7 +683,7 @@ def test_a_plan_says_when_fsdps_steps_went_unmeasured() -> None:
 
 
 def test_a_plan_says_what_its_collectives_cost_as_a_step_reaches_them() -> None:
-    from scaletrain.plan.api import _say_side_by_side
+    from scaletrain.plan.here import _say_side_by_side
 
     comm = CommModel(
         links={("all_gather", 2): Link(0.0005, 1e30)},
@@ -698,7 +698,7 @@ def test_a_plan_says_what_its_collectives_cost_as_a_step_reaches_them() -> None:
 
 
 def test_a_plan_says_what_the_tensor_parallel_step_took_among_the_ranks() -> None:
-    from scaletrain.plan.api import _say_side_by_side
+    from scaletrain.plan.here import _say_side_by_side
 
     said: list[str] = []
     _say_side_by_side(CommModel(step_cpu={("tensor", 4): 1.3, ("fsdp", 4): 1.1}), 4, said)
