@@ -118,11 +118,12 @@ def _predict(recipe: str, n: int, strategy: str, calib: dict[str, Any]) -> tuple
     return t.total, row.memory.growth, t.cpu
 
 
-def _calibrate() -> dict[str, Any]:
+def _calibrate(configs: list[tuple[str, int, str]]) -> dict[str, Any]:
     """The round's Gloo probes, per recipe at 2 and 4 processes: the probe `scaletrain
     plan` runs for all of that size's rows (alpha and bandwidth per collective, a
     collective's cost among busy ranks, the model's step side by side, the RSS its fully
-    sharded steps add, its tensor-parallel step's CPU, a pipeline's hop)."""
+    sharded steps add, its tensor-parallel step's CPU, a pipeline's hop); those the
+    configurations run need only."""
     import torch
 
     from scaletrain.plan.comm import CommModel
@@ -135,12 +136,15 @@ def _calibrate() -> dict[str, Any]:
 
     calib: dict[str, Any] = {"comm": {1: CommModel()}}
     for recipe in BATCH:
+        sizes = sorted({n for r, n, _ in configs if r == recipe and n > 1})
+        if not sizes:
+            continue
         _, build, example, loss, optimizer, _ = resolve_model(recipe, None)
         with torch.device("meta"):
             layers = list_layers(build())
         profile = profile_model(build, example(BATCH[recipe]), loss, optimizer)
         tp_plan = tp_plan_of(build)
-        for n in (2, 4):
+        for n in sizes:
             layouts = layouts_for(
                 n, batch=BATCH[recipe], layers=len(layers), tensor_ok=bool(tp_plan)
             )
@@ -189,7 +193,7 @@ def main() -> None:
     loads = [os.getloadavg()[0]]
     start = time.time()
     for r in range(args.rounds):
-        calib = _calibrate()
+        calib = _calibrate(configs)
         order = configs[:]
         random.Random(r).shuffle(order)
         for c in order:

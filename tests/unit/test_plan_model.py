@@ -1137,6 +1137,59 @@ def test_the_model_is_timed_at_the_level_of_the_real_training_loop(
     )
 
 
+def test_a_microbatch_is_timed_as_the_calibration_timed_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A process's loop at the convnet recipe's batch of 32 ran 0.84-1.44x the
+    # calibration's timed step (where its allocations fell), while the same process's
+    # step at a pipeline's microbatch of 8 ran 2.0-2.2 ms in all 8 processes: scaled
+    # to the batch's loop, the microbatch read 1.7-3.0 ms, and the pipeline's row with
+    # it 11.2-16.0 ms where its runs took 11.1-11.7. A pipeline's microbatches are the
+    # calibration's own, unscaled.
+    import scaletrain.plan.api as api
+    import scaletrain.train.planning as planning
+
+    swept = Compute(fixed=0.002, per_sample=0.001, optimizer=0.002, source="t")
+    monkeypatch.setattr(api, "calibrate", lambda *a, **k: swept)
+    cost = planning.RuntimeCost(step=0.001, growth=None, whole=0.018)
+    monkeypatch.setattr(planning, "runtime_overhead", lambda *a, **k: cost)
+    got = planning._calibration(
+        _mlp, _example, nn.functional.cross_entropy, _adam, 8, [8, 2], None
+    )  # fmt: skip
+    # The batch: the sweep scaled to its loop (17/12, as above); the microbatch: the
+    # sweep's 0.002 + 2 x 0.001, not that x 17/12.
+    assert got.fwd_bwd(8) + got.optimizer + got.overhead["step"] == pytest.approx(0.018)
+    assert got.levels == {2: pytest.approx(0.004)} and got.fwd_bwd(2) == pytest.approx(0.004)
+    assert got.fwd_bwd(2.0) == got.fwd_bwd(2)  # a batch divided by microbatches
+    assert got.fwd_bwd(4) == pytest.approx((0.002 + 4 * 0.001) * 17 / 12)  # no pipeline's
+    # A pipeline's row times its microbatches (8 samples in 4: 2 each) at that level.
+    p = profile_model(_mlp, _example(8), nn.functional.cross_entropy, _adam)
+    with torch.device("meta"):
+        layers = list_layers(_mlp())
+    lined = Compute(fixed=0.0, per_sample=0.001, optimizer=0.0, source="t")
+    levelled = replace(lined, levels={2: 0.004})  # the line's 0.002, twice
+
+    def total(compute: Compute) -> float:
+        row = estimate(
+            Layout("pipeline", pp=2, schedule="gpipe", microbatches=4), p, layers=layers,
+            tp_plan=None, compute=compute, comm=CommModel(default=Link(0, 1e15)),
+            hw=PROFILES["h100-sxm"], overlap=0.0,
+        )  # fmt: skip
+        return row.time.total
+
+    assert total(levelled) == pytest.approx(2 * total(lined))
+    # Of two middle calibrations (a fresh process failed), the levels' mean.
+    import scaletrain.plan.overhead as overhead
+
+    low = replace(swept, levels={2: 0.002})
+    high = replace(swept, per_sample=0.002, levels={2: 0.004})
+    monkeypatch.setattr(planning, "_calibration", lambda *a: low)
+    monkeypatch.setattr(overhead, "in_fresh_process", lambda fn, *a, **k: next(fresh))
+    fresh = iter([None, high])
+    args = (_mlp, _example, nn.functional.cross_entropy, _adam, 8, [8, 2])
+    assert planning.calibrated(*args, samples=3).levels == {2: pytest.approx(0.003)}
+
+
 def test_a_pipelines_sends_are_its_activations_per_microbatch() -> None:
     from scaletrain.plan.estimate import send_bytes
 

@@ -48,8 +48,19 @@ class Compute:
     "step", the training runtime's step around it (every row); "ddp", DDP's reducer;
     "tensor", DTensor's dispatch; "fsdp", its hooks; "pipeline", the traced graph and
     the schedule, for the whole model as one stage (plan/overhead.py)."""
+    levels: Mapping[int, float] = field(default_factory=dict)
+    """Forward+backward seconds at these sample counts (a pipeline's microbatches), where
+    `fwd_bwd` gives them instead of the line: on this CPU machine the calibration's own
+    time, not scaled to the training loop's at the batch. That loop runs slow or fast by
+    where its process's allocations fall, and the microbatch's step does not follow it:
+    the convnet recipe's loop at 32 samples ran 0.84-1.44x the calibration's timed step
+    in 8 fresh processes, and the same processes' step at the microbatch of 8 took
+    2.0-2.2 ms in all 8. Scaled, the microbatch read 1.7-3.0 ms and the pipeline's row
+    11.2-16.0 ms, its runs 11.1-11.7; unscaled, the row read 11.5-12.4 in 5 fresh plans."""
 
     def fwd_bwd(self, samples: float) -> float:
+        if samples == int(samples) and int(samples) in self.levels:
+            return self.levels[int(samples)]
         return self.fixed + self.per_sample * samples
 
     def background(self, cores: int) -> float:

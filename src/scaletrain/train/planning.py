@@ -293,6 +293,15 @@ def _calibration(
     )  # fmt: skip
     if cost is None:
         return compute
+    # A pipeline's microbatches as the calibration timed them, not scaled to the batch's
+    # loop (Compute.levels): that loop's level holds where its process's allocations
+    # fell, which a microbatch's step does not share; and a stage runs its microbatches
+    # back to back, as the calibration does, with no optimizer step between them.
+    levels = (
+        {size: compute.fwd_bwd(size) for size in set(sizes) - {batch}}
+        if not is_cuda(device)
+        else {}
+    )
     bare = compute.fwd_bwd(batch) + compute.optimizer
     # The model's time at the level of the real training loop's, its shape (what is per
     # sample, what the optimizer takes) from the calibration's sweep: timed in turns
@@ -312,6 +321,7 @@ def _calibration(
         compute,
         overhead={**compute.overhead, "step": cost.step},
         measured_growth=cost.growth if cost.growth is not None else compute.measured_growth,
+        levels=levels,
     )
 
 
@@ -370,9 +380,11 @@ def calibrated(
         overhead = {
             k: (v + high.overhead.get(k, v)) / 2 for k, v in low.overhead.items()
         }  # fmt: skip
+        levels = {k: (v + high.levels.get(k, v)) / 2 for k, v in low.levels.items()}
         middle = replace(
             low, fixed=low.fixed * f, per_sample=low.per_sample * f,
             optimizer=low.optimizer * f, overhead=overhead, scale=low.scale * f,
+            levels=levels,
         )  # fmt: skip
     growths = [c.measured_growth for c in found if c.measured_growth is not None]
     growth = int(statistics.median(growths)) if growths else None
