@@ -555,6 +555,17 @@ class _Blocks(nn.Module):
         return self.head(x)
 
 
+class _Gained(_Blocks):
+    """_Blocks with a parameter of the root's own (in no layer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.gain
+
+
 def test_an_fsdp_rows_collectives_are_the_strategys_units_and_its_root() -> None:
     # FSDP gathers each unit for its forward and again for its backward and reduces it
     # once; the root (what no unit holds) is gathered once, kept to its backward. The
@@ -582,6 +593,16 @@ def test_an_fsdp_rows_collectives_are_the_strategys_units_and_its_root() -> None
     assert row(units).time.comm == pytest.approx(2 * (2 * 1.0 + 10.0) + (1.0 + 10.0))
     # Without the strategy's units, each of the planner's layers is one (as before).
     assert row(None).time.comm == pytest.approx(len(layers) * (2 * 1.0 + 10.0))
+    # ... and the root, where it holds parameters of its own, as the probe wraps them.
+    p2 = profile_model(_Gained, _example(8), nn.functional.cross_entropy, _adam)
+    with torch.device("meta"):
+        gained = list_layers(_Gained())
+    assert [x.name for x in gained] == [x.name for x in layers]
+    loose = estimate(
+        Layout("fsdp", dp=2), p2, layers=gained, tp_plan=None, compute=compute, comm=comm,
+        hw=PROFILES["h100-sxm"], overlap=0.0,
+    )  # fmt: skip
+    assert loose.time.comm == pytest.approx(len(layers) * (2 * 1.0 + 10.0) + (1.0 + 10.0))
     # No containers: the whole model is the root, gathered once.
     assert row([]).time.comm == pytest.approx(1.0 + 10.0)
     # The two largest units' gathered parameters (one in use, the next prefetched) and

@@ -220,10 +220,11 @@ def _fsdp_units(
     strategy wraps (`names`), each gathered for its forward and again for its backward
     and reduce-scattered once, and the root holding the rest, gathered once (FSDP keeps
     the root's parameters from its forward to its backward). Without `names`, each of
-    the planner's layers. The gpt recipe's 4 blocks and root make 9 all-gathers and 5
-    reduce-scatters a step (counted in a run); priced as its 8 layers, 16 and 8."""
+    the planner's layers and the root, as the probe's fully sharded steps wrap them.
+    The gpt recipe's 4 blocks and root make 9 all-gathers and 5 reduce-scatters a step
+    (counted in a run); priced as its 8 layers, 16 and 8."""
     if names is None:
-        return [(profile.modules[layer.name].param_bytes * frac, 2) for layer in layers]
+        names = [layer.name for layer in layers]
     own = [profile.modules[n].param_bytes for n in names if n in profile.modules]
     units = [(b * frac, 2) for b in own]
     rest = profile.param_bytes - sum(own)
