@@ -159,7 +159,7 @@ def _calibrate(configs: list[tuple[str, int, str]]) -> dict[str, Any]:
                   f"fsdp steps {c.sharded_growth.get(n, 0) / 2**20:.1f} MiB, "
                   f"meeting {c.meeting[n] * 1e3:.2f} ms, side by side "
                   + (f"x{side.factor:.2f}, slowest of {n} x{side.sync(n):.2f}; " if side else "-; ")
-                  + "".join(f"{k} x{c.step_cpu[(k, n)]:.2f}; " for k in ("fsdp", "tensor")
+                  + "".join(f"{k} {c.step_cpu[(k, n)] * 1e3:.1f} ms; " for k in ("fsdp", "tensor")
                             if (k, n) in c.step_cpu)
                   + ", ".join(f"{k}: alpha {v.alpha * 1e6:.0f} us, {v.bandwidth / 1e9:.2f} GB/s"
                               for (k, m), v in c.links.items() if m == n), flush=True)  # fmt: skip

@@ -496,7 +496,8 @@ def test_fsdp_and_tensor_rows_here_work_as_long_as_the_probe_measured_their_step
     # Where ranks outnumber cores, DTensor's dispatch runs on caches left cold at every
     # collective (the gpt recipe at 4 ranks on 2 cores: 51-60 ms of CPU a step, its
     # work alone 31-34): the probe times the tensor-parallel step among the ranks, and
-    # the row's work is that (x the plain step's), not the count times the contention.
+    # the row's work is that (its seconds at the probe's batch, scaled as the
+    # calibration's step to the row's), not the count times the contention.
     from scaletrain.plan.comm import Concurrency
     from scaletrain.plan.estimate import step_collectives
 
@@ -513,7 +514,7 @@ def test_fsdp_and_tensor_rows_here_work_as_long_as_the_probe_measured_their_step
     cpu = Hardware("cpu", "2 cores", 10**12, {}, Link(0, 1e15), Link(0, 1e15), cores=2)
     side = Concurrency(ranks=2, factor=1.25, spread=(1.0,))
     counted = CommModel(default=Link(0, 1e15), concurrency={4: side})
-    measured = replace(counted, step_cpu={("tensor", 4): 1.5})
+    measured = replace(counted, step_cpu={("tensor", 4): 0.027}, batch=4)
 
     def time(layout: Layout, comm: CommModel, hw: Hardware = cpu) -> Any:
         return estimate(
@@ -522,9 +523,13 @@ def test_fsdp_and_tensor_rows_here_work_as_long_as_the_probe_measured_their_step
         ).time  # fmt: skip
 
     tensor = Layout("tensor", tp=4)
-    # 4 ranks on 2 cores take turns (x2): the plain step (0.01 + 0.004 + 0.004) x 1.5
-    # measured, and the runtime's step around it; no contention on top.
-    assert time(tensor, measured).compute == pytest.approx(((0.018 * 1.5) + 0.002) * 2)
+    # 4 ranks on 2 cores take turns (x2): the 0.027 s measured, and the runtime's step
+    # around it; no contention on top.
+    assert time(tensor, measured).compute == pytest.approx((0.027 + 0.002) * 2)
+    # Measured at 2 samples a rank: x the calibration's step at 4 over its step at 2
+    # ((0.01 + 0.004 + 0.004) / (0.01 + 0.002 + 0.004)).
+    halved = replace(measured, batch=2)
+    assert time(tensor, halved).compute == pytest.approx((0.027 * 18 / 16 + 0.002) * 2)
     assert time(tensor, counted).compute != pytest.approx(time(tensor, measured).compute)
     # Only where measured: another degree, other strategies and a profile are as before.
     assert time(Layout("tensor", tp=2), measured).total == pytest.approx(
@@ -535,9 +540,9 @@ def test_fsdp_and_tensor_rows_here_work_as_long_as_the_probe_measured_their_step
     gpu = PROFILES["h100-sxm"]
     assert time(tensor, measured, gpu).total == pytest.approx(time(tensor, counted, gpu).total)
     # FSDP's likewise (its copies and hooks around each unit), for its own row.
-    sharded = replace(counted, step_cpu={("fsdp", 4): 1.2})
+    sharded = replace(counted, step_cpu={("fsdp", 4): 0.0216}, batch=4)
     fsdp = Layout("fsdp", dp=4)
-    assert time(fsdp, sharded).compute == pytest.approx(((0.018 * 1.2) + 0.002) * 2)
+    assert time(fsdp, sharded).compute == pytest.approx((0.0216 + 0.002) * 2)
     assert time(tensor, sharded).total == pytest.approx(time(tensor, counted).total)
 
 
@@ -722,12 +727,13 @@ def test_a_plan_says_what_the_tensor_parallel_step_took_among_the_ranks() -> Non
     from scaletrain.plan.here import _say_side_by_side
 
     said: list[str] = []
-    _say_side_by_side(CommModel(step_cpu={("tensor", 4): 1.3, ("fsdp", 4): 1.1}), 4, said)
+    comm = CommModel(step_cpu={("tensor", 4): 0.013, ("fsdp", 4): 0.011}, batch=8)
+    _say_side_by_side(comm, 4, said)
     assert any("tensor-parallel rank's work (its shards and DTensor's dispatch) among 4 ranks "
-               "takes x1.30 the CPU of the plain step alone" in a for a in said), said  # fmt: skip
-    assert any("FSDP rank's work" in a and "x1.10" in a for a in said), said
+               "takes 13.0 ms of CPU a step at 8 samples" in a for a in said), said  # fmt: skip
+    assert any("FSDP rank's work" in a and "11.0 ms" in a for a in said), said
     quiet: list[str] = []
-    _say_side_by_side(CommModel(step_cpu={("tensor", 2): 1.3}), 4, quiet)
+    _say_side_by_side(CommModel(step_cpu={("tensor", 2): 0.013}), 4, quiet)
     assert not any("tensor-parallel" in a for a in quiet), quiet
 
 
@@ -784,11 +790,12 @@ def test_the_probe_measures_ranks_side_by_side() -> None:
     # 2 ranks x 2 turns x at least 5 steps, each over its turn's median.
     assert len(side.spread) >= 20 and list(side.spread) == sorted(side.spread)
     assert side.spread[len(side.spread) // 2] == pytest.approx(1.0, rel=0.2)
-    # The tensor-parallel step, both ranks stepping, over the plain step alone: a real
-    # share of it (a 4 MiB model's halves, against the 16-sample wide model).
+    # The tensor-parallel and fully sharded steps' CPU, both ranks stepping: a real
+    # share of the plain step's alone (a 4 MiB model's halves, against the 16-sample
+    # wide model).
     assert side.alone > 0
-    assert 0.01 < comm.step_cpu[("tensor", 2)] < 100
-    assert 0.01 < comm.step_cpu[("fsdp", 2)] < 100
+    assert 0.01 * side.alone < comm.step_cpu[("tensor", 2)] < 100 * side.alone
+    assert 0.01 * side.alone < comm.step_cpu[("fsdp", 2)] < 100 * side.alone
     # Every collective also timed as a step reaches it (every rank from work).
     assert {("all_reduce", 2), ("all_gather", 2), ("reduce_scatter", 2)} <= set(comm.busy)
     # A step that cannot be sent (a lambda) or fails in the ranks: collectives and the

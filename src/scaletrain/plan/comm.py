@@ -135,10 +135,12 @@ class CommModel:
     reaches it, every rank coming from work (measured on this CPU machine, where the
     cores are busy up to it: see crowd.from_work)."""
     step_cpu: dict[tuple[str, int], float] = field(default_factory=dict)
-    """By (strategy, group size): a rank's CPU per step of that strategy over the whole
-    group ("fsdp", "tensor"), every rank stepping, over the plain model's step alone
-    (its work between the collectives, not their own CPU; measured on this machine
-    when the probe got those steps; see crowd.step_cpu)."""
+    """By (strategy, group size): a rank's CPU seconds per step of that strategy over the
+    whole group ("fsdp", "tensor") at `batch` samples a rank, every rank stepping (its
+    work between the collectives, not their own CPU; measured on this machine when the
+    probe got those steps; see crowd.step_cpu)."""
+    batch: int | None = None
+    """Samples per rank of the model's steps the probe ran (`step_cpu`'s)."""
 
     def time(self, kind: str, nbytes: float, n: int, link: Link | None = None) -> float:
         if n <= 1 or nbytes <= 0:

@@ -411,9 +411,14 @@ def estimate(
     if crowded is not None and (tp_plan or layout.strategy != "tensor"):
         # Measured by the probe with every rank stepping (crowd.step_cpu): DTensor's
         # dispatch and FSDP's copies run on caches left cold at every collective,
-        # which neither the count above nor plain steps' contention sees.
-        work = (compute.fwd_bwd(samples) + compute.optimizer) * crowded
-        work += compute.overhead.get("step", 0.0)
+        # which neither the count above nor plain steps' contention sees. The seconds
+        # themselves, not x the plain step's measured alone over the calibration's:
+        # each of those is a process's draw of the allocator (the convnet recipe's
+        # FSDP step at 2 ranks took 14.3-14.8 ms in 4 probes, 1.47-1.82x their plain
+        # step alone). At another batch, scaled as the calibration's step scales.
+        base = compute.fwd_bwd(samples) + compute.optimizer
+        at = compute.fwd_bwd(comm.batch) + compute.optimizer if comm.batch else base
+        work = crowded * (base / at if at > 0 else 1.0) + compute.overhead.get("step", 0.0)
         contention = 1.0
     background = compute.background(hw.cores) if hw.cores is not None else 0.0
     bubble = hidden = 0.0

@@ -64,9 +64,10 @@ def _say_side_by_side(
         ("tensor", "a tensor-parallel rank's work (its shards and DTensor's dispatch)"),
     ):
         if (strategy, devices) in comm.step_cpu:
+            at = f" at {comm.batch} samples" if comm.batch else ""
             assumptions.append(
                 f"{what} among {devices} ranks takes "
-                f"x{comm.step_cpu[(strategy, devices)]:.2f} the CPU of the plain step alone "
+                f"{comm.step_cpu[(strategy, devices)] * 1e3:.1f} ms of CPU a step{at} "
                 "(measured, every rank stepping, its collectives' own CPU aside)"
             )
     side = comm.concurrency.get(devices)
@@ -134,7 +135,7 @@ def probe_here(
     turns = max(1.0, devices / (cores or devices))
     room = 40 + (3 * SHARDED_STEPS * turns if sharded is not None else 0)
     room += 3 * (TENSOR_STEPS + 2) * turns if tensored is not None else 0
-    return probe(
+    comm = probe(
         devices,
         sizes,
         work=work,
@@ -144,3 +145,5 @@ def probe_here(
         tensored=tensored,
         collectives=step_collectives(profile, layers, tp_plan, fsdp_units),
     )
+    comm.batch = batch_size
+    return comm

@@ -207,8 +207,7 @@ def probe(
     ranks). `sharded` likewise returns the model's step fully sharded over the ranks'
     group: given it, they measure its memory (`sharded_growth`). `tensored` returns the
     model's step tensor-parallel over the group. Given `work`, they measure the CPU of
-    both among them against the plain step's alone (`CommModel.step_cpu`), less that
-    of their `collectives` ({"fsdp": [(kind, bytes), ...], "tensor": ...}: each one
+    both among them (`CommModel.step_cpu`), less that of their `collectives` ({"fsdp": [(kind, bytes), ...], "tensor": ...}: each one
     in a step). Takes a few seconds
     (starting the processes dominates); `timeout` should leave room for a few dozen
     of the model's steps, and SHARDED_STEPS fully sharded ones and TENSOR_STEPS + 2
@@ -301,8 +300,8 @@ def probe(
         model.busy[(kind, n)] = fit_link(kind, n, samples)
     for strategy in ("fsdp", "tensor"):
         crowded = result.pop(f"{strategy}_cpu", None)
-        if crowded is not None and side is not None and side.alone > 0:
-            model.step_cpu[(strategy, n)] = crowded / side.alone
+        if crowded is not None:
+            model.step_cpu[(strategy, n)] = crowded
     for kind, samples in result.items():
         model.links[(kind, n)] = fit_link(kind, n, samples)
     return model
