@@ -156,7 +156,8 @@ def _calibrate(configs: list[tuple[str, int, str]]) -> dict[str, Any]:
             )  # fmt: skip
             side = c.concurrency.get(n)
             print(f"probe {recipe} {n}: process group {c.runtime_bytes[n] / 2**20:.1f} MiB, "
-                  f"fsdp steps {c.sharded_growth.get(n, 0) / 2**20:.1f} MiB, "
+                  f"fsdp steps {c.step_growth.get(('fsdp', n), 0) / 2**20:.1f} MiB, "
+                  f"tensor steps {c.step_growth.get(('tensor', n), 0) / 2**20:.1f} MiB, "
                   f"meeting {c.meeting[n] * 1e3:.2f} ms, side by side "
                   + (f"x{side.factor:.2f}, slowest of {n} x{side.sync(n):.2f}; " if side else "-; ")
                   + "".join(f"{k} {c.step_cpu[(k, n)] * 1e3:.1f} ms; " for k in ("fsdp", "tensor")

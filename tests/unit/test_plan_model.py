@@ -674,13 +674,15 @@ def test_an_fsdp_row_grows_at_least_what_the_probe_measured_of_its_steps() -> No
     cpu = Hardware("cpu", "2 cores", 10**12, {}, Link(0, 1e15), Link(0, 1e15), cores=2)
     big = 64 * 2**20
 
-    def memory(layout: Layout, measured: int | None, hw: Hardware = cpu) -> Any:
+    def memory(
+        layout: Layout, measured: int | None, hw: Hardware = cpu, strategy: str = "fsdp"
+    ) -> Any:
         comm = CommModel(default=Link(0, 1e15))
         if measured is not None:
-            comm.sharded_growth[2] = measured
+            comm.step_growth[(strategy, 2)] = measured
         return estimate(
-            layout, p, layers=layers, tp_plan=None, compute=compute, comm=comm, hw=hw,
-            overlap=0.0,
+            layout, p, layers=layers, tp_plan={"0": "colwise", "2": "rowwise"},
+            compute=compute, comm=comm, hw=hw, overlap=0.0,
         ).memory  # fmt: skip
 
     fsdp = Layout("fsdp", dp=2)
@@ -694,6 +696,12 @@ def test_an_fsdp_row_grows_at_least_what_the_probe_measured_of_its_steps() -> No
     assert memory(Layout("fsdp", dp=4), big).held == 0
     assert memory(Layout("fsdp x tp", dp=2, tp=2), big).held == 0
     assert memory(fsdp, big, PROFILES["h100-sxm"]).held == 0
+    # Tensor parallel's steps likewise (the gpt recipe's at 4 ranks grew 37-39 MiB in
+    # the probe's and in its runs, where its tensors made 32), for its own row only.
+    tensor = Layout("tensor", tp=2)
+    assert memory(tensor, big, strategy="tensor").growth == big
+    assert memory(tensor, big).held == 0 and memory(fsdp, big, strategy="tensor").held == 0
+    assert memory(tensor, big, PROFILES["h100-sxm"], strategy="tensor").held == 0
 
 
 def test_a_plan_says_when_fsdps_steps_went_unmeasured() -> None:
@@ -703,8 +711,12 @@ def test_a_plan_says_when_fsdps_steps_went_unmeasured() -> None:
     _say_side_by_side(CommModel(), 2, said, sharded=True)
     assert any(a.startswith("FSDP's steps not measured") for a in said), said
     quiet: list[str] = []
-    _say_side_by_side(CommModel(sharded_growth={2: 2**20}), 2, quiet, sharded=True)
+    _say_side_by_side(CommModel(step_growth={("fsdp", 2): 2**20}), 2, quiet, sharded=True)
     assert any("grew RSS by 1.0 MiB" in a for a in quiet), quiet
+    tensored: list[str] = []
+    _say_side_by_side(CommModel(step_growth={("tensor", 2): 3 * 2**20}), 2, tensored)
+    assert any(a.startswith("tensor parallel's steps over 2 ranks grew RSS by 3.0 MiB")
+               for a in tensored), tensored  # fmt: skip
     assert not any("not measured (the model's step did not load" in a for a in quiet)
 
 
@@ -784,7 +796,9 @@ def test_the_probe_measures_ranks_side_by_side() -> None:
     # Adam's two moments of a rank's half of the 4 MiB model at least (where RSS can
     # be read: no measurement elsewhere).
     if reset_rss_peak():
-        assert comm.sharded_growth[2] >= 4 * 2**20
+        assert comm.step_growth[("fsdp", 2)] >= 4 * 2**20
+        # Tensor parallel's likewise, measured in ranks of its own.
+        assert comm.step_growth[("tensor", 2)] >= 4 * 2**20
     side = comm.concurrency[2]
     assert side.ranks == 2 and side.factor < 3
     # 2 ranks x 2 turns x at least 5 steps, each over its turn's median.
@@ -807,7 +821,7 @@ def test_the_probe_measures_ranks_side_by_side() -> None:
         bare = probe(2, [4096, 65536], work=bad, sharded=partial(sharded_step, *bad.args, ()),
                      tensored=partial(tensor_step, *bad.args, {"0": "colwise"}))  # fmt: skip
         assert 2 in bare.meeting and ("all_reduce", 2) in bare.links and not bare.concurrency
-        assert not bare.sharded_growth and not bare.step_cpu
+        assert not bare.step_growth and not bare.step_cpu
     # A tensor-parallel step that fails in the ranks, beside a plain step that runs: no
     # measurement of it, the rest as before.
     broken = partial(tensor_step, _broken, *tensored.args[1:])
@@ -833,7 +847,7 @@ def test_a_plan_here_holds_what_fsdps_steps_grew() -> None:
     import re
 
     from scaletrain.observe.memory import reset_rss_peak
-    from scaletrain.plan.probe import SHARDED_STEPS
+    from scaletrain.plan.probe import STRATEGY_STEPS
 
     # In a process of its own, as `scaletrain plan` runs: the planning process's RSS
     # is measured, and what a plan frees here would feed later tests' measurements.
@@ -851,7 +865,7 @@ def test_a_plan_here_holds_what_fsdps_steps_grew() -> None:
         pytest.skip("no peak RSS to restart here (/proc/self/clear_refs)")
     said = [a for a in assumptions if a.startswith("FSDP's steps over 2 ranks")]
     assert said, assumptions
-    found = re.search(rf"grew RSS by ([0-9.]+) MiB in {SHARDED_STEPS} steps", said[0])
+    found = re.search(rf"grew RSS by ([0-9.]+) MiB in {STRATEGY_STEPS} steps", said[0])
     assert found, said
     assert fsdp_growth >= (float(found[1]) - 0.05) * 2**20
     assert ddp_held == 0

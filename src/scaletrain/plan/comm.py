@@ -12,7 +12,7 @@ bytes for an all-gather or a reduce-scatter (bytes = the whole, unsharded tensor
 
 The links come from a datasheet profile, or from this machine's probe
 (scaletrain.plan.probe), which also measures what ranks sharing this machine cost each
-other (`meeting`, `Concurrency`, `sharded_growth`, `send_cpu`, `stage_hop`): all of it
+other (`meeting`, `Concurrency`, `step_growth`, `step_cpu`, `send_cpu`, `stage_hop`): all of it
 lands here, in a CommModel.
 """
 
@@ -127,9 +127,10 @@ class CommModel:
     send_cpu: dict[int, float] = field(default_factory=dict)
     """By group size: CPU seconds one send or receive costs its process (measured on
     this machine: a pipeline stage pays it per microbatch at each boundary)."""
-    sharded_growth: dict[int, int] = field(default_factory=dict)
-    """By group size: RSS the model's fully sharded steps added after setup (measured
-    when the probe got that step; see crowd.sharded_growth)."""
+    step_growth: dict[tuple[str, int], int] = field(default_factory=dict)
+    """By (strategy, group size): RSS the model's steps of that strategy over the whole
+    group ("fsdp", "tensor") added after setup, on the largest rank (measured when the
+    probe got those steps; see crowd.step_growth)."""
     busy: dict[tuple[str, int], Link] = field(default_factory=dict)
     """Per (collective, group size): the link fitted to the collective timed as a step
     reaches it, every rank coming from work (measured on this CPU machine, where the

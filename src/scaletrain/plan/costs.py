@@ -117,9 +117,9 @@ class Memory:
     processes grew 0-3 MiB more than one of 1, for both recipes, where the probe
     measures 20-35 MiB."""
     held: int = 0
-    """Freed memory the allocator keeps beyond the growth modelled above: FSDP on this
-    machine, where the probe measured the model's sharded steps (crowd.sharded_growth);
-    0 elsewhere."""
+    """Freed memory the allocator keeps beyond the growth modelled above: FSDP and tensor
+    parallel on this machine, where the probe measured the model's steps of that
+    strategy (crowd.step_growth); 0 elsewhere."""
     reused: int = 0
     """Gradients that are not alive at the activations' peak, so not in the step's
     peak (GPUs: the caching allocator's peak is of live tensors, and the backward

@@ -16,14 +16,12 @@ processes (scaletrain.plan.probe), which the quiet collectives do not show:
   and how much one rank's step varies, which synchronous ranks wait for. Timed one
   run after the other instead, the drift of this machine (the same 1-process run
   took 20 to 32 ms a step within minutes) looked like a 15-35% slowdown.
-- given the model's step fully sharded over their group (`sharded`), the RSS 20 such
-  steps add (`sharded_growth`): on a CPU most of an FSDP run's growth is freed memory
-  glibc keeps, which no accounting of the tensors predicts (see sharded_growth);
-- given the model's step tensor-parallel over their group (`tensored`), and with the
-  fully sharded one, the CPU the work between their collectives takes among them
-  (`step_cpu`): DTensor's dispatch and FSDP's copies run on caches the other ranks
-  left cold at every collective (tensor parallel's x1.6-1.8 its CPU alone here at 4
-  ranks on 2 cores).
+- given the model's step fully sharded over their group, or tensor-parallel over it,
+  the RSS 20 such steps add and the CPU the work between their collectives takes
+  among them (`step_growth`): on a CPU most of an FSDP run's growth is freed memory
+  glibc keeps, which no accounting of the tensors predicts, and DTensor's dispatch and
+  FSDP's copies run on caches the other ranks left cold at every collective (tensor
+  parallel's x1.6-1.8 its CPU alone here at 4 ranks on 2 cores).
 """
 
 from __future__ import annotations
@@ -37,17 +35,15 @@ from typing import Any
 from scaletrain.plan.comm import Concurrency
 
 __all__ = [
-    "SHARDED_STEPS",
     "STAGE_HOPS",
     "STAGE_WORK",
-    "TENSOR_STEPS",
+    "STRATEGY_STEPS",
     "from_work",
     "mean_time",
     "meeting_cost",
-    "sharded_growth",
     "side_by_side",
     "stage_hop",
-    "step_cpu",
+    "step_growth",
 ]
 
 
@@ -186,17 +182,21 @@ def side_by_side(rank: int, work: bytes, cores: int, turns: int = 2) -> Concurre
     return Concurrency(busy, max(1.0, factor), spread_all, alone=one)
 
 
-SHARDED_STEPS = 20
-"""Steps of the model fully sharded whose RSS growth the probe measures."""
+STRATEGY_STEPS = 20
+"""Steps of a strategy's own step (FSDP's, tensor parallel's) whose RSS growth and CPU
+the probe measures."""
 
 
-def sharded_growth(
-    work: bytes, collectives: list[tuple[str, int]] | None = None, steps: int = SHARDED_STEPS
+def step_growth(
+    work: bytes, collectives: list[tuple[str, int]] | None = None, steps: int = STRATEGY_STEPS
 ) -> tuple[int | None, float | None]:
-    """RSS the model's fully sharded step adds over `steps` steps after its setup, on
-    the largest rank, and the CPU its main thread spends on a step among the ranks
-    (`step_cpu`, over the second half of the steps, less the quiet CPU of its
-    `collectives`). (None, None) where it does not load or run: on every rank alike.
+    """RSS a parallel step (`work`, pickled: the model's step fully sharded or
+    tensor-parallel over the probe's group; every rank steps) adds over `steps` steps
+    after its setup, on the largest rank, and the CPU its main thread spends on a step
+    among the ranks, over the second half of the steps, less what its `collectives`
+    ((kind, bytes) of each in a step) cost the calling thread when quiet: the work
+    between the collectives, as this crowd of ranks makes it (the median over the
+    ranks). (None, None) where it does not load or run: on every rank alike.
 
     The growth is not predictable from the model on a CPU: glibc's allocator keeps much
     of the memory FSDP frees at every unit (gathered parameters, unsharded gradients),
@@ -204,7 +204,22 @@ def sharded_growth(
     gpt recipe widened to 256, 2 ranks): a step's end held 122-164 MiB, 35 MiB once
     `malloc_trim` returned what was free; DDP's same model 106-114. It creeps for a
     while: the gpt recipe's sharded steps at 2 ranks grew 53-60 MiB in 10 steps, 61 in
-    20 (a 20-step run of the training runtime: 64), 65-68 in 40."""
+    20 (a 20-step run of the training runtime: 64), 65-68 in 40. Tensor parallel's
+    too: the gpt recipe's at 4 ranks grew 37-39 MiB in 20 steps, its runs 37-39, where
+    counting its tensors made 32.
+
+    The CPU is not a count of the work alone times the contention of plain steps side
+    by side: each blocking collective switches a rank out and another in, and the work
+    after it runs on cold caches. DTensor's dispatch (Python, op by op) and FSDP's
+    copies around each unit lose far more to that than a plain model's products.
+    Measured here (gpt recipe, batch 8, tensor parallel over 4 ranks on 2 cores, 24
+    all-reduces a step): a rank's work took 31-34 ms of CPU alone (on torch's fake
+    process group, its shards at their real shapes) and 51-60 ms among the 4, its
+    collectives' own CPU aside; the same shards with real all-reduces of the same size
+    at the same points took 52, and with no collective (4 ranks side by side) 38. A
+    plain model's step broken by 72 all-reduces lost 0.21-0.26 ms to each, this step
+    0.8 to each. The convnet recipe's FSDP step at 2 ranks (8 collectives): 14-17 ms,
+    where the count of its work and FSDP's machinery on one rank made 10."""
     import torch
     import torch.distributed as dist
 
@@ -233,53 +248,6 @@ def sharded_growth(
     if -out[1].item() < 0:
         return None, None
     return int(out[0].item()), _less_callers(cpu, collectives or [])
-
-
-TENSOR_STEPS = 12
-"""Tensor-parallel steps step_cpu times on every rank (after 2 to warm up)."""
-
-
-def step_cpu(
-    work: bytes, collectives: list[tuple[str, int]], steps: int = TENSOR_STEPS
-) -> float | None:
-    """CPU seconds a rank's main thread spends per step of a parallel step over the
-    probe's group (`work`, pickled: the model's tensor-parallel step; every rank
-    steps), less what its `collectives` ((kind, bytes) of each in a step) cost the
-    calling thread when quiet: the work between the collectives, as this crowd of
-    ranks makes it. The median over the ranks; None where the step does not load or
-    run (on every rank alike).
-
-    Not a count of the work alone times the contention of plain steps side by side:
-    each blocking collective switches a rank out and another in, and the work after
-    it runs on cold caches. DTensor's dispatch (Python, op by op) and FSDP's copies
-    around each unit lose far more to that than a plain model's products. Measured
-    here (gpt recipe, batch 8, tensor parallel over 4 ranks on 2 cores, 24
-    all-reduces a step): a rank's work took 31-34 ms of CPU alone (on torch's fake
-    process group, its shards at their real shapes) and 51-60 ms among the 4, its
-    collectives' own CPU aside; the same shards with real all-reduces of the same size
-    at the same points took 52, and with no collective (4 ranks side by side) 38. A
-    plain model's step broken by 72 all-reduces lost 0.21-0.26 ms to each, this step
-    0.8 to each. At 2 ranks the two agree within 10% (41-46 and 46-50 ms). The
-    convnet recipe's FSDP step at 2 ranks (8 collectives): 14-17 ms, where the count
-    of its work and FSDP's machinery on one rank made 10."""
-    step = _loaded(work)
-    if not _every_rank(step is not None) or step is None:
-        return None
-    cpu = -1.0
-    try:
-        for _ in range(2):  # the allocator, the optimizer's state, DTensor's caches
-            step()
-        import torch.distributed as dist
-
-        dist.barrier()
-        c0 = time.thread_time()
-        for _ in range(steps):
-            step()
-        cpu = (time.thread_time() - c0) / steps
-    except Exception:  # the model's own error, on every rank alike
-        cpu = -1.0
-    del step
-    return _less_callers(cpu, collectives)
 
 
 def _less_callers(cpu: float, collectives: list[tuple[str, int]]) -> float | None:

@@ -461,9 +461,11 @@ def estimate(
         # gradient predicted 30,405 and this 26,553).
         alive = min(1.0, profile.peak_grad_bytes / profile.grad_bytes)
         memory = replace(memory, reused=int(min(memory.activations, grads * (1 - alive))))
-    sharded = comm.sharded_growth.get(dp) if hw.cores is not None else None
-    if layout.strategy == "fsdp" and dp == layout.devices > 1 and sharded is not None:
-        memory = replace(memory, held=max(0, sharded - memory.growth))
+    # FSDP's and tensor parallel's steps over all the ranks, where the probe measured
+    # the RSS they add (crowd.step_growth): at least that.
+    grown = comm.step_growth.get((layout.strategy, layout.devices)) if here else None
+    if layout.strategy in ("fsdp", "tensor") and layout.devices > 1 and grown is not None:
+        memory = replace(memory, held=max(0, grown - memory.growth))
     fits = memory.total <= hw.device_memory
     overflow = None
     if not fits:

@@ -17,7 +17,7 @@ from scaletrain.plan.estimate import send_bytes, step_collectives
 from scaletrain.plan.hardware import usable_cores
 from scaletrain.plan.layouts import Layout
 from scaletrain.plan.partition import Layer
-from scaletrain.plan.probe import SHARDED_STEPS, TENSOR_STEPS
+from scaletrain.plan.probe import STRATEGY_STEPS
 from scaletrain.plan.profile import ModelProfile
 
 __all__ = ["probe_here"]
@@ -46,10 +46,10 @@ def _say_side_by_side(
             f"a collective reached from work (every core busy) costs "
             f"{comm.meeting[devices] * 1e3:.2f} ms beyond a quiet one (measured)"
         )
-    if devices in comm.sharded_growth:
+    if ("fsdp", devices) in comm.step_growth:
         assumptions.append(
             f"FSDP's steps over {devices} ranks grew RSS by "
-            f"{comm.sharded_growth[devices] / 2**20:.1f} MiB in {SHARDED_STEPS} steps "
+            f"{comm.step_growth[('fsdp', devices)] / 2**20:.1f} MiB in {STRATEGY_STEPS} steps "
             "(measured: the allocator keeps what FSDP frees, and keeps more for a while); "
             "its row's growth is at least that"
         )
@@ -58,6 +58,12 @@ def _say_side_by_side(
             "FSDP's steps not measured (the model's step did not load or run fully sharded "
             "in the probe's processes, or RSS cannot be read here): its row's memory is "
             "its tensors' and the runtime's, without what the allocator keeps"
+        )
+    if ("tensor", devices) in comm.step_growth:
+        assumptions.append(
+            f"tensor parallel's steps over {devices} ranks grew RSS by "
+            f"{comm.step_growth[('tensor', devices)] / 2**20:.1f} MiB in {STRATEGY_STEPS} "
+            "steps (measured in processes of their own); its row's growth is at least that"
         )
     for strategy, what in (
         ("fsdp", "an FSDP rank's work (FSDP's copies and hooks around each unit)"),
@@ -133,8 +139,8 @@ def probe_here(
     # sharded and tensor-parallel ones (~3x the plain step's CPU each, every rank at
     # once: taking turns where the ranks outnumber the cores).
     turns = max(1.0, devices / (cores or devices))
-    room = 40 + (3 * SHARDED_STEPS * turns if sharded is not None else 0)
-    room += 3 * (TENSOR_STEPS + 2) * turns if tensored is not None else 0
+    room = 40 + (3 * STRATEGY_STEPS * turns if sharded is not None else 0)
+    room += 3 * STRATEGY_STEPS * turns if tensored is not None else 0
     comm = probe(
         devices,
         sizes,

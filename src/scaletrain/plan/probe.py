@@ -26,20 +26,18 @@ from typing import Any
 from scaletrain.plan.children import ctrl_c_held
 from scaletrain.plan.comm import KINDS, CommModel, fit_link
 from scaletrain.plan.crowd import (
-    SHARDED_STEPS,
     STAGE_HOPS,
-    TENSOR_STEPS,
+    STRATEGY_STEPS,
     from_work,
     mean_time,
     meeting_cost,
-    sharded_growth,
     side_by_side,
     stage_hop,
-    step_cpu,
+    step_growth,
 )
 from scaletrain.plan.hardware import usable_cores
 
-__all__ = ["PROBE_BUDGET", "SHARDED_STEPS", "TENSOR_STEPS", "probe"]
+__all__ = ["PROBE_BUDGET", "STRATEGY_STEPS", "probe"]
 
 
 def _free_port() -> int:
@@ -114,7 +112,6 @@ def _probe_rank(
     cores: int = 1,
     sharded: bytes | None = None,
     hop_sizes: list[int] | None = None,
-    tensored: bytes | None = None,
     collectives: dict[str, list[tuple[str, int]]] | None = None,
 ) -> None:
     import warnings
@@ -157,9 +154,7 @@ def _probe_rank(
         out["busy"] = busy
         if sharded is not None:
             # Before the plain model's steps below, whose freed memory it would reuse.
-            out["sharded"], out["fsdp_cpu"] = sharded_growth(
-                sharded, (collectives or {}).get("fsdp")
-            )
+            out["fsdp"], out["fsdp_cpu"] = step_growth(sharded, (collectives or {}).get("fsdp"))
         # After the memory measurements: its buffers would be theirs to reuse.
         out["send"], out["send_cpu"] = _point_to_point(rank, sizes, repeats)
         if hop_sizes:
@@ -171,10 +166,13 @@ def _probe_rank(
         out["meeting"] = meeting_cost(rank, cores)
         if work is not None:
             out["concurrency"] = side_by_side(rank, work, cores)
-        if tensored is not None:
-            out["tensor_cpu"] = step_cpu(tensored, (collectives or {}).get("tensor", []))
     finally:
         dist.destroy_process_group()
+    _report(rank, q, out)
+
+
+def _report(rank: int, q: Any, out: dict[str, Any]) -> None:
+    """Rank 0's result to the parent; every rank then gone."""
     if rank == 0:
         q.put(out)
         q.close()
@@ -183,6 +181,77 @@ def _probe_rank(
     # thread still joinable in about 1 of 4 probes over 4 processes ("terminate called
     # without an active exception" on the user's terminal, the rank aborted).
     os._exit(0)
+
+
+def _tensor_rank(
+    rank: int, n: int, port: int, q: Any, tensored: bytes, collectives: list[tuple[str, int]]
+) -> None:
+    """The model's tensor-parallel steps among `n` fresh ranks: the RSS they add and
+    their CPU (crowd.step_growth). Fresh processes: after the probe's fully sharded and
+    plain steps, the allocator reuses what those freed (the gpt recipe's tensor-parallel
+    steps at 4 ranks grew 1.8 MiB there, 22 MiB after `malloc_trim`, 37-39 in fresh
+    processes, its runs 37-39)."""
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+    dist.init_process_group("gloo", rank=rank, world_size=n)
+    out: dict[str, Any] = {}
+    try:
+        out["tensor"], out["tensor_cpu"] = step_growth(tensored, collectives)
+    finally:
+        dist.destroy_process_group()
+    _report(rank, q, out)
+
+
+def _ranks(
+    n: int,
+    deadline: float,
+    timeout: float,
+    target: Callable[..., None],
+    args: Callable[[int, Any], tuple[Any, ...]],
+) -> dict[str, Any]:
+    """`target(rank, n, port, *args(port, queue))` in `n` fresh processes: rank 0's
+    result; the ranks killed on Ctrl-C, a failed rank or `deadline`."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=target, args=(r, n, port, *args(port, q)), daemon=True) for r in range(n)
+    ]
+    try:
+        with ctrl_c_held():  # Ctrl-C is the planner's: it kills the ranks (plan/children.py)
+            for p in procs:
+                p.start()
+        while True:
+            try:
+                result: dict[str, Any] = q.get(timeout=0.5)
+                return result
+            except Exception:
+                failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if failed or time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"the Gloo probe over {n} processes failed (exit codes {failed}) "
+                        f"or took over {timeout:.0f} s"
+                    ) from None
+    except BaseException:  # Ctrl-C, or a rank failed: the others would wait in a collective
+        for p in procs:
+            if p.pid is not None:
+                p.kill()
+        raise
+    finally:
+        for p in procs:
+            if p.pid is None:  # not started (Ctrl-C came first)
+                continue
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
 
 
 def probe(
@@ -205,13 +274,13 @@ def probe(
     `work` returns the model's training step; given it, the ranks also measure
     `Concurrency` (nothing where it does not pickle, or does not load or run in the
     ranks). `sharded` likewise returns the model's step fully sharded over the ranks'
-    group: given it, they measure its memory (`sharded_growth`). `tensored` returns the
-    model's step tensor-parallel over the group. Given `work`, they measure the CPU of
-    both among them (`CommModel.step_cpu`), less that of their `collectives` ({"fsdp": [(kind, bytes), ...], "tensor": ...}: each one
-    in a step). Takes a few seconds
-    (starting the processes dominates); `timeout` should leave room for a few dozen
-    of the model's steps, and SHARDED_STEPS fully sharded ones and TENSOR_STEPS + 2
-    tensor-parallel ones on every rank at once.
+    group: given it, they measure the RSS its steps add (`CommModel.step_growth`) and
+    its CPU among them (`CommModel.step_cpu`), less that of its `collectives`
+    ({"fsdp": [(kind, bytes), ...], "tensor": ...}: each one in a step). `tensored`
+    likewise, the model's step tensor-parallel over the group, measured in fresh
+    processes of their own. Takes a few seconds (starting the processes dominates);
+    `timeout` should leave room for a few dozen of the model's steps, and
+    STRATEGY_STEPS of each strategy's on every rank at once.
     Ranks run one thread each.
     """
     import pickle
@@ -224,75 +293,33 @@ def probe(
 
     packed, packed_sharded = packed_or_none(work), packed_or_none(sharded)
     packed_tensored = packed_or_none(tensored) if packed is not None else None
-    import multiprocessing as mp
-
     model = CommModel(source=f"probe: Gloo over loopback, {n} processes")
     if n <= 1:
         return model
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _free_port()
     chosen = sorted({max(4096, int(s)) for s in sizes})
     if len(chosen) < 2:
         chosen = [chosen[0] // 4 or 4096, *chosen]
-    procs = [
-        ctx.Process(
-            target=_probe_rank,
-            args=(
-                r,
-                n,
-                port,
-                chosen,
-                repeats,
-                q,
-                packed,
-                usable_cores(),
-                packed_sharded,
-                sorted({max(8, int(s)) for s in hop_sizes or ()}),
-                packed_tensored,
-                {k: [(kind, int(b)) for kind, b in v] for k, v in (collectives or {}).items()},
-            ),
-            daemon=True,
-        )
-        for r in range(n)
-    ]
+    each = {k: [(kind, int(b)) for kind, b in v] for k, v in (collectives or {}).items()}
     deadline = time.monotonic() + timeout
-    try:
-        with ctrl_c_held():  # Ctrl-C is the planner's: it kills the ranks (plan/children.py)
-            for p in procs:
-                p.start()
-        while True:
-            try:
-                result = q.get(timeout=0.5)
-                break
-            except Exception:
-                failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-                if failed or time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"the Gloo probe over {n} processes failed (exit codes {failed}) "
-                        f"or took over {timeout:.0f} s"
-                    ) from None
-    except BaseException:  # Ctrl-C, or a rank failed: the others would wait in a collective
-        for p in procs:
-            if p.pid is not None:
-                p.kill()
-        raise
-    finally:
-        for p in procs:
-            if p.pid is None:  # not started (Ctrl-C came first)
-                continue
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
+    result = _ranks(n, deadline, timeout, _probe_rank, lambda port, q: (
+        chosen, repeats, q, packed, usable_cores(), packed_sharded,
+        sorted({max(8, int(s)) for s in hop_sizes or ()}), each,
+    ))  # fmt: skip
+    if packed_tensored is not None:
+        tensored_bytes = packed_tensored
+        result.update(_ranks(n, deadline, timeout, _tensor_rank, lambda port, q: (
+            q, tensored_bytes, each.get("tensor", []),
+        )))  # fmt: skip
     model.runtime_bytes[n] = int(result.pop("growth"))
     model.send_cpu[n] = float(result.pop("send_cpu"))
     hops = result.pop("stage_hop", None)
     if hops:
         model.stage_hop[n] = fit_link("send", 2, hops)
     model.meeting[n] = float(result.pop("meeting"))
-    grown = result.pop("sharded", None)
-    if grown is not None:
-        model.sharded_growth[n] = int(grown)
+    for strategy in ("fsdp", "tensor"):
+        grown = result.pop(strategy, None)
+        if grown is not None:
+            model.step_growth[(strategy, n)] = int(grown)
     side = result.pop("concurrency", None)
     if side is not None:
         model.concurrency[n] = side
