@@ -530,6 +530,14 @@ def test_fsdp_and_tensor_rows_here_work_as_long_as_the_probe_measured_their_step
     # ((0.01 + 0.004 + 0.004) / (0.01 + 0.002 + 0.004)).
     halved = replace(measured, batch=2)
     assert time(tensor, halved).compute == pytest.approx((0.027 * 18 / 16 + 0.002) * 2)
+    # ... from the calibration's line, not a size's own time (a pipeline's microbatch).
+    levelled = replace(compute, levels={2: 0.5})
+    assert estimate(
+        tensor, p, layers=layers, tp_plan=tp_plan, compute=levelled, comm=halved, hw=cpu,
+        overlap=0.0,
+    ).time.compute == pytest.approx((0.027 * 18 / 16 + 0.002) * 2)  # fmt: skip
+    # With no batch given (a CommModel built by hand): at the row's.
+    assert time(tensor, replace(measured, batch=None)).compute == pytest.approx((0.027 + 0.002) * 2)
     assert time(tensor, counted).compute != pytest.approx(time(tensor, measured).compute)
     # Only where measured: another degree, other strategies and a profile are as before.
     assert time(Layout("tensor", tp=2), measured).total == pytest.approx(
@@ -784,7 +792,8 @@ def test_the_probe_measures_ranks_side_by_side() -> None:
         "fsdp": [("all_gather", 2 * 2**20)] * 2 + [("reduce_scatter", 2 * 2**20)],
     }
     comm = probe(2, [4096, 65536], work=work, sharded=sharded, tensored=tensored,
-                 collectives=collectives)  # fmt: skip
+                 collectives=collectives, batch=4)  # fmt: skip
+    assert comm.batch == 4  # the samples per rank its steps' CPU was measured at
     assert {("all_reduce", 2), ("all_gather", 2), ("send", 2)} <= set(comm.links)
     assert 2 in comm.meeting
     # A send is timed between two ranks, not borrowed from the all-gather; what a send
@@ -1191,7 +1200,10 @@ def test_a_microbatch_is_timed_as_the_calibration_timed_it(
     import scaletrain.plan.api as api
     import scaletrain.train.planning as planning
 
-    swept = Compute(fixed=0.002, per_sample=0.001, optimizer=0.002, source="t")
+    # The sweep's points: 0.010 at 8 samples, 0.0045 at 2 (its line, through 8 and 2
+    # were fixed not 0: 0.002 + 0.001 per sample, 0.004 at 2).
+    swept = Compute(fixed=0.002, per_sample=0.001, optimizer=0.002, source="t",
+                    levels={8: 0.010, 2: 0.0045})  # fmt: skip
     monkeypatch.setattr(api, "calibrate", lambda *a, **k: swept)
     cost = planning.RuntimeCost(step=0.001, growth=None, whole=0.018)
     monkeypatch.setattr(planning, "runtime_overhead", lambda *a, **k: cost)
@@ -1199,11 +1211,19 @@ def test_a_microbatch_is_timed_as_the_calibration_timed_it(
         _mlp, _example, nn.functional.cross_entropy, _adam, 8, [8, 2], None
     )  # fmt: skip
     # The batch: the sweep scaled to its loop (17/12, as above); the microbatch: the
-    # sweep's 0.002 + 2 x 0.001, not that x 17/12.
+    # sweep's own 0.0045, not that x 17/12, nor the line's.
     assert got.fwd_bwd(8) + got.optimizer + got.overhead["step"] == pytest.approx(0.018)
-    assert got.levels == {2: pytest.approx(0.004)} and got.fwd_bwd(2) == pytest.approx(0.004)
+    assert got.levels == {2: 0.0045} and got.fwd_bwd(2) == 0.0045
     assert got.fwd_bwd(2.0) == got.fwd_bwd(2)  # a batch divided by microbatches
     assert got.fwd_bwd(4) == pytest.approx((0.002 + 4 * 0.001) * 17 / 12)  # no pipeline's
+    assert got.line(2) == pytest.approx((0.002 + 2 * 0.001) * 17 / 12)
+    # The real calibration on this CPU keeps each size's own time, the middle one too
+    # (a line through the ends would read it off).
+    from scaletrain.plan.calibration import calibrate
+
+    real = calibrate(_mlp, _example, nn.functional.cross_entropy, _adam, [8, 4, 2], repeats=2)
+    assert set(real.levels) == {8, 4, 2} and all(t > 0 for t in real.levels.values())
+    assert real.fwd_bwd(4) == real.levels[4]
     # A pipeline's row times its microbatches (8 samples in 4: 2 each) at that level.
     p = profile_model(_mlp, _example(8), nn.functional.cross_entropy, _adam)
     with torch.device("meta"):

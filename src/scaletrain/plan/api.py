@@ -234,7 +234,7 @@ def plan_model(
 
     `fsdp_units`: the modules FSDP shards as units, by name (`scaletrain plan` gives
     the fsdp strategy's wrap); the FSDP rows' collectives and the probe's fully sharded
-    steps use them (default: each of the model's layers).
+    steps use them (default: each of the model's layers, and the root).
 
     `hardware` None measures this machine: its GPU where it has one (one device; `device`
     "cpu" measures its CPU instead), else its CPU (a short calibration and a Gloo

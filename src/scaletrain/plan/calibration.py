@@ -103,4 +103,6 @@ def calibrate(
         points, opt_cpu, CALIBRATED_GPU if on_gpu else CALIBRATED, share=share,
         load=os.getloadavg()[0] if hasattr(os, "getloadavg") else None, measured_growth=growth,
     )  # fmt: skip
-    return replace(fitted, layer_shares=shares) if shares else fitted
+    # On this CPU, each size's own time where a row asks for it (Compute.levels).
+    levels = {} if on_gpu else dict(points)
+    return replace(fitted, layer_shares=shares or {}, levels=levels)

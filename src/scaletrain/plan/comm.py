@@ -139,7 +139,7 @@ class CommModel:
     """By (strategy, group size): a rank's CPU seconds per step of that strategy over the
     whole group ("fsdp", "tensor") at `batch` samples a rank, every rank stepping (its
     work between the collectives, not their own CPU; measured on this machine when the
-    probe got those steps; see crowd.step_cpu)."""
+    probe got those steps; see crowd.step_growth)."""
     batch: int | None = None
     """Samples per rank of the model's steps the probe ran (`step_cpu`'s)."""
 

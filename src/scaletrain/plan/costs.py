@@ -61,6 +61,10 @@ class Compute:
     def fwd_bwd(self, samples: float) -> float:
         if samples == int(samples) and int(samples) in self.levels:
             return self.levels[int(samples)]
+        return self.line(samples)
+
+    def line(self, samples: float) -> float:
+        """Forward+backward seconds at `samples` from the fit alone (no `levels`)."""
         return self.fixed + self.per_sample * samples
 
     def background(self, cores: int) -> float:

@@ -271,7 +271,7 @@ def estimate(
 ) -> Estimate:
     """One row of the plan: `layout` for `profile` on `hw` (see the module docstring).
     `fsdp_units`: the modules the fsdp strategy shards as units, by name (default: each
-    of `layers`)."""
+    of `layers`, and the root)."""
     P, G, Opt, A = (
         profile.param_bytes + profile.buffer_bytes,
         profile.grad_bytes,
@@ -409,15 +409,15 @@ def estimate(
     contention = side.factor if side is not None else 1.0
     crowded = comm.step_cpu.get((layout.strategy, layout.devices)) if here else None
     if crowded is not None and (tp_plan or layout.strategy != "tensor"):
-        # Measured by the probe with every rank stepping (crowd.step_cpu): DTensor's
+        # Measured by the probe with every rank stepping (crowd.step_growth): DTensor's
         # dispatch and FSDP's copies run on caches left cold at every collective,
         # which neither the count above nor plain steps' contention sees. The seconds
         # themselves, not x the plain step's measured alone over the calibration's:
         # each of those is a process's draw of the allocator (the convnet recipe's
         # FSDP step at 2 ranks took 14.3-14.8 ms in 4 probes, 1.47-1.82x their plain
         # step alone). At another batch, scaled as the calibration's step scales.
-        base = compute.fwd_bwd(samples) + compute.optimizer
-        at = compute.fwd_bwd(comm.batch) + compute.optimizer if comm.batch else base
+        base = compute.line(samples) + compute.optimizer
+        at = compute.line(comm.batch) + compute.optimizer if comm.batch else base
         work = crowded * (base / at if at > 0 else 1.0) + compute.overhead.get("step", 0.0)
         contention = 1.0
     background = compute.background(hw.cores) if hw.cores is not None else 0.0

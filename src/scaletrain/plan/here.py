@@ -63,7 +63,7 @@ def _say_side_by_side(
         assumptions.append(
             f"tensor parallel's steps over {devices} ranks grew RSS by "
             f"{comm.step_growth[('tensor', devices)] / 2**20:.1f} MiB in {STRATEGY_STEPS} "
-            "steps (measured in processes of their own); its row's growth is at least that"
+            "steps (measured); its row's growth is at least that"
         )
     for strategy, what in (
         ("fsdp", "an FSDP rank's work (FSDP's copies and hooks around each unit)"),
@@ -141,7 +141,7 @@ def probe_here(
     turns = max(1.0, devices / (cores or devices))
     room = 40 + (3 * STRATEGY_STEPS * turns if sharded is not None else 0)
     room += 3 * STRATEGY_STEPS * turns if tensored is not None else 0
-    comm = probe(
+    return probe(
         devices,
         sizes,
         work=work,
@@ -150,6 +150,5 @@ def probe_here(
         hop_sizes=[int(send_bytes(x, profile, layers)) for x in layouts if x.pp > 1],
         tensored=tensored,
         collectives=step_collectives(profile, layers, tp_plan, fsdp_units),
+        batch=batch_size,
     )
-    comm.batch = batch_size
-    return comm

@@ -110,7 +110,6 @@ def _probe_rank(
     q: Any,
     work: bytes | None = None,
     cores: int = 1,
-    sharded: bytes | None = None,
     hop_sizes: list[int] | None = None,
     collectives: dict[str, list[tuple[str, int]]] | None = None,
 ) -> None:
@@ -152,9 +151,6 @@ def _probe_rank(
         dist.all_reduce(grown, op=dist.ReduceOp.MAX)
         out["growth"] = int(grown.item())
         out["busy"] = busy
-        if sharded is not None:
-            # Before the plain model's steps below, whose freed memory it would reuse.
-            out["fsdp"], out["fsdp_cpu"] = step_growth(sharded, (collectives or {}).get("fsdp"))
         # After the memory measurements: its buffers would be theirs to reuse.
         out["send"], out["send_cpu"] = _point_to_point(rank, sizes, repeats)
         if hop_sizes:
@@ -183,14 +179,22 @@ def _report(rank: int, q: Any, out: dict[str, Any]) -> None:
     os._exit(0)
 
 
-def _tensor_rank(
-    rank: int, n: int, port: int, q: Any, tensored: bytes, collectives: list[tuple[str, int]]
+def _strategy_rank(
+    rank: int,
+    n: int,
+    port: int,
+    q: Any,
+    strategy: str,
+    work: bytes,
+    collectives: list[tuple[str, int]],
 ) -> None:
-    """The model's tensor-parallel steps among `n` fresh ranks: the RSS they add and
-    their CPU (crowd.step_growth). Fresh processes: after the probe's fully sharded and
-    plain steps, the allocator reuses what those freed (the gpt recipe's tensor-parallel
-    steps at 4 ranks grew 1.8 MiB there, 22 MiB after `malloc_trim`, 37-39 in fresh
-    processes, its runs 37-39)."""
+    """A strategy's steps (`work`, pickled: FSDP's or tensor parallel's) among `n` fresh
+    ranks: the RSS they add and their CPU (crowd.step_growth), as `strategy` and
+    `strategy`_cpu. Fresh processes: after other steps the allocator reuses what those
+    freed. The gpt recipe's tensor-parallel steps at 4 ranks grew 1.8 MiB after the
+    probe's fully sharded and plain steps, 22 MiB after `malloc_trim`, 37-39 in fresh
+    processes; its FSDP steps 53 MiB after the probe's collectives, 58-61 fresh (at 2
+    ranks: 53, and 63-66). Their runs: 37-39, 61-62 and 62-63."""
     import warnings
 
     import torch
@@ -202,10 +206,17 @@ def _tensor_rank(
     dist.init_process_group("gloo", rank=rank, world_size=n)
     out: dict[str, Any] = {}
     try:
-        out["tensor"], out["tensor_cpu"] = step_growth(tensored, collectives)
+        out[strategy], out[f"{strategy}_cpu"] = step_growth(work, collectives)
     finally:
         dist.destroy_process_group()
     _report(rank, q, out)
+
+
+def _strategy_args(
+    port: int, q: Any, *, strategy: str, work: bytes, each: dict[str, list[tuple[str, int]]]
+) -> tuple[Any, ...]:
+    """_strategy_rank's arguments after (rank, n, port)."""
+    return (q, strategy, work, each.get(strategy, []))
 
 
 def _ranks(
@@ -265,6 +276,7 @@ def probe(
     hop_sizes: Sequence[int] = (),
     tensored: Callable[[], Callable[[], Any]] | None = None,
     collectives: Mapping[str, Sequence[tuple[str, int]]] | None = None,
+    batch: int | None = None,
 ) -> CommModel:
     """Measure Gloo on loopback over `n` processes at `sizes` (bytes); fit each collective
     (the mean of up to `repeats` back to back per size, as many as fit PROBE_BUDGET) and
@@ -274,13 +286,13 @@ def probe(
     `work` returns the model's training step; given it, the ranks also measure
     `Concurrency` (nothing where it does not pickle, or does not load or run in the
     ranks). `sharded` likewise returns the model's step fully sharded over the ranks'
-    group: given it, they measure the RSS its steps add (`CommModel.step_growth`) and
-    its CPU among them (`CommModel.step_cpu`), less that of its `collectives`
-    ({"fsdp": [(kind, bytes), ...], "tensor": ...}: each one in a step). `tensored`
-    likewise, the model's step tensor-parallel over the group, measured in fresh
-    processes of their own. Takes a few seconds (starting the processes dominates);
+    group: given it, n fresh ranks measure the RSS its steps add
+    (`CommModel.step_growth`) and its CPU among them (`CommModel.step_cpu`), less that
+    of its `collectives` ({"fsdp": [(kind, bytes), ...], "tensor": ...}: each one in a
+    step). `tensored` likewise, the model's step tensor-parallel over the group. Takes a few seconds (starting the processes dominates);
     `timeout` should leave room for a few dozen of the model's steps, and
-    STRATEGY_STEPS of each strategy's on every rank at once.
+    STRATEGY_STEPS of each strategy's on every rank at once. `batch`: the samples per
+    rank the steps given run (`CommModel.batch`).
     Ranks run one thread each.
     """
     import pickle
@@ -293,7 +305,7 @@ def probe(
 
     packed, packed_sharded = packed_or_none(work), packed_or_none(sharded)
     packed_tensored = packed_or_none(tensored) if packed is not None else None
-    model = CommModel(source=f"probe: Gloo over loopback, {n} processes")
+    model = CommModel(source=f"probe: Gloo over loopback, {n} processes", batch=batch)
     if n <= 1:
         return model
     chosen = sorted({max(4096, int(s)) for s in sizes})
@@ -302,14 +314,13 @@ def probe(
     each = {k: [(kind, int(b)) for kind, b in v] for k, v in (collectives or {}).items()}
     deadline = time.monotonic() + timeout
     result = _ranks(n, deadline, timeout, _probe_rank, lambda port, q: (
-        chosen, repeats, q, packed, usable_cores(), packed_sharded,
+        chosen, repeats, q, packed, usable_cores(),
         sorted({max(8, int(s)) for s in hop_sizes or ()}), each,
     ))  # fmt: skip
-    if packed_tensored is not None:
-        tensored_bytes = packed_tensored
-        result.update(_ranks(n, deadline, timeout, _tensor_rank, lambda port, q: (
-            q, tensored_bytes, each.get("tensor", []),
-        )))  # fmt: skip
+    for strategy, steps in (("fsdp", packed_sharded), ("tensor", packed_tensored)):
+        if steps is not None:
+            args = partial(_strategy_args, strategy=strategy, work=steps, each=each)
+            result.update(_ranks(n, deadline, timeout, _strategy_rank, args))
     model.runtime_bytes[n] = int(result.pop("growth"))
     model.send_cpu[n] = float(result.pop("send_cpu"))
     hops = result.pop("stage_hop", None)

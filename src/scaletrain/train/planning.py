@@ -296,12 +296,9 @@ def _calibration(
     # A pipeline's microbatches as the calibration timed them, not scaled to the batch's
     # loop (Compute.levels): that loop's level holds where its process's allocations
     # fell, which a microbatch's step does not share; and a stage runs its microbatches
-    # back to back, as the calibration does, with no optimizer step between them.
-    levels = (
-        {size: compute.fwd_bwd(size) for size in set(sizes) - {batch}}
-        if not is_cuda(device)
-        else {}
-    )
+    # back to back, as the calibration does, with no optimizer step between them. The
+    # batch itself is the loop's (below).
+    levels = {size: t for size, t in compute.levels.items() if size != batch}
     bare = compute.fwd_bwd(batch) + compute.optimizer
     # The model's time at the level of the real training loop's, its shape (what is per
     # sample, what the optimizer takes) from the calibration's sweep: timed in turns
