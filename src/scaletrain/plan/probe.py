@@ -101,26 +101,33 @@ def _point_to_point(
     return out, statistics.median(cpu)
 
 
+def _rank_start(port: int) -> None:
+    """A probe rank's process before its group: one thread, Gloo on loopback at `port`."""
+    import warnings
+
+    import torch
+
+    warnings.filterwarnings("ignore", category=FutureWarning)  # *_tensor's new names
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+
+
 def _probe_rank(
     rank: int,
     n: int,
     port: int,
+    q: Any,
     sizes: list[int],
     repeats: int,
-    q: Any,
     work: bytes | None = None,
     cores: int = 1,
     hop_sizes: list[int] | None = None,
     collectives: dict[str, list[tuple[str, int]]] | None = None,
 ) -> None:
-    import warnings
-
     import torch
     import torch.distributed as dist
 
-    warnings.filterwarnings("ignore", category=FutureWarning)  # *_tensor's new names
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+    _rank_start(port)
     from scaletrain.observe.memory import current_rss_bytes, reset_rss_peak, rss_peak_bytes
 
     # From before the group: the planner counts this as the group's own memory in a
@@ -195,14 +202,9 @@ def _strategy_rank(
     probe's fully sharded and plain steps, 22 MiB after `malloc_trim`, 37-39 in fresh
     processes; its FSDP steps 53 MiB after the probe's collectives, 58-61 fresh (at 2
     ranks: 53, and 63-66). Their runs: 37-39, 61-62 and 62-63."""
-    import warnings
-
-    import torch
     import torch.distributed as dist
 
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+    _rank_start(port)
     dist.init_process_group("gloo", rank=rank, world_size=n)
     out: dict[str, Any] = {}
     try:
@@ -212,30 +214,21 @@ def _strategy_rank(
     _report(rank, q, out)
 
 
-def _strategy_args(
-    port: int, q: Any, *, strategy: str, work: bytes, each: dict[str, list[tuple[str, int]]]
-) -> tuple[Any, ...]:
-    """_strategy_rank's arguments after (rank, n, port)."""
-    return (q, strategy, work, each.get(strategy, []))
-
-
 def _ranks(
     n: int,
     deadline: float,
     timeout: float,
     target: Callable[..., None],
-    args: Callable[[int, Any], tuple[Any, ...]],
+    *args: Any,
 ) -> dict[str, Any]:
-    """`target(rank, n, port, *args(port, queue))` in `n` fresh processes: rank 0's
-    result; the ranks killed on Ctrl-C, a failed rank or `deadline`."""
+    """`target(rank, n, port, queue, *args)` in `n` fresh processes: rank 0's result;
+    the ranks killed on Ctrl-C, a failed rank or `deadline`."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = _free_port()
-    procs = [
-        ctx.Process(target=target, args=(r, n, port, *args(port, q)), daemon=True) for r in range(n)
-    ]
+    procs = [ctx.Process(target=target, args=(r, n, port, q, *args), daemon=True) for r in range(n)]
     try:
         with ctrl_c_held():  # Ctrl-C is the planner's: it kills the ranks (plan/children.py)
             for p in procs:
@@ -313,14 +306,16 @@ def probe(
         chosen = [chosen[0] // 4 or 4096, *chosen]
     each = {k: [(kind, int(b)) for kind, b in v] for k, v in (collectives or {}).items()}
     deadline = time.monotonic() + timeout
-    result = _ranks(n, deadline, timeout, _probe_rank, lambda port, q: (
-        chosen, repeats, q, packed, usable_cores(),
-        sorted({max(8, int(s)) for s in hop_sizes or ()}), each,
-    ))  # fmt: skip
+    sends = sorted({max(8, int(s)) for s in hop_sizes or ()})
+    result = _ranks(
+        n, deadline, timeout, _probe_rank, chosen, repeats, packed, usable_cores(), sends, each
+    )
     for strategy, steps in (("fsdp", packed_sharded), ("tensor", packed_tensored)):
         if steps is not None:
-            args = partial(_strategy_args, strategy=strategy, work=steps, each=each)
-            result.update(_ranks(n, deadline, timeout, _strategy_rank, args))
+            took = _ranks(
+                n, deadline, timeout, _strategy_rank, strategy, steps, each.get(strategy, [])
+            )
+            result.update(took)
     model.runtime_bytes[n] = int(result.pop("growth"))
     model.send_cpu[n] = float(result.pop("send_cpu"))
     hops = result.pop("stage_hop", None)
