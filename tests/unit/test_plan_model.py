@@ -1217,6 +1217,14 @@ def test_a_microbatch_is_timed_as_the_calibration_timed_it(
     assert got.fwd_bwd(2.0) == got.fwd_bwd(2)  # a batch divided by microbatches
     assert got.fwd_bwd(4) == pytest.approx((0.002 + 4 * 0.001) * 17 / 12)  # no pipeline's
     assert got.line(2) == pytest.approx((0.002 + 2 * 0.001) * 17 / 12)
+    # The batch's own point off the line (a fit that set a negative fixed to 0): the
+    # loop's level still holds at the batch, the line scaled to it.
+    off = replace(swept, levels={8: 0.012, 2: 0.0045})
+    monkeypatch.setattr(api, "calibrate", lambda *a, **k: off)
+    got = planning._calibration(
+        _mlp, _example, nn.functional.cross_entropy, _adam, 8, [8, 2], None
+    )  # fmt: skip
+    assert got.fwd_bwd(8) + got.optimizer + got.overhead["step"] == pytest.approx(0.018)
     # The real calibration on this CPU keeps each size's own time, the middle one too
     # (a line through the ends would read it off).
     from scaletrain.plan.calibration import calibrate

@@ -299,7 +299,9 @@ def _calibration(
     # back to back, as the calibration does, with no optimizer step between them. The
     # batch itself is the loop's (below).
     levels = {size: t for size, t in compute.levels.items() if size != batch}
-    bare = compute.fwd_bwd(batch) + compute.optimizer
+    # The line's (the calibration keeps each size's own time in levels: the batch's is
+    # the loop's below, scaled with the line).
+    bare = compute.line(batch) + compute.optimizer
     # The model's time at the level of the real training loop's, its shape (what is per
     # sample, what the optimizer takes) from the calibration's sweep: timed in turns
     # with another loop, or forward and backward apart from the optimizer, the same
