@@ -1420,3 +1420,31 @@ def test_the_planners_children_never_see_ctrl_c_and_the_planner_still_does() -> 
     assert int(signal.SIGINT) in q.get(timeout=30)
     child.join(timeout=30)
     assert int(signal.SIGINT) not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+
+
+def _report_or_hang(rank: int, n: int, port: int, q: Any) -> None:
+    import time as clock
+
+    if rank == 0:
+        q.put({"done": rank})
+        q.close()
+        q.join_thread()
+        return
+    clock.sleep(600)  # a rank stuck on its way out (in a collective whose peers are gone)
+
+
+@pytest.mark.timeout(60)
+def test_a_probes_ranks_are_killed_once_rank_0_reported() -> None:
+    # Joined one by one before any was killed, a rank stuck on its way out held the
+    # planner up to 10 s, and a Ctrl-C during that wait left it running for good
+    # (SIGINT blocked in it), holding the terminal's output open.
+    import time
+
+    from scaletrain.plan.probe import _ranks
+
+    t0 = time.monotonic()
+    assert _ranks(2, time.monotonic() + 30, 30, _report_or_hang) == {"done": 0}
+    assert time.monotonic() - t0 < 8
+    import multiprocessing as mp
+
+    assert not [p for p in mp.active_children() if p.is_alive()]

@@ -244,18 +244,17 @@ def _ranks(
                         f"the Gloo probe over {n} processes failed (exit codes {failed}) "
                         f"or took over {timeout:.0f} s"
                     ) from None
-    except BaseException:  # Ctrl-C, or a rank failed: the others would wait in a collective
-        for p in procs:
-            if p.pid is not None:
-                p.kill()
-        raise
     finally:
-        for p in procs:
-            if p.pid is None:  # not started (Ctrl-C came first)
-                continue
-            p.join(timeout=10)
+        # Every rank killed before any is waited for: with rank 0's result here they
+        # have nothing left to do, and otherwise (Ctrl-C, a rank failed) the others
+        # would wait in a collective. Joined first, a Ctrl-C during a join left the
+        # ranks after it running, waiting for ranks that were gone.
+        started = [p for p in procs if p.pid is not None]  # not: Ctrl-C came first
+        for p in started:
             if p.is_alive():
                 p.kill()
+        for p in started:
+            p.join(timeout=10)
 
 
 def probe(
