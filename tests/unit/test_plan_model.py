@@ -265,10 +265,11 @@ def test_a_pipelines_stages_are_their_measured_shares_not_their_flops() -> None:
     )
 
 
-def test_a_pipeline_pays_its_sends_and_the_loss_broadcast_here() -> None:
+def test_a_pipeline_pays_its_sends_here_and_its_loss_broadcast_is_no_meeting() -> None:
     # Each microbatch crosses every boundary twice (activations, their gradients), and
     # every step ends in the strategy's broadcast of the loss: on this machine a stage
-    # pays the probe's CPU per send or receive, and the broadcast is a meeting.
+    # pays the probe's CPU per send or receive. The broadcast is no meeting of busy
+    # ranks: the first rank ends its schedule last, the others already in it.
     cpu = Hardware("cpu", "2 cores", 10**12, {}, Link(0, 1e12), Link(0, 1e12), cores=2)
     compute = Compute(fixed=0.0, per_sample=0.01, optimizer=0.0, source="t")
     quiet = CommModel(default=Link(0, 1e15))
@@ -277,7 +278,7 @@ def test_a_pipeline_pays_its_sends_and_the_loss_broadcast_here() -> None:
     sends = _deep_rows(compute, cpu, paid)["pipeline pp=2 1f1b m=4"]
     # The busiest stage: one boundary, 4 microbatches, a send and a receive each.
     assert sends.compute == pytest.approx(base.compute + 4 * 2 * 0.001)
-    assert sends.wait == pytest.approx(base.wait + 0.004)
+    assert sends.wait == pytest.approx(base.wait)
     # On a profile (GPUs): neither.
     gpu = PROFILES["h100-sxm"]
     assert _deep_rows(compute, gpu, paid)["pipeline pp=2 1f1b m=4"].total == pytest.approx(
@@ -449,6 +450,26 @@ def test_a_slowest_rank_is_the_median_of_the_maximum() -> None:
     assert even.sync(4) == pytest.approx(0.5 + 0.5**0.25, abs=0.011)
     assert Concurrency(ranks=2, factor=1.0, spread=(1.0, 1.0, 1.0)).sync(8) == 1.0
     assert Concurrency(ranks=2, factor=1.0, spread=()).sync(8) == 1.0
+    # Ranks of equal work, named: the same.
+    assert even.sync(2, [1.0, 1.0]) == pytest.approx(even.sync(2))
+    assert even.sync(4, [0.5, 0.5, 0.5, 0.5]) == pytest.approx(even.sync(4))
+
+
+def test_a_rank_with_less_work_makes_the_busiest_wait_less() -> None:
+    from scaletrain.plan.comm import Concurrency
+
+    even = Concurrency(ranks=2, factor=1.0, spread=tuple(0.5 + i / 100 for i in range(101)))
+    # A rank with 40% of the busiest's work never outlasts it (at most 1.5 x 0.4 = 0.6,
+    # where the busiest's median is 1): the busiest waits for no one, its median is 1.
+    assert even.sync(2, [1.0, 0.4]) == pytest.approx(1.0, abs=1e-6)
+    # At 80%: below v with probability F(v) x F(v / 0.8), between the two.
+    mixed = even.sync(2, [1.0, 0.8])
+    assert 1.0 < mixed < even.sync(2)
+    f = lambda v: min(1.0, max(0.0, v - 0.5))  # noqa: E731 (the spread's CDF)
+    assert f(mixed) * f(mixed / 0.8) == pytest.approx(0.5, abs=1e-6)
+    # The order of the ranks does not matter; weights over any busiest are normalised.
+    assert even.sync(2, [0.8, 1.0]) == pytest.approx(mixed)
+    assert even.sync(2, [2.0, 1.6]) == pytest.approx(mixed)
 
 
 def test_side_by_side_costs_count_on_this_machine_only() -> None:
@@ -483,10 +504,26 @@ def test_side_by_side_costs_count_on_this_machine_only() -> None:
     meetings = fsdp.wait - fsdp.compute * (side.sync(2) - 1)
     assert meetings == pytest.approx(3 * len(layers) * 0.003)
     # A pipeline's sends are posted ahead (a stage waits at a receive for the data
-    # only, the bubble): the slowest rank's wait, and one meeting, the strategy's
-    # broadcast of the loss at the step's end.
-    pipe = time(Layout("pipeline", pp=2, schedule="1f1b", microbatches=4), measured, cpu)
-    assert pipe.wait == pytest.approx((pipe.compute + pipe.bubble) * (side.sync(2) - 1) + 0.003)
+    # only, the bubble), and its loss's broadcast at the step's end is no meeting (the
+    # first rank ends its schedule last, the others waiting in it): the slowest rank's
+    # wait only, as much as the other stage's work can outlast the busiest's.
+    layout = Layout("pipeline", pp=2, schedule="1f1b", microbatches=4)
+
+    def piped(first: tuple[float, float], last: tuple[float, float]) -> Any:
+        shares = {"0": first, "2": last}  # each stage's share of the model's step
+        return estimate(
+            layout, p, layers=layers, tp_plan=None, comm=measured, hw=cpu, overlap=0.0,
+            compute=replace(compute, layer_shares=shares),
+        ).time  # fmt: skip
+
+    # Equal stages: the slowest of 2.
+    equal = piped((0.25, 0.25), (0.25, 0.25))
+    assert equal.wait == pytest.approx((equal.compute + equal.bubble) * (side.sync(2) - 1))
+    assert equal.wait > 0.0
+    # A last stage with a twentieth of the first's work never outlasts it (1.4 x its
+    # share of the busiest's is below the spread's 0.9): no wait.
+    lopsided = piped((0.38, 0.57), (0.02, 0.03))
+    assert lopsided.wait == pytest.approx(0.0, abs=1e-9)
     # On a profile (GPUs: the collectives run on the devices' own engines) not counted.
     gpu = PROFILES["h100-sxm"]
     assert time(ddp, measured, gpu).total == pytest.approx(time(ddp, quiet, gpu).total)
