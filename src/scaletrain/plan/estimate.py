@@ -27,8 +27,9 @@ the probe's measurements add what ranks sharing it cost each other: compute grow
 their contention (comm.Concurrency; an FSDP or tensor-parallel row's work is the
 probe's own measurement of its step among the ranks, comm.CommModel.step_cpu, where it
 has one), a pipeline stage pays each send and receive's CPU
-(comm.CommModel.send_cpu), and the step waits for the slowest rank and, at each
-blocking collective not timed from work by the probe (comm.CommModel.busy), for a
+(comm.CommModel.send_cpu), and the step waits for the slowest rank (in a pipeline, as
+far as another stage's work can outlast the busiest's: comm.Concurrency.sync) and, at
+each blocking collective not timed from work by the probe (comm.CommModel.busy), for a
 core (comm.CommModel.meeting).
 """
 
