@@ -524,6 +524,16 @@ def test_side_by_side_costs_count_on_this_machine_only() -> None:
     # share of the busiest's is below the spread's 0.9): no wait.
     lopsided = piped((0.38, 0.57), (0.02, 0.03))
     assert lopsided.wait == pytest.approx(0.0, abs=1e-9)
+    # Two replicas of that pipeline (ddp x pp over 4): each first stage is a busiest
+    # rank, so the step waits for the slower of those 2, the light stages for no one.
+    four = replace(measured, concurrency={4: side})
+    replicas = estimate(
+        Layout("ddp x pp", dp=2, pp=2, schedule="1f1b", microbatches=4), p, layers=layers,
+        tp_plan=None, comm=four, hw=cpu, overlap=0.0,
+        compute=replace(compute, layer_shares={"0": (0.38, 0.57), "2": (0.02, 0.03)}),
+    ).time  # fmt: skip
+    assert replicas.wait == pytest.approx((replicas.compute + replicas.bubble) * (side.sync(2) - 1))
+    assert replicas.wait > 0.0
     # On a profile (GPUs: the collectives run on the devices' own engines) not counted.
     gpu = PROFILES["h100-sxm"]
     assert time(ddp, measured, gpu).total == pytest.approx(time(ddp, quiet, gpu).total)

@@ -113,11 +113,11 @@ def _pipeline_time(
     background: float,
 ) -> tuple[float, float, float, float, list[float]]:
     """(compute, bubble, slowdown, exposed sends) of a pipeline's busiest rank, and each
-    rank's work over the busiest's (its replicas' alike), from its
-    schedule simulated (scaletrain.plan.schedule): each stage's forward and backward
-    of a microbatch are the whole model's at the microbatch size times the stage's
-    share, plus its share of the pipeline's machinery; the optimizer and the runtime's
-    step run after the schedule. Interleaved 1F1B cuts pp x 2 stages (refused, as the
+    rank's work over the busiest's (one per device: a stage's tensor-parallel ranks and
+    replicas alike), from its schedule simulated (scaletrain.plan.schedule): each
+    stage's forward and backward of a microbatch are the whole model's at the
+    microbatch size times the stage's share, plus its share of the pipeline's
+    machinery; the optimizer and the runtime's step run after the schedule. Interleaved 1F1B cuts pp x 2 stages (refused, as the
     strategy refuses it, where the model has fewer layers)."""
     pp, m = layout.pp, layout.microbatches or 1
     virtual = 2 if layout.schedule == "interleaved-1f1b" else 1
@@ -164,7 +164,7 @@ def _pipeline_time(
         quiet.makespan - busy,
         busy / top,
         max(0.0, sent.makespan - quiet.makespan),
-        [w / top for w in quiet.work] * layout.dp,
+        [w / top for w in quiet.work] * (layout.dp * layout.tp),
     )
 
 
