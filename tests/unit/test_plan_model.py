@@ -470,6 +470,11 @@ def test_a_rank_with_less_work_makes_the_busiest_wait_less() -> None:
     # The order of the ranks does not matter; weights over any busiest are normalised.
     assert even.sync(2, [0.8, 1.0]) == pytest.approx(mixed)
     assert even.sync(2, [2.0, 1.6]) == pytest.approx(mixed)
+    # Weights a hair off equal: the bisection agrees with the closed form.
+    assert even.sync(3, [1.0, 1.0, 1.0 - 1e-9]) == pytest.approx(even.sync(3), abs=1e-6)
+    # One weight per rank, or an error (before, the weights' count silently won).
+    with pytest.raises(ValueError, match="2 weights for 4 ranks"):
+        even.sync(4, [1.0, 0.99])
 
 
 def test_side_by_side_costs_count_on_this_machine_only() -> None:

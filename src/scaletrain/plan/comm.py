@@ -105,6 +105,11 @@ class Concurrency:
         times its median. The convnet recipe's 2-stage pipeline (its last stage 17% of
         the first's) spent 9.8-10.2 ms of its first stage's CPU in steps of 10.1-10.4
         ms, where the slowest of 2 equal ranks added 0.6 ms."""
+        if weights is not None and len(weights) != ranks:
+            raise ValueError(
+                f"Concurrency.sync got {len(weights)} weights for {ranks} ranks; "
+                "expected one weight per rank"
+            )
         if ranks <= 1 or not self.spread:
             return 1.0
         spread = self.spread
