@@ -112,13 +112,12 @@ class Concurrency:
             )
         if ranks <= 1 or not self.spread:
             return 1.0
-        spread = self.spread
         top = max(weights, default=0.0) if weights is not None else 0.0
         if weights is None or top <= 0 or min(weights) >= top:
             return max(1.0, self._quantile(0.5 ** (1 / ranks)))
         # Over the spread's range, where F climbs from 0 to 1: bisect for F_max(v) = 0.5.
         shares = [w / top for w in weights if w > 0]
-        lo, hi = spread[0], spread[-1]
+        lo, hi = self.spread[0], self.spread[-1]
         for _ in range(60):
             mid = (lo + hi) / 2
             below = 1.0
@@ -143,10 +142,8 @@ class Concurrency:
             return 1.0
         if v < s[0] or len(s) == 1:
             return 0.0
-        i = bisect.bisect_right(s, v) - 1
-        step = s[i + 1] - s[i]
-        frac = (v - s[i]) / step if step > 0 else 1.0
-        return (i + frac) / (len(s) - 1)
+        i = bisect.bisect_right(s, v) - 1  # s[i] <= v < s[i + 1]
+        return (i + (v - s[i]) / (s[i + 1] - s[i])) / (len(s) - 1)
 
 
 @dataclass(slots=True)

@@ -117,8 +117,9 @@ def _pipeline_time(
     replicas alike), from its schedule simulated (scaletrain.plan.schedule): each
     stage's forward and backward of a microbatch are the whole model's at the
     microbatch size times the stage's share, plus its share of the pipeline's
-    machinery; the optimizer and the runtime's step run after the schedule. Interleaved 1F1B cuts pp x 2 stages (refused, as the
-    strategy refuses it, where the model has fewer layers)."""
+    machinery; the optimizer and the runtime's step run after the schedule.
+    Interleaved 1F1B cuts pp x 2 stages (refused, as the strategy refuses it, where the
+    model has fewer layers)."""
     pp, m = layout.pp, layout.microbatches or 1
     virtual = 2 if layout.schedule == "interleaved-1f1b" else 1
     if len(layers) < pp * virtual:
