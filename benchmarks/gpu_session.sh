@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Everything a session that is lent a GPU runs, in one call of under ten minutes:
+# first the GPU tests (tests/gpu and every test marked `gpu` elsewhere), then each
+# open GPU measurement. Each step has its own time limit, so one that hangs cannot
+# take the others' time, and writes its output as a file under OUT (default
+# ./gpu-results), which the session copies into benchmarks/RESULTS.md.
+#
+#     OUT=/tmp/gpu bash benchmarks/gpu_session.sh            # every step
+#     OUT=/tmp/gpu bash benchmarks/gpu_session.sh tests      # only the named steps
+#
+# Steps: env, tests, plan. A measurement an issue asks for is added here as a step
+# when the code it measures lands, so the next GPU session only has to run this.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu-results}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+PY=${PYTHON:-python3}
+STEPS=${*:-env tests plan}
+START=$SECONDS
+
+want() { [[ " $STEPS " == *" $1 "* ]]; }
+
+# step NAME LIMIT_S COMMAND...: runs it with its output in OUT/NAME.txt, its exit
+# status and seconds in OUT/steps.txt.
+step() {
+	local name=$1 limit=$2
+	shift 2
+	echo "== $name (limit ${limit}s, at $((SECONDS - START))s)"
+	local t0=$SECONDS
+	timeout --kill-after=10 "$limit" "$@" >"$OUT/$name.txt" 2>&1
+	local rc=$?
+	echo "$name rc=$rc $((SECONDS - t0))s" | tee -a "$OUT/steps.txt"
+	tail -n 5 "$OUT/$name.txt"
+}
+
+if want env; then
+	# The `scaletrain` command for tests that start it; the image has setuptools.
+	$PY -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 ||
+		echo "pip install -e . failed: tests that run the scaletrain command will fail"
+	step env 60 bash -c "nvidia-smi; $PY -c 'import torch, sys; print(sys.version); print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0), torch.cuda.get_device_capability(0))'; git log -1 --format='%H %s' 2>/dev/null || true"
+fi
+
+if want tests; then
+	# Every GPU-marked test, tests/gpu's and those beside their CPU twins; a module
+	# that needs a package the GPU image lacks is reported, not fatal.
+	step tests 300 $PY -m pytest -q -p no:cacheprovider -o addopts="" -ra \
+		--continue-on-collection-errors -m gpu --timeout 240 tests
+fi
+
+if want plan; then
+	# The planner's one-GPU check (benchmarks/plan_gpu.py): predicted vs measured step
+	# and CUDA peak for the recipes; RESULTS.md "One GPU measured".
+	step plan 200 $PY benchmarks/plan_gpu.py --part 1 --rounds 1 --steps 60
+fi
+
+echo "done in $((SECONDS - START))s; results in $OUT"
