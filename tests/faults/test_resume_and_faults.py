@@ -176,3 +176,52 @@ def test_every_sharded_strategy_resumes_bitwise(
     assert code == 0, log
     assert "resumed from" in log
     _assert_same_run(ref, run)
+
+
+def test_evaluating_changes_nothing_a_run_saves(data: Path, tmp_path: Path) -> None:
+    """Evaluation reads the model (data-parallel replica 0's BatchNorm statistics) and
+    changes no rank's own: a run's model.pt and checkpoints are the same whether and
+    when it evaluated, and an extended run equals a straight one."""
+    base = ["--max-steps", "20", "--save-every", "5"]
+    quiet, evaluated, extended = tmp_path / "quiet", tmp_path / "eval", tmp_path / "extended"
+    for out, extra in ((quiet, ["--eval-batches", "0"]), (evaluated, ["--eval-batches", "1"])):
+        code, log = _finish(_start(out, data, *base, *extra))
+        assert code == 0, log
+    # 10 steps, evaluated at their end, then extended to 20: an evaluation a straight
+    # run never made.
+    code, log = _finish(
+        _start(extended, data, *base[2:], "--max-steps", "10", "--eval-batches", "1")
+    )
+    assert code == 0, log
+    code, log = _finish(_start(extended, data, *base, "--eval-batches", "1"))
+    assert code == 0, log
+    assert "resumed at step 10, extending to 20" in log
+    _assert_same_run(quiet, evaluated)
+    _assert_same_run(quiet, extended)
+    for step in ("step-000010", "step-000015"):
+        a = torch.load(quiet / "checkpoints" / step / "model.pt", weights_only=True)
+        for out in (evaluated, extended):
+            b = torch.load(out / "checkpoints" / step / "model.pt", weights_only=True)
+            assert all(torch.equal(a[k], b[k]) for k in a), (out, step)
+
+
+def test_fsdp_model_pt_and_the_consolidated_checkpoint_agree(data: Path, tmp_path: Path) -> None:
+    """Under FSDP each rank keeps its own BatchNorm statistics; model.pt and the last
+    checkpoint's consolidated model both hold replica 0's (a resume restores each
+    rank's own: test_every_sharded_strategy_resumes_bitwise)."""
+    extra = ["--strategy", "fsdp", "--max-steps", "8", "--batch-size", "8", "--save-every", "4"]
+    extra += ["--eval-batches", "0"]  # nothing that could make the ranks' statistics equal
+    out = tmp_path / "run"
+    code, log = _finish(_start(out, data, *extra))
+    assert code == 0, log
+    consolidated = tmp_path / "consolidated.pt"
+    proc = subprocess.run(
+        [sys.executable, "-m", "scaletrain", "checkpoint", "consolidate",
+         str(out / "checkpoints" / "step-000008"), str(consolidated)],
+        capture_output=True, text=True, env=launcher_free_env(), timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    model_pt, whole = _weights(out), torch.load(consolidated, weights_only=True)
+    assert model_pt.keys() == whole.keys()
+    for name in model_pt:
+        assert torch.equal(model_pt[name], whole[name]), name

@@ -23,7 +23,7 @@ from scaletrain.checkpoint.catalog import (
     list_checkpoints,
 )
 from scaletrain.checkpoint.convert import consolidate
-from scaletrain.checkpoint.load import load_checkpoint
+from scaletrain.checkpoint.load import load_checkpoint, load_weights
 from scaletrain.checkpoint.manager import CheckpointManager, Resumed
 from scaletrain.checkpoint.manifest import (
     FORMAT_VERSION,
@@ -52,6 +52,7 @@ __all__ = [
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
+    "load_weights",
     "read_manifest",
     "save_checkpoint",
     "wait_pending",

@@ -27,7 +27,8 @@ import torch
 
 from scaletrain.checkpoint.manifest import MANIFEST, FileEntry, atomic_write_bytes, fsync_dir
 from scaletrain.checkpoint.scope import CheckpointScope
-from scaletrain.checkpoint.state import State
+from scaletrain.checkpoint.state import State, is_dtensor
+from scaletrain.dist.replicas import first_replica_values
 from scaletrain.errors import CheckpointError, ConfigError
 
 if TYPE_CHECKING:
@@ -49,6 +50,7 @@ __all__ = [
     "rng_file",
     "split_optimizer",
     "views",
+    "with_first_replica_buffers",
     "write_json",
 ]
 
@@ -98,6 +100,32 @@ def local_buffers(scope: CheckpointScope, state: State) -> dict[str, dict[str, t
             if type(buf).__name__ != "DTensor"
         }
     return out
+
+
+def with_first_replica_buffers(
+    scope: CheckpointScope, model: torch.nn.Module, sd: dict[str, Any]
+) -> dict[str, Any]:
+    """`sd` (the model's state dict, references) with its plain buffers replaced by
+    data-parallel replica 0's: a checkpoint's model is the one DDP would hold
+    (scaletrain.dist.replicas), whichever rank DCP takes a replicated tensor from.
+    Each rank's own buffers go into its buffers file (local_buffers) for resuming.
+    A collective of the data-parallel group."""
+    if scope.topology.dp_size == 1:
+        return sd
+    live = {
+        _storage(b) for _, b in model.named_buffers(remove_duplicate=False) if not is_dtensor(b)
+    }
+    names = sorted(
+        k
+        for k, v in sd.items()
+        if isinstance(v, torch.Tensor) and not is_dtensor(v) and _storage(v) in live
+    )
+    first = first_replica_values([sd[k] for k in names], scope.topology)
+    return {**sd, **dict(zip(names, first, strict=True))}
+
+
+def _storage(t: torch.Tensor) -> int:
+    return int(t.untyped_storage().data_ptr())
 
 
 def views(scope: CheckpointScope, state: dict[str, Any]) -> dict[str, Any]:

@@ -57,7 +57,7 @@ from scaletrain.checkpoint.state import (
 from scaletrain.dist.agreement import agree, attempt, describe
 from scaletrain.errors import CheckpointError, say
 
-__all__ = ["holdings", "load_checkpoint", "load_with"]
+__all__ = ["holdings", "load_checkpoint", "load_weights", "load_with"]
 
 
 def holdings(manifest: Manifest) -> str:
@@ -322,6 +322,18 @@ def load_with(
 ) -> dict[str, Any]:
     """load_checkpoint, waiting first for the saves in flight of `saver`; `disks` says
     which ranks share a filesystem (None: all of them)."""
+    with scope.timed():
+        return _load_with(scope, path, state, saver=saver, disks=disks)
+
+
+def _load_with(
+    scope: CheckpointScope,
+    path: Path,
+    state: dict[str, Any],
+    *,
+    saver: AsyncSaver,
+    disks: Disks | None,
+) -> dict[str, Any]:
     parts = classify(views(scope, state), loading=True)
     world = scope.topology.world_size
     what = f"loading checkpoint {path}"
@@ -437,3 +449,42 @@ def load_checkpoint(
     checkpoint can run code. `source` is as for save_checkpoint.
     """
     return load_with(as_scope(source), Path(path), state, saver=default_saver())
+
+
+def load_weights(
+    source: CheckpointScope | ScopeSource, path: str | os.PathLike[str], model: torch.nn.Module
+) -> None:
+    """Load a plain state dict file (a run's model.pt, what `consolidate` writes) into
+    `model`, whatever strategy wrapped it: each rank takes its shards or stages of the
+    whole tensors. Every rank reads the file. Raises CheckpointError, changing nothing,
+    when the file does not hold exactly this model's keys and shapes."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    scope = as_scope(source)
+    file = Path(path)
+    view = scope.checkpoint_module(model)
+    with scope.timed():
+        try:
+            whole = _full.load_file(file)
+        except (OSError, RuntimeError, ValueError) as exc:
+            raise CheckpointError(f"cannot read the weights in {file}: {exc}") from None
+        template = get_model_state_dict(view)
+        missing = sorted(template.keys() - whole.keys())
+        wrong = sorted(
+            k
+            for k in template.keys() & whole.keys()
+            if isinstance(whole[k], torch.Tensor) and tuple(whole[k].shape) != _shape(template[k])
+        )
+        if missing or wrong:
+            shown = ", ".join(
+                [*(f"{k} (missing)" for k in missing), *(f"{k} (shape)" for k in wrong)]
+            )
+            raise CheckpointError(
+                f"{file} does not hold this {type(scope.unwrap(model)).__name__}'s weights: "
+                f"{shown[:300]}. Load it into the model that was trained to write it."
+            )
+        set_model_state_dict(view, _fill_from_full(template, whole))
+
+
+def _shape(value: Any) -> tuple[int, ...]:
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else ()

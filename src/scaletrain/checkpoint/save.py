@@ -40,6 +40,7 @@ from scaletrain.checkpoint.layout import (
     rng_file,
     split_optimizer,
     views,
+    with_first_replica_buffers,
     write_json,
 )
 from scaletrain.checkpoint.manifest import (
@@ -215,6 +216,30 @@ def save_with(
 ) -> Path | PendingCheckpoint:
     """save_checkpoint with the saver (thread, group) and keep-K memory given, onto
     `disks` (None: one filesystem every rank shares; see scaletrain.checkpoint.disks)."""
+    with scope.timed():
+        return _save_with(
+            scope,
+            path,
+            state,
+            saver=saver,
+            retention=retention,
+            async_save=async_save,
+            sharded=sharded,
+            disks=disks,
+        )
+
+
+def _save_with(
+    scope: CheckpointScope,
+    path: Path,
+    state: dict[str, Any],
+    *,
+    saver: AsyncSaver,
+    retention: Retention,
+    async_save: bool,
+    sharded: bool | None,
+    disks: Disks | None,
+) -> Path | PendingCheckpoint:
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     parts = classify(views(scope, state))
@@ -284,6 +309,13 @@ def save_with(
         everyone = [loaders for loaders, _ in gathered]
         created, values0, statefuls0 = gathered[0][1]
         parts = replace(parts, values=values0)
+
+    if kind == "sharded":
+        # Outside `write`: a collective, which every rank must reach.
+        model_sds = {
+            name: with_first_replica_buffers(scope, parts.models[name], sd)
+            for name, sd in model_sds.items()
+        }
 
     # 2. Write. Per-rank files on every rank; rank 0 the replicated ones (full: also
     #    models and optimizers, later in the background when async); DCP on all.

@@ -8,6 +8,7 @@ They get exactly that, as plain values, so checkpoints depend on no strategy.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -33,6 +34,10 @@ class CheckpointScope:
     """The user's module inside whatever wrapper the strategy added (DDP's `module.`)."""
     checkpoint_module: Callable[[nn.Module], nn.Module] = _same
     """The module whose state this rank saves and loads (a pipeline rank: its stages)."""
+    timed: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext
+    """Brackets each save and load: the step ledger counts the time inside as the
+    checkpoint phase, and an optimizer step a load runs (torch's state-dict API steps
+    once with zero gradients to create the state it fills) as no training step."""
 
 
 class ScopeSource(Protocol):

@@ -30,6 +30,7 @@ from typing import Any
 from scaletrain.observe.clocks import CudaTimeline, StepTimes, Timeline, WallTimeline
 from scaletrain.observe.phases import (
     BACKWARD,
+    CHECKPOINT,
     COMM,
     DATA,
     EVAL,
@@ -137,6 +138,8 @@ class StepLedger:
         self._stack: list[int] = []
         self._modes: list[int] = []
         self._sticky_eval = False
+        self._loading_steps = 0
+        """Optimizer steps begun inside a checkpoint's load, not yet ended."""
         self._active = False
         self._finished = False
         self._buckets: list[tuple[float, float]] = []
@@ -303,6 +306,11 @@ class StepLedger:
         self._buckets.append((ready, done))
 
     def optimizer_begin(self) -> None:
+        if CHECKPOINT in self._modes:
+            # Loading optimizer state runs a step of zero gradients to create it
+            # (torch.distributed.checkpoint's state-dict API): no training step.
+            self._loading_steps += 1
+            return
         if self.flops is not None and self.flops.active:
             self.flops_per_step = float(self.flops.stop())
             self._flags.append("flops")
@@ -310,6 +318,9 @@ class StepLedger:
         self.push(OPTIMIZER)
 
     def optimizer_end(self) -> None:
+        if self._loading_steps:
+            self._loading_steps -= 1
+            return
         self.pop(OPTIMIZER)
         self._base = OTHER
         self._switch()

@@ -181,9 +181,23 @@ class Runtime:
         """The whole model's plain CPU state dict, without wrapper prefixes.
 
         Gathers shards (FSDP, tensor parallel) and stages (pipeline): a collective,
-        so every rank must call it; every rank gets the result.
+        so every rank must call it; every rank gets the same result, with the
+        buffers of data-parallel replica 0 (see `first_replica_buffers`).
         """
         return self.strategy.full_state_dict(model, self.topology)
+
+    def first_replica_buffers(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
+        """Inside the block every data-parallel replica holds replica 0's buffers.
+
+        Buffers (BatchNorm's running statistics) are each rank's own: gradients keep
+        parameters equal, nothing keeps buffers equal but DDP's copy of rank 0's
+        before each forward. The model at a step is therefore data-parallel rank 0's,
+        as DDP would hold it; `model.pt`, checkpoints and `full_state_dict` record
+        that one, and `scaletrain.train.evaluate` evaluates it. On exit each rank's
+        own buffers come back, so training goes on exactly as if the block had not
+        run. A collective: every rank enters it.
+        """
+        return self.strategy.first_replica_buffers(model, self.topology)
 
     def forward_backward(
         self,
@@ -378,10 +392,9 @@ class Runtime:
         """
         from scaletrain.checkpoint import save_checkpoint
 
-        with self._phase(_phases.CHECKPOINT, mode=True):
-            return save_checkpoint(
-                self.checkpoint_scope(), path, keep=keep, async_save=async_save, **state
-            )
+        return save_checkpoint(
+            self.checkpoint_scope(), path, keep=keep, async_save=async_save, **state
+        )
 
     def load(self, path: str | os.PathLike[str], **state: Any) -> dict[str, Any]:
         """Restore the objects given in `state` in place; return the saved plain values.
@@ -391,8 +404,7 @@ class Runtime:
         """
         from scaletrain.checkpoint import load_checkpoint
 
-        with self._phase(_phases.CHECKPOINT, mode=True):
-            return load_checkpoint(self.checkpoint_scope(), path, **state)
+        return load_checkpoint(self.checkpoint_scope(), path, **state)
 
     def checkpoint_scope(self) -> CheckpointScope:
         """What checkpoints need of this run: its topology and the strategy's model views.
@@ -403,6 +415,7 @@ class Runtime:
             topology=self.topology,
             unwrap=self.strategy.unwrap,
             checkpoint_module=self.strategy.checkpoint_module,
+            timed=lambda: self._phase(_phases.CHECKPOINT, mode=True),
         )
 
     def profile(

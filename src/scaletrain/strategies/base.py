@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
+from scaletrain.dist.replicas import first_replica_values
 from scaletrain.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -137,7 +138,40 @@ class Strategy:
         """
         state = self._full_state_dict(module, topo)
         live = _storages(module)
-        return {k: v.clone() if _storage(v) in live else v for k, v in state.items()}
+        state = {k: v.clone() if _storage(v) in live else v for k, v in state.items()}
+        # Buffers are each replica's own (scaletrain.dist.replicas): the model is
+        # data-parallel replica 0's, on every rank.
+        names = sorted(
+            {n for n, _ in self._unwrap(module).named_buffers(remove_duplicate=False)}
+            & state.keys()
+        )
+        first = first_replica_values([state[n] for n in names], topo)
+        state.update(zip(names, first, strict=True))
+        return state
+
+    @contextlib.contextmanager
+    def first_replica_buffers(self, module: nn.Module, topo: Topology) -> Iterator[None]:
+        """Inside the block every data-parallel replica holds replica 0's buffers; each
+        rank's own come back on exit (scaletrain.dist.replicas). A collective."""
+        buffers = [
+            b
+            for _, b in self._checkpoint_module(module).named_buffers(remove_duplicate=False)
+            if not _is_dtensor(b)
+        ]
+        if topo.dp_size == 1 or not buffers:
+            yield
+            return
+        first = first_replica_values(buffers, topo)
+        own = [b.detach().clone() for b in buffers]
+        with torch.no_grad():
+            for b, v in zip(buffers, first, strict=True):
+                b.copy_(v)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for b, v in zip(buffers, own, strict=True):
+                    b.copy_(v)
 
     def forward_backward(
         self,
@@ -349,6 +383,10 @@ def resolve_strategy(
         f"strategy={spec!r} is not known; expected one of {', '.join(sorted(STRATEGIES))} "
         "or a strategy object such as st.DDP(bucket_cap_mb=50)."
     )
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return type(t).__name__ == "DTensor"
 
 
 def _storage(t: torch.Tensor) -> int:

@@ -16,7 +16,6 @@ if TYPE_CHECKING:
         EvalResult,
         evaluate,
         seed_everything,
-        sync_buffers,
         train_step,
     )
     from scaletrain.train.models import ConvNet
@@ -28,7 +27,6 @@ _WHERE = {
     "EvalResult": "scaletrain.train.loop",
     "evaluate": "scaletrain.train.loop",
     "seed_everything": "scaletrain.train.loop",
-    "sync_buffers": "scaletrain.train.loop",
     "train_step": "scaletrain.train.loop",
     "ConvNet": "scaletrain.train.models",
     "RECIPES": "scaletrain.train.recipes",
@@ -47,7 +45,6 @@ __all__ = [
     "evaluate",
     "get_recipe",
     "seed_everything",
-    "sync_buffers",
     "train_step",
 ]
 

@@ -24,7 +24,6 @@ __all__ = [
     "TimedBatches",
     "evaluate",
     "seed_everything",
-    "sync_buffers",
     "train_step",
 ]
 
@@ -117,7 +116,23 @@ def evaluate(
     last batch and discards the result, so the counts stay exact. `on_batch` runs
     after every batch (the hang watchdog's heartbeat: a long evaluation is progress).
     `max_batches` evaluates only the first that many batches of every rank.
+
+    The model evaluated is the one a checkpoint records: data-parallel replica 0's
+    buffers (BatchNorm statistics) on every rank, each rank's own restored after
+    (Runtime.first_replica_buffers), so evaluating never changes the training run.
     """
+    with rt.first_replica_buffers(model):
+        return _evaluate(rt, model, loader, on_batch=on_batch, max_batches=max_batches)
+
+
+def _evaluate(
+    rt: Runtime,
+    model: nn.Module,
+    loader: Any,
+    *,
+    on_batch: Callable[[], None] | None,
+    max_batches: int | None,
+) -> EvalResult:
     remaining = getattr(loader, "remaining", None)
     if callable(remaining) and remaining() < len(loader):
         # An earlier pass stopped early (max_batches): start this one from the top.
@@ -167,24 +182,3 @@ def evaluate(
     return EvalResult(
         loss=float(totals["loss_sum"]) / n, accuracy=float(totals["correct"]) / n, count=n
     )
-
-
-@torch.no_grad()
-def sync_buffers(rt: Runtime, model: nn.Module) -> None:
-    """Average floating buffers (BatchNorm running stats) over ranks.
-
-    DDP broadcasts rank 0's buffers *before* each forward, so after the last
-    step every rank holds stats updated by its own last batch. Averaging makes
-    evaluation and the saved model the same on every rank.
-    """
-    if rt.world_size == 1 or rt.dp_size != rt.world_size:
-        # With tensor/pipeline peers the buffers are not replicas of each other
-        # (pipeline stages hold different layers); only pure data parallel averages.
-        return
-    net = rt.unwrap(model)
-    floats = {n: b for n, b in net.named_buffers() if b.is_floating_point()}
-    if not floats:
-        return
-    reduced = rt.reduce(floats, op="mean")
-    for name, buf in floats.items():
-        buf.copy_(reduced[name])
