@@ -165,8 +165,9 @@ def train_config(ns: argparse.Namespace) -> TrainConfig:
         raise
 
 
-def _preflight(config: TrainConfig, nodes: int, hint: int | None) -> int:
-    """Check what can be checked before any process starts; return the processes per node.
+def _preflight(config: TrainConfig, nodes: int, hint: int | None) -> tuple[int, int]:
+    """Check what can be checked before any process starts; return the processes per
+    node and the data-parallel size.
 
     One error here, in the parent, replaces one traceback per rank after the launch:
     the settings against the hardware (backend, precision), the mesh against the
@@ -211,7 +212,7 @@ def _preflight(config: TrainConfig, nodes: int, hint: int | None) -> int:
         model = recipe.build()
     strategy.check_model(model, topo)
     recipe.locate_data(config.data_dir)
-    return nproc
+    return nproc, topo.dp_size
 
 
 # Flags with a value that the launcher consumes; the workers it starts are ranks of the
@@ -248,15 +249,24 @@ def _cmd_train(ns: argparse.Namespace, argv: Sequence[str]) -> int:
     if placement.mode == "rank":
         # Already one rank of a launched job (torchrun, srun, mpirun): train here.
         return _train_here(config.replace(out=out), worker=True)
-    nproc = _preflight(config, placement.nodes, placement.procs_per_node_hint)
+    nproc, dp_size = _preflight(config, placement.nodes, placement.procs_per_node_hint)
+    from scaletrain.train import get_recipe
+    from scaletrain.train.resume import check_start
     from scaletrain.train.rundir import inspect_run, refuse_reuse
 
-    # A finished run is not trained over by accident: said here, before any launch (where
-    # rank 0 names the run, None here, the workers say it).
+    # A finished run is not trained over by accident, and a resume or a fork the run
+    # directory refuses is refused: said here, before any launch and before anything is
+    # written (where rank 0 names the run, None here, the workers say it).
     run_dir = config.fork or out
     if run_dir is not None:
         field = "fork" if config.fork else "out"
         refuse_reuse(inspect_run(run_dir), overwrite=config.overwrite, field=field)
+    if not config.overwrite or config.fork:
+        check_start(
+            config.replace(out=out),
+            recipe=get_recipe(config.resolved_recipe()),
+            dp_size=dp_size,
+        )
     if placement.mode == "srun":
         from scaletrain.launch import LaunchConfig, launch
 

@@ -134,12 +134,20 @@ def test_fork_starts_a_new_run_from_the_weights(data: Path, tmp_path: Path) -> N
     assert _snapshot(run) == before
     assert json.loads((fork / "config.json").read_text())["batch_size"] == 20
     assert [r["steps"] for r in _records(fork) if r["event"] == "summary"] == [6]
+    # A fork records where it came from (issue 26, point 12).
+    parent = {"run": str(run), "checkpoint": f"{run}/checkpoints/step-000010", "step": 10}
+    recorded = json.loads((fork / "config.json").read_text())["run"]["forked_from"]
+    assert recorded == {**parent, "optimizer": False}
+    summary = next(r for r in _records(fork) if r["event"] == "summary")
+    assert summary["forked_from"] == {**parent, "optimizer": False}
     # A fork never writes into a run.
     code, log = _train(run, data, "--max-steps", "6", "--fork", str(fork))
     assert code == 2 and "already holds a run" in log and "--overwrite" in log, log
-    # ... and needs a checkpoint to start from.
-    code, log = _train(fork, data, "--max-steps", "6", "--fork", str(tmp_path / "other"))
-    assert code == 2 and "but it holds none" in log and "--save-every" in log, log
+    # ... and needs something to start from.
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    code, log = _train(empty, data, "--max-steps", "6", "--fork", str(tmp_path / "other"))
+    assert code == 2 and "no checkpoint and no model.pt" in log, log
     assert not (tmp_path / "other").exists()
 
 
@@ -184,14 +192,14 @@ def test_a_finished_run_is_not_trained_over(data: Path, tmp_path: Path) -> None:
     """Point 4: without checkpoints, the same command replaced model.pt and added a
     second summary; pids/ stayed behind."""
     run = tmp_path / "run"
-    assert _train(run, data, "--max-steps", "5")[0] == 0
+    assert _train(run, data, "--max-steps", "5", "--no-save-last")[0] == 0
     assert not (run / "pids").exists()
     before = _snapshot(run)
     code, log = _train(run, data, "--max-steps", "5")
     assert code == 2, log
     assert "holds a finished run" in log and "--overwrite" in log
     assert _snapshot(run) == before
-    code, log = _train(run, data, "--max-steps", "5", "--overwrite")
+    code, log = _train(run, data, "--max-steps", "5", "--overwrite", "--no-save-last")
     assert code == 0, log
     assert "replaced the run" in log
     assert [r["event"] for r in _records(run)].count("summary") == 1
@@ -227,3 +235,124 @@ def test_resume_at_another_world_size_shares_the_rest_of_the_epoch(
     assert "data-parallel size 2 -> 3" in log and "batch 10/replica x 3" in log
     assert [r["steps"] for r in _records(run) if r["event"] == "summary"] == [15]
     assert [r["step"] for r in _records(run) if r["event"] == "train"][-1] == 15
+
+
+def _summary(out: Path) -> dict[str, object]:
+    return json.loads((out / "observe" / "summary.json").read_text())
+
+
+def test_stop_after_on_the_last_step_finishes_the_run(data: Path, tmp_path: Path) -> None:
+    """Issue 26, point 6: it left the run unfinished (no evaluation, no model.pt, "run
+    again to resume"), and the next start printed an empty "mean of 0 steps" table."""
+    run = tmp_path / "run"
+    code, log = _train(run, data, "--max-steps", "10", "--stop-after", "10")
+    assert code == 0, log
+    assert (run / "model.pt").is_file() and "done: 10 steps" in log
+    assert "resume" not in log
+    assert [r["event"] for r in _records(run)].count("eval") == 1
+    before = _snapshot(run)
+    code, log = _train(run, data, "--max-steps", "10", "--stop-after", "10")
+    assert code == 2 and "already finished at step 10 of 10" in log, log
+    assert "mean of 0 steps" not in log
+    assert _snapshot(run) == before
+
+
+def test_a_resumed_run_keeps_its_records_mfu_and_step_range(data: Path, tmp_path: Path) -> None:
+    """Points 7 and 8: a resumed run lost its MFU, its metrics records fell on other
+    steps than a straight run's (12, 17, ... for --log-every 5 after a stop at 7), the
+    first averaging a partial window unsaid, and its summary said steps 11-31 for a run
+    that ended at 30 (loading the optimizer state ran a step the ledger counted)."""
+    run, straight = tmp_path / "run", tmp_path / "straight"
+    common = ["--max-steps", "30", "--ledger-every", "5"]
+    assert _train(straight, data, *common)[0] == 0
+    code, log = _train(run, data, *common, "--stop-after", "7")
+    assert code == 0 and "stopped at step 7/30" in log, log
+    code, log = _train(run, data, *common)
+    assert code == 0, log
+    train = [r for r in _records(run) if r["event"] == "train"]
+    assert [r["step"] for r in train] == [5, 10, 15, 20, 25, 30]
+    assert [r["step"] for r in _records(straight) if r["event"] == "train"] == [
+        5,
+        10,
+        15,
+        20,
+        25,
+        30,
+    ]
+    # The record at 10 after the resume averages steps 8-10, and says so.
+    assert [r["window_steps"] for r in train] == [5, 3, 5, 5, 5, 5]
+    summary = _summary(run)
+    assert (summary["first_step"], summary["last_step"]) == (8, 30)
+    assert summary["mfu"] is not None and "MFU:" in log
+
+
+def test_an_extended_run_says_its_learning_rate_changed(data: Path, tmp_path: Path) -> None:
+    """Point 9: past the warm-up, extending 20 -> 40 changes the learning rate in effect
+    at the resumed step; the header says both values."""
+    run = tmp_path / "run"
+    lr = ["--warmup", "5", "--lr", "0.05"]
+    assert _train(run, data, "--max-steps", "20", *lr)[0] == 0
+    code, log = _train(run, data, "--max-steps", "40", *lr)
+    assert code == 0, log
+    line = next(x for x in log.splitlines() if "learning rate at step 21" in x)
+    # Cosine reaches 0 at the end of a 20-step run; a 40-step one is 15 of its 35 decay
+    # steps down: 0.05 * (1 + cos(pi * 15/35)) / 2.
+    assert "0 -> 0.0306" in line and "now spans 40 steps, not 20" in line, line
+    # Inside the warm-up the rate does not depend on the length: nothing to say.
+    other = tmp_path / "other"
+    assert _train(other, data, "--max-steps", "4", "--warmup", "10")[0] == 0
+    code, log = _train(other, data, "--max-steps", "8", "--warmup", "10")
+    assert code == 0 and "learning rate at step" not in log, log
+
+
+def test_refusals_that_a_run_directory_decides_come_before_any_process(
+    data: Path, tmp_path: Path
+) -> None:
+    """Point 10: they came from a rank after the workers started ("error on rank 1")
+    and could leave files behind. Now the parent says them, the disk untouched."""
+    run = tmp_path / "run"
+    two = ["--nproc", "2"]
+    assert _train(run, data, *two, "--max-steps", "10", "--stop-after", "6")[0] == 0
+    before = _snapshot(run)
+    refused = {
+        "changed settings": (["--max-steps", "10", "--seed", "4"], "would change what the run means"),
+        "shorter": (["--max-steps", "5"], "past the 5 steps that --max-steps 5"),
+        "profile past the end": (["--max-steps", "10", "--profile", "12-13"], "has 10 steps"),
+        "fork from nothing": (["--max-steps", "10", "--out", str(tmp_path / "none"), "--fork",
+                               str(tmp_path / "f")], "no checkpoint and no model.pt"),
+    }  # fmt: skip
+    for name, (extra, said) in refused.items():
+        code, log = _train(run, data, *two, *extra)
+        assert code == 2 and said in log, (name, log)
+        assert "rank" not in log and "Traceback" not in log, (name, log)
+        assert _snapshot(run) == before, name
+    assert not (tmp_path / "f").exists()
+    assert _train(run, data, *two, "--max-steps", "10")[0] == 0
+    code, log = _train(run, data, *two, "--max-steps", "10")
+    assert code == 2 and "already finished at step 10 of 10" in log and "rank" not in log, log
+
+
+def test_a_finished_run_keeps_its_last_checkpoint_to_extend_or_fork(
+    data: Path, tmp_path: Path
+) -> None:
+    """Point 11: a run trained with the defaults could be neither extended nor forked."""
+    run = tmp_path / "run"
+    code, log = _train(run, data, "--max-steps", "10")
+    assert code == 0, log
+    assert (run / "checkpoints" / "step-000010" / "manifest.json").is_file()
+    assert "kept the last checkpoint" in log and "--no-save-last" in log
+    code, log = _train(run, data, "--max-steps", "15")
+    assert code == 0 and "resumed at step 10, extending to 15" in log, log
+    # Without it (--no-save-last), a fork takes the finished run's weights (model.pt).
+    bare, fork = tmp_path / "bare", tmp_path / "fork"
+    assert _train(bare, data, "--max-steps", "10", "--no-save-last")[0] == 0
+    assert not (bare / "checkpoints").exists()
+    code, log = _train(bare, data, "--max-steps", "5", "--fork", str(fork), "--fork-optimizer")
+    assert code == 2 and "no optimizer state to take" in log, log
+    assert not fork.exists()
+    code, log = _train(bare, data, "--max-steps", "5", "--fork", str(fork))
+    assert code == 0, log
+    assert f"forked from {bare}/model.pt: its weights, from step 0" in log
+    forked = json.loads((fork / "config.json").read_text())["run"]["forked_from"]
+    assert forked == {"run": str(bare), "checkpoint": f"{bare}/model.pt", "step": None,
+                      "optimizer": False}  # fmt: skip

@@ -111,7 +111,9 @@ def test_cli_flags_are_frozen() -> None:
          # issue 10: many machines (the multi-node flags a torchrun user knows)
          "--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-id", "--local-addr", "--env",
          # issue 12: the elastic agent's polling interval
-         "--monitor-interval"]
+         "--monitor-interval",
+         # issue 26: a finished run keeps its last checkpoint unless told not to
+         "--save-last", "--no-save-last"]
     )  # fmt: skip
     launch = _flags(parser, "launch")
     for flag in ("--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint",

@@ -13,7 +13,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from scaletrain.errors import ConfigError, spell
 from scaletrain.observe.events import EvalEvent, Observer, RunInfo
 from scaletrain.observe.ledger import StepLedger
 from scaletrain.observe.phases import PHASES
@@ -36,16 +35,11 @@ class LedgerObserver(Observer):
         ledger.set_out(info.out)
         if self.profile is None:
             return
-        from scaletrain.observe.profiling import arm_profile, parse_steps
+        from scaletrain.observe.profiling import arm_profile, parse_steps, window_past_end
 
         first, last = parse_steps(self.profile)
         if first > info.total_steps:
-            raise ConfigError(
-                f"{spell('profile', self.profile)}: this run has {info.total_steps} steps, so "
-                f"the window would never open. Fix: a window inside the run, e.g. "
-                f"{spell('profile', f'{max(1, info.total_steps - 2)}-{info.total_steps}')}.",
-                field="profile",
-            )
+            raise window_past_end(self.profile, info.total_steps)
         if info.start_step >= first:
             ledger.say(
                 f"scaletrain: the profile window {first}-{last} is behind this resumed run "

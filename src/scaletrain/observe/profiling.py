@@ -31,11 +31,28 @@ from typing import Any
 from scaletrain.errors import ConfigError, say, spell
 from scaletrain.observe.overlap import analyze_trace, load_trace
 
-__all__ = ["MAX_PROFILE_STEPS", "ProfileWindow", "arm_profile", "merge_traces", "parse_steps"]
+__all__ = [
+    "MAX_PROFILE_STEPS",
+    "ProfileWindow",
+    "arm_profile",
+    "merge_traces",
+    "parse_steps",
+    "window_past_end",
+]
 
 MAX_PROFILE_STEPS = 50
 """Traces grow with every step: a window is kept short."""
 TRACES_DIR = "traces"
+
+
+def window_past_end(window: str | tuple[int, int], total: int) -> ConfigError:
+    """The error for a profile window whose first step is past the run's last."""
+    return ConfigError(
+        f"{spell('profile', window)}: this run has {total} steps, so the window would "
+        f"never open. Fix: a window inside the run, e.g. "
+        f"{spell('profile', f'{max(1, total - 2)}-{total}')}.",
+        field="profile",
+    )
 
 
 def parse_steps(value: str | tuple[int, int]) -> tuple[int, int]:

@@ -93,7 +93,9 @@ class TrainConfig:
     log_every: int = 20
     """Steps between metric records and progress lines."""
     save_every: int | None = None
-    """Save a checkpoint every N steps into OUT/checkpoints (and at the end); None: only when stopped."""
+    """Save a checkpoint every N steps into OUT/checkpoints; None: only at the end and when stopped."""
+    save_last: bool = True
+    """Keep a checkpoint of the last step, to extend or fork the run later (it holds the optimizer state: about 3x model.pt's size with Adam)."""
     keep: int = 3
     """Checkpoints kept in OUT/checkpoints; older ones are pruned."""
     async_save: bool = False

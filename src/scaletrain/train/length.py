@@ -66,6 +66,35 @@ class RunLength:
             end = first + self.steps_per_epoch
         return first, min(end, self.total_steps)
 
+    def epoch_end(self, epoch: int) -> int:
+        """The step at which `epoch` ends, not capped at the run's length."""
+        if epoch == self.first_epoch:
+            return self.first_epoch_end
+        return self.first_epoch_end + (epoch - self.first_epoch) * self.steps_per_epoch
+
+    def at_checkpoint(self, step: int) -> dict[str, int]:
+        """What a checkpoint at `step` records of the run's length, so that a later start
+        can plan its length from the checkpoint alone (`resumed_total`)."""
+        epoch = self.epoch_of(max(step - 1, 0))
+        return {
+            "steps_per_epoch": self.steps_per_epoch,
+            "epoch": epoch,
+            "epoch_end": self.epoch_end(epoch),
+        }
+
+    @staticmethod
+    def resumed_total(
+        saved: dict[str, int], *, step: int, epochs: int, max_steps: int | None
+    ) -> int:
+        """The length a resume at `step` plans (as `plan` does with the loader's
+        position), from what `at_checkpoint` recorded; the same data-parallel size."""
+        spe, epoch, end = saved["steps_per_epoch"], saved["epoch"], saved["epoch_end"]
+        if step >= end:
+            epoch, end = epoch + 1, step + spe
+        by_epochs = end + (epochs - epoch - 1) * spe
+        total = min(by_epochs, max_steps) if max_steps is not None else by_epochs
+        return max(total, 0)
+
     @property
     def epochs(self) -> int:
         """Epochs the run touches, counting from epoch 0."""

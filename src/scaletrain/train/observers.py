@@ -71,15 +71,33 @@ class ProgressPrinter(Observer):
             else "; evaluation skipped (--eval-batches 0)"
         )
         out = summary["out"]
+        kept = ""
+        if summary.get("checkpoint"):
+            kept = (
+                f"; kept the last checkpoint to extend or fork the run ({summary['checkpoint']}, "
+                f"{_size(int(summary.get('checkpoint_bytes') or 0))}; --no-save-last skips it)"
+            )
         self.progress.print(
             f"done: {summary['steps']} steps in {summary['train_time_s']:.1f} s, "
             f"{summary['samples_per_s']:,.0f} samples/s over "
             f"{_plural(int(summary['world_size']), 'process', 'processes')}{result}. "
-            f"Wrote {out}/metrics.jsonl and {out}/model.pt"
+            f"Wrote {out}/metrics.jsonl and {out}/model.pt{kept}"
         )
 
     def close(self) -> None:
         self.progress.end_epoch()
+
+
+def _size(n: int) -> str:
+    """Bytes as a person reads them on a disk (decimal units, as `df -H` and vendors)."""
+    if n < 1000:
+        return f"{n:,} bytes"
+    value = float(n)
+    for unit in ("KB", "MB", "GB", "TB"):
+        value /= 1000
+        if value < 1000 or unit == "TB":
+            break
+    return f"{value:,.1f} {unit}"
 
 
 class MetricsLog(Observer):
@@ -102,6 +120,7 @@ class MetricsLog(Observer):
             step=record["step"],
             epoch=record["epoch"] + 1,
             loss=record["loss"],
+            window_steps=record["window_steps"],
             lr=record["lr"],
             samples_per_s=record["samples_per_s"],
         )

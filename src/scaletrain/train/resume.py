@@ -28,16 +28,19 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from scaletrain.checkpoint import CheckpointManager, Resumed
+from scaletrain.checkpoint import CheckpointManager, Resumed, load_weights
 from scaletrain.checkpoint.state import collect_rng, restore_rng
 from scaletrain.errors import ConfigError, spell
 from scaletrain.runtime import Runtime
 from scaletrain.train.config import TrainConfig
+from scaletrain.train.length import RunLength
 
 __all__ = [
     "MEANING",
     "changed_meaning",
+    "check_fork_source",
     "check_meaning",
+    "check_start",
     "fork_from",
     "has_checkpoints",
     "length_words",
@@ -205,19 +208,41 @@ def has_checkpoints(out: Path) -> bool:
 
 def fork_from(rt: Runtime, source: Path, state: dict[str, Any], *, fork: str) -> Resumed:
     """Load `state` (the model; the optimizer too when asked) from the newest valid
-    checkpoint of `source`, leaving this run's RNG as it was: a fork is a new run."""
+    checkpoint of `source`, or, for a finished run that kept none, the weights of its
+    model.pt; this run's RNG stays as it was: a fork is a new run."""
     rng = collect_rng(rt.device)
     found = CheckpointManager(rt, source).resume(**state)
+    if found.path is None and (source / "model.pt").is_file():
+        check_fork_source(source, fork=fork, optimizer="optimizer" in state)
+        load_weights(rt, source / "model.pt", state["model"])
+        found = Resumed(source / "model.pt", {}, found.rejected)
     restore_rng(rng, rt.device)
     if found.path is None:
+        check_fork_source(source, fork=fork, optimizer="optimizer" in state)
+    return found
+
+
+def check_fork_source(source: Path, *, fork: str, optimizer: bool) -> None:
+    """Refuse a fork that has nothing to start from: no checkpoint and no model.pt in
+    `source`, or only a model.pt when the optimizer state is asked for too. Reads
+    names only (the CLI calls it before any process starts)."""
+    if has_checkpoints(source):
+        return
+    if not (source / "model.pt").is_file():
         raise ConfigError(
-            f"{spell('fork', fork)} starts from the newest checkpoint of "
-            f"{spell('out', str(source))}, but it holds none. Fix: point {spell('out')} at "
-            f"a run saved with {spell('save_every')} (which saves its last step too), or "
-            "leave the fork out to start from scratch.",
+            f"{spell('fork', fork)} starts from {spell('out', str(source))}, but it holds "
+            "no checkpoint and no model.pt. Fix: point "
+            f"{spell('out')} at a run that trained (a finished one, or one saved with "
+            f"{spell('save_every')}), or leave the fork out to start from scratch.",
             field="out",
         )
-    return found
+    if optimizer:
+        raise ConfigError(
+            f"{spell('fork_optimizer', True)}: the run in {source} kept no checkpoint, only "
+            "its weights (model.pt), so there is no optimizer state to take. Fix: leave "
+            f"{spell('fork_optimizer', True)} out to fork from its weights.",
+            field="fork_optimizer",
+        )
 
 
 def refuse_length(cfg: TrainConfig, out: Path, path: Path, step: int, total: int) -> None:
@@ -249,3 +274,55 @@ def refuse_length(cfg: TrainConfig, out: Path, path: Path, step: int, total: int
         f"weights with {spell('fork', 'NEW_RUN')}.",
         field=field,
     )
+
+
+def check_start(config: TrainConfig, *, recipe: Any, dp_size: int) -> None:
+    """Before any process starts: the refusals a start would meet in its workers that
+    the run directory's files decide (a fork with nothing to start from; a resume with
+    settings that change the run, shorter than its checkpoint, of a finished run, or
+    with a --profile window past its end). Reads file names, the newest checkpoint's
+    manifest and values (not its tensors), and writes nothing, so a refused start leaves
+    the disk as it was. What needs the checkpoint loaded (a damaged newest one, another
+    data-parallel size's length) the workers still check."""
+    from scaletrain.checkpoint import latest_checkpoint
+    from scaletrain.checkpoint.layout import VALUES
+
+    if config.out is None:
+        return
+    source = Path(config.out)
+    if config.fork is not None:
+        check_fork_source(source, fork=config.fork, optimizer=config.fork_optimizer)
+        return
+    if config.overwrite:
+        return  # the run in OUT is replaced: nothing of it is resumed
+    path = latest_checkpoint(source, verify=False) if has_checkpoints(source) else None
+    values = read_json(path / VALUES) if path is not None else None
+    total: int | None = None
+    if path is not None and values is not None and isinstance(values.get("step"), int):
+        saved = values.get("config") if isinstance(values.get("config"), dict) else None
+        now = config.replace(
+            recipe=recipe.name,
+            batch_size=config.batch_size or recipe.batch_size,
+            warmup=recipe.warmup if config.warmup is None else config.warmup,
+            sync_bn=recipe.sync_bn if config.sync_bn is None else config.sync_bn,
+        ).to_dict()
+        check_meaning(saved, now, config.lr is not None, str(path))
+        saved_dp = ((saved or {}).get("run") or {}).get("data_parallel_size")
+        recorded = {k: values.get(k) for k in ("steps_per_epoch", "epoch", "epoch_end")}
+        if saved_dp == dp_size and all(isinstance(v, int) for v in recorded.values()):
+            step = int(values["step"])
+            total = RunLength.resumed_total(
+                recorded,  # type: ignore[arg-type]
+                step=step,
+                epochs=config.epochs or recipe.epochs,
+                max_steps=config.max_steps,
+            )
+            refuse_length(config, source, path, step, total)
+    if config.profile is not None:
+        from scaletrain.observe.profiling import parse_steps, window_past_end
+
+        first, _ = parse_steps(config.profile)
+        if total is None and path is None and config.max_steps is not None:
+            total = config.max_steps  # at most: an epoch count may end it sooner
+        if total is not None and first > total:
+            raise window_past_end(config.profile, total)

@@ -8,7 +8,8 @@ else it may hold decides the rest:
   again would replace its model.pt and add a second summary to its metrics, unless
   `--overwrite`, which removes the run's files first;
 * interrupted with no checkpoint (a crash or Ctrl-C before the first save): started
-  over, its metrics.jsonl kept aside as metrics.interrupted-N.jsonl, and said so.
+  over, its metrics.jsonl kept aside as metrics.interrupted-N.jsonl (its ledger,
+  traces and report as observe.interrupted-N/ and so on), and said so.
 
 This module imports no torch: the CLI checks a directory before it launches anything.
 """
@@ -26,7 +27,14 @@ __all__ = ["RunDir", "clear_run", "inspect_run", "refuse_reuse", "set_aside_inte
 PREEMPTED_MARKER = "PREEMPTED"
 """File rank 0 writes into the run directory when a signal stopped the run."""
 
-_RUN_FILES = ("checkpoints", "model.pt", "metrics.jsonl", "config.json", PREEMPTED_MARKER, "pids")
+_TRAINED = ("checkpoints", "model.pt", "metrics.jsonl", "config.json", PREEMPTED_MARKER, "pids")
+"""What a run writes as it trains and saves."""
+_WATCHED = ("observe", "tensorboard", "traces", "report.html", "hang", "flight_recorder")
+"""What a run writes about itself: the step ledger (observe/), TensorBoard scalars,
+profiler traces, the report drawn from them, and a hang's diagnosis. Each describes one
+run; a new run in the same directory would add to them, and a report or `plan --check`
+would then draw two runs as one."""
+_RUN_FILES = _TRAINED + _WATCHED
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +100,8 @@ def refuse_reuse(run: RunDir, *, overwrite: bool, field: str = "out") -> None:
         raise ConfigError(
             f"{spell('out', str(run.path))} holds a finished run ({run.what()}) and no "
             "checkpoint to continue from: training again would replace its model.pt and add "
-            f"a second summary to its metrics. Fix: pass a new {spell('out')}, or add "
+            f"a second summary to its metrics. Fix: pass a new {spell('out')}, start a new "
+            f"run from its weights with {spell('fork', 'NEW_RUN')}, or add "
             f"{spell('overwrite', True)} to replace that run.",
             field="out",
         )
@@ -110,8 +119,11 @@ def clear_run(path: Path) -> list[str]:
         else:
             continue
         removed.append(name)
-    for old in sorted(path.glob("metrics.interrupted-*.jsonl")):
-        old.unlink()
+    for old in sorted(path.glob("*.interrupted-*")):
+        if old.is_dir():
+            shutil.rmtree(old)
+        else:
+            old.unlink()
         removed.append(old.name)
     return removed
 
@@ -133,7 +145,17 @@ def set_aside_interrupted(run: RunDir) -> str | None:
     kept = run.path / f"metrics.interrupted-{n}.jsonl"
     (run.path / "metrics.jsonl").rename(kept)
     (run.path / "config.json").unlink(missing_ok=True)
+    names = [kept.name]
+    # What it wrote about itself goes aside with its metrics: the new run's own start
+    # clean (a ledger appends to the files it finds).
+    for name in _WATCHED:
+        source = run.path / name
+        if source.exists():
+            stem, dot, ext = name.partition(".")
+            target = run.path / f"{stem}.interrupted-{n}{dot}{ext}"
+            source.rename(target)
+            names.append(target.name)
     return (
         f"{run.path} held a run that was interrupted before its first checkpoint: starting "
-        f"over from step 0 (its metrics are kept in {kept.name})"
+        f"over from step 0 (what it wrote is kept in {', '.join(names)})"
     )

@@ -22,7 +22,7 @@ from scaletrain.observe.events import EvalEvent, Observers, RunInfo, StepEvent
 from scaletrain.runtime import Runtime, sync_batchnorm
 from scaletrain.train.config import TrainConfig
 from scaletrain.train.length import RunLength
-from scaletrain.train.loop import TimedBatches, evaluate, seed_everything, sync_buffers, train_step
+from scaletrain.train.loop import TimedBatches, evaluate, seed_everything, train_step
 from scaletrain.train.recipes import Recipe
 from scaletrain.train.resolved import resolved_config
 from scaletrain.train.resume import (
@@ -219,9 +219,28 @@ class Session:
             # (where the recipe would scale it to the new global batch).
             self.lr = float(saved.get("lr", self.lr))
 
+    def _parent(self) -> dict[str, Any] | None:
+        """Where a fork came from: the checkpoint (or model.pt), its step, and whether it
+        took the optimizer state; None for a run that is not a fork."""
+        resumed = self.done.resumed
+        if self.done.forked is None or resumed is None:
+            return None
+        step = resumed.values.get("step")
+        return {
+            "run": self.cfg.out,
+            "checkpoint": str(self.done.forked),
+            "step": int(step) if step is not None else None,
+            "optimizer": bool(self.cfg.fork_optimizer),
+        }
+
     def _announce(self) -> None:
         cfg, rt, recipe = self.cfg, self.rt, self.recipe
         resolved = self._resolved()
+        parent = self._parent()
+        if parent is not None:
+            # A fact of this run, read by people (config.json's `run` section), so that
+            # a fork's lineage survives the run it came from being pruned or moved.
+            resolved["run"]["forked_from"] = parent
         if rt.is_main:
             # Written once the start is accepted: a refused resume leaves it as it was.
             (self.out / "config.json").write_text(json.dumps(resolved, indent=2) + "\n")
@@ -249,6 +268,7 @@ class Session:
             fork=cfg.fork_optimizer if cfg.fork else None,
             dp_size=rt.dp_size,
         )
+        header += self._lr_change()
         self.observers.on_run_start(
             RunInfo(
                 out=self.out,
@@ -263,6 +283,31 @@ class Session:
                 config=resolved,
             )
         )
+
+    def _lr_change(self) -> list[str]:
+        """A resume at another length whose learning rate at the resumed step differs
+        from the one the checkpoint's run would have used there: both values, said."""
+        done, cfg = self.done, self.cfg
+        saved_total = done.values.get("total_steps")
+        if cfg.fork or done.resumed is None or done.resumed.path is None or not saved_total:
+            return []
+        saved_total = int(saved_total)
+        if saved_total == self.total_steps or done.step >= self.total_steps:
+            return []
+        was = lr_at(
+            done.step,
+            peak=self.lr,
+            total_steps=saved_total,
+            warmup=self.warmup,
+            schedule=cfg.schedule,
+        )
+        now = self._lr(done.step)
+        if abs(now - was) <= 1e-9 * max(abs(was), abs(now)):
+            return []
+        return [
+            f"  learning rate at step {done.step + 1}: {was:.3g} -> {now:.3g} (the "
+            f"{cfg.schedule} schedule now spans {self.total_steps} steps, not {saved_total})"
+        ]
 
     def _describe_lr(self) -> str:
         if self.total_steps <= self.warmup:
@@ -306,8 +351,10 @@ class Session:
             if done.stopped_by is None:
                 done.last_eval = self._evaluate(epoch)
         # Nothing trained (resumed at the last step): the checkpoint there stays as it is.
+        # A finished run keeps its last step (save_last): extending or forking it needs the
+        # optimizer and the loader's position, which model.pt does not hold.
         trained = done.step > self.run_start_step
-        if (self.cfg.save_every is not None or done.stopped_by is not None) and trained:
+        if (self.cfg.save_last or done.stopped_by is not None) and trained:
             self._save(final=True)
         if done.stopped_by is not None:
             return self._stopped()
@@ -367,7 +414,10 @@ class Session:
             window_loss += loss.to(window_loss.device)
             window_steps += 1
             finished = done.step == epoch_end
-            if window_steps == cfg.log_every or finished:
+            # On the same steps whatever step the run (re)started from: a resumed run's
+            # records line up with a straight run's, its first one averaging fewer steps
+            # (window_steps says how many).
+            if done.step % cfg.log_every == 0 or finished:
                 now = time.perf_counter()
                 observers.on_log(
                     {
@@ -375,6 +425,7 @@ class Session:
                         "epoch": epoch,
                         "step_in_epoch": done.step - first,
                         "steps_in_epoch": epoch_end - first,
+                        "window_steps": window_steps,
                         "loss": window_loss.item() / window_steps,
                         "lr": lr,
                         "samples_per_s": window_steps
@@ -402,7 +453,9 @@ class Session:
 
     def _agree_to_stop(self) -> bool:
         """Every rank stops at the same step (scaletrain.train.stopping)."""
-        reason = self.agreement.after_step(self.done.step - self.run_start_step)
+        reason = self.agreement.after_step(
+            self.done.step - self.run_start_step, last=self.done.step >= self.total_steps
+        )
         if reason is not None:
             self.done.stopped_by = reason
         return self.done.stopped_by is not None
@@ -416,6 +469,9 @@ class Session:
             # (extending or shortening).
             "total_steps": self.total_steps,
             "config": self.resolved,
+            # Where the step stands in its epoch: a later start plans its length from
+            # the checkpoint alone, and refuses a bad one before any process starts.
+            **self.length.at_checkpoint(done.step),
         }
         handle = self.manager.maybe_save(done.step, force=final, **self.state, **values)
         assert handle is not None
@@ -428,7 +484,6 @@ class Session:
         if self.cfg.eval_batches == 0:
             return None
         step = self.done.step
-        sync_buffers(self.rt, self.model)
         result = evaluate(
             self.rt,
             self.model,
@@ -482,6 +537,15 @@ class Session:
             "val_acc": done.last_eval.accuracy if done.last_eval else None,
             "out": str(self.out),
         }
+        parent = self._parent()
+        if parent is not None:
+            summary["forked_from"] = parent
+        if done.saved is not None and done.saved.name == f"step-{done.step:06d}":
+            # The last step's checkpoint (save_last) and what it costs on disk.
+            summary["checkpoint"] = str(done.saved)
+            summary["checkpoint_bytes"] = sum(
+                f.stat().st_size for f in done.saved.rglob("*") if f.is_file()
+            )
         # A collective (it gathers shards and stages): every rank takes part.
         weights = rt.full_state_dict(self.model)
         if rt.is_main:

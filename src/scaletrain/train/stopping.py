@@ -33,11 +33,16 @@ class StopAgreement:
             return self.stop.reason or OTHER_RANK
         return None
 
-    def after_step(self, steps_this_run: int) -> str | None:
-        """Why every rank stops after this step, or None to go on."""
+    def after_step(self, steps_this_run: int, *, last: bool = False) -> str | None:
+        """Why every rank stops after this step, or None to go on.
+
+        `last`: this step is the run's last. Reaching the run's length finishes the
+        run (evaluation, model.pt), so --stop-after that lands there stops nothing.
+        """
         reason = self.collect()
-        if reason is None and self.stop_after is not None and steps_this_run >= self.stop_after:
-            reason = spell("stop_after", self.stop_after)
+        stop_after = self.stop_after
+        if reason is None and not last and stop_after is not None and steps_this_run >= stop_after:
+            reason = spell("stop_after", stop_after)
         if reason is None:
             self._pending = self.rt.any_rank_async(self.stop.signal is not None)
         return reason

@@ -1,0 +1,50 @@
+"""What a run directory holds, and what --overwrite and a fresh start do with it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from scaletrain.train.rundir import clear_run, inspect_run, set_aside_interrupted
+
+
+def _run_with_everything(path: Path) -> None:
+    """The files a finished run with the ledger, TensorBoard, a profile and a report has."""
+    for folder in ("checkpoints/step-000010", "observe", "tensorboard", "traces", "hang"):
+        (path / folder).mkdir(parents=True)
+    (path / "checkpoints/step-000010/manifest.json").write_text("{}")
+    (path / "observe/rank0.jsonl").write_text("{}\n")
+    (path / "tensorboard/events.out").write_text("x")
+    (path / "traces/rank0.json").write_text("{}")
+    (path / "hang/rank0.txt").write_text("stack")
+    for name in ("model.pt", "metrics.jsonl", "config.json", "report.html"):
+        (path / name).write_text("x")
+
+
+def test_overwrite_removes_everything_the_run_wrote_and_nothing_else(tmp_path: Path) -> None:
+    """Issue 26, point 5: observe/, tensorboard/, traces/ and report.html stayed, so the
+    report and `plan --check` drew the old run and the new one as one."""
+    _run_with_everything(tmp_path)
+    (tmp_path / "notes.txt").write_text("the user's own")
+    removed = clear_run(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+    assert {"observe", "tensorboard", "traces", "report.html", "hang"} <= set(removed)
+
+
+def test_a_start_over_sets_aside_what_the_interrupted_run_wrote(tmp_path: Path) -> None:
+    """A run interrupted before its first checkpoint: its ledger goes aside with its
+    metrics, so the new run's ledger does not append to the old one's."""
+    (tmp_path / "observe").mkdir()
+    (tmp_path / "observe/rank0.jsonl").write_text("old\n")
+    (tmp_path / "metrics.jsonl").write_text('{"event": "train", "step": 3}\n')
+    (tmp_path / "report.html").write_text("old")
+    said = set_aside_interrupted(inspect_run(tmp_path))
+    assert said is not None and "observe.interrupted-1" in said
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "metrics.interrupted-1.jsonl",
+        "observe.interrupted-1",
+        "report.interrupted-1.html",
+    ]
+    assert (tmp_path / "observe.interrupted-1/rank0.jsonl").read_text() == "old\n"
+    # --overwrite later removes those too.
+    clear_run(tmp_path)
+    assert list(tmp_path.iterdir()) == []
