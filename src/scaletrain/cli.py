@@ -343,8 +343,8 @@ def _report_worker_failure(exc: Exception, trainer: Any) -> int:
 def _cmd_checkpoint(ns: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from scaletrain.checkpoint import MANIFEST, consolidate, latest_checkpoint
-    from scaletrain.checkpoint.catalog import explain_no_checkpoint
+    from scaletrain.checkpoint import MANIFEST, consolidate
+    from scaletrain.checkpoint.catalog import explain_no_checkpoint, newest_valid
     from scaletrain.errors import CheckpointError
 
     source = Path(ns.dir)
@@ -353,9 +353,13 @@ def _cmd_checkpoint(ns: argparse.Namespace) -> int:
         written = consolidate(source, ns.out)
         print(f"wrote {written} from {source}")
         return EXIT_OK
-    found = latest_checkpoint(source)
+    found, skipped = newest_valid(source)
     if found is None:
         raise CheckpointError(f"no complete, valid checkpoint: {explain_no_checkpoint(source)}")
+    for path, why in skipped:
+        # A newer checkpoint passed over is said, never skipped silently (stderr: stdout
+        # stays the one path a script reads).
+        print(f"scaletrain: skipped {path.name}, newer than {found.name}: {why}", file=sys.stderr)
     if ns.action == "latest":
         print(found)
         return EXIT_OK
