@@ -144,25 +144,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 def train_config(ns: argparse.Namespace) -> TrainConfig:
     """The TrainConfig the parsed `train` flags (and their --config file) describe."""
-    from scaletrain.settings import read_config_file, typed_flags
+    from scaletrain.settings import build_config, typed_flags
     from scaletrain.train.config import TrainConfig
 
-    values: dict[str, Any] = {}
-    if ns.config is not None:
-        values.update(read_config_file(ns.config, TrainConfig))
-    values.update(typed_flags(ns, TrainConfig))
-    try:
-        return TrainConfig(**values)
-    except ConfigError as exc:
-        if (
-            ns.config is not None
-            and exc.field is not None
-            and exc.field not in typed_flags(ns, TrainConfig)
-        ):
-            raise ConfigError(
-                f"{exc} (The value comes from {ns.config}.)", field=exc.field
-            ) from None
-        raise
+    return build_config(TrainConfig, ns.config, typed_flags(ns, TrainConfig))
 
 
 def _preflight(config: TrainConfig, nodes: int, hint: int | None) -> int:
