@@ -176,7 +176,7 @@ def test_manager_falls_back_with_the_reason_and_refuses_when_none_loads(
         p.write_bytes(p.read_bytes()[:-1])
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     with pytest.raises(
-        CheckpointError, match=r"holds 3 checkpoint\(s\) and 1 save\(s\) that"
+        CheckpointError, match=r"holds 3 checkpoint\(s\) \(and 1 save\(s\) that"
     ) as info:
         CheckpointManager(rt, tmp_path).resume(model=model)
     assert "step-000001: " in str(info.value) and "step-000003: " in str(info.value)
@@ -271,7 +271,7 @@ def test_a_refused_resume_counts_and_names_each_checkpoint_once(
     with pytest.raises(CheckpointError) as info:
         CheckpointManager(rt, tmp_path).resume(model=model)
     message = str(info.value)
-    assert "holds 3 checkpoint(s) and 1 save(s) that never finished" in message, message
+    assert "holds 3 checkpoint(s) (and 1 save(s) that never finished) and none" in message, message
     for step in (1, 2, 3, 4):
         assert message.count(checkpoint_path(tmp_path, step).name) == 1, message
     assert "latest_checkpoint" not in message and "()" not in message, message

@@ -126,10 +126,10 @@ class CheckpointManager:
             # so every rank takes this branch or none does.)
             saved = sum((path / MANIFEST).is_file() for path, _ in rejected)
             unfinished = len(rejected) - saved
-            also = f" and {unfinished} save(s) that never finished" if unfinished else ""
+            also = f" (and {unfinished} save(s) that never finished)" if unfinished else ""
             listing = "\n".join(f"  {_short(path, self.folder)}: {why}" for path, why in rejected)
             raise CheckpointError(
-                f"{self.folder} holds {saved} checkpoint(s){also}, and none of them can be "
+                f"{self.folder} holds {saved} checkpoint(s){also} and none of them can be "
                 f"loaded; nothing was deleted and the run did not start over from step 0:\n"
                 f"{listing}\nFix: restore the files from a backup, or start a new run in "
                 "another directory (the damaged ones stay here for inspection)."
