@@ -7,6 +7,7 @@ public names still read as `scaletrain.init`, `scaletrain.train.Trainer`, ...
 from __future__ import annotations
 
 import importlib
+import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -29,6 +30,15 @@ def lazy_attributes(
         return value
 
     def __dir__() -> list[str]:
-        return sorted(set(namespace) | set(where))
+        # What a user may read: the public names, the dunders and the submodules; not
+        # what the package imported for itself (TYPE_CHECKING, annotations, this helper).
+        public = set(namespace.get("__all__", ())) | set(where)
+        shown = {
+            name
+            for name, value in namespace.items()
+            if name.startswith("__")
+            or (isinstance(value, types.ModuleType) and not name.startswith("_"))
+        }
+        return sorted(public | shown)
 
     return __getattr__, __dir__

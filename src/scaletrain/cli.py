@@ -144,25 +144,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 def train_config(ns: argparse.Namespace) -> TrainConfig:
     """The TrainConfig the parsed `train` flags (and their --config file) describe."""
-    from scaletrain.settings import read_config_file, typed_flags
+    from scaletrain.settings import build_config, typed_flags
     from scaletrain.train.config import TrainConfig
 
-    values: dict[str, Any] = {}
-    if ns.config is not None:
-        values.update(read_config_file(ns.config, TrainConfig))
-    values.update(typed_flags(ns, TrainConfig))
-    try:
-        return TrainConfig(**values)
-    except ConfigError as exc:
-        if (
-            ns.config is not None
-            and exc.field is not None
-            and exc.field not in typed_flags(ns, TrainConfig)
-        ):
-            raise ConfigError(
-                f"{exc} (The value comes from {ns.config}.)", field=exc.field
-            ) from None
-        raise
+    return build_config(TrainConfig, ns.config, typed_flags(ns, TrainConfig))
 
 
 def _preflight(config: TrainConfig, nodes: int, hint: int | None) -> tuple[int, int]:
@@ -353,8 +338,8 @@ def _report_worker_failure(exc: Exception, trainer: Any) -> int:
 def _cmd_checkpoint(ns: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from scaletrain.checkpoint import MANIFEST, consolidate, latest_checkpoint
-    from scaletrain.checkpoint.catalog import explain_no_checkpoint
+    from scaletrain.checkpoint import MANIFEST, consolidate
+    from scaletrain.checkpoint.catalog import explain_no_checkpoint, newest_valid
     from scaletrain.errors import CheckpointError
 
     source = Path(ns.dir)
@@ -363,9 +348,13 @@ def _cmd_checkpoint(ns: argparse.Namespace) -> int:
         written = consolidate(source, ns.out)
         print(f"wrote {written} from {source}")
         return EXIT_OK
-    found = latest_checkpoint(source)
+    found, skipped = newest_valid(source)
     if found is None:
         raise CheckpointError(f"no complete, valid checkpoint: {explain_no_checkpoint(source)}")
+    for path, why in skipped:
+        # A newer checkpoint passed over is said, never skipped silently (stderr: stdout
+        # stays the one path a script reads).
+        print(f"scaletrain: skipped {path.name}, newer than {found.name}: {why}", file=sys.stderr)
     if ns.action == "latest":
         print(found)
         return EXIT_OK

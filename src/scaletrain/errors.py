@@ -21,6 +21,7 @@ __all__ = [
     "interface",
     "near_fix",
     "say",
+    "several",
     "spell",
     "unknown",
     "use_cli_names",
@@ -97,12 +98,29 @@ class ConfigError(ScaletrainError, ValueError):
     """A configuration value that cannot work (bad strategy, backend, flag...).
 
     `field` names the setting at fault when there is one, so a command can say where
-    the value came from (a flag or a config file).
+    the value came from (a flag or a config file). `problems` holds the single errors
+    an error made of several (see `several`) reports together.
     """
 
-    def __init__(self, message: str, *, field: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        field: str | None = None,
+        problems: Sequence[ConfigError] = (),
+    ) -> None:
         super().__init__(message)
         self.field = field
+        self.problems = tuple(problems)
+
+
+def several(problems: Sequence[ConfigError]) -> ConfigError:
+    """The problems of one set of settings as one error: each on its own line, so a user
+    fixes them all in one pass (one alone is returned as it is)."""
+    if len(problems) == 1:
+        return problems[0]
+    lines = "\n".join(f"  - {p}" for p in problems)
+    return ConfigError(f"{len(problems)} problems with the settings:\n{lines}", problems=problems)
 
 
 class EnvironmentDetectionError(ScaletrainError):

@@ -10,7 +10,9 @@ attribute docstrings). From that single declaration:
 - `read_config_file(path, Config)` reads a YAML (or JSON: YAML is a superset) file
   holding the same field names and checks every value's type;
 - `typed_flags(namespace)` returns only the flags the user actually typed, so flags
-  override a config file and everything else keeps the dataclass default.
+  override a config file and everything else keeps the dataclass default;
+- `build_config(Config, file, flags)` makes the config from both, every problem of
+  either reported in one error.
 
 torchtitan builds its CLI from its config dataclasses with tyro; this is the small
 subset a flat config needs, with no dependency and no import of torch (so `--help`
@@ -31,9 +33,9 @@ import types
 import typing
 from collections.abc import Collection, Mapping
 from pathlib import Path
-from typing import Any, Literal, NoReturn, get_args, get_origin
+from typing import Any, Literal, NoReturn, TypeVar, get_args, get_origin
 
-from scaletrain.errors import ConfigError, closest
+from scaletrain.errors import ConfigError, closest, several
 from scaletrain.exitcodes import EXIT_USAGE
 from scaletrain.spellings import ALIASES, canonical
 
@@ -42,6 +44,7 @@ __all__ = [
     "FieldSpec",
     "Parser",
     "add_flags",
+    "build_config",
     "command_parser",
     "field_docs",
     "field_specs",
@@ -54,6 +57,7 @@ RESERVED_FILE_KEYS = ("run",)
 beside its settings in config.json: world size, versions...), read by no one."""
 
 _SUPPRESS: Any = argparse.SUPPRESS
+_C = TypeVar("_C")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -173,6 +177,32 @@ def typed_flags(ns: argparse.Namespace, cls: type) -> dict[str, Any]:
     return {s.name: getattr(ns, s.name) for s in field_specs(cls) if hasattr(ns, s.name)}
 
 
+_YAML12_FLOAT = re.compile(r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?")
+"""A number as YAML 1.2 (and JSON) reads it. PyYAML reads YAML 1.1, where a number needs a
+dot before its exponent: `lr: 1e-2` arrives as the string '1e-2'."""
+
+
+def _type_fix(spec: FieldSpec, value: Any) -> str:
+    """How to write `spec` in a config file, for a value of the wrong type."""
+    name = spec.name
+    if spec.base is bool:
+        return f"{name}: true or {name}: false"
+    number: float | None = None
+    if (isinstance(value, (int, float)) and not isinstance(value, bool)) or (
+        isinstance(value, str) and _YAML12_FLOAT.fullmatch(value.strip())
+    ):
+        number = float(value)
+    if spec.base is int:
+        if number is not None and number.is_integer():
+            # Digits arrive as a string only when quoted; 1e3 arrives as one unquoted.
+            quoted = isinstance(value, str) and value.strip().lstrip("+-").isdigit()
+            return f"{name}: {int(number)}" + (" (a number, without quotes)" if quoted else "")
+        if number is not None:
+            return f"a whole number, e.g. {name}: {round(number)}"
+    example = spec.default if spec.default is not None else {int: 1, float: 0.1}.get(spec.base)
+    return f"e.g. {name}: {example}"
+
+
 def _coerce(spec: FieldSpec, value: Any, where: str) -> Any:
     if value is None:
         if spec.optional:
@@ -189,6 +219,8 @@ def _coerce(spec: FieldSpec, value: Any, where: str) -> Any:
     elif spec.base is int:
         ok = isinstance(value, int) and not isinstance(value, bool)
     elif spec.base is float:
+        if isinstance(value, str) and _YAML12_FLOAT.fullmatch(value.strip()):
+            value = float(value)
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         value = float(value) if ok else value
     else:
@@ -198,20 +230,31 @@ def _coerce(spec: FieldSpec, value: Any, where: str) -> Any:
         ok = isinstance(value, str)
     if not ok:
         raise ConfigError(
-            f"{where}: {spec.name}: {value!r} is not {expected[spec.base]} ({spec.doc}).",
+            f"{where}: {spec.name}: {value!r} is not {expected[spec.base]} ({spec.doc}). "
+            f"Fix: {_type_fix(spec, value)}.",
             field=spec.name,
         )
     value = canonical(spec.name, value)
     if spec.choices is not None and value not in spec.choices:
+        near = closest(value, [str(c) for c in spec.choices])
+        fix = f" Fix: {' or '.join(f'{spec.name}: {c}' for c in near)}." if near else ""
         raise ConfigError(
-            f"{where}: {spec.name}: {value!r} is not one of {', '.join(map(repr, spec.choices))}.",
+            f"{where}: {spec.name}: {value!r} is not one of {', '.join(map(repr, spec.choices))}."
+            + fix,
             field=spec.name,
         )
     return value
 
 
-def read_config_file(path: str | Path, cls: type) -> dict[str, Any]:
-    """The fields set in the YAML/JSON file `path`, checked against `cls`'s fields."""
+def read_config_file(
+    path: str | Path, cls: type, *, problems: list[ConfigError] | None = None
+) -> dict[str, Any]:
+    """The fields set in the YAML/JSON file `path`, checked against `cls`'s fields.
+
+    Every wrong value and unknown key is found in one pass: raised together as one
+    ConfigError, or with `problems` appended to it (the values returned are then the
+    good ones). A file that cannot be read as a mapping raises at once.
+    """
     import yaml
 
     file = Path(path)
@@ -236,6 +279,7 @@ def read_config_file(path: str | Path, cls: type) -> dict[str, Any]:
     specs = {s.name: s for s in field_specs(cls)}
     values: dict[str, Any] = {}
     unknown = []
+    found: list[ConfigError] = []
     for key, value in data.items():
         name = str(key).replace("-", "_")
         if name in RESERVED_FILE_KEYS:
@@ -243,7 +287,10 @@ def read_config_file(path: str | Path, cls: type) -> dict[str, Any]:
         if name not in specs:
             unknown.append(str(key))
             continue
-        values[name] = _coerce(specs[name], value, str(file))
+        try:
+            values[name] = _coerce(specs[name], value, str(file))
+        except ConfigError as exc:
+            found.append(exc)
     if unknown:
         import difflib
 
@@ -251,12 +298,45 @@ def read_config_file(path: str | Path, cls: type) -> dict[str, Any]:
         for key in unknown:
             close = difflib.get_close_matches(key.replace("-", "_"), list(specs), n=1)
             hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-        raise ConfigError(
-            f"config file {file} sets {', '.join(hints)}, which "
-            f"{'is not a setting' if len(unknown) == 1 else 'are not settings'}. Known "
-            f"settings: {', '.join(specs)}."
+        found.append(
+            ConfigError(
+                f"config file {file} sets {', '.join(hints)}, which "
+                f"{'is not a setting' if len(unknown) == 1 else 'are not settings'}. Known "
+                f"settings: {', '.join(specs)}."
+            )
         )
+    if problems is not None:
+        problems.extend(found)
+    elif found:
+        raise several(found)
     return values
+
+
+def build_config(cls: type[_C], file: str | Path | None, flags: Mapping[str, Any]) -> _C:
+    """`cls(**values)` from the config `file` (if any) and the `flags` typed, which win.
+
+    Every problem is reported in one ConfigError, not one per try: the file's wrong
+    values and unknown keys, then those `cls` refuses (it raises a ConfigError whose
+    `problems` are all it found), each of the latter saying when the value came from
+    the file.
+    """
+    problems: list[ConfigError] = []
+    values = {} if file is None else read_config_file(file, cls, problems=problems)
+    values.update(flags)
+    config = None
+    try:
+        config = cls(**values)
+    except ConfigError as exc:
+        for problem in exc.problems or (exc,):
+            if file is not None and problem.field is not None and problem.field not in flags:
+                problem = ConfigError(
+                    f"{problem} (The value comes from {file}.)", field=problem.field
+                )
+            problems.append(problem)
+    if problems:
+        raise several(problems)
+    assert config is not None
+    return config
 
 
 # -- parsers ------------------------------------------------------------------------

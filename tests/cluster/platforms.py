@@ -149,6 +149,8 @@ def sagemaker_hosts(job: Mapping[str, Any], *, model_dir: str = "/opt/ml/model")
             "SM_USER_ARGS": json.dumps(_user_args(user)),
             "SM_USER_ENTRY_POINT": entry,
             "TRAINING_JOB_NAME": job["TrainingJobName"],
+            # The request's Environment: SageMaker sets it in the container.
+            **job.get("Environment", {}),
         }
         if framework.get("sagemaker_torch_distributed_enabled"):
             command = ["torchrun", "--nnodes", str(count), "--nproc_per_node", str(per_host)]

@@ -175,7 +175,9 @@ def test_manager_falls_back_with_the_reason_and_refuses_when_none_loads(
         p = checkpoint_path(tmp_path, step) / "model.pt"
         p.write_bytes(p.read_bytes()[:-1])
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
-    with pytest.raises(CheckpointError, match=r"holds 3 checkpoint\(s\) and none") as info:
+    with pytest.raises(
+        CheckpointError, match=r"holds 3 checkpoint\(s\) \(and 1 save\(s\) that"
+    ) as info:
         CheckpointManager(rt, tmp_path).resume(model=model)
     assert "step-000001: " in str(info.value) and "step-000003: " in str(info.value)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == names
@@ -250,3 +252,53 @@ def test_checkpoint_commands_say_what_the_path_is(
     assert log.count("optimizer.pt is truncated") == 3
     code, log = _checkpoint_cmd("consolidate", str(corrupt), out, capsys=capsys)
     assert code == 2 and "found 3 checkpoints and rejected all of them" in log, log
+
+
+def test_a_refused_resume_counts_and_names_each_checkpoint_once(
+    rt: st.Runtime, tmp_path: Path
+) -> None:
+    """Issue 26 item 16: "holds 3 checkpoint(s)" listed 4 (an unfinished save too), each
+    path printed twice (the listing, then again inside its reason), and every reason
+    carried advice naming latest_checkpoint(), a function the README never teaches."""
+    from scaletrain.checkpoint import CheckpointManager
+
+    _run_with_checkpoints(rt, tmp_path, (1, 2, 3))
+    checkpoint_path(tmp_path, 4).mkdir()  # a save that never finished
+    for step in (1, 2, 3):
+        p = checkpoint_path(tmp_path, step) / "model.pt"
+        p.write_bytes(p.read_bytes()[:-1])
+    model = _net(8)
+    with pytest.raises(CheckpointError) as info:
+        CheckpointManager(rt, tmp_path).resume(model=model)
+    message = str(info.value)
+    assert "holds 3 checkpoint(s) (and 1 save(s) that never finished) and none" in message, message
+    for step in (1, 2, 3, 4):
+        assert message.count(checkpoint_path(tmp_path, step).name) == 1, message
+    assert "latest_checkpoint" not in message and "()" not in message, message
+
+
+def test_checkpoint_latest_says_which_newer_checkpoints_it_skipped(
+    rt: st.Runtime, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 26 item 16: `checkpoint latest` / `consolidate` fell back over a damaged newest
+    checkpoint without a word; the advice of a damaged one named a Python function."""
+    from scaletrain.cli import main
+    from scaletrain.errors import use_cli_names
+
+    _run_with_checkpoints(rt, tmp_path, (1, 2, 3))
+    bad = checkpoint_path(tmp_path, 3) / "model.pt"
+    bad.write_bytes(bad.read_bytes()[:-1])
+    capsys.readouterr()
+    try:
+        assert main(["checkpoint", "latest", str(tmp_path)]) == 0
+        out = capsys.readouterr()
+        assert out.out.strip() == str(checkpoint_path(tmp_path, 2))  # stdout: the path alone
+        assert "skipped step-000003, newer than step-000002: model.pt is truncated" in out.err
+        assert main(["checkpoint", "consolidate", str(tmp_path), str(tmp_path / "m.pt")]) == 0
+        assert "skipped step-000003" in capsys.readouterr().err
+        code = main(["checkpoint", "consolidate", str(bad.parent), str(tmp_path / "m.pt")])
+        err = capsys.readouterr().err
+    finally:
+        use_cli_names(False)
+    assert code == 2 and "`scaletrain checkpoint latest RUN`" in err, err
+    assert "latest_checkpoint" not in err and err.count(str(bad.parent)) == 1, err

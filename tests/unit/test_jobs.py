@@ -21,6 +21,7 @@ import yaml
 
 from scaletrain.cli import build_parser, main, train_config
 from scaletrain.env import detect
+from scaletrain.errors import ConfigError
 from scaletrain.launch import LaunchConfig
 from scaletrain.launch.jobs import (
     PyTorchJobOptions,
@@ -163,6 +164,50 @@ def test_pytorchjob_with_a_volume_keeps_the_run_on_it() -> None:
     ]
 
 
+def test_pytorchjob_pods_request_cpus_and_memory() -> None:
+    """Issue 26 item 19: the pods requested nothing (BestEffort: placed anywhere, evicted
+    first)."""
+    settings = dataclasses.replace(SETTINGS, num_workers=2)
+    spec = job_spec(settings, nnodes="2", name="mnist", gpus_per_node=4)
+    manifest = pytorchjob_manifest(spec, _options())
+    for replica in manifest["spec"]["pytorchReplicaSpecs"].values():
+        resources = replica["template"]["spec"]["containers"][0]["resources"]
+        # 4 processes x (1 + 2 loader workers) CPUs, 2 GiB per process.
+        assert resources == {"requests": {"cpu": "12", "memory": "8Gi"},
+                             "limits": {"nvidia.com/gpu": 4}}  # fmt: skip
+    chosen = dataclasses.replace(_options(), cpu="7500m", memory="64Gi")
+    container = pytorchjob_manifest(spec, chosen)["spec"]["pytorchReplicaSpecs"]["Master"]
+    requests = container["template"]["spec"]["containers"][0]["resources"]["requests"]
+    assert requests == {"cpu": "7500m", "memory": "64Gi"}
+    for bad in ({"cpu": "8 cores"}, {"cpu": "0"}, {"memory": "16 GB"}):
+        with pytest.raises(ConfigError, match="Fix: pass e.g."):
+            dataclasses.replace(_options(), **bad)
+
+
+def test_pytorchjob_without_a_volume_warns_that_a_restarted_pod_starts_over(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    args = ["job", "pytorchjob", "--image", "img", "--recipe", "split-net", "-o", "-"]
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "warning: without --pvc" in err and "starts over from step 0" in err, err
+    assert main([*args, "--pvc", "runs-claim"]) == 0
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_pytorchjob_names_follow_kubernetes_rules(capsys: pytest.CaptureFixture[str]) -> None:
+    """Its services are <name>-worker-<i>, DNS-1035 labels of at most 63 characters; the
+    name's limit depends on the worker count (a flat 40 before, for every kind of job)."""
+    longest = "a" * (63 - len("-worker-0"))
+    spec = job_spec(SETTINGS, nnodes="2", name=longest, gpus_per_node=0)
+    pods = kubeflow_pods(pytorchjob_manifest(spec, _options()))
+    assert max(len(p.name) for p in pods) == 63
+    for name, fix in ((longest + "a", longest), ("MNIST_ddp", "mnist-ddp"), ("1st", "job-1st")):
+        spec = job_spec(SETTINGS, nnodes="2", name=name, gpus_per_node=0)
+        with pytest.raises(ConfigError, match=f"Fix: --name {fix}[.]$"):
+            pytorchjob_manifest(spec, _options())
+
+
 # --- SageMaker --------------------------------------------------------------------------
 
 
@@ -232,6 +277,89 @@ def test_sagemaker_refuses_what_it_cannot_run(capsys: pytest.CaptureFixture[str]
     assert main(bad_role) == 2
     err = capsys.readouterr().err
     assert "--role 'my-role' is not what SageMaker expects" in err and "Fix:" in err
+
+
+def test_sagemaker_names_take_what_sagemaker_takes() -> None:
+    """Issue 26 item 19: names were held to 40 lowercase characters; SageMaker's rule is
+    ^[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}$."""
+    name = "Mnist-DDP--" + "x" * 52
+    assert len(name) == 63
+    spec = job_spec(SETTINGS, nnodes="1", name=name, gpus_per_node=0)
+    assert training_job(spec, _sm_options())["TrainingJobName"] == name
+    for bad, fix in ((name + "x", name), ("mnist_ddp.v2", "mnist-ddp-v2")):
+        spec = job_spec(SETTINGS, nnodes="1", name=bad, gpus_per_node=0)
+        with pytest.raises(ConfigError, match=f"at most 63 .* Fix: --name {fix}[.]$"):
+            training_job(spec, _sm_options())
+
+
+def test_sagemaker_spot_jobs_say_so_and_may_wait(capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 26 item 19: there was no way to ask for spot (EnableManagedSpotTraining needs
+    MaxWaitTimeInSeconds >= MaxRuntimeInSeconds)."""
+    spec = job_spec(SETTINGS, nnodes="1", name="mnist", gpus_per_node=0)
+    job = training_job(spec, _sm_options(spot=True, max_run_s=3600, checkpoint="s3://bucket/c"))
+    assert job["EnableManagedSpotTraining"] is True
+    assert job["StoppingCondition"] == {"MaxRuntimeInSeconds": 3600, "MaxWaitTimeInSeconds": 7200}
+    job = training_job(spec, _sm_options(spot=True, max_run_s=3600, max_wait_s=3600))
+    assert job["StoppingCondition"]["MaxWaitTimeInSeconds"] == 3600
+    assert "EnableManagedSpotTraining" not in training_job(spec, _sm_options())
+    with pytest.raises(ConfigError, match="MaxWaitTimeInSeconds >= MaxRuntimeInSeconds"):
+        _sm_options(spot=True, max_run_s=3600, max_wait_s=600)
+    with pytest.raises(ConfigError, match="no --spot was given"):
+        _sm_options(max_wait_s=7200)
+    args = ["job", "sagemaker", "--role", "arn:aws:iam::123456789012:role/R", "--image", "i",
+            "--code", "s3://bucket/c.tar.gz", "--output-s3", "s3://bucket/o", "-o", "-",
+            "--recipe", "split-net", "--spot"]  # fmt: skip
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "warning: --spot without --checkpoint-s3" in err and "starts over" in err, err
+    assert main([*args, "--checkpoint-s3", "s3://bucket/ck", "--save-every", "50"]) == 0
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_sagemaker_checkpoints_live_where_sagemaker_syncs_them(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Issue 26 item 19: with --checkpoint-s3 nothing was written to /opt/ml/checkpoints (the
+    run was in SM_MODEL_DIR, uploaded only at the end): a restarted job had nothing to
+    resume. Now each host's run is LocalPath/<host>, and rank 0 copies the finished run,
+    checkpoints aside, into SM_MODEL_DIR."""
+    import scaletrain.cli
+
+    spec = job_spec(SETTINGS, nnodes="2", name="mnist", gpus_per_node=0)
+    job = training_job(spec, _sm_options(checkpoint="s3://bucket/ckpt"))
+    assert job["CheckpointConfig"] == {"S3Uri": "s3://bucket/ckpt",
+                                       "LocalPath": "/opt/ml/checkpoints"}  # fmt: skip
+    model_dir, synced = tmp_path / "model", tmp_path / "checkpoints"
+    model_dir.mkdir()
+    hosts = sagemaker_hosts(job, model_dir=str(model_dir))
+    assert hosts[1].env["SCALETRAIN_SAGEMAKER_CHECKPOINTS"] == "/opt/ml/checkpoints"
+
+    def train(argv: list[str]) -> int:
+        run = Path(argv[argv.index("--out") + 1])
+        (run / "checkpoints" / "step-000020").mkdir(parents=True)
+        (run / "model.pt").write_bytes(b"weights")
+        return 0
+
+    monkeypatch.setattr(scaletrain.cli, "main", train)
+    command = hosts[1].command
+    for host, rank in ((hosts[1], "4"), (hosts[0], "0")):
+        for key, value in {**host.env, "SCALETRAIN_SAGEMAKER_CHECKPOINTS": str(synced),
+                           "RANK": rank}.items():  # fmt: skip
+            monkeypatch.setenv(key, value)
+        monkeypatch.setattr(sys, "argv", ["scaletrain_entry.py", *command[command.index(
+            "scaletrain_entry.py") + 1 :]])  # fmt: skip
+        with pytest.raises(SystemExit) as done:
+            exec(compile(ENTRY_SOURCE, "scaletrain_entry.py", "exec"), {"__name__": "__main__"})
+        assert done.value.code == 0
+        assert (synced / host.name / "checkpoints" / "step-000020").is_dir()
+        # Only rank 0's copy reaches the output, and without the checkpoints.
+        assert sorted(p.name for p in model_dir.iterdir()) == ([] if rank != "0" else ["model.pt"])
+    with pytest.raises(ConfigError, match="Fix: leave --out out"):
+        training_job(
+            job_spec(dataclasses.replace(SETTINGS, out="runs/x"), nnodes="1", name="m",
+                     gpus_per_node=0),
+            _sm_options(checkpoint="s3://bucket/ckpt"),
+        )  # fmt: skip
 
 
 # --- the command ----------------------------------------------------------------------------

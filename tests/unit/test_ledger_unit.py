@@ -286,3 +286,54 @@ def test_the_flops_peak_measurement_is_not_counted_as_training_memory(
     rt.setup(bare, torch.optim.SGD(bare.parameters(), lr=0.1))
     rt.shutdown()
     assert calls == ["peak", "setup"]
+
+
+def _one_process_loop(ledger: object) -> None:
+    import torch
+    from torch import nn
+
+    import scaletrain as st
+
+    rt = st.init(strategy="single", env="local", ledger=ledger)  # type: ignore[arg-type]
+    bare = nn.Linear(8, 8)
+    model, opt = rt.setup(bare, torch.optim.SGD(bare.parameters(), lr=0.1))
+    for _ in range(12):
+        loss = model(torch.randn(4, 8, device=rt.device)).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    rt.shutdown()
+
+
+def test_a_plain_loop_ends_with_one_line_and_the_table_on_request(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 26 item 20: a plain loop printed the whole phase table (20 lines) at
+    rt.shutdown(); the default is one line now: step time, MFU, the straggler if any,
+    where the files are; LedgerConfig(summary="table") gives the table."""
+    import scaletrain as st
+    import scaletrain.observe.flops as flops
+
+    monkeypatch.setattr(flops, "measure_peak", lambda *a, **k: 1e9)
+    capsys.readouterr()
+    _one_process_loop(st.LedgerConfig(out=tmp_path, every=5))
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1, lines
+    (line,) = lines
+    assert line.startswith("scaletrain: ") and " ms/step (1 rank, " in line, line
+    assert "MFU " in line and "of the measured fp32 peak" in line, line
+    assert f"ledger in {tmp_path / 'observe'} (scaletrain report {tmp_path})" in line, line
+    assert "LedgerConfig(summary='table')" in line
+    # A straggler is named in the line; a ledger without files says so.
+    from scaletrain.observe.summary import summary_line
+
+    summary = read_run(tmp_path).summary
+    assert summary is not None
+    summary["stragglers"] = [{"rank": 1, "phase": "forward", "slower": 1.3, "cost_s": 0.004}]
+    assert "straggler: rank 1 slow in forward (1.30x)" in summary_line(summary, None)
+    assert "no files (LedgerConfig(out=RUN) keeps them)" in summary_line(summary, None)
+    _one_process_loop(st.LedgerConfig(out=tmp_path / "table", every=5, summary="table"))
+    err = capsys.readouterr().err
+    assert "where the time goes" in err and "MFU:" in err
+    with pytest.raises(st.ConfigError, match="LedgerConfig\\(summary='tabel'\\)"):
+        st.init(strategy="single", env="local", ledger=st.LedgerConfig(summary="tabel"))  # type: ignore[arg-type]

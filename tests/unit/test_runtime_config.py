@@ -119,3 +119,45 @@ def test_cli_flags_are_frozen() -> None:
     for flag in ("--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint",
                  "--max-restarts", "--local-addr", "--env", "--monitor-interval"):  # fmt: skip
         assert flag in launch
+
+
+def test_library_mistakes_are_refused_in_the_apis_words(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 26 item 20: rt.reduce(3.0) raised AttributeError ('float' object has no
+    attribute 'items'), rt.save(path, model) a TypeError about positional arguments, and
+    rt.load on a wrong path named save_checkpoint and latest_checkpoint, which the README
+    never teaches."""
+    from scaletrain.testing import launcher_variables
+
+    for var in launcher_variables():
+        monkeypatch.delenv(var)
+    with st.init(strategy="single", env="local") as rt:
+        model = torch.nn.Linear(2, 2)
+        with pytest.raises(st.ConfigError, match=r"rt.reduce\(3.0\).*Fix: .*rt.reduce\(\{'loss'"):
+            rt.reduce(3.0)  # type: ignore[arg-type]
+        for call in (rt.save, rt.load):
+            name = call.__name__
+            with pytest.raises(st.ConfigError, match=rf"rt.{name}\(path, Linear\): .*by name.*"
+                               rf"Fix: rt.{name}\('runs/x/.*model=model"):  # fmt: skip
+                call("runs/x", model)
+            with pytest.raises(st.ConfigError, match=rf"rt.{name}\(Linear, ...\): the first"):
+                call(model, model=model)  # type: ignore[arg-type]
+        with pytest.raises(st.CheckpointError) as info:
+            rt.load("runs/nowhere/checkpoints/step-000100", model=model)
+        message = str(info.value)
+        assert "does not exist" in message and "rt.save" in message, message
+        assert "CheckpointManager(rt, RUN).resume" in message
+        assert "save_checkpoint" not in message and "latest_checkpoint" not in message
+
+
+def test_dir_shows_the_public_names_only() -> None:
+    """Issue 26 item 20: dir(scaletrain) listed TYPE_CHECKING, annotations and
+    lazy_attributes, the package's own imports."""
+    import scaletrain
+    import scaletrain.observe
+    import scaletrain.train
+
+    for package in (scaletrain, scaletrain.observe, scaletrain.train):
+        names = dir(package)
+        assert not {"TYPE_CHECKING", "annotations", "lazy_attributes", "_lazy"} & set(names)
+        assert set(package.__all__) <= set(names)
+    assert {"init", "Runtime", "LedgerConfig", "__version__"} <= set(dir(scaletrain))

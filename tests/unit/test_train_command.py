@@ -216,6 +216,60 @@ def test_config_file_errors(tmp_path: Path, text: str, words: list[str]) -> None
         assert word in str(info.value)
 
 
+def test_every_config_file_problem_is_said_in_one_pass(tmp_path: Path) -> None:
+    """Issue 26 item 18: a file with four mistakes took four tries (each run named only the
+    first), and a value of the wrong type came without a fix."""
+    path = tmp_path / "run.yaml"
+    path.write_text('max_step: 3\nbatch_size: "64"\nstrategy: fsd\neval_batches: -1\nledger: 3\n')
+    use_cli_names()
+    ns = cli.build_parser().parse_args(["train", "--config", str(path), "--nproc", "0"])
+    with pytest.raises(ConfigError) as info:
+        cli.train_config(ns)
+    message = str(info.value)
+    assert message.startswith("6 problems with the settings:"), message
+    for words in (
+        "did you mean 'max_steps'",
+        "batch_size: '64' is not an integer",
+        "Fix: batch_size: 64 (a number, without quotes)",
+        "Fix: strategy: fsdp",
+        "Fix: ledger: true or ledger: false",
+        f"--eval-batches -1: expected a whole number >= 0. Fix: pass e.g. --eval-batches 0. "
+        f"(The value comes from {path}.)",
+        "--nproc 0: expected a number of processes >= 1",
+    ):
+        assert words in message, words
+    # The flag's own value is not attributed to the file.
+    (nproc,) = [line for line in message.splitlines() if "--nproc 0" in line]
+    assert "comes from" not in nproc
+
+
+@pytest.mark.parametrize(
+    ("text", "field", "value"),
+    [("lr: 1e-2\n", "lr", 0.01), ("clip_grad: 5E-1\n", "clip_grad", 0.5),
+     ('{"lr": 2e-3}', "lr", 0.002), ("monitor_interval: +1e0\n", "monitor_interval", 1.0)],
+)  # fmt: skip
+def test_a_yaml_11_exponent_is_a_number(
+    tmp_path: Path, text: str, field: str, value: float
+) -> None:
+    """Issue 26 item 18: PyYAML reads YAML 1.1, where `lr: 1e-2` (no dot) is the string
+    '1e-2', and the file was refused as "not a number"."""
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    got = read_config_file(path, TrainConfig)[field]
+    assert isinstance(got, float) and got == value
+
+
+def test_a_type_error_in_a_config_file_comes_with_its_fix(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text("max_steps: 1e3\nlr: fast\nsave_every: 12.5\n")
+    with pytest.raises(ConfigError) as info:
+        read_config_file(path, TrainConfig)
+    message = str(info.value)
+    assert "Fix: max_steps: 1000." in message
+    assert "lr: 'fast' is not a number" in message and "Fix: e.g. lr: 0.1." in message
+    assert "Fix: a whole number, e.g. save_every: 12." in message
+
+
 def test_missing_config_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     code, err = _train(capsys, "--config", str(tmp_path / "nope.yaml"))
     assert code == 2 and "cannot read the config file" in err and "nope.yaml" in err

@@ -20,6 +20,7 @@ from pathlib import Path
 from scaletrain.checkpoint.manifest import (
     MANIFEST,
     Manifest,
+    RejectedCheckpointError,
     fsync_dir,
     read_manifest,
     verify_files,
@@ -34,6 +35,7 @@ __all__ = [
     "find_checkpoints",
     "latest_checkpoint",
     "list_checkpoints",
+    "newest_valid",
     "problem_with",
 ]
 
@@ -51,7 +53,8 @@ class Found:
     manifest: Manifest | None
     """None when the manifest is missing (an unfinished save) or unreadable."""
     problem: str | None
-    """Why it cannot be loaded (None: it has a readable manifest; files not checked)."""
+    """Why it cannot be loaded, without its path (None: it has a readable manifest; files
+    not checked)."""
     order: tuple[int, str]
     """Sort key: when it was written (the manifest's clock, else the file's), then name."""
 
@@ -78,7 +81,8 @@ def _found(d: Path) -> Found:
         # No manifest clock to go by: the time the directory last changed.
         where = d / MANIFEST if (d / MANIFEST).is_file() else d
         stamp = where.stat().st_mtime_ns
-        return Found(d, None, str(exc), (stamp, d.name))
+        why = exc.reason if isinstance(exc, RejectedCheckpointError) else str(exc)
+        return Found(d, None, why, (stamp, d.name))
     return Found(d, manifest, None, (manifest.created_ns, d.name))
 
 
@@ -132,10 +136,22 @@ def latest_checkpoint(run_dir: str | os.PathLike[str], *, verify: bool = True) -
     checkpoint once; `verify=False` checks only that the files exist with the
     recorded sizes.
     """
+    return newest_valid(run_dir, verify=verify)[0]
+
+
+def newest_valid(
+    run_dir: str | os.PathLike[str], *, verify: bool = True
+) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """latest_checkpoint, and the newer checkpoints it passed over (damaged, or saves
+    that never finished), newest first, each with the reason: a command that falls
+    back to an older checkpoint says which newer ones it skipped and why."""
+    skipped: list[tuple[Path, str]] = []
     for found in reversed(list_checkpoints(run_dir)):
-        if found.manifest is not None and problem_with(found, verify=verify) is None:
-            return found.path
-    return None
+        problem = problem_with(found, verify=verify)
+        if problem is None:
+            return found.path, skipped
+        skipped.append((found.path, problem))
+    return None, skipped
 
 
 def _series(name: str) -> str:

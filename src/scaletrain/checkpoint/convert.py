@@ -10,7 +10,12 @@ import torch
 from scaletrain.checkpoint import full as _full
 from scaletrain.checkpoint.layout import dcp
 from scaletrain.checkpoint.load import holdings
-from scaletrain.checkpoint.manifest import RejectedCheckpointError, read_manifest, verify_files
+from scaletrain.checkpoint.manifest import (
+    RejectedCheckpointError,
+    load_earlier,
+    read_manifest,
+    verify_files,
+)
 from scaletrain.checkpoint.state import diff_tables, model_table
 from scaletrain.errors import CheckpointError
 
@@ -35,7 +40,10 @@ def consolidate(
     manifest = read_manifest(ckpt)
     problems = verify_files(ckpt, manifest, manifest.files)
     if problems:
-        raise RejectedCheckpointError(f"checkpoint {ckpt} is damaged: " + "; ".join(problems) + ".")
+        raise RejectedCheckpointError(
+            f"checkpoint {ckpt} is damaged: " + "; ".join(problems) + f"; {load_earlier()}.",
+            reason="; ".join(problems),
+        )
     models = [n for n, o in manifest.objects.items() if o.get("kind") == "model"]
     if model is None:
         if len(models) != 1:

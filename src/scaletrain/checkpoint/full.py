@@ -16,7 +16,12 @@ from typing import Any
 
 import torch
 
-from scaletrain.checkpoint.manifest import FileEntry, RejectedCheckpointError, atomic_write
+from scaletrain.checkpoint.manifest import (
+    FileEntry,
+    RejectedCheckpointError,
+    atomic_write,
+    load_earlier,
+)
 
 __all__ = ["load_file", "save_file", "snapshot"]
 
@@ -61,14 +66,19 @@ def load_file(path: Path) -> Any:
     except pickle.UnpicklingError as exc:
         # weights_only raises UnpicklingError naming the global it refused to build.
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        refused = (
+            f"{path.name} holds objects other than tensors and plain values, and was refused "
+            f"without running them (torch.load weights_only=True: {first})"
+        )
         raise RejectedCheckpointError(
-            f"{path} holds objects other than tensors and plain values, and was refused "
-            f"without running them (torch.load weights_only=True: {first}). scaletrain never "
-            "writes such files: the checkpoint was altered or not written by scaletrain. "
-            "Do not load it with weights_only=False unless you trust its author."
+            f"{path.parent}/{refused}. scaletrain never writes such files: the checkpoint was "
+            "altered or not written by scaletrain. Do not load it with weights_only=False "
+            "unless you trust its author.",
+            reason=refused,
         ) from exc
     except (RuntimeError, EOFError, OSError, zipfile.BadZipFile) as exc:
+        unreadable = f"{path.name} cannot be read ({type(exc).__name__}: {exc})"
         raise RejectedCheckpointError(
-            f"{path} cannot be read ({type(exc).__name__}: {exc}). The checkpoint is damaged; "
-            "load an earlier one (latest_checkpoint() skips damaged ones)."
+            f"{path.parent}/{unreadable}. The checkpoint is damaged; {load_earlier()}.",
+            reason=unreadable,
         ) from exc

@@ -38,6 +38,7 @@ from scaletrain.checkpoint.layout import (
 from scaletrain.checkpoint.manifest import (
     Manifest,
     RejectedCheckpointError,
+    load_earlier,
     read_manifest,
     verify_files,
 )
@@ -55,7 +56,7 @@ from scaletrain.checkpoint.state import (
     restore_rng,
 )
 from scaletrain.dist.agreement import agree, attempt, describe
-from scaletrain.errors import CheckpointError, say
+from scaletrain.errors import CheckpointError
 
 __all__ = ["holdings", "load_checkpoint", "load_weights", "load_with"]
 
@@ -377,13 +378,9 @@ def _load_with(
     damage = [p for ps in agree(what, error, problems, world_size=world, wrap=failure) for p in ps]
     if damage:
         raise RejectedCheckpointError(
-            f"checkpoint {path} is damaged: " + "; ".join(damage) + ". Nothing was loaded. "
-            "Load an earlier checkpoint ("
-            + say(
-                api="latest_checkpoint(run_dir) returns the newest undamaged one",
-                cli="`scaletrain checkpoint latest RUN` prints the newest undamaged one",
-            )
-            + ")."
+            f"checkpoint {path} is damaged: " + "; ".join(damage) + ". Nothing was loaded; "
+            f"{load_earlier()}.",
+            reason="; ".join(damage),
         )
 
     # 4. Read everything into memory and check it fits, still changing nothing. The

@@ -32,7 +32,7 @@ from scaletrain.checkpoint.catalog import Found, Retention, checkpoint_path, lis
 from scaletrain.checkpoint.disks import check_splittable, find_disks
 from scaletrain.checkpoint.layout import views
 from scaletrain.checkpoint.load import load_with
-from scaletrain.checkpoint.manifest import RejectedCheckpointError
+from scaletrain.checkpoint.manifest import MANIFEST, RejectedCheckpointError
 from scaletrain.checkpoint.save import check_keep, save_with
 from scaletrain.checkpoint.scope import CheckpointScope, ScopeSource, as_scope
 from scaletrain.dist.agreement import all_gather_objects
@@ -51,6 +51,14 @@ class Resumed:
     """The plain values saved with it (step, ...)."""
     rejected: list[tuple[Path, str]] = field(default_factory=list)
     """Newer checkpoints (or unfinished saves) that were not used, each with the reason."""
+
+
+def _short(path: Path, folder: Path) -> str:
+    """`path` relative to the run directory named just before it (checkpoints/step-000120)."""
+    try:
+        return str(path.relative_to(folder))
+    except ValueError:
+        return str(path)
 
 
 class CheckpointManager:
@@ -108,14 +116,20 @@ class CheckpointManager:
                     self.scope, found.path, state, saver=self._saver, disks=self.disks
                 )
             except RejectedCheckpointError as exc:
-                rejected.append((found.path, str(exc)))
+                rejected.append((found.path, exc.reason))
                 continue
             self._retention.trust(found.path, written=False)
             return Resumed(found.path, values, rejected)
         if finished:
-            listing = "\n".join(f"  {path}: {why}" for path, why in rejected)
+            # Every directory passed over is listed, each path once with its reason alone,
+            # and counted as what it is. (`finished` counts those every rank sees alike,
+            # so every rank takes this branch or none does.)
+            saved = sum((path / MANIFEST).is_file() for path, _ in rejected)
+            unfinished = len(rejected) - saved
+            also = f" (and {unfinished} save(s) that never finished)" if unfinished else ""
+            listing = "\n".join(f"  {_short(path, self.folder)}: {why}" for path, why in rejected)
             raise CheckpointError(
-                f"{self.folder} holds {finished} checkpoint(s) and none of them can be "
+                f"{self.folder} holds {saved} checkpoint(s){also} and none of them can be "
                 f"loaded; nothing was deleted and the run did not start over from step 0:\n"
                 f"{listing}\nFix: restore the files from a backup, or start a new run in "
                 "another directory (the damaged ones stay here for inspection)."

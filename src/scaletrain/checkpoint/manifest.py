@@ -25,7 +25,7 @@ from typing import IO, Any
 
 import torch
 
-from scaletrain.errors import CheckpointError
+from scaletrain.errors import CheckpointError, say
 
 __all__ = [
     "FORMAT",
@@ -37,6 +37,7 @@ __all__ = [
     "atomic_write",
     "atomic_write_bytes",
     "fsync_dir",
+    "load_earlier",
     "read_manifest",
     "sha256_file",
     "verify_files",
@@ -51,7 +52,27 @@ FORMAT_VERSION = 1
 
 class RejectedCheckpointError(CheckpointError):
     """This checkpoint cannot be used (unfinished, damaged, of a newer format), though
-    an older one of the same run may: what a resume falls back over, saying why."""
+    an older one of the same run may: what a resume falls back over, saying why.
+
+    `reason` is the cause alone, without the checkpoint's path or advice ("model.pt is
+    truncated: 100 bytes, the manifest says 121523"): a list of rejected checkpoints
+    names each path once and gives the advice once.
+    """
+
+    def __init__(self, message: str, *, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.reason = message if reason is None else reason
+
+
+def load_earlier() -> str:
+    """The advice after a rejected checkpoint, in the words of the interface in use (the
+    README teaches CheckpointManager.resume and `scaletrain checkpoint latest`)."""
+    return say(
+        api="load an earlier one (CheckpointManager(rt, RUN).resume(...) falls back to the "
+        "newest undamaged one)",
+        cli="load an earlier one (`scaletrain checkpoint latest RUN` prints the newest "
+        "undamaged one)",
+    )
 
 
 _CHUNK = 1 << 22  # 4 MiB: large enough that hashlib releases the GIL while hashing
@@ -107,16 +128,21 @@ class Manifest:
     @classmethod
     def from_json(cls, data: Any, where: Path) -> Manifest:
         if not isinstance(data, dict) or data.get("format") != FORMAT:
+            reason = f'its {where.name} is not a scaletrain manifest (no "format": "{FORMAT}")'
             raise RejectedCheckpointError(
                 f"{where} is not a scaletrain checkpoint manifest (no "
                 f'"format": "{FORMAT}" entry). Point at a directory written by '
-                "scaletrain.checkpoint.save_checkpoint."
+                + say(api="rt.save", cli="scaletrain train")
+                + ".",
+                reason=reason,
             )
         version = data.get("version")
         if not isinstance(version, int) or version > FORMAT_VERSION:
             raise RejectedCheckpointError(
                 f"{where} has format version {version!r}; this scaletrain reads versions up "
-                f"to {FORMAT_VERSION}. Upgrade scaletrain to load it."
+                f"to {FORMAT_VERSION}. Upgrade scaletrain to load it.",
+                reason=f"format version {version!r}, newer than this scaletrain reads "
+                f"({FORMAT_VERSION}): upgrade scaletrain",
             )
         try:
             return cls(
@@ -135,7 +161,8 @@ class Manifest:
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise RejectedCheckpointError(
                 f"{where} is damaged: {type(exc).__name__}: {exc}. The checkpoint cannot be "
-                "trusted; load an earlier one (latest_checkpoint() skips damaged ones)."
+                f"trusted; {load_earlier()}.",
+                reason=f"its {where.name} is damaged ({type(exc).__name__}: {exc})",
             ) from exc
 
 
@@ -218,24 +245,33 @@ def read_manifest(ckpt: Path) -> Manifest:
     """The manifest of checkpoint directory `ckpt`, or a CheckpointError saying why not."""
     ckpt = Path(ckpt)
     if not ckpt.is_dir():
+        what = "is a file, not a directory" if ckpt.exists() else "does not exist"
         raise CheckpointError(
-            f"checkpoint {ckpt} does not exist (or is not a directory). Pass a directory "
-            "written by save_checkpoint, e.g. latest_checkpoint(run_dir)."
+            f"checkpoint {ckpt} {what}. "
+            + say(
+                api="Pass a directory rt.save wrote (e.g. runs/x/checkpoints/step-000100); "
+                "CheckpointManager(rt, RUN).resume(...) finds the newest one of a run.",
+                cli="Pass a checkpoint directory (RUN/checkpoints/step-000100); "
+                "`scaletrain checkpoint latest RUN` prints the newest one of a run.",
+            )
         )
     path = ckpt / MANIFEST
     if not path.is_file():
+        unfinished = (
+            f"it has no {MANIFEST}, which is written last, so its save never finished "
+            "(crash, kill, or an async save still running)"
+        )
         raise RejectedCheckpointError(
-            f"checkpoint {ckpt} is incomplete: it has no {MANIFEST}, which is written last, "
-            "so its save never finished (crash, kill, or an async save still running). "
-            "Load the previous checkpoint instead: latest_checkpoint() returns the newest "
-            "complete one."
+            f"checkpoint {ckpt} is incomplete: {unfinished}; {load_earlier()}.",
+            reason=unfinished,
         )
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise RejectedCheckpointError(
             f"{path} is unreadable ({type(exc).__name__}: {exc}); the checkpoint cannot be "
-            "trusted. Load an earlier one (latest_checkpoint() skips damaged ones)."
+            f"trusted: {load_earlier()}.",
+            reason=f"its {MANIFEST} is unreadable ({type(exc).__name__}: {exc})",
         ) from exc
     return Manifest.from_json(data, path)
 

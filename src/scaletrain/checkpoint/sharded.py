@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import ReadItem
 
+from scaletrain.checkpoint.manifest import load_earlier
 from scaletrain.errors import CheckpointError
 
 __all__ = [
@@ -115,7 +116,7 @@ def read_metadata(ckpt: Path) -> Metadata:
     except (OSError, EOFError, ValueError, TypeError, AttributeError) as exc:
         raise CheckpointError(
             f"{path} cannot be read ({type(exc).__name__}: {exc}): the sharded checkpoint is "
-            "damaged. Load an earlier one (latest_checkpoint() skips damaged ones)."
+            f"damaged: {load_earlier()}."
         ) from exc
     if not isinstance(metadata, Metadata):
         raise CheckpointError(f"{path} holds a {type(metadata).__name__}, not DCP Metadata.")

@@ -70,6 +70,12 @@ def reduce_values(
     """
     if op not in REDUCE_OPS:
         raise ConfigError(f"op={op!r} is not a reduction; expected one of {', '.join(REDUCE_OPS)}.")
+    if not isinstance(values, Mapping):
+        raise ConfigError(
+            f"rt.reduce({values!r}): expected a dict of name -> tensor or number, reduced in "
+            "one collective. Fix: name the value, e.g. rt.reduce({'loss': loss})['loss'], or "
+            "pass every value of the step at once: rt.reduce({'loss': loss, 'count': n})."
+        )
     if not values:
         return {}
     shapes: list[tuple[str, torch.Size, torch.dtype | None, torch.device | None]] = []

@@ -32,6 +32,12 @@ def _config(value: LedgerConfig | bool | None) -> LedgerConfig | None:
             f"ledger={value!r} is not a ledger setting; expected True, False or "
             "st.LedgerConfig(out=..., every=50). Fix: pass ledger=False to turn it off."
         )
+    if value.summary not in (True, False, "line", "table"):
+        raise ConfigError(
+            f"LedgerConfig(summary={value.summary!r}): expected 'line' (one line at the end), "
+            "'table' (the phase table) or False (nothing). Fix: pass e.g. "
+            "LedgerConfig(summary='table')."
+        )
     if value.every < 1:
         raise ConfigError(
             f"LedgerConfig(every={value.every!r}): expected steps per window >= 1. "

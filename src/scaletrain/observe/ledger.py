@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from scaletrain.observe.clocks import CudaTimeline, StepTimes, Timeline, WallTimeline
 from scaletrain.observe.phases import (
@@ -73,8 +73,10 @@ class LedgerConfig:
     """Steps per window: one small all-gather every `every` steps."""
     flops: bool = True
     """Count FLOPs once and measure the device's peak for MFU."""
-    summary: bool = True
-    """Print the phase table at the end (rank 0)."""
+    summary: bool | Literal["line", "table"] = "line"
+    """What rank 0 prints at the end: "line", one line (step time, MFU, the straggler if
+    any, where the files are); "table", the phase table with overlap, MFU, memory and
+    advice (what `scaletrain train` prints); False, nothing (True: the table)."""
     stragglers: StragglerOptions = field(default_factory=StragglerOptions)
 
 
@@ -480,7 +482,7 @@ class StepLedger:
         if not collective or self.closed == 0:
             self.close()
             return None
-        from scaletrain.observe.summary import build_summary, print_summary
+        from scaletrain.observe.summary import build_summary, print_line, print_summary
 
         ranks = self.gather(self._rank_window(self.run.reduce()))
         stats = WindowStats.build(self.start_step + 1, self.step, ranks)
@@ -494,8 +496,10 @@ class StepLedger:
                     json.dumps(clean_json(self.summary), indent=1) + "\n",
                     encoding="utf-8",
                 )
-            if self.config.summary:
+            if self.config.summary in (True, "table"):
                 print_summary(self.summary, self.say)
+            elif self.config.summary == "line":
+                print_line(self.summary, self.say, self.out)
         if self.profile is not None and self.rank == 0:
             self.profile.merge(self)
         self.close()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from scaletrain.errors import say, spell
@@ -19,7 +20,14 @@ from scaletrain.observe.flops import compute_mfu, forget_peak
 from scaletrain.observe.phases import PHASES
 from scaletrain.observe.window import WindowStats
 
-__all__ = ["advice", "build_summary", "print_summary", "summary_table"]
+__all__ = [
+    "advice",
+    "build_summary",
+    "print_line",
+    "print_summary",
+    "summary_line",
+    "summary_table",
+]
 
 
 def _finite(x: float) -> float | None:
@@ -275,6 +283,37 @@ def _lines(summary: dict[str, Any]) -> list[str]:
     if summary.get("advice"):
         lines.append(f"[bold]advice:[/] {summary['advice']}")
     return lines
+
+
+def summary_line(summary: dict[str, Any], out: Path | None) -> str:
+    """The run in one line: step time, MFU, the straggler if any, where the files are, and
+    how to get the table."""
+    world = summary["world_size"]
+    step = summary["phases"]["step"]["median"]
+    counted = max((r["steps"] for r in summary["ranks"]), default=0)
+    over = f"median of {world} ranks" if world > 1 else "1 rank"
+    parts = [f"{_ms(step)} ms/step ({over}, {counted} steps)"]
+    mfu = summary.get("mfu") or {}
+    if mfu.get("datasheet") is not None:
+        parts.append(f"MFU {mfu['datasheet']:.1%} of the datasheet peak")
+    elif mfu.get("measured") is not None:
+        parts.append(f"MFU {mfu['measured']:.1%} of the measured {summary['peak']['dtype']} peak")
+    if summary["stragglers"]:
+        s = max(summary["stragglers"], key=lambda x: x["cost_s"])
+        parts.append(f"straggler: rank {s['rank']} slow in {s['phase']} ({s['slower']:.2f}x)")
+    if out is not None:
+        parts.append(f"ledger in {out / 'observe'} (scaletrain report {out})")
+    else:
+        parts.append("no files (LedgerConfig(out=RUN) keeps them)")
+    return (
+        "scaletrain: "
+        + "; ".join(parts)
+        + ". The phase table: st.init(ledger=st.LedgerConfig(summary='table'))."
+    )
+
+
+def print_line(summary: dict[str, Any], say: Callable[[Any], None], out: Path | None) -> None:
+    say(summary_line(summary, out))
 
 
 def print_summary(summary: dict[str, Any], say: Callable[[Any], None]) -> None:

@@ -17,6 +17,7 @@ from scaletrain.data import ShardedLoader, ShardedSampler
 from scaletrain.dist.mesh import device_mesh, full_mesh
 from scaletrain.dist.topology import Topology
 from scaletrain.env.base import ClusterEnv
+from scaletrain.errors import ConfigError
 from scaletrain.observe import phases as _phases
 from scaletrain.observe.ledger import StepLedger, in_phase
 from scaletrain.precision import Precision
@@ -377,7 +378,7 @@ class Runtime:
     def save(
         self,
         path: str | os.PathLike[str],
-        *,
+        *unnamed: Any,
         keep: int | None = None,
         async_save: bool = False,
         **state: Any,
@@ -392,11 +393,12 @@ class Runtime:
         """
         from scaletrain.checkpoint import save_checkpoint
 
+        _by_name("save", path, unnamed)
         return save_checkpoint(
             self.checkpoint_scope(), path, keep=keep, async_save=async_save, **state
         )
 
-    def load(self, path: str | os.PathLike[str], **state: Any) -> dict[str, Any]:
+    def load(self, path: str | os.PathLike[str], *unnamed: Any, **state: Any) -> dict[str, Any]:
         """Restore the objects given in `state` in place; return the saved plain values.
 
         Verifies checksums and that the checkpoint fits the model first: a truncated,
@@ -404,6 +406,7 @@ class Runtime:
         """
         from scaletrain.checkpoint import load_checkpoint
 
+        _by_name("load", path, unnamed)
         return load_checkpoint(self.checkpoint_scope(), path, **state)
 
     def checkpoint_scope(self) -> CheckpointScope:
@@ -456,6 +459,25 @@ class Runtime:
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
         self.shutdown(failed=exc_type is not None)
+
+
+def _by_name(call: str, path: Any, unnamed: tuple[Any, ...]) -> None:
+    """rt.save / rt.load take the checkpoint directory, then every object by name: the
+    name is what a load matches a saved object by."""
+    example = f"rt.{call}('runs/x/checkpoints/step-000100', model=model, optimizer=optimizer" + (
+        ", step=step)" if call == "save" else ")"
+    )
+    if not isinstance(path, (str, os.PathLike)):
+        raise ConfigError(
+            f"rt.{call}({type(path).__name__}, ...): the first argument is the checkpoint "
+            f"directory, a str or Path. Fix: {example}."
+        )
+    if unnamed:
+        got = ", ".join(type(o).__name__ for o in unnamed)
+        raise ConfigError(
+            f"rt.{call}(path, {got}): objects are passed by name (a load matches them by "
+            f"name). Fix: {example}."
+        )
 
 
 _CURRENT: Runtime | None = None

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from scaletrain.errors import ConfigError, spell
+from scaletrain.errors import ConfigError, several, spell
 from scaletrain.observe.heartbeat import DEFAULT_HANG_TIMEOUT_S
 
 __all__ = ["METAVARS", "SCHEDULES", "SINGLE_PROCESS_STRATEGIES", "TrainConfig"]
@@ -134,10 +135,19 @@ class TrainConfig:
     """Cluster environment to read; auto detects it, local runs here as one node (even in sbatch)."""
 
     def __post_init__(self) -> None:
-        def bad(field: str, expected: str, fix: str) -> ConfigError:
+        problems = self._problems()
+        if problems:
+            raise several(problems)
+
+    def _problems(self) -> list[ConfigError]:
+        """Every setting that cannot work, each with its fix: all of them at once, so a
+        config file with several mistakes is fixed in one pass."""
+        problems: list[ConfigError] = []
+
+        def bad(field: str, expected: str, fix: str) -> None:
             value = getattr(self, field)
-            return ConfigError(
-                f"{spell(field, value)}: expected {expected}. Fix: {fix}.", field=field
+            problems.append(
+                ConfigError(f"{spell(field, value)}: expected {expected}. Fix: {fix}.", field=field)
             )
 
         at_least_one = {
@@ -155,9 +165,9 @@ class TrainConfig:
         for field, what in at_least_one.items():
             value = getattr(self, field)
             if value is not None and value < 1:
-                raise bad(field, f"a whole number >= 1 ({what})", f"pass e.g. {spell(field, 1)}")
+                bad(field, f"a whole number >= 1 ({what})", f"pass e.g. {spell(field, 1)}")
         if self.nproc is not None and self.nproc < 1:
-            raise bad(
+            bad(
                 "nproc",
                 "a number of processes >= 1",
                 f"pass e.g. {spell('nproc', 2)}, or leave it out for one per GPU (2 on CPU)",
@@ -165,103 +175,120 @@ class TrainConfig:
         for field in ("eval_batches", "warmup"):
             value = getattr(self, field)
             if value is not None and value < 0:
-                raise bad(field, "a whole number >= 0", f"pass e.g. {spell(field, 0)}")
+                bad(field, "a whole number >= 0", f"pass e.g. {spell(field, 0)}")
         if self.num_workers < 0:
-            raise bad(
+            bad(
                 "num_workers",
                 "a number of loader processes >= 0",
                 f"pass {spell('num_workers', 0)}",
             )
         if self.max_restarts < 0:
-            raise bad(
-                "max_restarts", "a number of restarts >= 0", f"pass {spell('max_restarts', 0)}"
-            )
+            bad("max_restarts", "a number of restarts >= 0", f"pass {spell('max_restarts', 0)}")
         if not 0 < self.monitor_interval < math.inf:
-            raise bad(
+            bad(
                 "monitor_interval",
                 "a positive, finite number of seconds",
                 f"leave it out (0.1) or pass e.g. {spell('monitor_interval', 1)}",
             )
         if self.lr is not None and not self.lr > 0:
-            raise bad("lr", "a positive learning rate", f"pass e.g. {spell('lr', 0.05)}")
+            bad("lr", "a positive learning rate", f"pass e.g. {spell('lr', 0.05)}")
         if self.clip_grad is not None and not self.clip_grad > 0:
-            raise bad(
-                "clip_grad", "a positive gradient norm", f"pass e.g. {spell('clip_grad', 1.0)}"
-            )
+            bad("clip_grad", "a positive gradient norm", f"pass e.g. {spell('clip_grad', 1.0)}")
         if self.hang_timeout < 0:
-            raise bad(
+            bad(
                 "hang_timeout",
                 "seconds >= 0 (0 turns the watchdog off)",
                 f"pass e.g. {spell('hang_timeout', 600)}",
             )
         if self.data_dir is not None and not self.data_dir.strip():
-            raise bad(
+            bad(
                 "data_dir",
                 "a directory holding the dataset",
                 "pass the directory, or leave the setting out to search the usual places",
             )
         if self.out is not None and not self.out.strip():
-            raise bad(
+            bad(
                 "out",
                 "a run directory",
                 "pass a directory, or leave it out for runs/<recipe>-<time>",
             )
         if self.fork is not None and not self.fork.strip():
-            raise bad(
+            bad(
                 "fork",
                 "the directory of the new run",
                 f"pass e.g. {spell('fork', 'runs/finetune')}",
             )
         same = self.fork is not None and self.out is not None
         if same and Path(str(self.fork)).resolve() == Path(str(self.out)).resolve():
-            raise ConfigError(
-                f"{spell('fork', self.fork)} names the run it forks from "
-                f"({spell('out', self.out)}); a fork is a new run beside it. Fix: "
-                f"name a new directory, e.g. {spell('fork', str(self.out).rstrip('/') + '-fork')}.",
-                field="fork",
+            problems.append(
+                ConfigError(
+                    f"{spell('fork', self.fork)} names the run it forks from "
+                    f"({spell('out', self.out)}); a fork is a new run beside it. Fix: name a "
+                    f"new directory, e.g. {spell('fork', str(self.out).rstrip('/') + '-fork')}.",
+                    field="fork",
+                )
             )
         if self.fork_optimizer and self.fork is None:
-            raise ConfigError(
-                f"{spell('fork_optimizer', True)} takes the optimizer state into a fork, but no "
-                f"{spell('fork')} was given. Fix: add {spell('fork', 'NEW_RUN')}, or drop "
-                f"{spell('fork_optimizer', True)} (a resume restores the optimizer anyway).",
-                field="fork_optimizer",
+            problems.append(
+                ConfigError(
+                    f"{spell('fork_optimizer', True)} takes the optimizer state into a fork, "
+                    f"but no {spell('fork')} was given. Fix: add {spell('fork', 'NEW_RUN')}, or "
+                    f"drop {spell('fork_optimizer', True)} (a resume restores the optimizer "
+                    "anyway).",
+                    field="fork_optimizer",
+                )
             )
         if self.profile is not None:
             from scaletrain.observe.profiling import parse_steps
 
-            parse_steps(self.profile)
+            try:
+                parse_steps(self.profile)
+            except ConfigError as exc:
+                problems.append(exc)
             if not self.ledger:
-                raise ConfigError(
-                    f"{spell('profile', self.profile)} needs the step ledger, which "
-                    f"{spell('ledger', False)} turns off. Fix: drop {spell('ledger', False)}.",
-                    field="profile",
+                problems.append(
+                    ConfigError(
+                        f"{spell('profile', self.profile)} needs the step ledger, which "
+                        f"{spell('ledger', False)} turns off. Fix: drop "
+                        f"{spell('ledger', False)}.",
+                        field="profile",
+                    )
                 )
-        self._check_nodes(bad)
+        self._check_nodes(bad, problems)
         if self.strategy in SINGLE_PROCESS_STRATEGIES and self.nproc is not None and self.nproc > 1:
-            raise ConfigError(
-                f"{spell('strategy', self.strategy)} runs in ONE process (it drives every local "
-                f"device from there), but {spell('nproc', self.nproc)} asks for {self.nproc}. "
-                f"Fix: {spell('nproc', 1)} (or leave it out), or {spell('strategy', 'ddp')} for "
-                "one process per device.",
-                field="nproc",
+            problems.append(
+                ConfigError(
+                    f"{spell('strategy', self.strategy)} runs in ONE process (it drives every "
+                    f"local device from there), but {spell('nproc', self.nproc)} asks for "
+                    f"{self.nproc}. Fix: {spell('nproc', 1)} (or leave it out), or "
+                    f"{spell('strategy', 'ddp')} for one process per device.",
+                    field="nproc",
+                )
             )
+        return problems
 
-    def _check_nodes(self, bad: Any) -> None:
+    def _check_nodes(
+        self, bad: Callable[[str, str, str], None], problems: list[ConfigError]
+    ) -> None:
         from scaletrain.env.network import node_range, split_endpoint
 
-        max_nodes = 1
+        max_nodes: int | None = 1
         if self.nnodes is not None:
             try:
                 _, max_nodes = node_range(self.nnodes)
             except ValueError as exc:
-                raise bad(
+                max_nodes = None  # unknown: the node rank is not checked against it
+                bad(
                     "nnodes",
                     f"a node count such as 2, or a range MIN:MAX such as 1:4 ({exc})",
                     f"pass e.g. {spell('nnodes', 2)}",
-                ) from None
-        if self.node_rank is not None and not 0 <= self.node_rank < max_nodes:
-            raise bad(
+                )
+        if (
+            max_nodes is not None
+            and self.node_rank is not None
+            and not 0 <= self.node_rank < max_nodes
+        ):
+            bad(
                 "node_rank",
                 f"an index in 0..{max_nodes - 1} for {spell('nnodes', self.nnodes or 1)}",
                 f"give node 0 {spell('node_rank', 0)} and the others 1, 2, ..., or raise "
@@ -271,24 +298,26 @@ class TrainConfig:
             try:
                 split_endpoint(self.rdzv_endpoint)
             except ValueError as exc:
-                raise bad(
+                bad(
                     "rdzv_endpoint",
                     f"HOST:PORT of node 0, the same on every node ({exc})",
                     f"pass e.g. {spell('rdzv_endpoint', 'node0:29500')}",
-                ) from None
-        if max_nodes > 1 and self.rdzv_endpoint is None:
-            raise ConfigError(
-                f"{spell('nnodes', self.nnodes)} spans several machines, but no "
-                f"{spell('rdzv_endpoint')} says where they meet. Expected HOST:PORT of node 0, "
-                f"the same on every node. Fix: on every node pass "
-                f"{spell('rdzv_endpoint', 'NODE0:29500')} and {spell('rdzv_id', 'JOB')}, and "
-                f"on node 0 also {spell('node_rank', 0)}.",
-                field="rdzv_endpoint",
+                )
+        if max_nodes is not None and max_nodes > 1 and self.rdzv_endpoint is None:
+            problems.append(
+                ConfigError(
+                    f"{spell('nnodes', self.nnodes)} spans several machines, but no "
+                    f"{spell('rdzv_endpoint')} says where they meet. Expected HOST:PORT of node "
+                    f"0, the same on every node. Fix: on every node pass "
+                    f"{spell('rdzv_endpoint', 'NODE0:29500')} and {spell('rdzv_id', 'JOB')}, "
+                    f"and on node 0 also {spell('node_rank', 0)}.",
+                    field="rdzv_endpoint",
+                )
             )
         for field in ("rdzv_id", "local_addr"):
             value = getattr(self, field)
             if value is not None and (not value.strip() or any(c.isspace() for c in value)):
-                raise bad(field, "a value without spaces", f"pass e.g. {spell(field, 'job42')}")
+                bad(field, "a value without spaces", f"pass e.g. {spell(field, 'job42')}")
 
     def resolved_recipe(self) -> str:
         """The recipe to run: the one asked for, else the default for the strategy."""

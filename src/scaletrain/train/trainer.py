@@ -69,7 +69,9 @@ class Trainer:
                 backend=cfg.backend,
                 mesh=cfg.mesh,
                 precision=cfg.precision,
-                ledger=LedgerConfig(every=cfg.ledger_every) if cfg.ledger else False,
+                ledger=(
+                    LedgerConfig(every=cfg.ledger_every, summary="table") if cfg.ledger else False
+                ),
             )
             return self._run(rt, stop)
         except Exception:

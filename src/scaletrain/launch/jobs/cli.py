@@ -117,6 +117,18 @@ def add_job_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="PersistentVolumeClaim mounted at /runs for the run directory",
     )
     g.add_argument(
+        "--cpu",
+        default=None,
+        metavar="C",
+        help="CPUs requested per pod, e.g. 8 or 500m (default: one per process and loader worker)",
+    )
+    g.add_argument(
+        "--memory",
+        default=None,
+        metavar="SIZE",
+        help="memory requested per pod, e.g. 16Gi (default: 2Gi per process)",
+    )
+    g.add_argument(
         "--elastic-restarts",
         type=int,
         default=3,
@@ -144,7 +156,22 @@ def add_job_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--checkpoint-s3",
         default=None,
         metavar="S3_URI",
-        help="S3 URI synced with /opt/ml/checkpoints (spot training)",
+        help="S3 URI synced with /opt/ml/checkpoints, where the run then lives: a restarted "
+        "or spot job resumes (the finished run is copied to SM_MODEL_DIR)",
+    )
+    g.add_argument(
+        "--spot",
+        action="store_true",
+        help="managed spot training (EnableManagedSpotTraining); with --checkpoint-s3 an "
+        "interrupted job resumes",
+    )
+    g.add_argument(
+        "--max-wait",
+        type=int,
+        default=None,
+        metavar="S",
+        help="spot: seconds for the whole job, waits for capacity included (default: twice "
+        "--max-run)",
     )
 
 
@@ -167,6 +194,7 @@ def run_job(ns: argparse.Namespace, train_config: Callable[[argparse.Namespace],
 
     config = train_config(ns)
     spec = job_spec(config, nnodes=ns.job_nnodes, name=ns.name, gpus_per_node=ns.gpus_per_node)
+    notes: list[str] = []
     if ns.kind == "sbatch":
         from scaletrain.launch.jobs.sbatch import SbatchOptions, write_sbatch
 
@@ -178,12 +206,18 @@ def run_job(ns: argparse.Namespace, train_config: Callable[[argparse.Namespace],
         files = {Path(ns.job_output or f"{spec.name}.sbatch"): text}
         how = "sbatch {}"
     elif ns.kind == "pytorchjob":
-        from scaletrain.launch.jobs.pytorchjob import PyTorchJobOptions, write_pytorchjob
+        from scaletrain.launch.jobs.pytorchjob import (
+            PyTorchJobOptions,
+            pytorchjob_warnings,
+            write_pytorchjob,
+        )
 
-        text = write_pytorchjob(spec, PyTorchJobOptions(
+        k8s = PyTorchJobOptions(
             image=ns.image, namespace=ns.namespace, port=ns.port, pvc=ns.pvc,
-            max_restarts=ns.elastic_restarts,
-        ))  # fmt: skip
+            max_restarts=ns.elastic_restarts, cpu=ns.cpu, memory=ns.memory,
+        )  # fmt: skip
+        text = write_pytorchjob(spec, k8s)
+        notes = pytorchjob_warnings(spec, k8s)
         files = {Path(ns.job_output or f"{spec.name}.yaml"): text}
         how = "kubectl apply -f {}"
     else:
@@ -191,20 +225,25 @@ def run_job(ns: argparse.Namespace, train_config: Callable[[argparse.Namespace],
             ENTRY_POINT,
             ENTRY_SOURCE,
             SageMakerOptions,
+            sagemaker_warnings,
             write_sagemaker,
         )
 
-        text = write_sagemaker(spec, SageMakerOptions(
+        sm = SageMakerOptions(
             role=ns.role, image=ns.image, code=ns.code, output=ns.output_s3,
             instance_type=ns.instance_type, region=ns.region, max_run_s=ns.max_run,
-            checkpoint=ns.checkpoint_s3,
-        ))  # fmt: skip
+            checkpoint=ns.checkpoint_s3, spot=ns.spot, max_wait_s=ns.max_wait,
+        )  # fmt: skip
+        text = write_sagemaker(spec, sm)
+        notes = sagemaker_warnings(spec, sm)
         folder = Path(ns.job_output or f"{spec.name}-sagemaker")
         files = {folder / "training-job.json": text, folder / "code" / ENTRY_POINT: ENTRY_SOURCE}
         how = (
             f"tar -czf sourcedir.tar.gz -C {folder / 'code'} . && aws s3 cp sourcedir.tar.gz "
             f"{ns.code} && aws sagemaker create-training-job --cli-input-json file://{{}}"
         )
+    for note in notes:
+        print(f"scaletrain: warning: {note}", file=sys.stderr)
     if ns.job_output == "-":
         sys.stdout.write(text)
         return 0

@@ -15,11 +15,15 @@ variables and starts `nprocPerNode` workers. nprocPerNode is always written as a
 number: the operator's default "auto" means one worker per CPU core on a CPU pod.
 The container mounts a memory-backed /dev/shm (Kubernetes gives 64 MiB, too little
 for DataLoader workers) and, with --pvc, a PersistentVolumeClaim that holds the run
-directory, so a restarted pod resumes from its checkpoints.
+directory, so a restarted pod resumes from its checkpoints (without one the run is in
+the pod's own filesystem, gone with the pod: a restarted pod starts over). It requests
+CPUs and memory for its processes, so the scheduler places a pod where they are free and
+does not evict it first (a pod without requests is "BestEffort").
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,11 +33,24 @@ from scaletrain import __version__
 from scaletrain.errors import ConfigError
 from scaletrain.launch.jobs.spec import JobSpec
 
-__all__ = ["DEFAULT_PORT", "PyTorchJobOptions", "pytorchjob_manifest", "write_pytorchjob"]
+__all__ = [
+    "DEFAULT_PORT",
+    "MEMORY_PER_PROCESS_GIB",
+    "PyTorchJobOptions",
+    "pytorchjob_manifest",
+    "pytorchjob_warnings",
+    "write_pytorchjob",
+]
 
 DEFAULT_PORT = 23456
 """The training operator's default for the port named "pytorchjob-port"."""
 RUN_MOUNT = "/runs"
+MEMORY_PER_PROCESS_GIB = 2
+"""Memory requested per training process when --memory is not given: a floor to
+schedule by (a CPU ConvNet process peaks near 0.5 GiB; data and CUDA add to it)."""
+_CPU = re.compile(r"\d+(\.\d+)?m?")
+_MEMORY = re.compile(r"\d+(\.\d+)?([KMGTPE]i?)?")
+_DNS_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +66,11 @@ class PyTorchJobOptions:
     pvc: str | None = None
     """A PersistentVolumeClaim mounted at /runs to hold the run directory."""
     python: str = "python"
+    cpu: str | None = None
+    """CPUs requested per pod (a Kubernetes quantity: 8, 7.5, 500m); None: one per
+    training process and DataLoader worker."""
+    memory: str | None = None
+    """Memory requested per pod (16Gi, 64G); None: MEMORY_PER_PROCESS_GIB per process."""
 
     def __post_init__(self) -> None:
         if not self.image.strip():
@@ -58,6 +80,28 @@ class PyTorchJobOptions:
             )
         if not 0 < self.port < 65536:
             raise ConfigError(f"--port {self.port}: expected a TCP port 1..65535.")
+        if self.cpu is not None and not (_CPU.fullmatch(self.cpu) and _positive(self.cpu)):
+            raise ConfigError(
+                f"--cpu {self.cpu!r}: expected CPUs per pod as Kubernetes writes them, e.g. 8, "
+                "7.5 or 500m (thousandths). Fix: pass e.g. --cpu 8."
+            )
+        if self.memory is not None and not (
+            _MEMORY.fullmatch(self.memory) and _positive(self.memory)
+        ):
+            raise ConfigError(
+                f"--memory {self.memory!r}: expected memory per pod as Kubernetes writes it, "
+                "e.g. 16Gi (GiB) or 64G. Fix: pass e.g. --memory 16Gi."
+            )
+
+
+def _positive(quantity: str) -> bool:
+    return float(re.match(r"[\d.]+", quantity).group()) > 0  # type: ignore[union-attr]
+
+
+def _requests(spec: JobSpec, opts: PyTorchJobOptions) -> dict[str, str]:
+    cpu = opts.cpu or str(spec.nproc * (1 + spec.config.num_workers))
+    memory = opts.memory or f"{spec.nproc * MEMORY_PER_PROCESS_GIB}Gi"
+    return {"cpu": cpu, "memory": memory}
 
 
 def _container(spec: JobSpec, opts: PyTorchJobOptions) -> dict[str, Any]:
@@ -72,8 +116,9 @@ def _container(spec: JobSpec, opts: PyTorchJobOptions) -> dict[str, Any]:
         "ports": [{"name": "pytorchjob-port", "containerPort": opts.port}],
         "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
     }
+    container["resources"] = {"requests": _requests(spec, opts)}
     if spec.gpus_per_node:
-        container["resources"] = {"limits": {"nvidia.com/gpu": spec.gpus_per_node}}
+        container["resources"]["limits"] = {"nvidia.com/gpu": spec.gpus_per_node}
     if opts.pvc:
         container["volumeMounts"].append({"name": "runs", "mountPath": RUN_MOUNT})
     return container
@@ -91,8 +136,38 @@ def _replica(spec: JobSpec, opts: PyTorchJobOptions, replicas: int) -> dict[str,
     }
 
 
+def _check_name(spec: JobSpec) -> None:
+    """The operator names each pod and its service <job>-master-0, <job>-worker-<i>; a
+    service name is a DNS-1035 label (a lowercase letter first, at most 63 characters)."""
+    workers = spec.max_nodes if spec.elastic else spec.max_nodes - 1
+    suffix = max(len("-master-0"), len(f"-worker-{max(workers - 1, 0)}"))
+    longest = 63 - suffix
+    if not _DNS_LABEL.fullmatch(spec.name) or len(spec.name) > longest:
+        fixed = re.sub(r"[^a-z0-9-]", "-", spec.name.lower()).strip("-")[:longest].strip("-")
+        if not fixed[:1].isalpha():
+            fixed = ("job-" + fixed)[:longest].strip("-")
+        raise ConfigError(
+            f"--name {spec.name!r} cannot name this PyTorchJob: its pods and services are "
+            f"named <name>-worker-<i>, which Kubernetes takes as lowercase letters, digits "
+            f"and '-', a letter first, at most 63 characters: at most {longest} for the name. "
+            f"Fix: --name {fixed}."
+        )
+
+
+def pytorchjob_warnings(spec: JobSpec, opts: PyTorchJobOptions) -> list[str]:
+    """What the job will do that its author may not expect, one line each."""
+    if opts.pvc is None:
+        return [
+            "without --pvc the run directory is in each pod's own filesystem, lost with the "
+            "pod: a pod restarted after a failure or an eviction starts over from step 0. Add "
+            "--pvc CLAIM (a PersistentVolumeClaim) to resume from its checkpoints."
+        ]
+    return []
+
+
 def pytorchjob_manifest(spec: JobSpec, opts: PyTorchJobOptions) -> dict[str, Any]:
     """The manifest as a mapping (what `kubectl apply` reads)."""
+    _check_name(spec)
     metadata: dict[str, Any] = {"name": spec.name}
     if opts.namespace:
         metadata["namespace"] = opts.namespace

@@ -17,6 +17,14 @@ ENTRY is `scaletrain_entry.py` (written beside the definition, to upload as the
 source directory): it turns the hyperparameters back into `scaletrain train` flags
 (`--async-save True` into `--async-save`) and runs it. Every worker is then a
 torchrun rank, and the run directory defaults to SM_MODEL_DIR.
+
+SM_MODEL_DIR is uploaded only when the job ends, so with `--checkpoint-s3` the run
+lives where SageMaker syncs checkpoints instead (CheckpointConfig.LocalPath,
+/opt/ml/checkpoints): SageMaker copies that folder to S3 while the job runs and back
+onto every host before a restarted or spot-interrupted job starts again, which then
+resumes. Each host keeps its run in LocalPath/<host> (the hosts' folders meet in one
+S3 prefix; files of the same name would overwrite each other there), and the entry
+copies the finished run, checkpoints aside, into SM_MODEL_DIR for the job's output.
 """
 
 from __future__ import annotations
@@ -30,12 +38,20 @@ from scaletrain.errors import ConfigError
 from scaletrain.launch.jobs.spec import JobSpec
 
 __all__ = [
+    "CHECKPOINT_DIR",
+    "CHECKPOINT_VARIABLE",
     "ENTRY_POINT",
     "ENTRY_SOURCE",
     "SageMakerOptions",
+    "sagemaker_warnings",
     "training_job",
     "write_sagemaker",
 ]
+
+CHECKPOINT_DIR = "/opt/ml/checkpoints"
+"""CheckpointConfig.LocalPath: the folder SageMaker syncs with the checkpoint S3 URI."""
+CHECKPOINT_VARIABLE = "SCALETRAIN_SAGEMAKER_CHECKPOINTS"
+"""The job's environment variable that tells the entry point that folder."""
 
 ENTRY_POINT = "scaletrain_entry.py"
 ENTRY_SOURCE = """\
@@ -43,6 +59,13 @@ ENTRY_SOURCE = """\
 # SageMaker's torchrun starts it on every host with the hyperparameters as arguments,
 # `--key value` each, booleans as True/False; `scaletrain train` takes `--key` and
 # `--no-key` for those.
+#
+# With checkpoints synced to S3 the job sets SCALETRAIN_SAGEMAKER_CHECKPOINTS to the
+# folder SageMaker syncs: each host's run directory is FOLDER/<host>, so a restarted or
+# spot-interrupted job finds its checkpoints there again and resumes. When the run
+# finishes, rank 0 copies it (checkpoints aside) into SM_MODEL_DIR, the job's output.
+import os
+import shutil
 import sys
 
 from scaletrain.cli import main
@@ -54,12 +77,24 @@ while words:
         args.append(word if words.pop(0) == "True" else "--no-" + word[2:])
     else:
         args.append(word)
-sys.exit(main(["train", *args]))
+synced, run = os.environ.get("SCALETRAIN_SAGEMAKER_CHECKPOINTS"), None
+if synced and "--out" not in args:
+    run = os.path.join(synced, os.environ.get("SM_CURRENT_HOST", "algo-1"))
+    args += ["--out", run]
+code = main(["train", *args])
+model_dir = os.environ.get("SM_MODEL_DIR")
+if code == 0 and run and model_dir and os.environ.get("RANK", "0") == "0":
+    skip = shutil.ignore_patterns("checkpoints", "pids")
+    shutil.copytree(run, model_dir, ignore=skip, dirs_exist_ok=True)
+sys.exit(code)
 """
 
 _ROLE = re.compile(r"arn:aws[a-z-]*:iam::\d{12}:role/.+")
 _S3 = re.compile(r"s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?")
 _INSTANCE = re.compile(r"ml\.[a-z0-9]+\.[a-z0-9]+")
+_JOB_NAME = re.compile(r"[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}")
+"""CreateTrainingJob's pattern for TrainingJobName (with its length limit, 63: letters,
+digits and '-', a letter or digit at each end)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +113,13 @@ class SageMakerOptions:
     region: str | None = None
     max_run_s: int = 24 * 3600
     checkpoint: str | None = None
-    """S3 URI that /opt/ml/checkpoints is synced with, for spot training; None: none."""
+    """S3 URI that /opt/ml/checkpoints is synced with, where the run then lives (see the
+    module's docstring); None: the run is in SM_MODEL_DIR and a restart starts over."""
+    spot: bool = False
+    """Managed spot training (EnableManagedSpotTraining): cheaper, may be interrupted."""
+    max_wait_s: int | None = None
+    """Spot: seconds the job may take in all, waiting for capacity included
+    (MaxWaitTimeInSeconds, at least max_run_s); None: twice max_run_s."""
 
     def __post_init__(self) -> None:
         checks: list[tuple[str, str, Any, str]] = [
@@ -99,6 +140,23 @@ class SageMakerOptions:
             raise ConfigError("--image is empty. Expected the ECR URI of a PyTorch training image.")
         if self.max_run_s < 60:
             raise ConfigError(f"--max-run {self.max_run_s}: expected seconds >= 60.")
+        if self.max_wait_s is not None:
+            if not self.spot:
+                raise ConfigError(
+                    f"--max-wait {self.max_wait_s} bounds a spot job's waiting, but no --spot "
+                    "was given. Fix: add --spot, or drop --max-wait."
+                )
+            if self.max_wait_s < self.max_run_s:
+                raise ConfigError(
+                    f"--max-wait {self.max_wait_s} is shorter than --max-run {self.max_run_s}; "
+                    "SageMaker needs MaxWaitTimeInSeconds >= MaxRuntimeInSeconds (the wait "
+                    f"includes the run). Fix: --max-wait {2 * self.max_run_s}, or leave it out."
+                )
+
+    @property
+    def max_wait(self) -> int:
+        """MaxWaitTimeInSeconds of a spot job."""
+        return self.max_wait_s if self.max_wait_s is not None else 2 * self.max_run_s
 
 
 def _hyperparameters(spec: JobSpec, opts: SageMakerOptions) -> dict[str, str]:
@@ -130,6 +188,20 @@ def training_job(spec: JobSpec, opts: SageMakerOptions) -> dict[str, Any]:
             f"--nnodes {spec.min_nodes}:{spec.max_nodes} is elastic, but a SageMaker training "
             "job runs on a fixed InstanceCount. Fix: pass --nnodes N."
         )
+    if not _JOB_NAME.fullmatch(spec.name) or len(spec.name) > 63:
+        fixed = re.sub(r"[^a-zA-Z0-9-]", "-", spec.name).strip("-")[:63].strip("-")
+        raise ConfigError(
+            f"--name {spec.name!r} is not a SageMaker training job name: expected at most 63 "
+            "letters, digits and '-', starting and ending with a letter or digit. Fix: "
+            f"--name {fixed or 'mnist-ddp'}."
+        )
+    if opts.checkpoint and spec.config.out is not None:
+        raise ConfigError(
+            f"--out {spec.config.out} with --checkpoint-s3: the run must live in "
+            f"{CHECKPOINT_DIR}, the folder SageMaker syncs with {opts.checkpoint}, or a "
+            "restarted job finds nothing to resume. Fix: leave --out out (each host's run is "
+            f"{CHECKPOINT_DIR}/<host>; the finished run is copied to SM_MODEL_DIR)."
+        )
     job: dict[str, Any] = {
         "TrainingJobName": spec.name,
         "RoleArn": opts.role,
@@ -144,8 +216,30 @@ def training_job(spec: JobSpec, opts: SageMakerOptions) -> dict[str, Any]:
         "StoppingCondition": {"MaxRuntimeInSeconds": opts.max_run_s},
     }
     if opts.checkpoint:
-        job["CheckpointConfig"] = {"S3Uri": opts.checkpoint, "LocalPath": "/opt/ml/checkpoints"}
+        job["CheckpointConfig"] = {"S3Uri": opts.checkpoint, "LocalPath": CHECKPOINT_DIR}
+        job["Environment"] = {CHECKPOINT_VARIABLE: CHECKPOINT_DIR}
+    if opts.spot:
+        job["EnableManagedSpotTraining"] = True
+        job["StoppingCondition"]["MaxWaitTimeInSeconds"] = opts.max_wait
     return job
+
+
+def sagemaker_warnings(spec: JobSpec, opts: SageMakerOptions) -> list[str]:
+    """What the job will do that its author may not expect, one line each."""
+    if opts.checkpoint is None:
+        if not opts.spot:
+            return []
+        return [
+            "--spot without --checkpoint-s3: the run lives in SM_MODEL_DIR, uploaded only "
+            "when the job ends, so a job restarted after a spot interruption starts over from "
+            "step 0. Add --checkpoint-s3 S3_URI (and --save-every N) to resume."
+        ]
+    if spec.config.save_every is None:
+        return [
+            "--checkpoint-s3 without --save-every: checkpoints are written only when the job "
+            "is stopped (SIGTERM), so a crash starts over from step 0. Add --save-every N."
+        ]
+    return []
 
 
 def write_sagemaker(spec: JobSpec, opts: SageMakerOptions) -> str:

@@ -21,7 +21,9 @@ NODE_FIELDS = ("nnodes", "node_rank", "rdzv_endpoint", "rdzv_id", "local_addr", 
 """Settings that place a process in a job: the job file says them in the scheduler's own
 terms, so they are not passed on to the training command."""
 
-_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
+"""What every scheduler takes as a job name (each writer checks its own rule too: a
+Kubernetes name is lowercase, a SageMaker one has no '_' or '.')."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,7 +31,7 @@ class JobSpec:
     """A training job, independent of the scheduler."""
 
     name: str
-    """Job name: a DNS label (lowercase letters, digits, '-'), as Kubernetes requires."""
+    """Job name: letters, digits, '-', '_', '.' (each writer checks its platform's rule)."""
     min_nodes: int
     max_nodes: int
     """Nodes; min < max for an elastic job (only platforms with elastic jobs accept it)."""
@@ -99,11 +101,10 @@ def job_spec(config: TrainConfig, *, nnodes: str, name: str | None, gpus_per_nod
             f"leave --nproc out (one per GPU)."
         )
     job_name = name if name is not None else f"scaletrain-{config.resolved_recipe()}"
-    if not _NAME.fullmatch(job_name) or len(job_name) > 40:
+    if not _NAME.fullmatch(job_name):
         raise ConfigError(
-            f"--name {job_name!r} is not a usable job name. Expected at most 40 lowercase "
-            "letters, digits and '-', starting and ending with a letter or digit (Kubernetes "
-            "names pods after it, SageMaker names the job after it). Fix: pass e.g. --name "
+            f"--name {job_name!r} is not a usable job name. Expected letters, digits, '-', "
+            "'_' and '.', starting and ending with a letter or digit. Fix: pass e.g. --name "
             "mnist-ddp."
         )
     fixed = dataclasses.replace(config, nproc=nproc)
