@@ -181,8 +181,8 @@ def test_advice_names_a_pipelines_waiting_not_the_gradient_all_reduce() -> None:
 
 def _crowded(cpu_waits: list[float], slow: int = 1) -> list[list[RankWindow]]:
     """Two windows of 3 ranks where rank `slow`'s forward and backward are 1.3x its
-    peers' (its peers wait for it in the all-reduce); `cpu_waits`: each rank's run-queue
-    wait per step (NaN: not known)."""
+    peers' (9 ms per step more; its peers wait for it in the all-reduce); `cpu_waits`:
+    each rank's run-queue wait per step (NaN: not known)."""
     windows = []
     for _ in range(2):
         ranks = [_window(r) for r in range(3)]
@@ -199,39 +199,47 @@ def _crowded(cpu_waits: list[float], slow: int = 1) -> list[list[RankWindow]]:
 
 
 def test_a_rank_slow_because_it_waited_for_a_cpu_is_named_with_its_wait() -> None:
-    """A rank whose compute is 9 ms/step beyond its peers' while it waited 8 ms/step
-    longer for a CPU is slow because its host ran other processes on its core: the
-    warning, the summary line and the advice say that, not "slow in backward" (2 ranks
-    on 2 cores named one "slow in forward 1.27-1.33x" in 2 of 6 balanced runs)."""
+    """A rank 9 ms/step slower than its peers that waited 12 ms/step for a CPU is slow
+    because its host ran other processes on its core: the warning, the summary line and
+    the advice say that, not "slow in backward" (2 ranks on 2 cores named one "slow in
+    forward 1.27-1.33x" in 2 of 6 balanced runs). So when its peers waited as long
+    (a crowded host: whichever rank the kernel runs last in a phase looks slow there)."""
     from scaletrain.observe.summary import _lines, advice
 
-    detector, named_at = _run(_crowded([0.3e-3, 8.3e-3, 0.2e-3]))
-    assert named_at == [1]
+    for waits, peers in (([0.3e-3, 12.3e-3, 0.2e-3], 0.25e-3), ([11e-3, 12.3e-3, 12e-3], 11.5e-3)):
+        detector, named_at = _run(_crowded(waits))
+        assert named_at == [1]
+        s = detector.named[1]
+        assert s.waited_for_cpu
+        assert s.cpu_wait_s == pytest.approx(12.3e-3)
+        assert s.peer_cpu_wait_s == pytest.approx(peers)
+        text = s.describe("node07")
+        assert text.startswith(
+            "straggler: rank 1 (node07) waited 12.3 ms/step for a CPU (other processes on "
+            f"its host; its peers {peers * 1e3:.1f} ms) over steps 11-20"
+        )
+        assert "slow in" not in text and "Not its device" in text
+        summary = {"stragglers": [s.as_dict()], "ranks": [], "phases": {}}
+        line = advice(summary)
+        assert line is not None
+        assert "rank 1 waited 12.3 ms/step for a CPU (other processes on its host)" in line
+        assert "device and node" not in line
+        [listed] = _lines(summary)
+        assert listed.startswith("straggler: rank 1 waited 12.3 ms/step for a CPU")
+    # Only its own wait known: the claim stands on it, no peers' figure.
+    detector, _ = _run(_crowded([math.nan, 12.3e-3, math.nan]))
     s = detector.named[1]
-    assert s.waited_for_cpu
-    assert s.cpu_wait_s == pytest.approx(8.3e-3) and s.peer_cpu_wait_s == pytest.approx(0.25e-3)
-    text = s.describe("node07")
-    assert text.startswith(
-        "straggler: rank 1 (node07) waited 8.3 ms/step for a CPU (other processes on its "
-        "host; its peers 0.2 ms) over steps 11-20"
-    )
-    assert "slow in" not in text and "Not its device" in text
-    summary = {"stragglers": [s.as_dict()], "ranks": [], "phases": {}}
-    line = advice(summary)
-    assert line is not None
-    assert "rank 1 waited 8.3 ms/step for a CPU (other processes on its host)" in line
-    assert "device and node" not in line
-    [listed] = _lines(summary)
-    assert listed.startswith("straggler: rank 1 waited 8.3 ms/step for a CPU")
+    assert s.waited_for_cpu and s.peer_cpu_wait_s is None
+    assert "(other processes on its host) over steps" in s.describe()
 
 
 def test_a_rank_slow_on_its_own_keeps_the_phase_it_is_slow_in() -> None:
-    """The same slow rank with no more run-queue wait than its peers (its device or its
-    work is slower), or where the kernel does not say (NaN: no /proc), is named with
-    its phase, as before."""
+    """The same slow rank with a run-queue wait that cannot account for its 9 ms/step
+    (0.4 ms; 5 ms, its peers as much or less), or where the kernel does not say (NaN:
+    no /proc), is named with its phase, as before."""
     from scaletrain.observe.summary import advice
 
-    for waits in ([0.3e-3, 0.4e-3, 0.2e-3], [math.nan] * 3):
+    for waits in ([0.3e-3, 0.4e-3, 0.2e-3], [0.3e-3, 5e-3, 0.3e-3], [5e-3] * 3, [math.nan] * 3):
         detector, named_at = _run(_crowded(waits))
         assert named_at == [1]
         s = detector.named[1]
@@ -239,17 +247,6 @@ def test_a_rank_slow_on_its_own_keeps_the_phase_it_is_slow_in() -> None:
         assert "is slow in backward: 1.30x" in s.describe() and "CPU" not in s.describe()
         line = advice({"stragglers": [s.as_dict()], "ranks": [], "phases": {}})
         assert line is not None and "1.30x slower than its fastest peer in backward" in line
-    # Known for the slow rank only: nothing to compare with, no claim.
-    detector, _ = _run(_crowded([math.nan, 8.3e-3, math.nan]))
-    assert not detector.named[1].waited_for_cpu
-    assert detector.named[1].peer_cpu_wait_s is None
-
-
-def test_a_small_wait_does_not_explain_a_large_excess() -> None:
-    """A rank 9 ms/step slower that waited 2 ms/step more for a CPU is slow mostly for
-    another reason: its phase is named."""
-    detector, _ = _run(_crowded([0.3e-3, 2.3e-3, 0.3e-3]))
-    assert not detector.named[1].waited_for_cpu
 
 
 def test_the_kernel_gives_this_threads_run_queue_wait_on_linux() -> None:

@@ -26,10 +26,14 @@ Ranks are only compared with peers that do the same work (the same pipeline stag
 A rank can be slow without anything wrong with its device: the kernel ran other
 processes on its core while it was ready to run (a crowded host, more ranks than cores).
 Each window carries the training thread's run-queue wait per step (Linux schedstat,
-observe/runqueue.py); when the slow rank waited for a CPU, beyond its typical peer, at
-least half as long as its compute is beyond its typical peer's, that wait is its cause,
-and it is named with it ("rank 1 waited 8.0 ms/step for a CPU") instead of with the phase
-the wait happened to fall in. Where the kernel does not say (no /proc), nothing is said.
+observe/runqueue.py, read once per window). When the slow rank waited for a CPU at
+least as long as it is slower than its typical peer (and for at least 5% of the step),
+the wait accounts for its slowness, and it is named with it ("rank 1 waited 8.0 ms/step
+for a CPU") instead of with the phase the wait happened to fall in. Its peers may have
+waited as long: on a crowded host every rank waits, and whichever the scheduler runs
+last in a phase looks slow there; the per-window total cannot say in which phase a wait
+fell, only that it can account for the slowness. Where the kernel does not say (no
+/proc), nothing is said about CPU waits.
 """
 
 from __future__ import annotations
@@ -61,9 +65,9 @@ class StragglerOptions:
     """...and at least this many seconds (timer resolution and jitter)."""
     min_steps: int = 8
     """Windows with fewer counted steps give no verdict (a median of 2 steps is noise)."""
-    cpu_wait_share: float = 0.5
-    """A slow rank waited for a CPU: its run-queue wait beyond its typical peer's is at
-    least this fraction of its compute beyond its typical peer's."""
+    cpu_wait_share: float = 1.0
+    """A slow rank is slow because it waited for a CPU when its run-queue wait per step
+    is at least this multiple of how much slower it is than its typical peer."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,7 +210,8 @@ class StragglerDetector:
                     # Slower, but its peers hardly wait for it (it catches up elsewhere,
                     # or the phase overlaps): no cost to the job, no name.
                     continue
-                own_wait, peer_wait, waited = self._cpu_wait(w, others)
+                typical = statistics.median(_phase_value(p, phase) for p in others)
+                own_wait, peer_wait, waited = self._cpu_wait(w, others, value - typical, step)
                 self.candidates[w.rank] = Straggler(
                     rank=w.rank,
                     phase=phase,
@@ -236,23 +241,25 @@ class StragglerDetector:
         return newly
 
     def _cpu_wait(
-        self, w: RankWindow, others: list[RankWindow]
+        self, w: RankWindow, others: list[RankWindow], phase_excess: float, step: float
     ) -> tuple[float | None, float | None, bool]:
-        """`w`'s run-queue wait per step, its typical peer's, and whether that wait is why
-        it is slow: beyond its typical peer's by at least `cpu_wait_share` of its own
-        work (the phases it does alone) beyond its typical peer's."""
-        own = None if math.isnan(w.cpu_wait) else w.cpu_wait
+        """`w`'s run-queue wait per step, its typical peer's (None where not known), and
+        whether that wait accounts for its slowness: at least `cpu_wait_share` times the
+        larger of its excess in its slow phase and in all its own work (the phases it does
+        alone) over its typical peer, and at least `min_cost` of the step."""
+        opts = self.options
+        if math.isnan(w.cpu_wait):
+            return None, None, False
+        own = w.cpu_wait
         waits = [p.cpu_wait for p in others if not math.isnan(p.cpu_wait)]
-        if own is None or not waits:
-            return own, None, False
-        typical = statistics.median(waits)
+        typical = statistics.median(waits) if waits else None
 
         def work(x: RankWindow) -> float:
             return sum(x.phases[i] for i in STRAGGLER_PHASES)
 
         beyond = work(w) - statistics.median(work(p) for p in others)
-        extra = own - typical
-        waited = extra > self.options.min_excess_s and extra >= self.options.cpu_wait_share * beyond
+        slower_by = max(phase_excess, beyond)
+        waited = own >= max(opts.cpu_wait_share * slower_by, opts.min_cost * step)
         return own, typical, waited
 
     def _slowest_phase(
