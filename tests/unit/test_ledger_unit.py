@@ -337,3 +337,62 @@ def test_a_plain_loop_ends_with_one_line_and_the_table_on_request(
     assert "where the time goes" in err and "MFU:" in err
     with pytest.raises(st.ConfigError, match="LedgerConfig\\(summary='tabel'\\)"):
         st.init(strategy="single", env="local", ledger=st.LedgerConfig(summary="tabel"))  # type: ignore[arg-type]
+
+
+class FakeRunQueue:
+    """A RunQueueClock whose wait the test advances (None: a kernel that does not say)."""
+
+    def __init__(self, known: bool = True) -> None:
+        self.known = known
+        self.waited = self._last = 0.0
+
+    def lap(self) -> float | None:
+        lap, self._last = self.waited - self._last, self.waited
+        return lap if self.known else None
+
+    def total(self) -> float | None:
+        return self.waited if self.known else None
+
+
+@pytest.mark.parametrize("known", [True, False])
+def test_a_rank_that_waited_for_a_cpu_is_named_for_its_wait(tmp_path: Path, known: bool) -> None:
+    """Each window carries the training thread's run-queue wait per step (read once per
+    window); gathered with the rest, it names a rank slow in forward because it waited
+    for a CPU by that wait, in windows.jsonl and summary.json. Where the kernel does not
+    say, the rank is named by its phase and no CPU wait is claimed."""
+    from scaletrain.observe.window import _SCALARS
+
+    slot = 4 + len(PHASES) + _SCALARS.index("cpu_wait")
+
+    def gather(values: list[float]) -> list[list[float]]:
+        other = list(values)
+        other[0] = 1.0
+        other[4 + FORWARD] -= 1.0  # this rank's forward is 3.0 s, the other's 2.0
+        other[4 + COMM] += 1.0  # and the other waits for it
+        other[slot] = 0.01 if known else float("nan")
+        return [values, other]
+
+    ledger, clock = _ledger(tmp_path, every=10, world_size=2, gather=gather)
+    runqueue = FakeRunQueue(known)
+    ledger.runqueue = runqueue  # type: ignore[assignment]
+    for _ in range(20):
+        _step(ledger, clock, fwd=3.0)
+        runqueue.waited += 1.2  # s per step on a run queue: more than its 1.0 s excess
+    ledger.finish()
+    window = json.loads((tmp_path / "observe" / "windows.jsonl").read_text().splitlines()[-1])
+    waits = [r["cpu_wait"] for r in window["ranks"]]
+    assert waits == ([pytest.approx(1.2), 0.01] if known else [None, None])
+    summary = json.loads((tmp_path / "observe" / "summary.json").read_text())
+    assert summary["ranks"][0]["cpu_wait"] == (pytest.approx(1.2) if known else None)
+    [s] = summary["stragglers"]
+    assert s["rank"] == 0 and s["waited_for_cpu"] is known
+    if known:
+        assert s["cpu_wait_s"] == pytest.approx(1.2)
+        advice = summary["advice"]
+        assert "rank 0 waited 1200.0 ms/step for a CPU (other processes on its host)" in advice
+        from scaletrain.observe.report import _facts
+
+        assert "rank 0 waited 1200.0 ms/step for a CPU" in _facts(read_run(tmp_path))
+    else:
+        assert s["cpu_wait_s"] is None and s["phase"] == "forward"
+        assert "CPU" not in summary["advice"]

@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
+from scaletrain.dist.collectives import control_group
 from scaletrain.errors import ScaletrainError
 
 __all__ = ["agree", "all_gather_objects", "attempt", "describe", "distributed"]
@@ -30,7 +31,9 @@ def all_gather_objects(obj: Any, world_size: int) -> list[Any]:
     if not distributed(world_size):
         return [obj]
     out: list[Any] = [None] * world_size
-    dist.all_gather_object(out, obj)
+    # On scaletrain's CPU group (see dist/collectives.py): no GPU involved, and its threads
+    # are joined at rt.shutdown.
+    dist.all_gather_object(out, obj, group=control_group())
     return out
 
 

@@ -1,4 +1,14 @@
-"""Collectives for metrics and coordination, cheap at world size 1."""
+"""Collectives for metrics and coordination, cheap at world size 1.
+
+They run on scaletrain's own CPU (Gloo) group over every rank (`control_group`), which
+only scaletrain holds: rt.shutdown destroys it, so its worker threads are joined while
+Python is whole. A Gloo worker lets go of a collective's tensors after the waiting
+thread has gone on; letting go of a tensor made in Python takes the GIL, and a thread
+that asks for the GIL while the interpreter finalizes is ended by pthread_exit, whose
+unwinding through the work's destructor aborts the process ("terminate called without
+an active exception"). The default group may outlive rt.shutdown (a DDP model the
+loop still holds keeps it), so it is left to the collectives DDP runs itself.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +23,8 @@ from scaletrain.errors import ConfigError, PeerFailure
 
 __all__ = [
     "REDUCE_OPS",
+    "control_group",
+    "release_control_group",
     "PendingFlag",
     "all_gather_floats",
     "any_rank",
@@ -28,7 +40,7 @@ REDUCE_OPS = ("sum", "mean", "max", "min")
 Number = torch.Tensor | float | int
 
 
-# (the default process group, the Gloo group any_rank uses beside it)
+# (the default process group it was made beside, scaletrain's Gloo group)
 _CONTROL: tuple[Any, Any] = (None, None)
 
 
@@ -55,7 +67,7 @@ def from_rank_zero(text: str) -> str:
     if not _active():
         return text
     box: list[Any] = [text]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=control_group())
     return str(box[0])
 
 
@@ -94,8 +106,6 @@ def reduce_values(
                 "or numbers (int/float). Convert it, e.g. torch.tensor(x)."
             )
     comm_device = device if device is not None else torch.device("cpu")
-    if _active() and dist.get_backend() == "nccl" and comm_device.type != "cuda":
-        comm_device = torch.device("cuda", torch.cuda.current_device())
     buf = torch.cat([f.to(device=comm_device, dtype=torch.float64) for f in flat])
     if _active():
         dist_op = {
@@ -104,7 +114,10 @@ def reduce_values(
             "max": dist.ReduceOp.MAX,
             "min": dist.ReduceOp.MIN,
         }[op]
-        dist.all_reduce(buf, op=dist_op)
+        # Values on the CPU go through scaletrain's Gloo group (no GPU synchronisation);
+        # values on a GPU through the default (NCCL) group.
+        group = control_group() if buf.device.type == "cpu" else None
+        dist.all_reduce(buf, op=dist_op, group=group)
         if op == "mean":
             buf /= dist.get_world_size()
     out: dict[str, Any] = {}
@@ -119,12 +132,13 @@ def reduce_values(
             is_int = isinstance(original, int) and op != "mean"
             out[key] = round(number) if is_int else float(number)
         else:
-            out[key] = chunk.reshape(shape).to(device=dev, dtype=dtype)
+            # A copy: a view would keep `buf`, which the collective had, alive in the caller.
+            out[key] = chunk.reshape(shape).to(device=dev, dtype=dtype, copy=True)
     return out
 
 
 @contextlib.contextmanager
-def rank_first(is_first: bool, *, device: torch.device | None = None) -> Iterator[None]:
+def rank_first(is_first: bool) -> Iterator[None]:
     """The `is_first` ranks run the body, then the others do.
 
     One all-reduce of a failure flag stands in for the usual barrier, so if a first
@@ -134,10 +148,10 @@ def rank_first(is_first: bool, *, device: torch.device | None = None) -> Iterato
     if not _active():
         yield
         return
-    comm_device = device if (device is not None and dist.get_backend() == "nccl") else None
-    flag = torch.zeros(1, device=comm_device or "cpu")
+    flag = torch.zeros(1)
+    group = control_group()
     if not is_first:
-        dist.all_reduce(flag)
+        dist.all_reduce(flag, group=group)
         if flag.item() > 0:
             raise PeerFailure(
                 "the first rank of this node failed inside rank_zero_first(); see its error above"
@@ -148,33 +162,43 @@ def rank_first(is_first: bool, *, device: torch.device | None = None) -> Iterato
         yield
     except BaseException:
         flag += 1
-        dist.all_reduce(flag)
+        dist.all_reduce(flag, group=group)
         raise
-    dist.all_reduce(flag)
+    dist.all_reduce(flag, group=group)
     if flag.item() > 0:
         raise PeerFailure("another node's first rank failed inside rank_zero_first()")
 
 
-def _control_group(backend: str) -> Any:
-    """A CPU (Gloo) group over every rank: the default group itself under Gloo, one
-    more group (made once per default process group) under NCCL."""
+def control_group() -> Any:
+    """scaletrain's CPU (Gloo) group over every rank, made once per default process group
+    (a collective: every rank makes it at the same point, at its first use).
+
+    Its own group also under Gloo, not the default one: only scaletrain holds it, so
+    `release_control_group` (rt.shutdown) ends it and joins its threads."""
     global _CONTROL
     world = dist.group.WORLD
     if _CONTROL[0] is not world:
-        _CONTROL = (world, dist.new_group(backend="gloo") if backend != "gloo" else world)
+        _CONTROL = (world, dist.new_group(backend="gloo"))
     return _CONTROL[1]
 
 
-def any_rank(flag: bool, *, world_size: int, backend: str) -> bool:
+def release_control_group() -> None:
+    """Drop scaletrain's hold on its Gloo group (and on the default group it was made
+    beside); the last reference gone, torch's destructor joins the group's threads."""
+    global _CONTROL
+    _CONTROL = (None, None)
+
+
+def any_rank(flag: bool, *, world_size: int) -> bool:
     """True on every rank if `flag` is True on any: one tiny collective.
 
-    Runs on a CPU (Gloo) group even under NCCL, so checking it every step costs no
-    GPU synchronisation; that group is made once per default process group.
+    Runs on scaletrain's CPU (Gloo) group even under NCCL, so checking it every step
+    costs no GPU synchronisation.
     """
     if world_size == 1:
         return flag
     t = torch.tensor([1.0 if flag else 0.0])
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_control_group(backend))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=control_group())
     return bool(t.item() > 0)
 
 
@@ -204,7 +228,6 @@ def any_rank_async(
     flag: bool,
     *,
     world_size: int,
-    backend: str,
     around: Callable[[], contextlib.AbstractContextManager[None]] | None = None,
 ) -> PendingFlag:
     """`any_rank` without waiting: the all-reduce runs on the CPU (Gloo) group's own
@@ -214,16 +237,16 @@ def any_rank_async(
     t = torch.tensor([1.0 if flag else 0.0])
     if world_size == 1:
         return PendingFlag(None, t)
-    work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_control_group(backend), async_op=True)
+    work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=control_group(), async_op=True)
     return PendingFlag(work, t, around)
 
 
-def all_gather_floats(values: list[float], *, world_size: int, backend: str) -> list[list[float]]:
+def all_gather_floats(values: list[float], *, world_size: int) -> list[list[float]]:
     """Every rank's `values` (same length everywhere), by rank: one all-gather on the CPU
     (Gloo) group, so it never synchronises a GPU (the step ledger's window gather)."""
     if world_size == 1 or not _active():
         return [list(values)]
     mine = torch.tensor(values, dtype=torch.float64)
     rows = [torch.empty_like(mine) for _ in range(world_size)]
-    dist.all_gather(rows, mine, group=_control_group(backend))
+    dist.all_gather(rows, mine, group=control_group())
     return [r.tolist() for r in rows]

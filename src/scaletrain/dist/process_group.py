@@ -10,6 +10,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from scaletrain.dist.collectives import release_control_group
 from scaletrain.dist.reach import check_master, gloo_interface, join_store
 from scaletrain.env.base import ClusterEnv
 from scaletrain.errors import ConfigError
@@ -111,13 +112,24 @@ def claim_first(key: str) -> bool:
         return rank == 0
 
 
-def destroy() -> None:
+def destroy(*, failed: bool = False) -> None:
     """Tear down in the order that keeps Gloo from aborting at interpreter exit.
 
-    A DDP model alive at exit can race Gloo's worker threads against interpreter
-    shutdown ("terminate called without an active exception", NOTES.md). Collecting
-    garbage first frees the reducers the caller has dropped, and destroying the
-    group before exit joins Gloo's threads while Python is still whole.
+    A Gloo worker thread lets go of a finished collective's tensors after the thread
+    that waited for it has gone on, and letting go of a tensor made in Python takes the
+    GIL. A thread that asks for the GIL while the interpreter finalizes is ended with
+    pthread_exit, whose unwinding through the work's destructor aborts the process
+    ("terminate called without an active exception", after the run's last output). So
+    the groups are destroyed here, which joins their threads while Python is whole:
+    scaletrain's own Gloo group (dist/collectives.py) always, the default group when
+    nothing else holds it (garbage is collected first: the models the caller dropped).
+    A DDP model the caller still holds keeps the default group to the process's end;
+    its threads then hold nothing of Python's: DDP's buckets are also its reducer's,
+    and rt.shutdown waits until they have freed the ledger's bucket callbacks.
+
+    After a failure (`failed`) a peer may be gone in the middle of a collective, and
+    joining a group's threads would wait for that collective's timeout: scaletrain's
+    group is then left to the end of the process.
     """
     if not is_initialized():
         return
@@ -127,4 +139,6 @@ def destroy() -> None:
             torch.cuda.synchronize()
     finally:
         dist.destroy_process_group()
+        if not failed:
+            release_control_group()  # its last reference: torch joins its threads here
     gc.collect()

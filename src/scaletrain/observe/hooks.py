@@ -19,11 +19,15 @@ so a user's own loop is measured with no other change:
   forward): an all-reduce hook that does what DDP's default does and records when each bucket was ready and when its all-reduce
   completed (the future's callback runs on Gloo's thread when it does). On NCCL such a
   callback runs when the work is enqueued, not done, so buckets are not timed there.
+  Gloo's worker thread frees each such callback after running it, which takes the GIL:
+  `settle_callbacks` (rt.shutdown) waits until every one is freed, so none is freed
+  while the interpreter finalizes (a thread asking for the GIL then aborts the process).
 """
 
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -33,9 +37,29 @@ from torch import nn
 from scaletrain.observe.ledger import StepLedger
 from scaletrain.observe.phases import BACKWARD, COMM, DATA
 
-__all__ = ["watch_ddp", "watch_loader", "watch_module", "watch_optimizer", "watch_stages"]
+__all__ = [
+    "settle_callbacks",
+    "watch_ddp",
+    "watch_loader",
+    "watch_module",
+    "watch_optimizer",
+    "watch_stages",
+]
 
 _ATTR = "_scaletrain_ledger"
+
+_ON_WORKERS: set[weakref.ref[Any]] = set()
+"""Bucket callbacks handed to Gloo's worker threads and not freed yet."""
+
+
+def settle_callbacks(timeout_s: float = 10.0) -> bool:
+    """Wait, the GIL released, until the worker threads freed every bucket callback they
+    ran (they do right after running it; a thread the kernel has not run since waits
+    longer). False if some were not freed within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while _ON_WORKERS and time.monotonic() < deadline:
+        time.sleep(1e-3)
+    return not _ON_WORKERS
 
 
 def _first_grad_tensors(output: Any) -> list[torch.Tensor]:
@@ -207,6 +231,7 @@ def watch_ddp(ledger: StepLedger, ddp: Any) -> None:
             ledger.bucket(ready, time.perf_counter())
             return fut.value()[0]
 
+        _ON_WORKERS.add(weakref.ref(done, _ON_WORKERS.discard))
         return future.then(done)
 
     def first_forward(_module: nn.Module, _args: Any) -> None:

@@ -48,6 +48,7 @@ from scaletrain.observe.records import (
     clean_json,
     rank_file,
 )
+from scaletrain.observe.runqueue import RunQueueClock
 from scaletrain.observe.series import Reduced, Series, Totals, union_length
 from scaletrain.observe.stragglers import Straggler, StragglerDetector, StragglerOptions
 from scaletrain.observe.window import RankWindow, WindowStats, pack, summarize, unpack
@@ -163,6 +164,10 @@ class StepLedger:
         self.peak_dtype = "fp32"
         self.device_name = device_name or self.device_type
         self.memory: Any = None
+        self.runqueue: RunQueueClock | None = None
+        """The training thread's wait for a CPU, read once per window (made at the first
+        hook, on the thread that runs the loop)."""
+        self._runqueue_closed = 0
         self.rss_setup: int | None = None
         """RSS (bytes) when rt.setup attached the ledger and restarted the peak RSS;
         None where the peak could not be restarted (not Linux)."""
@@ -220,6 +225,9 @@ class StepLedger:
         # Time before the first hook (building the model, loading data) is no step's.
         self._active = True
         self._timeline.restart()
+        if self.runqueue is None:
+            self.runqueue = RunQueueClock()
+        self._runqueue_closed = self.closed
         self._cpu_last = time.process_time()
         if self.profile is not None:
             self.profile.maybe_start(self, self.step + 1)
@@ -382,7 +390,7 @@ class StepLedger:
             self._window.add(times, cpu, busy, overlap)
             self.run.add(times, cpu, busy, overlap)
 
-    def _rank_window(self, reduced: Reduced) -> RankWindow:
+    def _rank_window(self, reduced: Reduced, cpu_wait: float | None) -> RankWindow:
         sample = self.memory.sample() if self.memory is not None else None
         return summarize(
             reduced,
@@ -391,7 +399,20 @@ class StepLedger:
             sample=sample,
             flops=self.flops_per_step,
             host=self.host,
+            cpu_wait=cpu_wait,
         )
+
+    def _window_cpu_wait(self) -> float | None:
+        """Seconds per step the training thread waited for a CPU since the last window."""
+        steps = self.closed - self._runqueue_closed
+        self._runqueue_closed = self.closed
+        waited = self.runqueue.lap() if self.runqueue is not None else None
+        return waited / steps if waited is not None and steps > 0 else None
+
+    def _run_cpu_wait(self) -> float | None:
+        """Seconds per step the training thread waited for a CPU over the whole run."""
+        waited = self.runqueue.total() if self.runqueue is not None else None
+        return waited / self.closed if waited is not None and self.closed > 0 else None
 
     def gather_raw(self, values: list[float]) -> list[list[float]]:
         """Every rank's `values` (one all-gather, counted as sync; a collective)."""
@@ -408,7 +429,7 @@ class StepLedger:
         return unpack(self.gather_raw(pack(mine)))
 
     def _close_window(self) -> None:
-        mine = self._rank_window(self._window.reduce())
+        mine = self._rank_window(self._window.reduce(), self._window_cpu_wait())
         if self._log is not None:
             keys = ("allocated_peak", "reserved_peak", "rss_peak", "gpu_util")
             memory = {k: getattr(mine, k) for k in keys}
@@ -484,7 +505,7 @@ class StepLedger:
             return None
         from scaletrain.observe.summary import build_summary, print_line, print_summary
 
-        ranks = self.gather(self._rank_window(self.run.reduce()))
+        ranks = self.gather(self._rank_window(self.run.reduce(), self._run_cpu_wait()))
         stats = WindowStats.build(self.start_step + 1, self.step, ranks)
         self.summary = build_summary(self, stats)
         if self.rank == 0:

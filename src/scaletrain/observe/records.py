@@ -25,6 +25,9 @@ Lines of rank<r>.jsonl, told apart by "kind":
   (FLOP/s, null if unknown), `device_name`.
 - "profile": `first_step`, `last_step`, `trace`, and the window's overlap numbers.
 
+windows.jsonl and summary.json give, per rank, `cpu_wait` besides the phases: seconds per
+step the training thread waited for a CPU (the kernel's run queue; null without /proc).
+
 Times are seconds, rounded to the microsecond. `read_run(RUN)` reads it all back;
 `phase_medians` and `peak_memory` are what a planner compares its predictions with.
 """

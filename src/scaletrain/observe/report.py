@@ -18,6 +18,7 @@ from typing import Any
 from scaletrain.errors import ScaletrainError
 from scaletrain.observe.phases import PHASE_DOCS, PHASES
 from scaletrain.observe.records import OBSERVE_DIR, RunRecords, peak_memory, read_run
+from scaletrain.observe.stragglers import what_slowed
 
 __all__ = ["ReportError", "write_report"]
 
@@ -247,7 +248,7 @@ def _facts(records: RunRecords) -> str:
         rows.append(("steps", f"{s['first_step']}-{s['last_step']}"))
         rows.append(("median step", f"{s['phases']['step']['median'] * 1e3:.2f} ms"))
         for st in s.get("stragglers", []):
-            rows.append(("straggler", f"rank {st['rank']} in {st['phase']} ({st['slower']:.2f}x)"))
+            rows.append(("straggler", f"rank {st['rank']} {what_slowed(st)}"))
         if s.get("advice"):
             rows.append(("advice", s["advice"]))
     body = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in rows)

@@ -22,19 +22,33 @@ names nobody on a balanced job. The cost is measured as DeepSpeed's comms logger
 measures waits: each rank's time blocked in collectives minus the minimum over ranks
 (no clock synchronisation needed); the slow rank waits least, its peers wait for it.
 Ranks are only compared with peers that do the same work (the same pipeline stage).
+
+A rank can be slow without anything wrong with its device: the kernel ran other
+processes on its core while it was ready to run (a crowded host, more ranks than cores).
+Each window carries the training thread's run-queue wait per step (Linux schedstat,
+observe/runqueue.py, read once per window). When the slow rank waited for a CPU at
+least as long as it is slower than its typical peer (and for at least 5% of the step),
+the wait accounts for its slowness, and it is named with it ("rank 1 waited 8.0 ms/step
+for a CPU") instead of with the phase the wait happened to fall in. Its peers may have
+waited as long: on a crowded host every rank waits, and whichever the scheduler runs
+last in a phase looks slow there; the per-window total cannot say in which phase a wait
+fell, only that it can account for the slowness. Where the kernel does not say (no
+/proc), nothing is said about CPU waits.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from scaletrain.observe.phases import COMPUTE_PHASES, PHASES, STRAGGLER_PHASES
 from scaletrain.observe.window import RankWindow, WindowStats
 
-__all__ = ["Straggler", "StragglerDetector", "StragglerOptions"]
+__all__ = ["Straggler", "StragglerDetector", "StragglerOptions", "what_slowed"]
 
 _COMPUTE = "compute"
 
@@ -51,6 +65,9 @@ class StragglerOptions:
     """...and at least this many seconds (timer resolution and jitter)."""
     min_steps: int = 8
     """Windows with fewer counted steps give no verdict (a median of 2 steps is noise)."""
+    cpu_wait_share: float = 1.0
+    """A slow rank is slow because it waited for a CPU when its run-queue wait per step
+    is at least this multiple of how much slower it is than its typical peer."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +94,13 @@ class Straggler:
     first_step: int
     last_step: int
     """The window in which it was named."""
+    cpu_wait_s: float | None = None
+    """Seconds per step it waited for a CPU (run queue); None where not known."""
+    peer_cpu_wait_s: float | None = None
+    """The same for its typical peer (the median of the others)."""
+    waited_for_cpu: bool = False
+    """Slow mostly because it waited for a CPU (other processes on its host), not
+    because of its device or its own work."""
 
     @property
     def cost_fraction(self) -> float:
@@ -95,10 +119,28 @@ class Straggler:
             "cost_fraction": self.cost_fraction,
             "first_step": self.first_step,
             "last_step": self.last_step,
+            "cpu_wait_s": self.cpu_wait_s,
+            "peer_cpu_wait_s": self.peer_cpu_wait_s,
+            "waited_for_cpu": self.waited_for_cpu,
         }
 
     def describe(self, host: str | None = None) -> str:
         where = f" ({host})" if host else ""
+        if self.waited_for_cpu:
+            wait = self.cpu_wait_s or 0.0
+            peers = (
+                f"; its peers {self.peer_cpu_wait_s * 1e3:.1f} ms"
+                if self.peer_cpu_wait_s is not None
+                else ""
+            )
+            return (
+                f"straggler: rank {self.rank}{where} waited {wait * 1e3:.1f} ms/step for a "
+                f"CPU (other processes on its host{peers}) "
+                f"over steps {self.first_step}-{self.last_step}, so its peers wait "
+                f"{self.cost_s * 1e3:.1f} ms per step for it ({self.cost_fraction:.0%} of the "
+                f"{self.step_s * 1e3:.1f} ms step). Not its device: fewer processes on that "
+                "host than it has cores, or other jobs moved off it, make it even."
+            )
         return (
             f"straggler: rank {self.rank}{where} is slow in {self.phase}: "
             f"{self.slower:.2f}x the fastest peer's median (score {self.score:.2f}) over "
@@ -106,6 +148,17 @@ class Straggler:
             f"{self.cost_s * 1e3:.1f} ms per step for it ({self.cost_fraction:.0%} of the "
             f"{self.step_s * 1e3:.1f} ms step)."
         )
+
+
+def what_slowed(straggler: Mapping[str, Any]) -> str:
+    """A named straggler (`Straggler.as_dict()`, as summary.json keeps them) in a few
+    words: its wait for a CPU when that is the cause, else its slow phase."""
+    if straggler.get("waited_for_cpu") and straggler.get("cpu_wait_s") is not None:
+        return (
+            f"waited {straggler['cpu_wait_s'] * 1e3:.1f} ms/step for a CPU "
+            "(other processes on its host)"
+        )
+    return f"slow in {straggler['phase']} ({straggler['slower']:.2f}x)"
 
 
 def _phase_value(w: RankWindow, phase: str) -> float:
@@ -157,6 +210,8 @@ class StragglerDetector:
                     # Slower, but its peers hardly wait for it (it catches up elsewhere,
                     # or the phase overlaps): no cost to the job, no name.
                     continue
+                typical = statistics.median(_phase_value(p, phase) for p in others)
+                own_wait, peer_wait, waited = self._cpu_wait(w, others, value - typical, step)
                 self.candidates[w.rank] = Straggler(
                     rank=w.rank,
                     phase=phase,
@@ -168,6 +223,9 @@ class StragglerDetector:
                     step_s=step,
                     first_step=stats.first_step,
                     last_step=stats.last_step,
+                    cpu_wait_s=own_wait,
+                    peer_cpu_wait_s=peer_wait,
+                    waited_for_cpu=waited,
                 )
         newly = []
         for w in stats.ranks:
@@ -181,6 +239,28 @@ class StragglerDetector:
             else:
                 self.streak[w.rank] = 0
         return newly
+
+    def _cpu_wait(
+        self, w: RankWindow, others: list[RankWindow], phase_excess: float, step: float
+    ) -> tuple[float | None, float | None, bool]:
+        """`w`'s run-queue wait per step, its typical peer's (None where not known), and
+        whether that wait accounts for its slowness: at least `cpu_wait_share` times the
+        larger of its excess in its slow phase and in all its own work (the phases it does
+        alone) over its typical peer, and at least `min_cost` of the step."""
+        opts = self.options
+        if math.isnan(w.cpu_wait):
+            return None, None, False
+        own = w.cpu_wait
+        waits = [p.cpu_wait for p in others if not math.isnan(p.cpu_wait)]
+        typical = statistics.median(waits) if waits else None
+
+        def work(x: RankWindow) -> float:
+            return sum(x.phases[i] for i in STRAGGLER_PHASES)
+
+        beyond = work(w) - statistics.median(work(p) for p in others)
+        slower_by = max(phase_excess, beyond)
+        waited = own >= max(opts.cpu_wait_share * slower_by, opts.min_cost * step)
+        return own, typical, waited
 
     def _slowest_phase(
         self, w: RankWindow, peers: list[RankWindow], phases: list[str], step: float

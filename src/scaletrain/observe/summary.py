@@ -18,6 +18,7 @@ from typing import Any
 from scaletrain.errors import say, spell
 from scaletrain.observe.flops import compute_mfu, forget_peak
 from scaletrain.observe.phases import PHASES
+from scaletrain.observe.stragglers import what_slowed
 from scaletrain.observe.window import WindowStats
 
 __all__ = [
@@ -48,6 +49,7 @@ def build_summary(ledger: Any, stats: WindowStats) -> dict[str, Any]:
             "comm_busy": _finite(w.comm_busy),
             "overlap": _finite(w.overlap),
             "cpu": _finite(w.cpu),
+            "cpu_wait": _finite(w.cpu_wait),
             "allocated_peak": _finite(w.allocated_peak),
             "reserved_peak": _finite(w.reserved_peak),
             "rss_peak": _finite(w.rss_peak),
@@ -118,6 +120,13 @@ def advice(summary: dict[str, Any]) -> str | None:
     checkpoint or evaluation stalls; None when nothing stands out."""
     if summary["stragglers"]:
         s = max(summary["stragglers"], key=lambda x: x["cost_s"])
+        cost = f"its peers wait {s['cost_s'] * 1e3:.1f} ms per step for it ({s['cost_fraction']:.0%} of the step)"
+        if s.get("waited_for_cpu"):
+            return (
+                f"Straggler: rank {s['rank']} {what_slowed(s)}; {cost}. Not its device: "
+                "fewer processes on that host than it has cores, or other jobs moved off "
+                "it, make it even."
+            )
         fix = (
             f"its loader is slower than its peers' (its node's disk or CPUs; "
             f"{spell('num_workers')} helps if the CPUs are free)"
@@ -126,8 +135,7 @@ def advice(summary: dict[str, Any]) -> str | None:
         )
         return (
             f"Straggler: rank {s['rank']} is {s['slower']:.2f}x slower than its fastest peer "
-            f"in {s['phase']}; its peers wait {s['cost_s'] * 1e3:.1f} ms per step for it "
-            f"({s['cost_fraction']:.0%} of the step). {fix[0].upper()}{fix[1:]}."
+            f"in {s['phase']}; {cost}. {fix[0].upper()}{fix[1:]}."
         )
     data, comm = _share(summary, "data"), _share(summary, "comm")
     sync = _share(summary, "sync")
@@ -277,8 +285,8 @@ def _lines(summary: dict[str, Any]) -> list[str]:
         lines.append(f"peak memory ({what}): max {top[1] / 2**20:,.0f} MiB (rank {top[0]})")
     for s in summary["stragglers"]:
         lines.append(
-            f"straggler: rank {s['rank']} slow in {s['phase']} ({s['slower']:.2f}x, named at "
-            f"steps {s['first_step']}-{s['last_step']}), peers wait {s['cost_s'] * 1e3:.1f} ms/step"
+            f"straggler: rank {s['rank']} {what_slowed(s)}, named at steps "
+            f"{s['first_step']}-{s['last_step']}; peers wait {s['cost_s'] * 1e3:.1f} ms/step"
         )
     if summary.get("advice"):
         lines.append(f"[bold]advice:[/] {summary['advice']}")

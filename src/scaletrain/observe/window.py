@@ -48,6 +48,9 @@ class RankWindow:
     """FLOPs this rank executes per step (counted once), NaN if not counted."""
     host_id: float = 0.0
     """A number naming the host (a hash), to group ranks by node."""
+    cpu_wait: float = _NAN
+    """Seconds per step the training thread waited for a CPU (runnable, in the kernel's
+    run queue: other processes had its core); NaN where the kernel does not say."""
 
     @property
     def waited(self) -> float:
@@ -65,6 +68,7 @@ _SCALARS = (
     "gpu_util",
     "flops",
     "host_id",
+    "cpu_wait",
 )
 VECTOR_LEN = 4 + len(PHASES) + len(_SCALARS)
 
@@ -177,9 +181,10 @@ def summarize(
     sample: Any,
     flops: float | None,
     host: str,
+    cpu_wait: float | None = None,
 ) -> RankWindow:
     """This rank's window from its reduced series (medians for a window, means for the
-    whole run) and a memory sample."""
+    whole run), a memory sample and its run-queue wait per step."""
     return RankWindow(
         rank=rank,
         peer_group=peer_group,
@@ -195,4 +200,5 @@ def summarize(
         gpu_util=_num(sample.gpu_util if sample else None),
         flops=_num(flops),
         host_id=float(zlib.crc32(host.encode()) % 2**24),
+        cpu_wait=_num(cpu_wait),
     )

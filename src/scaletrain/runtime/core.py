@@ -343,7 +343,7 @@ class Runtime:
     def rank_zero_first(self, local: bool = True) -> contextlib.AbstractContextManager[None]:
         """Local rank 0 of each node (or global rank 0) runs the block first, others wait."""
         first = self.local_rank == 0 if local else self.rank == 0
-        return _dist.rank_first(first, device=self.device)
+        return _dist.rank_first(first)
 
     def any_rank(self, flag: bool) -> bool:
         """True on every rank if `flag` is True on any: one tiny collective.
@@ -351,7 +351,7 @@ class Runtime:
         Runs on a CPU (Gloo) group even under NCCL: no GPU synchronisation.
         """
         with self._phase(_phases.SYNC):
-            return _dist.any_rank(flag, world_size=self.world_size, backend=self.backend)
+            return _dist.any_rank(flag, world_size=self.world_size)
 
     def any_rank_async(self, flag: bool) -> _dist.PendingFlag:
         """`any_rank` without waiting: returns at once; `.result()` is the same answer on
@@ -361,7 +361,6 @@ class Runtime:
             return _dist.any_rank_async(
                 flag,
                 world_size=self.world_size,
-                backend=self.backend,
                 around=lambda: self._phase(_phases.SYNC),
             )
 
@@ -436,7 +435,9 @@ class Runtime:
         """Leave the job cleanly; safe to call twice.
 
         The step ledger's summary is gathered from every rank first (a collective);
-        `failed=True` (a rank failed, its peers may be gone) skips that."""
+        `failed=True` (a rank failed, its peers may be gone) skips that. Then the process
+        groups are destroyed so that no Gloo thread is left holding anything of Python's
+        when the interpreter exits (scaletrain.dist.destroy says why)."""
         if self._closed:
             return
         self._closed = True
@@ -449,7 +450,13 @@ class Runtime:
 
         # An asynchronous save still writing needs the process group to finish.
         wait_pending()
-        _dist.destroy()
+        if self.ledger is not None and not failed:
+            from scaletrain.observe.hooks import settle_callbacks
+
+            # The default group's threads free the ledger's bucket callbacks; that group
+            # outlives this call while the loop holds its DDP model: freed before exit.
+            settle_callbacks()
+        _dist.destroy(failed=failed)
         global _CURRENT
         if _CURRENT is self:
             _CURRENT = None

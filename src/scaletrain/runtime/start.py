@@ -82,7 +82,7 @@ def init(
         backend=chosen,
         peer_group=topo.coordinate("pp"),  # peers do the same work: one pipeline stage
         precision=prec.name,
-        gather=functools.partial(_dist.all_gather_floats, world_size=rt.world_size, backend=chosen),
+        gather=functools.partial(_dist.all_gather_floats, world_size=rt.world_size),
     )
     set_current(rt)
     return rt
