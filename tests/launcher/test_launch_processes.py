@@ -101,6 +101,40 @@ def test_two_nodes_on_loopback(tmp_path: Path, port: int, start: Callable[..., A
         assert (out / f"rank{rank}.txt").read_text() == "2 3"  # world 2, 1 + 2
 
 
+NODE_SCRIPT = """\
+import json, os, sys
+with open(os.path.join(sys.argv[1], "node%s.json" % sys.argv[2]), "w") as f:
+    json.dump({k: os.environ[k] for k in ("RANK", "GROUP_RANK", "MASTER_ADDR")}, f)
+"""
+
+
+@pytest.mark.slow
+def test_the_node_given_node_rank_0_holds_rank_0(
+    tmp_path: Path, port: int, start: Callable[..., Any]
+) -> None:
+    # Issue 26 (21): torch's c10d rendezvous numbers the nodes in the order of their
+    # addresses, not by --node-rank: node 0 at 127.0.0.2 held rank 1, and rank 0's logs
+    # appeared on the other node.
+    script = write(tmp_path / "node.py", NODE_SCRIPT)
+    out = tmp_path / "out"
+    out.mkdir()
+
+    def node(rank: int, addr: str) -> Any:
+        return start(
+            *LAUNCH, "--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node", "1",
+            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-timeout", "60",
+            "--local-addr", addr, script, str(out), str(rank),
+        )  # fmt: skip
+
+    node1 = node(1, "127.0.0.1")
+    node0 = node(0, "127.0.0.2")
+    for result in (node0.wait(timeout=90), node1.wait(timeout=90)):
+        assert result.returncode == 0, result.stderr
+    for rank in (0, 1):
+        got = json.loads((out / f"node{rank}.json").read_text())
+        assert (got["RANK"], got["GROUP_RANK"]) == (str(rank), str(rank)), got
+
+
 PER_NODE_DRIVER = """\
 import sys
 from scaletrain.env.base import ClusterEnv
