@@ -288,7 +288,7 @@ def _parse_torchrun_args(torchrun: Any, plan: Plan) -> Any:
     )
     args.no_python, args.module = True, False
     args.training_script, args.training_script_args = entry, guarded
-    adopt(args, plan)  # torch's rendezvous, with node ranks and a kept store
+    adopt(args, plan)  # torch's rendezvous, with node ranks, a kept store, loopback
     return args
 
 

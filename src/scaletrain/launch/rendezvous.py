@@ -1,4 +1,4 @@
-"""The rendezvous the launcher's agents meet in: torch's own, with two rules added.
+"""The rendezvous the launcher's agents meet in: torch's own, with three rules added.
 
 torch's c10d and static rendezvous are used as they are, each wrapped in a handler
 registered through torch's public registry of rendezvous backends. The torchrun
@@ -17,6 +17,12 @@ wrapped one when the launcher runs it. What the wrapper adds:
   the rendezvous closed under it), and the node that hosts the store keeps it until
   all of the last round's nodes have, at most `ENDED_WAIT_S`: on success (after
   torch's exit barrier) and on failure alike.
+- **Loopback.** torch's TCPStore listens on every interface, unauthenticated. Where
+  the endpoint is a loopback address (one node: torchrun's `--standalone` becomes a
+  c10d rendezvous at 127.0.0.1), the rendezvous store and the store torch shares
+  with the workers listen on loopback only (see scaletrain.dist.reach.serve_store).
+  Across nodes they must be reachable from the other nodes and stay on every
+  interface: the README says what that exposes.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
+import uuid
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -35,18 +42,22 @@ if TYPE_CHECKING:
 
     from scaletrain.launch.plan import Plan
 
-__all__ = ["ENDED_WAIT_S", "adopt", "register"]
+__all__ = ["ENDED_WAIT_S", "LOOPBACK", "adopt", "register"]
 
 ENDED_WAIT_S = 15.0
 """How long the node that hosts the store waits for the others to end. Nodes whose
 workers fail for one cause (a refusal after a gather, a peer gone) end within seconds
 of each other; a node whose workers still run is not waited for longer."""
 
+LOOPBACK = "127.0.0.1"
+
 _C10D, _STATIC = "scaletrain-c10d", "scaletrain-static"
 _NODE_RANK = "scaletrain_node_rank"
 _RANK_KEY = "scaletrain/node-rank/"
 _ENDED_KEY = "scaletrain/nodes-ended"
 _POLL_S = 0.05
+_STORE_TIMEOUT_S = 300.0
+"""TCPStore's own default timeout, for the store shared with the workers."""
 
 
 @functools.cache
@@ -130,13 +141,51 @@ def _ended(info: RendezvousInfo, *, wait: bool) -> None:
 
 
 def _create_c10d(params: RendezvousParameters) -> RendezvousHandler:
-    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
+    from torch.distributed.elastic.rendezvous import RendezvousConnectionError
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
+        C10dRendezvousBackend,
+        create_backend,
+    )
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
-    backend, store = create_backend(params)
-    inner = create_handler(store, backend, params)
-    node_rank = params.get_as_int(_NODE_RANK)
+    from scaletrain.dist.reach import serve_store
+    from scaletrain.env.network import loopback_address
+
+    host, port = parse_rendezvous_endpoint(params.endpoint, default_port=29400)
     hosts = params.get_as_bool("is_host")
+    local = loopback_address(host)
+    store: Any = None
+    if local is not None:
+        if params.local_addr is None or loopback_address(params.local_addr) is None:
+            params.local_addr = local  # what the workers are told to connect to
+        if hosts is not False:
+            timeout = params.get_as_int("read_timeout", 60) or 60
+            try:
+                store = serve_store(local, port, timeout_s=timeout, multi_tenant=True)
+                hosts = True
+            except OSError as exc:
+                if hosts:
+                    raise RendezvousConnectionError(
+                        f"The rendezvous store cannot listen on {local}:{port}: {exc}"
+                    ) from exc
+                # As torch's own guess: another agent on this machine hosts it.
+                hosts = False
+    if store is None:
+        backend, store = create_backend(params)
+    else:
+        backend = C10dRendezvousBackend(store, params.run_id)
+    inner: Any = create_handler(store, backend, params)
+    shared_at = loopback_address(params.local_addr) if params.local_addr else None
+    if shared_at is not None and hasattr(inner, "_create_tcp_store_server"):
+        # The store torch shares with the workers (rank 0's node opens it): torch binds
+        # every interface; this one listens where the workers are told to connect.
+        def shared_store(master_addr: str, master_port: int) -> Any:
+            return serve_store(shared_at, master_port, timeout_s=_STORE_TIMEOUT_S,
+                               multi_tenant=True)  # fmt: skip
+
+        inner._create_tcp_store_server = shared_store
+    node_rank = params.get_as_int(_NODE_RANK)
     handler: RendezvousHandler = _handler_class()(_C10D, inner, node_rank, True, hosts)
     return handler
 
@@ -168,15 +217,23 @@ def _add_conf(args: Any, **values: object) -> None:
 def adopt(args: Any, plan: Plan) -> None:
     """Point torchrun's parsed arguments at the wrapped backends (see the module doc).
 
-    The static backend's node rank and endpoint, which torchrun fills in only for a
-    backend named "static", are filled in here.
+    `--standalone` becomes what torch makes of it (a c10d rendezvous on a free port,
+    a fresh id), at 127.0.0.1 rather than on every interface. The static backend's
+    node rank and endpoint, which torchrun fills in only for a backend named
+    "static", are filled in here.
     """
     register()
-    if args.rdzv_backend == "c10d" and not args.standalone:
+    if args.standalone:
+        args.standalone = False
+        args.rdzv_backend, args.rdzv_endpoint = _C10D, f"{LOOPBACK}:0"
+        args.rdzv_id = str(uuid.uuid4())
+        args.local_addr = args.local_addr or LOOPBACK
+        _add_conf(args, is_host="true")
+    elif args.rdzv_backend == "c10d":
         args.rdzv_backend = _C10D
         if plan.node_rank is not None:
             _add_conf(args, **{_NODE_RANK: plan.node_rank})
-    elif args.rdzv_backend == "static" and not args.standalone:
+    elif args.rdzv_backend == "static":
         args.rdzv_backend = _STATIC
         if not args.rdzv_endpoint:
             args.rdzv_endpoint = f"{args.master_addr}:{args.master_port}"
