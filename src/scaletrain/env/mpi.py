@@ -14,6 +14,7 @@ checks that its port is free before it starts (scaletrain.dist).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
@@ -32,7 +33,7 @@ from scaletrain.env._common import (
 from scaletrain.env.base import ClusterEnv, ClusterEnvironment
 from scaletrain.errors import EnvironmentDetectionError
 
-__all__ = ["MPIEnvironment"]
+__all__ = ["MPIEnvironment", "tty_from_launcher"]
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -76,6 +77,18 @@ def _fix(flavour: _Flavour) -> str:
         f"these variables are written by {flavour.label} for each process; start the "
         "program with it (e.g. `mpirun -np <N> python train.py`) and do not set them by hand"
     )
+
+
+def tty_from_launcher(environ: Mapping[str, str] | None = None) -> bool:
+    """True in a process Open MPI's mpirun started: its stdout is a terminal whatever
+    the user's output is, so a terminal there says nothing about where the text lands.
+
+    mpirun gives every rank a pseudo-terminal for stdout and copies what comes out of
+    it to its own stdout: a log file or a pipe as often as a terminal. (MPICH's Hydra
+    gives its ranks pipes, which tell the truth.)
+    """
+    environ = os.environ if environ is None else environ
+    return _OPENMPI.rank in environ
 
 
 # Open MPI 4.x, then Open MPI 5 (PRRTE): the mpirun job's id, the same in every rank.
