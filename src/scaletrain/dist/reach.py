@@ -48,7 +48,12 @@ def _fix(env: ClusterEnv) -> str:
             f"for it: `scontrol show node {env.master_addr}`, field NodeAddr)"
         )
     if env.kind == "mpi":
-        return "pass rank 0's address instead: mpirun -x MASTER_ADDR=<IP of rank 0's host>"
+        from scaletrain.env.mpi import mpirun_command
+
+        return (
+            f"pass rank 0's address instead: {mpirun_command()} -x MASTER_ADDR=<IP of rank "
+            "0's host>"
+        )
     return "set MASTER_ADDR to an address of rank 0's host that every node resolves (an IP works)"
 
 

@@ -33,7 +33,7 @@ from scaletrain.env._common import (
 from scaletrain.env.base import ClusterEnv, ClusterEnvironment
 from scaletrain.errors import EnvironmentDetectionError
 
-__all__ = ["MPIEnvironment", "tty_from_launcher"]
+__all__ = ["MPIEnvironment", "mpirun_command", "tty_from_launcher"]
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -51,7 +51,7 @@ class _Flavour:
     local_size: str
     """Number of processes on this node."""
     export: str
-    """How this launcher forwards a variable to every process."""
+    """How this launcher forwards a variable to every process ({mpirun}: `mpirun_command()`)."""
 
 
 _OPENMPI = _Flavour(
@@ -60,7 +60,7 @@ _OPENMPI = _Flavour(
     size="OMPI_COMM_WORLD_SIZE",
     local_rank="OMPI_COMM_WORLD_LOCAL_RANK",
     local_size="OMPI_COMM_WORLD_LOCAL_SIZE",
-    export="mpirun -x MASTER_ADDR=<host of rank 0>",
+    export="{mpirun} -x MASTER_ADDR=<host of rank 0>",
 )
 _HYDRA = _Flavour(
     label="MPICH / Intel MPI's mpiexec (Hydra)",
@@ -68,14 +68,22 @@ _HYDRA = _Flavour(
     size="PMI_SIZE",
     local_rank="MPI_LOCALRANKID",
     local_size="MPI_LOCALNRANKS",
-    export="mpiexec -genv MASTER_ADDR <host of rank 0> (Open MPI: mpirun -x MASTER_ADDR=<host of rank 0>)",
+    export="mpiexec -genv MASTER_ADDR <host of rank 0> (Open MPI: {mpirun} -x MASTER_ADDR=<host of rank 0>)",
 )
 
 
+def mpirun_command() -> str:
+    """Open MPI's mpirun as this user must type it: as root (a container's usual user)
+    it refuses to start without --allow-run-as-root."""
+    return "mpirun --allow-run-as-root" if os.geteuid() == 0 else "mpirun"
+
+
 def _fix(flavour: _Flavour) -> str:
+    starter = mpirun_command() if flavour is _OPENMPI else "mpiexec"
     return (
         f"these variables are written by {flavour.label} for each process; start the "
-        "program with it (e.g. `mpirun -np <N> python train.py`) and do not set them by hand"
+        f"program with it (e.g. `{starter} -np <N> python train.py`) and do not set them "
+        "by hand"
     )
 
 
@@ -173,7 +181,8 @@ class MPIEnvironment(ClusterEnvironment):
                 f"({world_size.source}, {local_world.source}): MPI does not tell where "
                 "rank 0 runs, so the rendezvous host is unknown. Expected MASTER_ADDR=<host "
                 f"of rank 0> in every process. Fix: pass it through the launcher, "
-                f"`{flavour.export}` (usually the first host of your host file)."
+                f"`{flavour.export.format(mpirun=mpirun_command())}` (usually the first host of "
+                "your host file)."
             )
 
         return build_env(
