@@ -35,7 +35,9 @@ def test_launch_two_nodes_across_hosts(
     hosts_named: Callable[..., list[Host]], procs: Procs, tmp_path: Path
 ) -> None:
     # Issue 10 (5): without GLOO_SOCKET_IFNAME Gloo bound 127.0.1.1 and the job hung.
-    n0, n1 = hosts_named("n0", "n1")
+    # Issue 26 (21): torch numbers the nodes by address, so node 0, here the higher
+    # address, held ranks 2-3 and rank 0's output appeared on node 1.
+    n1, n0 = hosts_named("n1", "n0")
     (tmp_path / "allreduce.py").write_text(ALLREDUCE)
     port = _free_port()
 
@@ -54,7 +56,8 @@ def test_launch_two_nodes_across_hosts(
         outputs.append(out)
     found = results("\n".join(outputs))
     assert sorted(int(r["rank"]) for r in found) == [0, 1, 2, 3], "\n".join(outputs)
-    assert {r["sum"] for r in found} == {"10"} and {r["host"] for r in found} == {"n0", "n1"}
+    assert {r["sum"] for r in found} == {"10"}
+    assert {r["rank"]: r["host"] for r in found} == {"0": "n0", "1": "n0", "2": "n1", "3": "n1"}
 
 
 def test_torchrun_style_train_on_two_hosts(
@@ -110,20 +113,18 @@ def test_each_node_its_own_disk_checkpoints_and_resumes(
     assert (disks["n1"] / "checkpoints" / "step-000040" / "rng-rank1.pt").is_file()
     assert not (disks["n0"] / "checkpoints" / "step-000040" / "rng-rank1.pt").exists()
 
-    # A model split across ranks cannot be checkpointed that way: refused at the start.
+    # A model split across ranks cannot be checkpointed that way: refused at the start,
+    # on both nodes. Issue 26 (21): node 1's agent could lose node 0's store (node 0 ended
+    # it 2 s after its own workers failed) before it read its worker's error, and said
+    # the rendezvous did not complete; node 0 now keeps it until node 1 has ended.
     sharded = ("--strategy", "fsdp", "--out", str(run / "sharded"))
-    # Node 0 always says why. Node 1's ranks reach the same check, but its agent can
-    # lose node 0's rendezvous store (node 0 exits at once) before it reads its worker's
-    # error file, and then it ends non-zero with the rendezvous's own message (seen 1 in
-    # 3 fresh-clone CI runs): what both nodes must hold is that no step was trained.
     started = [start(n1, 1, *sharded), start(n0, 0, *sharded)]
-    for node, proc in zip((1, 0), started, strict=True):
+    for proc in started:
         code, out = procs.wait(proc, timeout=150)  # type: ignore[arg-type]
-        assert code != 0 and "step 1/" not in out, out
-        if node == 0 or code == 2:
-            assert code == 2, out
-            assert "do not share this directory" in out and "--strategy ddp" in out, out
-            assert "Traceback" not in out, out
+        assert code == 2 and "step 1/" not in out, out
+        assert "do not share this directory" in out and "--strategy ddp" in out, out
+        assert "Traceback" not in out and "did not complete" not in out, out
+        assert "went away" not in out, out
 
 
 def _wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:

@@ -3,6 +3,8 @@ torchrun's arguments (or srun's), and the errors a user can cause, in their word
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from scaletrain.cli import build_parser, main
@@ -48,6 +50,22 @@ def test_several_slurm_tasks_per_node_are_refused() -> None:
         make_plan(LOCAL, "x.py", [], environ=crowded)
     assert "srun started 2 tasks on this node" in str(info.value)
     assert "srun --ntasks-per-node=1 scaletrain launch" in str(info.value)
+
+
+@pytest.mark.parametrize(("uid", "mpirun"), [(1000, "mpirun"), (0, "mpirun --allow-run-as-root")])
+def test_several_mpirun_tasks_per_node_are_refused_with_the_command_to_use(
+    monkeypatch: pytest.MonkeyPatch, uid: int, mpirun: str
+) -> None:
+    # Issue 26 (21): as root Open MPI's mpirun refuses to start without
+    # --allow-run-as-root; the command the fix gives carries it there.
+    monkeypatch.setattr(os, "geteuid", lambda: uid)
+    crowded = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4",
+               "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+               "MASTER_ADDR": "10.0.0.1"}  # fmt: skip
+    with pytest.raises(ConfigError) as info:
+        make_plan(LOCAL, "x.py", [], environ=crowded)
+    assert "mpirun started 2 tasks on this node" in str(info.value)
+    assert f"`{mpirun} --map-by ppr:1:node scaletrain launch ...`" in str(info.value)
 
 
 def test_mpirun_one_rank_per_node_forms_one_job() -> None:

@@ -6,7 +6,11 @@ spawns workers; keeping that out of pytest's process is the robust choice).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -101,6 +105,40 @@ def test_two_nodes_on_loopback(tmp_path: Path, port: int, start: Callable[..., A
         assert (out / f"rank{rank}.txt").read_text() == "2 3"  # world 2, 1 + 2
 
 
+NODE_SCRIPT = """\
+import json, os, sys
+with open(os.path.join(sys.argv[1], "node%s.json" % sys.argv[2]), "w") as f:
+    json.dump({k: os.environ[k] for k in ("RANK", "GROUP_RANK", "MASTER_ADDR")}, f)
+"""
+
+
+@pytest.mark.slow
+def test_the_node_given_node_rank_0_holds_rank_0(
+    tmp_path: Path, port: int, start: Callable[..., Any]
+) -> None:
+    # Issue 26 (21): torch's c10d rendezvous numbers the nodes in the order of their
+    # addresses, not by --node-rank: node 0 at 127.0.0.2 held rank 1, and rank 0's logs
+    # appeared on the other node.
+    script = write(tmp_path / "node.py", NODE_SCRIPT)
+    out = tmp_path / "out"
+    out.mkdir()
+
+    def node(rank: int, addr: str) -> Any:
+        return start(
+            *LAUNCH, "--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node", "1",
+            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-timeout", "60",
+            "--local-addr", addr, script, str(out), str(rank),
+        )  # fmt: skip
+
+    node1 = node(1, "127.0.0.1")
+    node0 = node(0, "127.0.0.2")
+    for result in (node0.wait(timeout=90), node1.wait(timeout=90)):
+        assert result.returncode == 0, result.stderr
+    for rank in (0, 1):
+        got = json.loads((out / f"node{rank}.json").read_text())
+        assert (got["RANK"], got["GROUP_RANK"]) == (str(rank), str(rank)), got
+
+
 PER_NODE_DRIVER = """\
 import sys
 from scaletrain.env.base import ClusterEnv
@@ -186,3 +224,82 @@ def test_cli_error_exit_code(tmp_path: Path, start: Callable[..., Any]) -> None:
     result = start(*LAUNCH, "--nnodes", "two", "train.py").wait(timeout=60)
     assert result.returncode == 2
     assert result.stderr.startswith("scaletrain launch: error: --nnodes 'two'")
+
+
+def _tree(pid: int) -> list[int]:
+    """`pid` and every process below it, from /proc/PID/task/*/children."""
+    found, todo = [], [pid]
+    while todo:
+        each = todo.pop()
+        found.append(each)
+        for task in Path(f"/proc/{each}/task").glob("*"):
+            try:
+                todo += [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                continue
+    return found
+
+
+def _listening(pids: list[int]) -> list[tuple[int, str]]:
+    """(pid, local address) of every listening TCP socket the processes hold."""
+    import ipaddress
+
+    inodes: dict[str, int] = {}
+    for pid in pids:
+        for fd in Path(f"/proc/{pid}/fd").glob("*"):
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes[target[8:-1]] = pid
+    found = []
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
+                continue
+            raw = bytes.fromhex(fields[1].split(":")[0])
+            # /proc/net prints each 32-bit word in host (little-endian) order.
+            ordered = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+            found.append((inodes[fields[9]], str(ipaddress.ip_address(ordered))))
+    return found
+
+
+def _loopback(address: str) -> bool:
+    import ipaddress
+
+    ip = ipaddress.ip_address(address)
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return bool(ip.is_loopback or (mapped is not None and mapped.is_loopback))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("restarts", ["0", "1"])
+def test_a_single_node_run_listens_on_loopback_only(
+    tmp_path: Path, start: Callable[..., Any], restarts: str
+) -> None:
+    # Issue 26 (23): the agent's two stores (unauthenticated TCPStores) listened on every
+    # interface for the whole run. With --max-restarts the workers' rank 0 opens the
+    # job's store instead of the agent.
+    run = tmp_path / "run"
+    train = start(
+        "-m", "scaletrain", "train", "--recipe", "split-net", "--max-steps", "100000",
+        "--log-every", "1", "--out", str(run), "--max-restarts", restarts,
+    )  # fmt: skip
+    deadline = time.monotonic() + 90
+    metrics = run / "metrics.jsonl"
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        assert train.popen.poll() is None, train.wait(5).stderr
+        assert time.monotonic() < deadline, "the run did not reach its first steps"
+        time.sleep(0.2)
+    pids = _tree(train.popen.pid)
+    try:
+        sockets = _listening(pids)
+    finally:
+        for pid in reversed(pids):  # workers run in sessions of their own
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        train.popen.communicate()
+    assert len(pids) >= 3 and len(sockets) >= 2, (pids, sockets)
+    assert all(_loopback(address) for _, address in sockets), sockets

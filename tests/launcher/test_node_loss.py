@@ -117,6 +117,12 @@ sys.exit(3)  # every rank at once: a refusal made after a gather (a split model 
 """
 
 
+SLOW_TO_FAIL = BOTH_FAIL.replace(
+    "sys.exit(3)", "time.sleep(5 if sys.argv[1] == '1' else 0); sys.exit(3)"
+).replace("import sys,", "import sys, time,")
+"""As BOTH_FAIL, but node 1's worker takes 5 s to exit (a loaded node's teardown)."""
+
+
 def _two_nodes(tmp_path: Path, port: int, start: Callable[..., Any], text: str) -> list[Any]:
     script = tmp_path / "job.py"
     script.write_text(text)
@@ -161,3 +167,18 @@ def test_a_failure_on_every_node_is_each_nodes_own(
         assert f"node {rank} refuses" in result.stderr
         assert "exited with code 3" in result.stderr
         assert "did not complete" not in result.stderr and "went away" not in result.stderr
+
+
+@pytest.mark.slow
+def test_the_store_stays_until_every_node_has_its_result(
+    tmp_path: Path, port: int, start: Callable[..., Any]
+) -> None:
+    # Issue 26 (21): node 0 ended the store 2 s after its own workers failed; node 1,
+    # whose worker took longer to fail, then found the store gone and said node 0 went
+    # away instead of its own worker's refusal. The store now stays until every node
+    # has ended.
+    node0, node1 = _two_nodes(tmp_path, port, start, SLOW_TO_FAIL)
+    for rank, result in enumerate((node0, node1)):
+        assert result.returncode == 3, result.stderr
+        assert f"node {rank} refuses" in result.stderr and "exited with code 3" in result.stderr
+        assert "went away" not in result.stderr and "did not complete" not in result.stderr

@@ -791,13 +791,20 @@ def test_mpi_single_node_uses_loopback() -> None:
     assert found.num_nodes == 1
 
 
-def test_mpi_multi_node_without_master_addr() -> None:
+@pytest.mark.parametrize(("uid", "mpirun"), [(1000, "mpirun"), (0, "mpirun --allow-run-as-root")])
+def test_mpi_multi_node_without_master_addr(
+    monkeypatch: pytest.MonkeyPatch, uid: int, mpirun: str
+) -> None:
+    # Issue 26 (21): as root (a container's user) Open MPI's mpirun refuses to start
+    # without --allow-run-as-root, so the command the fix gives must carry it.
+    monkeypatch.setattr(os, "geteuid", lambda: uid)
     message = _error(_env(OPENMPI, MASTER_ADDR=None))
     assert "MASTER_ADDR is not set" in message
     assert "does not tell where rank 0 runs" in message
-    assert "mpirun -x MASTER_ADDR=<host of rank 0>" in message
+    assert f"`{mpirun} -x MASTER_ADDR=<host of rank 0>`" in message
     assert "OMPI_COMM_WORLD_SIZE=8" in message
-    assert "mpiexec -genv MASTER_ADDR" in _error(_env(HYDRA, MASTER_ADDR=None))
+    hydra = _error(_env(HYDRA, MASTER_ADDR=None))
+    assert "mpiexec -genv MASTER_ADDR" in hydra and f"(Open MPI: {mpirun} -x" in hydra
 
 
 @pytest.mark.parametrize(

@@ -192,3 +192,46 @@ def test_check_master_other_ranks_wait_then_explain() -> None:
         with pytest.raises(EnvironmentDetectionError) as info:
             check_master(_rank(1, "127.0.0.1", port), wait_s=1.0)
     assert f"cannot reach rank 0's store at 127.0.0.1:{port}" in str(info.value)
+
+
+class _Tty:
+    """A stdout that says it is a terminal, as a rank's is under Open MPI's mpirun."""
+
+    def __init__(self) -> None:
+        self.text = ""
+
+    def write(self, text: str) -> int:
+        self.text += text
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize(
+    ("variables", "live"),
+    [({}, True), (OPENMPI_41, False), ({**OPENMPI_41, "FORCE_COLOR": "1"}, True)],
+)
+def test_under_open_mpi_a_terminal_is_mpiruns_not_the_users(
+    monkeypatch: pytest.MonkeyPatch, variables: dict[str, str], live: bool
+) -> None:
+    # Issue 26 (21): mpirun gives every rank a pseudo-terminal, so `mpirun ... > log`
+    # filled the log with the live bar's escape codes.
+    from scaletrain.train.progress import StepProgress
+
+    for name in ("FORCE_COLOR", "TTY_COMPATIBLE", "NO_COLOR", "TERM", *OPENMPI_41):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    tty = _Tty()
+    monkeypatch.setattr("sys.stdout", tty)
+    progress = StepProgress(enabled=True)
+    progress.start_epoch("epoch 1/1", total=2)
+    progress.update(1, 2, 0.5, 100.0)
+    progress.print("[bold]done[/]")
+    progress.end_epoch()
+    assert progress.live is live
+    assert ("\x1b[" in tty.text) is live, repr(tty.text)

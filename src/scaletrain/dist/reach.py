@@ -17,13 +17,15 @@ from scaletrain.env.base import ClusterEnv
 from scaletrain.env.network import (
     choose_interface,
     is_local,
+    listen_socket,
+    loopback_address,
     port_in_use,
     resolve,
     wait_connectable,
 )
 from scaletrain.errors import EnvironmentDetectionError, LaunchError
 
-__all__ = ["MASTER_WAIT_S", "check_master", "gloo_interface", "join_store"]
+__all__ = ["MASTER_WAIT_S", "check_master", "gloo_interface", "join_store", "serve_store"]
 
 MASTER_WAIT_S = 300.0
 """How long a rank waits for rank 0's store to listen (rank 0 may still be importing
@@ -46,7 +48,12 @@ def _fix(env: ClusterEnv) -> str:
             f"for it: `scontrol show node {env.master_addr}`, field NodeAddr)"
         )
     if env.kind == "mpi":
-        return "pass rank 0's address instead: mpirun -x MASTER_ADDR=<IP of rank 0's host>"
+        from scaletrain.env.mpi import mpirun_command
+
+        return (
+            f"pass rank 0's address instead: {mpirun_command()} -x MASTER_ADDR=<IP of rank "
+            "0's host>"
+        )
     return "set MASTER_ADDR to an address of rank 0's host that every node resolves (an IP works)"
 
 
@@ -93,6 +100,40 @@ def check_master(env: ClusterEnv, *, wait_s: float = MASTER_WAIT_S) -> None:
         )
 
 
+def serve_store(address: str, port: int, *, timeout_s: float, **options: Any) -> Any:
+    """A TCPStore server that listens on `address` only (port 0: a free port).
+
+    torch's TCPStore takes no address to bind and listens on every interface: an
+    unauthenticated key-value store that anyone on the network can read and write.
+    It does serve a socket it is given (`master_listen_fd`), which is how a store
+    reached at a loopback address stays on loopback. `options` are TCPStore's
+    (world_size, wait_for_workers, multi_tenant). Raises OSError where the port is
+    taken.
+    """
+    import torch
+    import torch.distributed as dist
+
+    # torch's libuv server serves a given socket from 2.8 on (before, it never
+    # accepted on it); its classic server always has.
+    libuv = torch.torch_version.TorchVersion(torch.__version__) >= "2.8"
+    sock = listen_socket(address, port)
+    try:
+        store = dist.TCPStore(
+            host_name=address,
+            port=sock.getsockname()[1],
+            is_master=True,
+            timeout=_dt.timedelta(seconds=timeout_s),
+            master_listen_fd=sock.fileno(),
+            use_libuv=libuv,
+            **options,
+        )
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store owns the descriptor now, and closes it
+    return store
+
+
 def join_store(env: ClusterEnv, timeout_s: float) -> Any:
     """The job's store, joined by every rank within MASTER_WAIT_S, then patient for `timeout_s`.
 
@@ -105,17 +146,25 @@ def join_store(env: ClusterEnv, timeout_s: float) -> Any:
     import torch.distributed as dist
 
     join = min(timeout_s, MASTER_WAIT_S)
+    # Every rank on this machine: the store listens on loopback, not on every interface.
+    local = loopback_address(env.master_addr) if env.rank == 0 else None
     try:
-        store = dist.TCPStore(
-            host_name=env.master_addr,
-            port=env.master_port,
-            world_size=env.world_size,
-            is_master=env.rank == 0,
-            timeout=_dt.timedelta(seconds=join),
-            wait_for_workers=True,
-            multi_tenant=True,
-        )
-    except (RuntimeError, dist.DistError) as exc:
+        if local is not None:
+            store = serve_store(
+                local, env.master_port, timeout_s=join, world_size=env.world_size,
+                wait_for_workers=True, multi_tenant=True,
+            )  # fmt: skip
+        else:
+            store = dist.TCPStore(
+                host_name=env.master_addr,
+                port=env.master_port,
+                world_size=env.world_size,
+                is_master=env.rank == 0,
+                timeout=_dt.timedelta(seconds=join),
+                wait_for_workers=True,
+                multi_tenant=True,
+            )
+    except (OSError, RuntimeError, dist.DistError) as exc:
         who = "rank 0 (this process)" if env.rank == 0 else f"rank {env.rank}"
         raise LaunchError(
             f"The job's ranks did not all join the store at {env.master_addr}:{env.master_port} "

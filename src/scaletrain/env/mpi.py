@@ -14,6 +14,7 @@ checks that its port is free before it starts (scaletrain.dist).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
@@ -32,7 +33,7 @@ from scaletrain.env._common import (
 from scaletrain.env.base import ClusterEnv, ClusterEnvironment
 from scaletrain.errors import EnvironmentDetectionError
 
-__all__ = ["MPIEnvironment"]
+__all__ = ["MPIEnvironment", "mpirun_command", "tty_from_launcher"]
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -50,7 +51,7 @@ class _Flavour:
     local_size: str
     """Number of processes on this node."""
     export: str
-    """How this launcher forwards a variable to every process."""
+    """How this launcher forwards a variable to every process ({mpirun}: `mpirun_command()`)."""
 
 
 _OPENMPI = _Flavour(
@@ -59,7 +60,7 @@ _OPENMPI = _Flavour(
     size="OMPI_COMM_WORLD_SIZE",
     local_rank="OMPI_COMM_WORLD_LOCAL_RANK",
     local_size="OMPI_COMM_WORLD_LOCAL_SIZE",
-    export="mpirun -x MASTER_ADDR=<host of rank 0>",
+    export="{mpirun} -x MASTER_ADDR=<host of rank 0>",
 )
 _HYDRA = _Flavour(
     label="MPICH / Intel MPI's mpiexec (Hydra)",
@@ -67,15 +68,35 @@ _HYDRA = _Flavour(
     size="PMI_SIZE",
     local_rank="MPI_LOCALRANKID",
     local_size="MPI_LOCALNRANKS",
-    export="mpiexec -genv MASTER_ADDR <host of rank 0> (Open MPI: mpirun -x MASTER_ADDR=<host of rank 0>)",
+    export="mpiexec -genv MASTER_ADDR <host of rank 0> (Open MPI: {mpirun} -x MASTER_ADDR=<host of rank 0>)",
 )
 
 
+def mpirun_command() -> str:
+    """Open MPI's mpirun as this user must type it: as root (a container's usual user)
+    it refuses to start without --allow-run-as-root."""
+    return "mpirun --allow-run-as-root" if os.geteuid() == 0 else "mpirun"
+
+
 def _fix(flavour: _Flavour) -> str:
+    starter = mpirun_command() if flavour is _OPENMPI else "mpiexec"
     return (
         f"these variables are written by {flavour.label} for each process; start the "
-        "program with it (e.g. `mpirun -np <N> python train.py`) and do not set them by hand"
+        f"program with it (e.g. `{starter} -np <N> python train.py`) and do not set them "
+        "by hand"
     )
+
+
+def tty_from_launcher(environ: Mapping[str, str] | None = None) -> bool:
+    """True in a process Open MPI's mpirun started: its stdout is a terminal whatever
+    the user's output is, so a terminal there says nothing about where the text lands.
+
+    mpirun gives every rank a pseudo-terminal for stdout and copies what comes out of
+    it to its own stdout: a log file or a pipe as often as a terminal. (MPICH's Hydra
+    gives its ranks pipes, which tell the truth.)
+    """
+    environ = os.environ if environ is None else environ
+    return _OPENMPI.rank in environ
 
 
 # Open MPI 4.x, then Open MPI 5 (PRRTE): the mpirun job's id, the same in every rank.
@@ -160,7 +181,8 @@ class MPIEnvironment(ClusterEnvironment):
                 f"({world_size.source}, {local_world.source}): MPI does not tell where "
                 "rank 0 runs, so the rendezvous host is unknown. Expected MASTER_ADDR=<host "
                 f"of rank 0> in every process. Fix: pass it through the launcher, "
-                f"`{flavour.export}` (usually the first host of your host file)."
+                f"`{flavour.export.format(mpirun=mpirun_command())}` (usually the first host of "
+                "your host file)."
             )
 
         return build_env(

@@ -31,6 +31,8 @@ __all__ = [
     "interface_addresses",
     "interface_of",
     "is_local",
+    "listen_socket",
+    "loopback_address",
     "node_range",
     "port_in_use",
     "resolve",
@@ -107,6 +109,44 @@ def is_local(addresses: Iterable[str]) -> bool:
             except OSError:
                 continue
     return False
+
+
+def loopback_address(host: str) -> str | None:
+    """The address to listen on for a server reached at `host`, where `host` is written
+    as this machine's loopback: "localhost" or a loopback IP (127.0.0.1, ::1); None for
+    any other host.
+
+    A name that merely resolves to loopback here is not: Debian maps the host's own
+    name to 127.0.1.1, while the other nodes reach that name at its real address.
+    For "localhost", the first address it resolves to: the one a client tries first.
+    """
+    if host == "localhost":
+        try:
+            addresses = resolve(host)
+        except OSError:
+            return None
+        return addresses[0] if addresses and all(_is_loopback(a) for a in addresses) else None
+    return host if _is_loopback(host) else None
+
+
+def listen_socket(address: str, port: int) -> socket.socket:
+    """A TCP socket bound to `address` only (port 0: a free one) and listening.
+
+    torch's TCPStore binds every interface of the machine unless it is given a socket
+    to listen on (`master_listen_fd`): this is that socket. SO_REUSEADDR as torch's
+    own store sets it, so a port in TIME_WAIT from the last run is free. Raises
+    OSError where the address is not this machine's or the port is taken.
+    """
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((address, port))
+        sock.listen(socket.SOMAXCONN)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def interface_addresses() -> dict[str, str]:

@@ -27,6 +27,7 @@ from scaletrain.launch.failures import summarize_failure
 from scaletrain.launch.fastjoin import fast_rendezvous
 from scaletrain.launch.guard import guarded_command
 from scaletrain.launch.plan import Plan, make_plan
+from scaletrain.launch.rendezvous import adopt
 
 if TYPE_CHECKING:
     from scaletrain.env.base import ClusterEnv
@@ -287,10 +288,8 @@ def _parse_torchrun_args(torchrun: Any, plan: Plan) -> Any:
     )
     args.no_python, args.module = True, False
     args.training_script, args.training_script_args = entry, guarded
+    adopt(args, plan)  # torch's rendezvous, with node ranks, a kept store, loopback
     return args
-
-
-_LINGER_S = 2.0
 
 
 def _hosts_store(plan: Plan) -> bool:
@@ -318,26 +317,15 @@ class _AgentWatch:
 
 @contextlib.contextmanager
 def _agent_hooks(plan: Plan) -> Iterator[_AgentWatch]:
-    """Two small patches to torch's agent, for this launch only.
-
-    - Count its rendezvous rounds, so that a rendezvous that fails after a failure
-      is not reported as one that never formed.
-    - On the node that hosts the rendezvous store, wait a moment before the store
-      closes: after the agents' exit barrier (the last agent to reach it returns at
-      once; the others, still being told, printed a page of "Failed to recv, got 0
-      bytes" and "Error waiting on exit barrier" although every worker succeeded),
-      and after its workers failed for good (see `invoked`).
-    """
-    import time
-
+    """Count the agent's rendezvous rounds and worker starts, for this launch only, so
+    that a rendezvous that fails after a failure is not reported as one that never
+    formed. (The store's host waits for the other nodes at the end: rendezvous.py.)"""
     from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
     watch = _AgentWatch()
-    rendezvous, exit_barrier = SimpleElasticAgent._rendezvous, SimpleElasticAgent._exit_barrier
-    invoke_run = SimpleElasticAgent._invoke_run
+    rendezvous = SimpleElasticAgent._rendezvous
     start_workers = LocalElasticAgent._start_workers
-    linger = _hosts_store(plan)
 
     def counted(self: Any, worker_group: Any) -> None:
         watch.rounds += 1
@@ -347,30 +335,12 @@ def _agent_hooks(plan: Plan) -> Iterator[_AgentWatch]:
         watch.started += 1
         return start_workers(self, worker_group)
 
-    def lingering(self: Any) -> None:
-        exit_barrier(self)
-        if linger:
-            time.sleep(_LINGER_S)
-
-    def invoked(self: Any, role: str = "default") -> Any:
-        result = invoke_run(self, role)
-        if linger and result.is_failed():
-            # Failed for good: torch returns at once, without the exit barrier. Where all
-            # workers fail together (a refusal after a gather), the other nodes found the
-            # store gone before they saw their own workers fail.
-            time.sleep(_LINGER_S)
-        return result
-
     SimpleElasticAgent._rendezvous = counted  # type: ignore[method-assign]
-    SimpleElasticAgent._exit_barrier = lingering  # type: ignore[method-assign]
-    SimpleElasticAgent._invoke_run = invoked  # type: ignore[method-assign]
     LocalElasticAgent._start_workers = started  # type: ignore[method-assign]
     try:
         yield watch
     finally:
         SimpleElasticAgent._rendezvous = rendezvous  # type: ignore[method-assign]
-        SimpleElasticAgent._exit_barrier = exit_barrier  # type: ignore[method-assign]
-        SimpleElasticAgent._invoke_run = invoke_run  # type: ignore[method-assign]
         LocalElasticAgent._start_workers = start_workers  # type: ignore[method-assign]
 
 

@@ -95,11 +95,13 @@ def node_environment(cluster: ClusterEnv | None) -> ClusterEnv | None:
         return None
     if cluster.local_world_size == 1:
         return cluster
+    from scaletrain.env.mpi import mpirun_command
+
     starter = "srun" if cluster.kind == "slurm" else "mpirun"
     one_per_node = (
         "srun --ntasks-per-node=1 scaletrain launch ..."
         if cluster.kind == "slurm"
-        else "mpirun --map-by ppr:1:node scaletrain launch ..."
+        else f"{mpirun_command()} --map-by ppr:1:node scaletrain launch ..."
     )
     raise ConfigError(
         f"{starter} started {cluster.local_world_size} tasks on this node (rank "

@@ -2,15 +2,27 @@
 
 from __future__ import annotations
 
+import os
 import sys
+from collections.abc import Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING
+
+from scaletrain.env.mpi import tty_from_launcher
 
 if TYPE_CHECKING:
     from rich.console import Console
     from rich.progress import Progress, TaskID
 
 __all__ = ["StepProgress"]
+
+
+def _terminal(environ: Mapping[str, str]) -> bool | None:
+    """Whether the console is a terminal: None lets rich decide (the output's isatty(),
+    FORCE_COLOR, TTY_COMPATIBLE). Under Open MPI stdout is mpirun's pseudo-terminal,
+    whatever the user's output is: no live bar and no colours there unless forced."""
+    forced = bool(environ.get("FORCE_COLOR")) or environ.get("TTY_COMPATIBLE") == "1"
+    return False if tty_from_launcher(environ) and not forced else None
 
 
 class StepProgress:
@@ -23,7 +35,9 @@ class StepProgress:
 
         self.enabled = enabled
         # soft_wrap: in a log file a long line stays one line instead of wrapping at 80.
-        self.console = console or Console(file=sys.stdout, soft_wrap=True)
+        self.console = console or Console(
+            file=sys.stdout, soft_wrap=True, force_terminal=_terminal(os.environ)
+        )
         # In a log file (CI, `tee`) a live bar is noise: print a line per update instead.
         self.live = enabled and self.console.is_terminal
         self._progress: Progress | None = None
