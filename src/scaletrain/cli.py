@@ -28,9 +28,22 @@ _SUPERVISED = "SCALETRAIN_SUPERVISED"
 error files and leave the printing to it (once, for the first rank that failed)."""
 
 
+_TRAIN_ELSEWHERE = {
+    "--log-dir": "--out DIR: a run keeps its logs (metrics.jsonl, observe/) in its run "
+    "directory; --log-dir is `scaletrain launch`'s, for a script's worker output",
+    "--nproc-per-node": "--nproc N (processes on this node)",
+    "--standalone": "leave it out: one node is the default (several machines: --nnodes N "
+    "and --rdzv-endpoint HOST:PORT on each)",
+    "--master-addr": "--rdzv-endpoint HOST:PORT replaces --master-addr and --master-port "
+    "(with --nnodes, on every node); on one node leave them out: a free port is chosen",
+}
+_TRAIN_ELSEWHERE["--master-port"] = _TRAIN_ELSEWHERE["--master-addr"]
+"""torchrun's and `scaletrain launch`'s flags a train user brings along, and what to pass."""
+
+
 def _add_train(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from scaletrain.settings import add_flags
-    from scaletrain.train.config import METAVARS, TrainConfig
+    from scaletrain.train.config import FLAG_GROUPS, METAVARS, SWITCHES, TrainConfig
 
     p = sub.add_parser(
         "train",
@@ -46,7 +59,9 @@ def _add_train(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--config", metavar="FILE", default=None,
         help="YAML or JSON file of settings (e.g. a run's config.json); flags given too win",
     )  # fmt: skip
-    add_flags(p, TrainConfig, metavars=METAVARS)
+    add_flags(p, TrainConfig, metavars=METAVARS, groups=FLAG_GROUPS, switches=SWITCHES)
+    if isinstance(p, Parser):
+        p.elsewhere = {**p.elsewhere, **_TRAIN_ELSEWHERE}
 
 
 def _add_checkpoint(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

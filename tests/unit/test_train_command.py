@@ -7,7 +7,9 @@ tests/dist/test_train_command.py.
 
 from __future__ import annotations
 
+import argparse
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +18,7 @@ import pytest
 
 from scaletrain import cli
 from scaletrain.errors import ConfigError, spell, use_cli_names
-from scaletrain.settings import field_docs, field_specs, read_config_file
+from scaletrain.settings import field_docs, field_specs, read_config_file, typed_flags
 from scaletrain.train.config import SINGLE_PROCESS_STRATEGIES, TrainConfig
 
 CONFIGS = Path(__file__).parent / "data" / "configs"
@@ -234,6 +236,59 @@ def test_saved_config_files_replay(name: str) -> None:
     )
     if expected is not None:
         assert {k: getattr(config, k) for k in expected} == expected
+
+
+def _train_parser() -> argparse.ArgumentParser:
+    parser = cli.build_parser("train")
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    train = sub.choices["train"]
+    assert isinstance(train, argparse.ArgumentParser)
+    return train
+
+
+def test_train_help_is_in_sections_and_every_setting_in_one() -> None:
+    """issue 26: `train --help` listed 42 flags in one block."""
+    from scaletrain.train.config import FLAG_GROUPS
+
+    grouped = [name for _, names in FLAG_GROUPS for name in names]
+    assert sorted(grouped) == sorted(s.name for s in field_specs(TrainConfig))
+    train = _train_parser()
+    sections = {g.title: g for g in train._action_groups}
+    for title, names in FLAG_GROUPS:
+        flags = [o for a in sections[title]._group_actions for o in a.option_strings]
+        assert [f for f in flags if not f.startswith("--no-")] == [
+            "--" + n.replace("_", "-") for n in names
+        ]
+    # Only -h and --config are left outside the sections.
+    loose = [o for a in sections["options"]._group_actions for o in a.option_strings]
+    assert loose == ["-h", "--help", "--config"]
+
+
+def test_help_texts_say_defaults_and_their_own_placeholder() -> None:
+    """issue 26: 18 help texts said "None: ..." (a config file's null, not a flag's
+    default) and --max-restarts K said "up to N times"."""
+    for parser in (_train_parser(), cli.build_parser("launch")):
+        for action in parser._actions:
+            text = action.help or ""
+            assert "None" not in text, (action.option_strings, text)
+            metavar = action.metavar if isinstance(action.metavar, str) else ""
+            if re.fullmatch(r"[A-Z]", metavar):
+                letters = set(re.findall(r"\b([A-Z])\b", text)) - {"A", "I"}
+                assert letters <= {metavar}, (action.option_strings, text)
+    help_text = _train_parser().format_help()
+    assert "--max-restarts K" in help_text and "up to K times" in help_text
+
+
+@pytest.mark.parametrize("field", ["overwrite", "fork_optimizer"])
+def test_switches_that_are_off_unless_given_have_no_off_form(field: str) -> None:
+    """issue 26: --no-overwrite and --no-fork-optimizer did nothing (both are off unless
+    given, and a run's config.json records them off)."""
+    flag = "--" + field.replace("_", "-")
+    flags = {o for a in _train_parser()._actions for o in a.option_strings}
+    assert flag in flags and "--no-" + flag[2:] not in flags
+    ns = cli.build_parser("train").parse_args(["train", flag])
+    assert typed_flags(ns, TrainConfig) == {field: True}
+    assert typed_flags(cli.build_parser("train").parse_args(["train"]), TrainConfig) == {}
 
 
 # -- 7. quick answers ---------------------------------------------------------------------
