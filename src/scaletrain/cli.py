@@ -226,7 +226,41 @@ def _preflight(config: TrainConfig, nodes: int, hint: int | None) -> int:
         model = recipe.build()
     strategy.check_model(model, topo)
     recipe.locate_data(config.data_dir)
+    if device.type == "cpu":
+        _warn_oversubscribed(config, recipe, nproc, topo.dp_size)
     return nproc
+
+
+_CORES_PER_PROCESS = 0.5
+"""Fewer CPU cores than this per training process is warned about: each step waits for
+the slowest rank, and a rank without a core of its own waits for one."""
+
+
+def _warn_oversubscribed(config: TrainConfig, recipe: Any, nproc: int, dp_size: int) -> None:
+    """One line when --nproc asks for far more CPU processes than this machine has cores
+    (they train, slowly) and, unless --lr is given, the learning rate that the linear
+    scaling rule gives their global batch: both are easy to miss and cost a whole run."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    if nproc * _CORES_PER_PROCESS <= cores:
+        return
+    line = (
+        f"scaletrain: warning: {spell('nproc', nproc)} starts {nproc} training processes on "
+        f"{cores} CPU core{'s' if cores != 1 else ''} ({nproc / cores:.3g} per core; every "
+        "step waits for the slowest, so it runs far slower than with fewer)"
+    )
+    fix = f"{spell('nproc', cores)}"
+    if config.lr is None:
+        global_batch = (config.batch_size or recipe.batch_size) * dp_size * config.accumulate
+        line += (
+            f", and the learning rate scales with the global batch of {global_batch:,} to "
+            f"{recipe.scaled_lr(global_batch):g} (the recipe's {recipe.lr:g} at "
+            f"{recipe.reference_batch:,})"
+        )
+        fix += f", or set {spell('lr')}"
+    print(f"{line}. Fix: {fix}.", file=sys.stderr, flush=True)
 
 
 # Flags with a value that the launcher consumes; the workers it starts are ranks of the

@@ -142,6 +142,88 @@ def test_monitor_interval_reaches_the_launcher(
     assert TrainConfig().monitor_interval == LaunchConfig().monitor_interval
 
 
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--out", "afile"], ["--out afile names a file", "Fix: pass a directory"]),
+        (["--out", "afile/run"], ["--out afile/run is inside afile, which is a file"]),
+        (["--out", "old", "--fork", "afile"], ["--fork afile names a file"]),
+    ],
+)
+def test_a_run_directory_that_is_a_file_is_refused_before_start(
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    args: list[str],
+    words: list[str],
+) -> None:
+    """issue 26: `--out FILE` failed on rank 0 with a 15-line traceback (exit 1)."""
+    import scaletrain.launch as launch_mod
+
+    monkeypatch.setattr(launch_mod, "launch", lambda *a, **k: pytest.fail("launched"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("mine\n")
+    code, err = _train(capsys, *args, "--recipe", "split-net")
+    assert code == 2, err
+    for word in words:
+        assert word in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert (tmp_path / "afile").read_text() == "mine\n"
+
+
+def test_a_run_directory_this_user_cannot_write_is_refused_before_start(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+
+    import scaletrain.launch as launch_mod
+
+    monkeypatch.setattr(launch_mod, "launch", lambda *a, **k: pytest.fail("launched"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "locked").mkdir()
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, m: Path(p).name != "locked" and real(p, m))
+    code, err = _train(capsys, "--out", "locked/run", "--recipe", "split-net")
+    assert code == 2 and "locked, where it would be made, is not writable" in err, err
+    assert not (tmp_path / "locked" / "run").exists()
+
+
+@pytest.mark.parametrize(("nproc", "warned"), [(64, True), (4, False)])
+def test_far_more_cpu_processes_than_cores_is_warned_once(
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    nproc: int,
+    warned: bool,
+) -> None:
+    """issue 26: --nproc 64 on 2 cores ran silently for minutes with the learning rate
+    scaled to 3.2 (the ConvNet's 0.1 at a global batch of 200, here 64 x 100)."""
+    import os
+
+    import scaletrain.launch as launch_mod
+    from scaletrain.testing.datasets import write_fake_mnist
+
+    pytest.importorskip("torch")
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CPU-only behaviour")
+    data = write_fake_mnist(tmp_path / "data")
+    monkeypatch.setattr(launch_mod, "launch", lambda *a, **k: 0)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.chdir(tmp_path)
+    code, err = _train(capsys, "--nproc", str(nproc), "--data-dir", str(data), "--out", "r")
+    assert code == 0, err
+    if not warned:
+        assert err == ""
+        return
+    assert err.count("\n") == 1 and err.startswith("scaletrain: warning: --nproc 64 starts 64")
+    assert "on 2 CPU cores" in err and "learning rate scales" in err and "to 3.2" in err
+    assert "Fix: --nproc 2, or set --lr." in err
+    code, err = _train(capsys, "--nproc", "64", "--data-dir", str(data), "--out", "r", "--lr", "1")
+    assert "learning rate" not in err and err.endswith("Fix: --nproc 2.\n")
+
+
 def test_argparse_refuses_unknown_choices(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         cli.main(["train", "--precision", "fp64"])

@@ -15,6 +15,7 @@ This module imports no torch: the CLI checks a directory before it launches anyt
 
 from __future__ import annotations
 
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,12 +74,38 @@ def inspect_run(path: str | Path) -> RunDir:
     )
 
 
+def _refuse_unusable(path: Path, field: str) -> None:
+    """A run directory is (or will be made) a directory this user can write: a file at
+    its path or above it, or a parent it cannot write, is refused before anything runs
+    (rank 0's mkdir would otherwise fail after every process started)."""
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    if existing is None:
+        return
+    fix = f"Fix: pass a directory, new or a run's, e.g. {spell(field, 'runs/NAME')}"
+    if not existing.is_dir():
+        where = "names a file" if existing == path else f"is inside {existing}, which is a file"
+        raise ConfigError(
+            f"{spell(field, str(path))} {where}; expected a directory, where a run keeps its "
+            f"checkpoints, metrics.jsonl and model.pt. {fix}.",
+            field=field,
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "that directory" if existing == path else f"{existing}, where it would be made,"
+        raise ConfigError(
+            f"{spell(field, str(path))}: {what} is not writable by this user; expected a "
+            f"directory the run can write its checkpoints and metrics into. {fix}.",
+            field=field,
+        )
+
+
 def refuse_reuse(run: RunDir, *, overwrite: bool, field: str = "out") -> None:
-    """Raise ConfigError when starting on `run` would replace a finished run's results.
+    """Raise ConfigError when `run` cannot be a run directory (a file, not writable), or
+    when starting on it would replace a finished run's results.
 
     `field` is the setting that named the directory: "out" for a run, "fork" for the
     directory a fork would start in (which must not hold a run at all).
     """
+    _refuse_unusable(run.path, field)
     if overwrite:
         return
     if field == "fork" and run.holds_run:
