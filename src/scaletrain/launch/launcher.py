@@ -442,9 +442,10 @@ def _run_torchrun(plan: Plan, cfg: LaunchConfig, *, quiet: bool = False) -> int:
         if interrupts.count > 1:
             return EXIT_ABORTED
         summary, code = summarize_failure(
-            exc, redirects=cfg.redirects, log_dir=cfg.log_dir, prog=_PROG
+            exc, redirects=cfg.redirects, log_dir=cfg.log_dir, prog=_PROG, workers_record=quiet
         )
-        print(summary, file=sys.stderr, flush=True)
+        if summary:
+            print(summary, file=sys.stderr, flush=True)
         return code
     except SignalException as exc:
         # The agent was told to stop (Ctrl-C, scheduler preemption); it has already
@@ -483,8 +484,10 @@ def launch(
     unresolvable endpoint) and ConfigError for a config that cannot work.
 
     Ctrl-C once asks the workers to stop (torch forwards SIGINT and waits for them);
-    twice kills them at once and returns 130. `quiet` hides the agent's own log lines
-    and the launcher's Ctrl-C notice: for `scaletrain train`, whose workers say it.
+    twice kills them at once and returns 130. `quiet` is for `scaletrain train`, whose
+    workers say what happens and record their own errors: it hides the agent's own log
+    lines and the launcher's Ctrl-C notice, and a worker that failed without a record
+    is explained by how it ended (failures.summarize_failure).
 
     In a Slurm batch script (outside any srun task) the launcher runs `relaunch`, the
     command that started it, under srun with one task per node of the allocation, in
