@@ -289,6 +289,10 @@ def _worker_args(argv: Sequence[str], out: str | None) -> list[str]:
 
 
 def _cmd_train(ns: argparse.Namespace, argv: Sequence[str]) -> int:
+    from scaletrain.train.signals import ctrl_c_held
+
+    with ctrl_c_held():
+        import torch  # noqa: F401  (a Ctrl-C during this import could be lost: see there)
     from scaletrain.launch.training import default_out, place
 
     config = train_config(ns)
@@ -320,11 +324,14 @@ def _cmd_train(ns: argparse.Namespace, argv: Sequence[str]) -> int:
     if single and (placement.env is None or not placement.env.per_node):
         return _train_here(config.replace(out=out), worker=False)
     from scaletrain.launch import LaunchConfig, launch
-    from scaletrain.train.rundir import PREEMPTED_MARKER
+    from scaletrain.launch.guard import SIGINT_HELD
+    from scaletrain.launch.launcher import LaunchReport
+    from scaletrain.train.rundir import PREEMPTED_MARKER, remove_pid_files
 
     marker = os.path.join(run_dir, PREEMPTED_MARKER) if run_dir is not None else None
     if marker is not None and os.path.exists(marker):
         os.unlink(marker)
+    report = LaunchReport()
     code = launch(
         LaunchConfig(
             nproc_per_node=nproc,
@@ -338,16 +345,26 @@ def _cmd_train(ns: argparse.Namespace, argv: Sequence[str]) -> int:
             # 0 (the default) lets a platform's own setting apply (a Kubeflow elasticPolicy).
             max_restarts=config.max_restarts or None,
             monitor_interval=config.monitor_interval,
-            extra_env={_SUPERVISED: "1"},
+            extra_env={_SUPERVISED: "1", SIGINT_HELD: "1"},
         ),
         "scaletrain",
         ["train", *_worker_args(argv, out)],
         env=placement.env,
         quiet=True,
+        report=report,
     )
+    if run_dir is not None:
+        # Workers killed at once (a second Ctrl-C, the OOM killer) could not remove theirs.
+        remove_pid_files(run_dir, report.workers)
+    if report.interrupts > 1:
+        return EXIT_ABORTED  # a second Ctrl-C, also after the save: the user said "now"
     # A signal to the launcher reaches the workers too: they saved and stopped.
-    preempted = code != 0 and marker is not None and os.path.exists(marker)
-    return EXIT_PREEMPTED if preempted else code
+    if code != 0 and marker is not None and os.path.exists(marker):
+        return EXIT_PREEMPTED
+    if report.interrupts and code == EXIT_ABORTED:
+        # Ctrl-C before the workers could save anything: they stay quiet, this says it.
+        print("\nscaletrain: interrupted.", file=sys.stderr)
+    return code
 
 
 def _train_here(config: TrainConfig, *, worker: bool) -> int:
@@ -355,7 +372,7 @@ def _train_here(config: TrainConfig, *, worker: bool) -> int:
     from scaletrain.train import Trainer
     from scaletrain.train.trainer import Preempted
 
-    trainer = Trainer(config)
+    trainer = Trainer(config, worker=worker)
     try:
         trainer.run()
     except Preempted:
@@ -458,6 +475,23 @@ def _cmd_env() -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        if os.environ.get(_SUPERVISED):
+            from scaletrain.launch.guard import release_sigint
+
+            # Started with Ctrl-C held (launch/guard.py): one pressed while this worker
+            # started raises KeyboardInterrupt here, below, not inside an import.
+            release_sigint()
+        return _main(argv)
+    except KeyboardInterrupt:
+        # Ctrl-C before any worker started (or in a one-process command): no traceback.
+        # A worker of `scaletrain train` stays quiet: its launcher says it, once.
+        if not os.environ.get(_SUPERVISED):
+            print("\nscaletrain: interrupted.", file=sys.stderr)
+        return EXIT_ABORTED
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     use_cli_names()
     # The first word names the command; anything else (--help, a typo) gets the whole CLI.
@@ -496,10 +530,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ScaletrainError as exc:
         print(f"scaletrain: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:
-        # Ctrl-C before any worker started (or in a one-process command): no traceback.
-        print("\nscaletrain: interrupted.", file=sys.stderr)
-        return EXIT_ABORTED
     parser.print_help()
     return EXIT_USAGE
 

@@ -15,19 +15,32 @@ This module imports no torch: the CLI checks a directory before it launches anyt
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
 from scaletrain.errors import ConfigError, spell
 
-__all__ = ["RunDir", "clear_run", "inspect_run", "refuse_reuse", "set_aside_interrupted"]
+__all__ = [
+    "PIDS_DIR",
+    "RunDir",
+    "clear_run",
+    "inspect_run",
+    "refuse_reuse",
+    "remove_pid_files",
+    "set_aside_interrupted",
+]
 
 PREEMPTED_MARKER = "PREEMPTED"
 """File rank 0 writes into the run directory when a signal stopped the run."""
 
-_RUN_FILES = ("checkpoints", "model.pt", "metrics.jsonl", "config.json", PREEMPTED_MARKER, "pids")
+PIDS_DIR = "pids"
+"""RUN/pids/rank<r>.pid: each worker's pid while it runs (removed as it exits)."""
+
+_RUN_FILES = ("checkpoints", "model.pt", "metrics.jsonl", "config.json", PREEMPTED_MARKER, PIDS_DIR)
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,3 +177,19 @@ def set_aside_interrupted(run: RunDir) -> str | None:
         f"{run.path} held a run that was interrupted before its first checkpoint: starting "
         f"over from step 0 (its metrics are kept in {kept.name})"
     )
+
+
+def remove_pid_files(run_dir: str | Path, pids: Collection[int]) -> None:
+    """Remove the pid files of the workers `pids` (all gone: killed at once, they could
+    not remove their own), and RUN/pids/ once empty. Other files stay: on a disk shared
+    by several nodes, another node's workers may still be running."""
+    folder = Path(run_dir) / PIDS_DIR
+    for path in folder.glob("rank*.pid"):
+        try:
+            pid = int(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if pid in pids:
+            path.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        folder.rmdir()
