@@ -28,9 +28,22 @@ _SUPERVISED = "SCALETRAIN_SUPERVISED"
 error files and leave the printing to it (once, for the first rank that failed)."""
 
 
+_TRAIN_ELSEWHERE = {
+    "--log-dir": "--out DIR: a run keeps its logs (metrics.jsonl, observe/) in its run "
+    "directory; --log-dir is `scaletrain launch`'s, for a script's worker output",
+    "--nproc-per-node": "--nproc N (processes on this node)",
+    "--standalone": "leave it out: one node is the default (several machines: --nnodes N "
+    "and --rdzv-endpoint HOST:PORT on each)",
+    "--master-addr": "--rdzv-endpoint HOST:PORT replaces --master-addr and --master-port "
+    "(with --nnodes, on every node); on one node leave them out: a free port is chosen",
+}
+_TRAIN_ELSEWHERE["--master-port"] = _TRAIN_ELSEWHERE["--master-addr"]
+"""torchrun's and `scaletrain launch`'s flags a train user brings along, and what to pass."""
+
+
 def _add_train(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from scaletrain.settings import add_flags
-    from scaletrain.train.config import METAVARS, TrainConfig
+    from scaletrain.train.config import FLAG_GROUPS, METAVARS, SWITCHES, TrainConfig
 
     p = sub.add_parser(
         "train",
@@ -46,7 +59,9 @@ def _add_train(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--config", metavar="FILE", default=None,
         help="YAML or JSON file of settings (e.g. a run's config.json); flags given too win",
     )  # fmt: skip
-    add_flags(p, TrainConfig, metavars=METAVARS)
+    add_flags(p, TrainConfig, metavars=METAVARS, groups=FLAG_GROUPS, switches=SWITCHES)
+    if isinstance(p, Parser):
+        p.elsewhere = {**p.elsewhere, **_TRAIN_ELSEWHERE}
 
 
 def _add_checkpoint(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -197,7 +212,41 @@ def _preflight(config: TrainConfig, nodes: int, hint: int | None) -> tuple[int, 
         model = recipe.build()
     strategy.check_model(model, topo)
     recipe.locate_data(config.data_dir)
+    if device.type == "cpu":
+        _warn_oversubscribed(config, recipe, nproc, topo.dp_size)
     return nproc, topo.dp_size
+
+
+_CORES_PER_PROCESS = 0.5
+"""Fewer CPU cores than this per training process is warned about: each step waits for
+the slowest rank, and a rank without a core of its own waits for one."""
+
+
+def _warn_oversubscribed(config: TrainConfig, recipe: Any, nproc: int, dp_size: int) -> None:
+    """One line when --nproc asks for far more CPU processes than this machine has cores
+    (they train, slowly) and, unless --lr is given, the learning rate that the linear
+    scaling rule gives their global batch: both are easy to miss and cost a whole run."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    if nproc * _CORES_PER_PROCESS <= cores:
+        return
+    line = (
+        f"scaletrain: warning: {spell('nproc', nproc)} starts {nproc} training processes on "
+        f"{cores} CPU core{'s' if cores != 1 else ''} ({nproc / cores:.3g} per core; every "
+        "step waits for the slowest, so it runs far slower than with fewer)"
+    )
+    fix = f"{spell('nproc', cores)}"
+    if config.lr is None:
+        global_batch = (config.batch_size or recipe.batch_size) * dp_size * config.accumulate
+        line += (
+            f", and the learning rate scales with the global batch of {global_batch:,} to "
+            f"{recipe.scaled_lr(global_batch):g} (the recipe's {recipe.lr:g} at "
+            f"{recipe.reference_batch:,})"
+        )
+        fix += f", or set {spell('lr')}"
+    print(f"{line}. Fix: {fix}.", file=sys.stderr, flush=True)
 
 
 # Flags with a value that the launcher consumes; the workers it starts are ranks of the
@@ -226,6 +275,10 @@ def _worker_args(argv: Sequence[str], out: str | None) -> list[str]:
 
 
 def _cmd_train(ns: argparse.Namespace, argv: Sequence[str]) -> int:
+    from scaletrain.train.signals import ctrl_c_held
+
+    with ctrl_c_held():
+        import torch  # noqa: F401  (a Ctrl-C during this import could be lost: see there)
     from scaletrain.launch.training import default_out, place
 
     config = train_config(ns)
@@ -266,11 +319,14 @@ def _cmd_train(ns: argparse.Namespace, argv: Sequence[str]) -> int:
     if single and (placement.env is None or not placement.env.per_node):
         return _train_here(config.replace(out=out), worker=False)
     from scaletrain.launch import LaunchConfig, launch
-    from scaletrain.train.rundir import PREEMPTED_MARKER
+    from scaletrain.launch.guard import SIGINT_HELD
+    from scaletrain.launch.launcher import LaunchReport
+    from scaletrain.train.rundir import PREEMPTED_MARKER, remove_pid_files
 
     marker = os.path.join(run_dir, PREEMPTED_MARKER) if run_dir is not None else None
     if marker is not None and os.path.exists(marker):
         os.unlink(marker)
+    report = LaunchReport()
     code = launch(
         LaunchConfig(
             nproc_per_node=nproc,
@@ -284,16 +340,26 @@ def _cmd_train(ns: argparse.Namespace, argv: Sequence[str]) -> int:
             # 0 (the default) lets a platform's own setting apply (a Kubeflow elasticPolicy).
             max_restarts=config.max_restarts or None,
             monitor_interval=config.monitor_interval,
-            extra_env={_SUPERVISED: "1"},
+            extra_env={_SUPERVISED: "1", SIGINT_HELD: "1"},
         ),
         "scaletrain",
         ["train", *_worker_args(argv, out)],
         env=placement.env,
         quiet=True,
+        report=report,
     )
+    if run_dir is not None:
+        # Workers killed at once (a second Ctrl-C, the OOM killer) could not remove theirs.
+        remove_pid_files(run_dir, report.workers)
+    if report.interrupts > 1:
+        return EXIT_ABORTED  # a second Ctrl-C, also after the save: the user said "now"
     # A signal to the launcher reaches the workers too: they saved and stopped.
-    preempted = code != 0 and marker is not None and os.path.exists(marker)
-    return EXIT_PREEMPTED if preempted else code
+    if code != 0 and marker is not None and os.path.exists(marker):
+        return EXIT_PREEMPTED
+    if report.interrupts and code == EXIT_ABORTED:
+        # Ctrl-C before the workers could save anything: they stay quiet, this says it.
+        print("\nscaletrain: interrupted.", file=sys.stderr)
+    return code
 
 
 def _train_here(config: TrainConfig, *, worker: bool) -> int:
@@ -301,7 +367,7 @@ def _train_here(config: TrainConfig, *, worker: bool) -> int:
     from scaletrain.train import Trainer
     from scaletrain.train.trainer import Preempted
 
-    trainer = Trainer(config)
+    trainer = Trainer(config, worker=worker)
     try:
         trainer.run()
     except Preempted:
@@ -408,6 +474,23 @@ def _cmd_env() -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        if os.environ.get(_SUPERVISED):
+            from scaletrain.launch.guard import release_sigint
+
+            # Started with Ctrl-C held (launch/guard.py): one pressed while this worker
+            # started raises KeyboardInterrupt here, below, not inside an import.
+            release_sigint()
+        return _main(argv)
+    except KeyboardInterrupt:
+        # Ctrl-C before any worker started (or in a one-process command): no traceback.
+        # A worker of `scaletrain train` stays quiet: its launcher says it, once.
+        if not os.environ.get(_SUPERVISED):
+            print("\nscaletrain: interrupted.", file=sys.stderr)
+        return EXIT_ABORTED
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     use_cli_names()
     # The first word names the command; anything else (--help, a typo) gets the whole CLI.
@@ -446,10 +529,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ScaletrainError as exc:
         print(f"scaletrain: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:
-        # Ctrl-C before any worker started (or in a one-process command): no traceback.
-        print("\nscaletrain: interrupted.", file=sys.stderr)
-        return EXIT_ABORTED
     parser.print_help()
     return EXIT_USAGE
 

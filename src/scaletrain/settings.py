@@ -31,7 +31,7 @@ import re
 import textwrap
 import types
 import typing
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, NoReturn, TypeVar, get_args, get_origin
 
@@ -143,16 +143,40 @@ def add_flags(
     *,
     metavars: Mapping[str, str] = {},
     exclude: Collection[str] = (),
+    groups: Sequence[tuple[str, Sequence[str]]] = (),
+    switches: Collection[str] = (),
 ) -> None:
     """One flag per field of `cls` (a parser or an argument group), except the fields
     named in `exclude`. Defaults are not stored in the namespace: `typed_flags` tells
-    what the user typed."""
-    for spec in field_specs(cls):
+    what the user typed.
+
+    `groups` are (title, field names) pairs: each becomes a section of --help, its
+    fields in the order given (fields in no group follow, on `parser` itself).
+    `switches` are bool fields that ask for something once, for this start
+    (`--overwrite`): they are off unless given, so they get only the flag that turns
+    them on; a `--no-` form would do nothing.
+    """
+    placed: dict[str, Any] = {}
+    for title, names in groups:
+        shown = [n for n in names if n not in exclude]
+        if shown:
+            section = parser.add_argument_group(title)
+            placed.update(dict.fromkeys(shown, section))
+    specs = {s.name: s for s in field_specs(cls)}
+    unknown = [n for n in placed if n not in specs]
+    if unknown:
+        raise TypeError(f"flag groups name {unknown}, which are not fields of {cls.__name__}")
+    order = [*placed, *(n for n in specs if n not in placed)]
+    for name in order:
+        spec = specs[name]
         if spec.name in exclude:
             continue
+        target = placed.get(spec.name, parser)
         kwargs: dict[str, Any] = {"dest": spec.name, "default": _SUPPRESS, "help": _help(spec)}
         if spec.base is bool:
-            kwargs["action"] = argparse.BooleanOptionalAction
+            kwargs["action"] = (
+                "store_true" if spec.name in switches else argparse.BooleanOptionalAction
+            )
         else:
             # Other spellings (--precision bf16) become the value's own name before
             # argparse checks the choices.
@@ -165,7 +189,13 @@ def add_flags(
             if spec.choices is not None:
                 kwargs["choices"] = spec.choices
                 kwargs["metavar"] = "{" + ",".join(map(str, spec.choices)) + "}"
-        parser.add_argument(spec.flag, **kwargs)
+        target.add_argument(spec.flag, **kwargs)
+        if spec.base is bool and spec.name in switches and isinstance(parser, Parser):
+            off = "--no-" + spec.flag[2:]
+            parser.elsewhere = {
+                **parser.elsewhere,
+                off: f"leave out {off}: {spec.flag} is off unless given",
+            }
 
 
 def _spelled(name: str, base: type, text: str) -> Any:
@@ -352,6 +382,12 @@ class Parser(argparse.ArgumentParser):
     else where the flags are described; not argparse's usage block (30 lines for
     `train`) above it."""
 
+    elsewhere: Mapping[str, str] = {}
+    """Flags this command does not take that users bring from elsewhere (torchrun's
+    `--standalone`, another command's flag) -> the fix in this command's terms, said
+    instead of the nearest spelling (`--log-dir` is not a misspelt `--log-every`).
+    Keys are long flags with dashes; `--a_b` is looked up as `--a-b`."""
+
     def error(self, message: str) -> NoReturn:
         m = _CHOICE.fullmatch(message)
         said: list[str] = []
@@ -379,7 +415,11 @@ class Parser(argparse.ArgumentParser):
             known.update({o[2:]: longs[0] for o in longs})
 
         def near(flag: str) -> str:
-            found = dict.fromkeys(known[k] for k in closest(flag.split("=")[0][2:], list(known)))
+            name = flag.split("=")[0]
+            instead = self.elsewhere.get(name.replace("_", "-"))
+            if instead is not None:
+                return instead
+            found = dict.fromkeys(known[k] for k in closest(name[2:], list(known)))
             return f"{' or '.join(found)} (not {flag})" if found else ""
 
         fixes = [f for flag in extra if flag.startswith("--") and (f := near(flag))]

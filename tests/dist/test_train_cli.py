@@ -135,3 +135,41 @@ def test_a_long_evaluation_is_progress_not_a_hang(tmp_path: Path) -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     assert not (tmp_path / "run" / "hang").exists()
+
+
+@pytest.mark.parametrize("nproc", ["2", "1"])
+def test_a_closed_stdout_loses_the_output_not_the_run(tmp_path: Path, nproc: str) -> None:
+    """issue 26: `scaletrain train ... | head -3` ended the run at its next progress line
+    (exit 1, no checkpoint, the launcher's "Decorate ... with @record" advice)."""
+    data = write_fake_mnist(tmp_path / "data", n_train=400, n_test=40, seed=4)
+    run = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "scaletrain", "train", "--nproc", nproc, "--max-steps", "24",
+         "--batch-size", "10", "--log-every", "1", "--save-every", "8",
+         "--data-dir", str(data), "--out", str(run)],
+        cwd=tmp_path,
+        env=launcher_free_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None and proc.stderr is not None
+        head = [proc.stdout.readline() for _ in range(3)]
+        proc.stdout.close()  # what `head -3` does after its third line
+        err = proc.stderr.read()
+        code = proc.wait(timeout=200)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert head[0].startswith("scaletrain train: recipe convnet"), head
+    assert code == 0, err
+    assert err.count("standard output was closed") == 1, err
+    for noise in ("Traceback", "@record", "error"):
+        assert noise not in err, err
+    # Trained to the end: every checkpoint, the model and the summary.
+    assert sorted(p.name for p in (run / "checkpoints").iterdir())[-1] == "step-000024"
+    assert (run / "model.pt").is_file()
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["event"] == "summary" and records[-1]["steps"] == 24

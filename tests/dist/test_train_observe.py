@@ -77,6 +77,20 @@ def test_train_prints_the_phase_table_and_writes_the_ledger(trained: tuple[Path,
         assert any("ProfilerStep#" in e.get("name", "") for e in json.load(f)["traceEvents"])
 
 
+def test_the_profile_is_told_in_one_line_without_kinetos_lines(
+    trained: tuple[Path, subprocess.CompletedProcess[str]],
+) -> None:
+    """issue 26: the traces' place and overlap went unsaid, and kineto's `USDT ...
+    profiler_start` lines (one per rank and call) reached the console."""
+    run, done = trained
+    console = done.stdout + done.stderr
+    assert "USDT" not in console and "profiler_st" not in console, console
+    lines = [line for line in console.splitlines() if line.startswith("profile:")]
+    assert len(lines) == 1, console
+    assert f"profile: steps 3-4 of 2 ranks traced to {run / 'traces'} (merged.json.gz" in lines[0]
+    assert "communication overlapped with compute in the traces: median " in lines[0]
+
+
 def test_tensorboard_scalars_are_written(trained: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
     run, _ = trained
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -70,3 +70,57 @@ def test_workers_without_our_records_get_the_generic_summary(tmp_path: Path) -> 
     summary, code = summarize_failure(errors.ChildFailedError("train.py", {0: plain}))
     assert code == 3 and summary.startswith("scaletrain launch: worker rank 0")
     assert "No error file" in summary
+
+
+def _unrecorded(rank: int, exitcode: int, tmp_path: Path) -> object:
+    return errors.ProcessFailure(
+        local_rank=rank, pid=200 + rank, exitcode=exitcode, error_file=str(tmp_path / f"no{rank}")
+    )
+
+
+def test_a_scaletrain_worker_without_a_record_is_the_cause_not_its_peers_echo(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """issue 26: rank 0 of `scaletrain train | head` ended without an error file; the
+    launcher named rank 1's "connection closed by peer", or gave torch's @record advice."""
+    gone = RuntimeError("[../gloo/transport/tcp/pair.cc] Connection closed by peer [127.0.0.1]")
+    echo = _failure(tmp_path, monkeypatch, 1, gone, exitcode=1, at=4.0)
+    exc = errors.ChildFailedError("scaletrain", {0: _unrecorded(0, 120, tmp_path), 1: echo})
+    summary, code = summarize_failure(exc, workers_record=True)
+    assert code == 120
+    assert summary.splitlines()[0] == (
+        "scaletrain: rank 0 (pid 200) exited with code 120 without recording an error: Python "
+        "ends with 120 when it cannot write out stdout or stderr at exit (the output was closed)."
+    )
+    assert "@record" not in summary and "Connection closed" not in summary
+
+
+@pytest.mark.parametrize(
+    ("exitcode", "words", "code"),
+    [
+        (-9, "killed by signal SIGKILL without recording an error: SIGKILL comes from the "
+             "out-of-memory killer", 137),
+        (-11, "a crash in native code", 139),
+        (-6, "an abort in native code", 134),
+        (86, "the hang watchdog ended it", 86),
+    ],
+)  # fmt: skip
+def test_how_a_worker_ended_names_the_cause(
+    tmp_path: Path, exitcode: int, words: str, code: int
+) -> None:
+    # Rank 1 ended by itself; rank 0 was stopped by the agent's SIGTERM afterwards.
+    failures = {0: _unrecorded(0, -15, tmp_path), 1: _unrecorded(1, exitcode, tmp_path)}
+    summary, got = summarize_failure(
+        errors.ChildFailedError("scaletrain", failures), workers_record=True
+    )
+    assert summary.startswith("scaletrain: rank 1 (pid 201) ") and words in summary, summary
+    assert "@record" not in summary and "Other failed ranks: 0" in summary
+    assert got == code
+
+
+def test_workers_that_saved_on_a_signal_are_not_a_failure_to_report(tmp_path: Path) -> None:
+    failures = {r: _unrecorded(r, 75, tmp_path) for r in (0, 1)}
+    summary, code = summarize_failure(
+        errors.ChildFailedError("scaletrain", failures), workers_record=True
+    )
+    assert (summary, code) == ("", 75)

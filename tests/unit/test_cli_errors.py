@@ -33,6 +33,17 @@ from scaletrain.errors import closest, unknown
         (["train", "-n", "3"], "See: scaletrain train --help."),
         (["train", "--no", "3"], "See: scaletrain train --help."),
         (["launch", "--nproc", "1", "s.py"], "Fix: --nproc-per-node (not --nproc)."),
+        # Flags from elsewhere (torchrun, another command): what to pass here instead, not
+        # the nearest spelling (issue 26).
+        (["train", "--log-dir", "x"], "Fix: --out DIR: a run keeps its logs"),
+        (["train", "--nproc-per-node", "2"], "Fix: --nproc N"),
+        (["train", "--master-port", "29500"], "--rdzv-endpoint HOST:PORT replaces"),
+        (["launch", "--standalone", "s.py"], "Fix: leave it out: one node is the default"),
+        (["launch", "--master-port", "29500", "s.py"], "--rdzv-endpoint HOST:PORT replaces"),
+        (["launch", "--master_addr", "h", "s.py"], "--rdzv-endpoint HOST:PORT replaces"),
+        (["job", "sbatch", "--nproc-per-node", "4"], "or --nproc N for the processes"),
+        (["train", "--no-overwrite"], "Fix: leave out --no-overwrite: --overwrite is off"),
+        (["job", "sbatch", "--no-fork-optimizer"], "leave out --no-fork-optimizer"),
     ],
 )
 def test_a_parser_refusal_is_one_line_with_the_fix(
@@ -89,3 +100,19 @@ def test_python_m_launch_refuses_in_one_line_too(capsys: pytest.CaptureFixture[s
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "usage:" not in err
     assert "python -m scaletrain.launch: error:" in err and "Fix: --nproc-per-node" in err
+
+
+@pytest.mark.parametrize(
+    ("args", "wrong"),
+    [
+        (["train", "--log-dir", "x"], "--log-every"),
+        (["job", "sbatch", "--nproc-per-node", "4"], "Fix: --gpus-per-node (not"),
+        (["train", "--no-overwrite"], "Fix: --overwrite (not"),
+    ],
+)
+def test_a_flag_from_elsewhere_is_not_taken_for_a_typo(
+    capsys: pytest.CaptureFixture[str], args: list[str], wrong: str
+) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(args)
+    assert wrong not in capsys.readouterr().err

@@ -104,8 +104,9 @@ def test_cli_flags_are_frozen() -> None:
          # issue 7: one config (flags generated from TrainConfig, --config FILE)
          "--config", "--schedule", "--warmup", "--num-workers", "--eval-batch-size",
          "--eval-batches", "--no-async-save",
-         # issue 8: fork a run, replace a finished one
-         "--fork", "--fork-optimizer", "--no-fork-optimizer", "--overwrite", "--no-overwrite",
+         # issue 8: fork a run, replace a finished one (issue 26: without the --no- forms,
+         # which did nothing: both are off unless given)
+         "--fork", "--fork-optimizer", "--overwrite",
          # issue 9: the step ledger and the profile window
          "--ledger", "--no-ledger", "--ledger-every", "--profile",
          # issue 10: many machines (the multi-node flags a torchrun user knows)

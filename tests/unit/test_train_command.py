@@ -7,7 +7,9 @@ tests/dist/test_train_command.py.
 
 from __future__ import annotations
 
+import argparse
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +18,7 @@ import pytest
 
 from scaletrain import cli
 from scaletrain.errors import ConfigError, spell, use_cli_names
-from scaletrain.settings import field_docs, field_specs, read_config_file
+from scaletrain.settings import field_docs, field_specs, read_config_file, typed_flags
 from scaletrain.train.config import SINGLE_PROCESS_STRATEGIES, TrainConfig
 
 CONFIGS = Path(__file__).parent / "data" / "configs"
@@ -138,6 +140,88 @@ def test_monitor_interval_reaches_the_launcher(
     assert cli.main([*common, "--out", "b"]) == 0
     assert [c.monitor_interval for c in seen] == [2.5, LaunchConfig().monitor_interval]
     assert TrainConfig().monitor_interval == LaunchConfig().monitor_interval
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--out", "afile"], ["--out afile names a file", "Fix: pass a directory"]),
+        (["--out", "afile/run"], ["--out afile/run is inside afile, which is a file"]),
+        (["--out", "old", "--fork", "afile"], ["--fork afile names a file"]),
+    ],
+)
+def test_a_run_directory_that_is_a_file_is_refused_before_start(
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    args: list[str],
+    words: list[str],
+) -> None:
+    """issue 26: `--out FILE` failed on rank 0 with a 15-line traceback (exit 1)."""
+    import scaletrain.launch as launch_mod
+
+    monkeypatch.setattr(launch_mod, "launch", lambda *a, **k: pytest.fail("launched"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("mine\n")
+    code, err = _train(capsys, *args, "--recipe", "split-net")
+    assert code == 2, err
+    for word in words:
+        assert word in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert (tmp_path / "afile").read_text() == "mine\n"
+
+
+def test_a_run_directory_this_user_cannot_write_is_refused_before_start(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+
+    import scaletrain.launch as launch_mod
+
+    monkeypatch.setattr(launch_mod, "launch", lambda *a, **k: pytest.fail("launched"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "locked").mkdir()
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, m: Path(p).name != "locked" and real(p, m))
+    code, err = _train(capsys, "--out", "locked/run", "--recipe", "split-net")
+    assert code == 2 and "locked, where it would be made, is not writable" in err, err
+    assert not (tmp_path / "locked" / "run").exists()
+
+
+@pytest.mark.parametrize(("nproc", "warned"), [(64, True), (4, False)])
+def test_far_more_cpu_processes_than_cores_is_warned_once(
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    nproc: int,
+    warned: bool,
+) -> None:
+    """issue 26: --nproc 64 on 2 cores ran silently for minutes with the learning rate
+    scaled to 3.2 (the ConvNet's 0.1 at a global batch of 200, here 64 x 100)."""
+    import os
+
+    import scaletrain.launch as launch_mod
+    from scaletrain.testing.datasets import write_fake_mnist
+
+    pytest.importorskip("torch")
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CPU-only behaviour")
+    data = write_fake_mnist(tmp_path / "data")
+    monkeypatch.setattr(launch_mod, "launch", lambda *a, **k: 0)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.chdir(tmp_path)
+    code, err = _train(capsys, "--nproc", str(nproc), "--data-dir", str(data), "--out", "r")
+    assert code == 0, err
+    if not warned:
+        assert err == ""
+        return
+    assert err.count("\n") == 1 and err.startswith("scaletrain: warning: --nproc 64 starts 64")
+    assert "on 2 CPU cores" in err and "learning rate scales" in err and "to 3.2" in err
+    assert "Fix: --nproc 2, or set --lr." in err
+    code, err = _train(capsys, "--nproc", "64", "--data-dir", str(data), "--out", "r", "--lr", "1")
+    assert "learning rate" not in err and err.endswith("Fix: --nproc 2.\n")
 
 
 def test_argparse_refuses_unknown_choices(capsys: pytest.CaptureFixture[str]) -> None:
@@ -288,6 +372,59 @@ def test_saved_config_files_replay(name: str) -> None:
     )
     if expected is not None:
         assert {k: getattr(config, k) for k in expected} == expected
+
+
+def _train_parser() -> argparse.ArgumentParser:
+    parser = cli.build_parser("train")
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    train = sub.choices["train"]
+    assert isinstance(train, argparse.ArgumentParser)
+    return train
+
+
+def test_train_help_is_in_sections_and_every_setting_in_one() -> None:
+    """issue 26: `train --help` listed 42 flags in one block."""
+    from scaletrain.train.config import FLAG_GROUPS
+
+    grouped = [name for _, names in FLAG_GROUPS for name in names]
+    assert sorted(grouped) == sorted(s.name for s in field_specs(TrainConfig))
+    train = _train_parser()
+    sections = {g.title: g for g in train._action_groups}
+    for title, names in FLAG_GROUPS:
+        flags = [o for a in sections[title]._group_actions for o in a.option_strings]
+        assert [f for f in flags if not f.startswith("--no-")] == [
+            "--" + n.replace("_", "-") for n in names
+        ]
+    # Only -h and --config are left outside the sections.
+    loose = [o for a in sections["options"]._group_actions for o in a.option_strings]
+    assert loose == ["-h", "--help", "--config"]
+
+
+def test_help_texts_say_defaults_and_their_own_placeholder() -> None:
+    """issue 26: 18 help texts said "None: ..." (a config file's null, not a flag's
+    default) and --max-restarts K said "up to N times"."""
+    for parser in (_train_parser(), cli.build_parser("launch")):
+        for action in parser._actions:
+            text = action.help or ""
+            assert "None" not in text, (action.option_strings, text)
+            metavar = action.metavar if isinstance(action.metavar, str) else ""
+            if re.fullmatch(r"[A-Z]", metavar):
+                letters = set(re.findall(r"\b([A-Z])\b", text)) - {"A", "I"}
+                assert letters <= {metavar}, (action.option_strings, text)
+    help_text = _train_parser().format_help()
+    assert "--max-restarts K" in help_text and "up to K times" in help_text
+
+
+@pytest.mark.parametrize("field", ["overwrite", "fork_optimizer"])
+def test_switches_that_are_off_unless_given_have_no_off_form(field: str) -> None:
+    """issue 26: --no-overwrite and --no-fork-optimizer did nothing (both are off unless
+    given, and a run's config.json records them off)."""
+    flag = "--" + field.replace("_", "-")
+    flags = {o for a in _train_parser()._actions for o in a.option_strings}
+    assert flag in flags and "--no-" + flag[2:] not in flags
+    ns = cli.build_parser("train").parse_args(["train", flag])
+    assert typed_flags(ns, TrainConfig) == {field: True}
+    assert typed_flags(cli.build_parser("train").parse_args(["train"]), TrainConfig) == {}
 
 
 # -- 7. quick answers ---------------------------------------------------------------------

@@ -57,8 +57,23 @@ class _EnvAction(argparse.Action):
             ns.cluster = text.strip().lower()
 
 
+_ELSEWHERE = {
+    "--standalone": "leave it out: one node is the default; for several machines, run the "
+    "same command on each with --nnodes N and --rdzv-endpoint HOST:PORT",
+    "--master-addr": "--rdzv-endpoint HOST:PORT replaces --master-addr and --master-port "
+    "(node 0's address and a free port, with --nnodes and --node-rank); on one node leave "
+    "them out: a free port is chosen",
+}
+_ELSEWHERE["--master-port"] = _ELSEWHERE["--master-addr"]
+"""torchrun's flags that scaletrain launch says otherwise (see Parser.elsewhere)."""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the `launch` flags and the SCRIPT [ARGS...] positionals to `parser`."""
+    from scaletrain.settings import Parser
+
+    if isinstance(parser, Parser):
+        parser.elsewhere = _ELSEWHERE
     # argparse sorts every word into option or positional before SCRIPT's REMAINDER
     # takes its share, and errors on a script flag that abbreviates two of ours
     # (`--nproc`). With abbreviations off, such words are left for the script.

@@ -105,16 +105,96 @@ def _exit_code(failure: Any) -> tuple[int, str]:
     return (exitcode if 0 < exitcode < 256 else 1), f"exited with code {exitcode}"
 
 
+_NATIVE_CRASH = (signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE)
+_FROM_OUTSIDE = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+
+
+def _why_unrecorded(exitcode: int) -> str:
+    """Why a scaletrain worker may end without an error file, read from how it ended."""
+    from scaletrain.exitcodes import EXIT_ABORTED, EXIT_HANG, EXIT_PREEMPTED
+
+    if exitcode == 120:
+        return (
+            "Python ends with 120 when it cannot write out stdout or stderr at exit (the "
+            "output was closed)"
+        )
+    if exitcode == EXIT_HANG:
+        return "the hang watchdog ended it; its diagnosis (`hang detected ...`) is above"
+    if exitcode in (EXIT_PREEMPTED, EXIT_ABORTED):
+        return "a signal stopped it"
+    if exitcode >= 0:
+        return "it ended in native code or through os._exit, before Python could record why"
+    sig = -exitcode
+    if sig == signal.SIGKILL:
+        return (
+            "SIGKILL comes from the out-of-memory killer (`dmesg` says so) or from a kill -9 "
+            "by someone"
+        )
+    if sig == signal.SIGABRT:
+        return "an abort in native code; the C++ reason (`terminate called ...`) is above"
+    if sig in _NATIVE_CRASH:
+        return "a crash in native code (torch, a library, a driver); its output above says where"
+    if sig == signal.SIGPIPE:
+        return "its output was closed"
+    if sig in _FROM_OUTSIDE:
+        return "a signal from outside the job stopped it"
+    return "a signal ended it before Python could record why"
+
+
+def _unrecorded_cause(failures: dict[int, Any]) -> tuple[int, Any]:
+    """Of the failed ranks that recorded nothing, the likeliest cause: one that ended by
+    itself rather than by a signal from outside (the agent's SIGTERM to the rest), then
+    the earliest, then the lowest rank."""
+
+    def key(item: tuple[int, Any]) -> tuple[bool, float, int]:
+        rank, failure = item
+        stopped = int(failure.exitcode) < 0 and -int(failure.exitcode) in _FROM_OUTSIDE
+        return stopped, float(getattr(failure, "timestamp", 0) or 0), rank
+
+    return min(failures.items(), key=key)
+
+
 def summarize_failure(
-    exc: Any, *, redirects: str = "0", log_dir: str | None = None, prog: str = _PROG
+    exc: Any,
+    *,
+    redirects: str = "0",
+    log_dir: str | None = None,
+    prog: str = _PROG,
+    workers_record: bool = False,
 ) -> tuple[str, int]:
-    """What to print for a ChildFailedError, and the exit code to end with.
+    """What to print for a ChildFailedError ("" for nothing), and the exit code to end with.
 
     Workers that recorded a scaletrain error: the earliest one's message (usage
     errors) or traceback (anything else), naming its rank; the rest are consequences.
-    Other workers: torch's first failure, its exit code and its error file.
+    A failed rank that recorded nothing, where the others only report that a peer went
+    away, is the cause. Other workers: torch's first failure, its exit code and its
+    error file.
+
+    `workers_record`: the workers are scaletrain's own (`scaletrain train`), which
+    record every Python error themselves; one that did not ended in a way no decorator
+    catches (a signal, a crash in native code, an unwritable output at exit), and the
+    message says which, instead of torch's advice to decorate the entry point.
     """
+    from scaletrain.exitcodes import EXIT_PREEMPTED
+
     ours = {r: d for r, f in exc.failures.items() if (d := _ours(f)) is not None}
+    unrecorded = {r: f for r, f in exc.failures.items() if r not in ours}
+    if workers_record and all(int(f.exitcode) == EXIT_PREEMPTED for f in exc.failures.values()):
+        return "", EXIT_PREEMPTED  # saved and stopped on a signal: rank 0 said so
+    only_echoes = not any(not d.get("consequence") for d in ours.values())
+    if workers_record and unrecorded and only_echoes:
+        rank, failure = _unrecorded_cause(unrecorded)
+        code, how = _exit_code(failure)
+        lines = [
+            f"scaletrain: rank {rank} (pid {failure.pid}) {how} without recording an error: "
+            f"{_why_unrecorded(int(failure.exitcode))}."
+        ]
+        others = sorted(r for r in exc.failures if r != rank)
+        if others:
+            lines.append(
+                f"  Other failed ranks: {', '.join(map(str, others))} (after it, or because of it)."
+            )
+        return "\n".join(lines), code
     if ours:
         # The cause: the earliest failure that is not just "a peer went away"; the
         # earliest of any kind where every rank reports only that.

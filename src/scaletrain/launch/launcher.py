@@ -11,6 +11,7 @@ of a failed worker instead of torchrun's page-long traceback.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shlex
 import signal
@@ -25,7 +26,7 @@ from scaletrain.launch.checks import check_network, check_target
 from scaletrain.launch.config import LaunchConfig
 from scaletrain.launch.failures import summarize_failure
 from scaletrain.launch.fastjoin import fast_rendezvous
-from scaletrain.launch.guard import guarded_command
+from scaletrain.launch.guard import guarded_command, sigint_held
 from scaletrain.launch.plan import Plan, make_plan
 from scaletrain.launch.rendezvous import adopt
 
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
 _plan = make_plan
 
 __all__ = [
+    "LaunchReport",
     "Plan",
     "build_torchrun_args",
     "dry_run_command",
@@ -313,17 +315,31 @@ class _AgentWatch:
         self.rounds = 0
         self.started = 0
         """Times the workers were started (0: still in the first rendezvous)."""
+        self.pids: list[int] = []
+        """Every worker it started, in every round."""
+
+
+@dataclasses.dataclass(slots=True)
+class LaunchReport:
+    """What a launch did, for a caller that tells the user in its own words
+    (`scaletrain train`): filled in by `launch(..., report=)` as it returns."""
+
+    interrupts: int = 0
+    """Ctrl-C presses the launcher received (2 or more: it killed the workers)."""
+    workers: list[int] = dataclasses.field(default_factory=list)
+    """The pids of the workers it started on this node, in every round (all gone by the
+    time launch() returns)."""
 
 
 @contextlib.contextmanager
-def _agent_hooks(plan: Plan) -> Iterator[_AgentWatch]:
-    """Count the agent's rendezvous rounds and worker starts, for this launch only, so
-    that a rendezvous that fails after a failure is not reported as one that never
-    formed. (The store's host waits for the other nodes at the end: rendezvous.py.)"""
+def _agent_hooks(plan: Plan, watch: _AgentWatch) -> Iterator[_AgentWatch]:
+    """Count the agent's rendezvous rounds and note its workers' pids, for this launch
+    only, so that a rendezvous that fails after a failure is not reported as one that
+    never formed, and a second Ctrl-C knows whose pid files to remove. (The store's host
+    waits for the other nodes at the end: rendezvous.py.)"""
     from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-    watch = _AgentWatch()
     rendezvous = SimpleElasticAgent._rendezvous
     start_workers = LocalElasticAgent._start_workers
 
@@ -333,7 +349,12 @@ def _agent_hooks(plan: Plan) -> Iterator[_AgentWatch]:
 
     def started(self: Any, worker_group: Any) -> Any:
         watch.started += 1
-        return start_workers(self, worker_group)
+        # Each worker starts with Ctrl-C held (guard.py); a Ctrl-C pressed meanwhile
+        # reaches this process when the block ends, after the pids are known.
+        with sigint_held():
+            pids = start_workers(self, worker_group)
+            watch.pids.extend(pids.values())
+        return pids
 
     SimpleElasticAgent._rendezvous = counted  # type: ignore[method-assign]
     LocalElasticAgent._start_workers = started  # type: ignore[method-assign]
@@ -391,30 +412,44 @@ def _rendezvous_failure(exc: Exception, plan: Plan, cfg: LaunchConfig, watch: _A
     ) from exc
 
 
-def _run_torchrun(plan: Plan, cfg: LaunchConfig, *, quiet: bool = False) -> int:
+def _run_torchrun(
+    plan: Plan, cfg: LaunchConfig, *, quiet: bool = False, report: LaunchReport | None = None
+) -> int:
+    interrupts = _Interrupts(quiet)
+    watch = _AgentWatch()
+    try:
+        return _run_agent(plan, cfg, quiet, interrupts, watch)
+    finally:
+        if report is not None:
+            report.interrupts = interrupts.count
+            report.workers = list(watch.pids)
+
+
+def _run_agent(
+    plan: Plan, cfg: LaunchConfig, quiet: bool, interrupts: _Interrupts, watch: _AgentWatch
+) -> int:
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
 
-    interrupts = _Interrupts(quiet)
-    watch = _AgentWatch()
     try:
         # The agent's modules are imported by now, so _quiet_agent sees their loggers.
         with (
             interrupts,
             _quiet_agent(quiet),
             fast_rendezvous(single_node=plan.mode == "standalone"),
-            _agent_hooks(plan) as watch,
+            _agent_hooks(plan, watch),
         ):
             torchrun.run(_parse_torchrun_args(torchrun, plan))
     except ChildFailedError as exc:
         if interrupts.count > 1:
             return EXIT_ABORTED
         summary, code = summarize_failure(
-            exc, redirects=cfg.redirects, log_dir=cfg.log_dir, prog=_PROG
+            exc, redirects=cfg.redirects, log_dir=cfg.log_dir, prog=_PROG, workers_record=quiet
         )
-        print(summary, file=sys.stderr, flush=True)
+        if summary:
+            print(summary, file=sys.stderr, flush=True)
         return code
     except SignalException as exc:
         # The agent was told to stop (Ctrl-C, scheduler preemption); it has already
@@ -444,6 +479,7 @@ def launch(
     env: ClusterEnv | None = None,
     quiet: bool = False,
     relaunch: Sequence[str] | None = None,
+    report: LaunchReport | None = None,
 ) -> int:
     """Run `script` (or module, with cfg.run_as_module) on this node's workers; return the exit code.
 
@@ -453,12 +489,16 @@ def launch(
     unresolvable endpoint) and ConfigError for a config that cannot work.
 
     Ctrl-C once asks the workers to stop (torch forwards SIGINT and waits for them);
-    twice kills them at once and returns 130. `quiet` hides the agent's own log lines
-    and the launcher's Ctrl-C notice: for `scaletrain train`, whose workers say it.
+    twice kills them at once and returns 130. `quiet` is for `scaletrain train`, whose
+    workers say what happens and record their own errors: it hides the agent's own log
+    lines and the launcher's Ctrl-C notice, and a worker that failed without a record
+    is explained by how it ended (failures.summarize_failure).
 
     In a Slurm batch script (outside any srun task) the launcher runs `relaunch`, the
     command that started it, under srun with one task per node of the allocation, in
     place of this process (see batch.py); without `relaunch` it refuses.
+
+    `report`, where given, is filled in with what happened (LaunchReport).
     """
     plan = make_plan(cfg, script, script_args, env=env, relaunch=relaunch)
     if plan.mode == "srun":
@@ -466,4 +506,4 @@ def launch(
     check_target(script, cfg.run_as_module)
     check_network(plan, cfg)
     with _launch_environ(cfg, plan):
-        return _run_torchrun(plan, cfg, quiet=quiet)
+        return _run_torchrun(plan, cfg, quiet=quiet, report=report)

@@ -13,10 +13,11 @@ carries the numbers already read once per logging window.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 __all__ = ["EvalEvent", "Observer", "Observers", "RunInfo", "StepEvent"]
 
@@ -86,6 +87,12 @@ class Observer:
     """Base class: override the events you need. Every method runs on every rank that
     has the observer (the trainer gives rank-0-only observers to rank 0 alone)."""
 
+    reports: ClassVar[str] = ""
+    """What this observer only reports ("the progress display", "metrics.jsonl"), for the
+    one line said if it fails: such an observer's errors never stop training (it is
+    dropped, and the run goes on). Empty: it takes part in the run (the watchdog, the
+    ledger's collectives), and its errors are the run's."""
+
     def on_run_start(self, info: RunInfo) -> None:
         return None
 
@@ -127,7 +134,9 @@ class Observer:
 
 
 class Observers(Observer):
-    """Several observers as one: each event goes to each, in order."""
+    """Several observers as one: each event goes to each, in order. An observer that only
+    reports (`Observer.reports`) and fails is dropped with one line on stderr; the
+    others' errors propagate."""
 
     def __init__(self, observers: Iterable[Observer] = ()) -> None:
         self.members: list[Observer] = list(observers)
@@ -135,53 +144,68 @@ class Observers(Observer):
     def add(self, observer: Observer) -> None:
         self.members.append(observer)
 
+    def _each(self, event: str, *args: Any) -> None:
+        for o in list(self.members):
+            if not o.reports:
+                getattr(o, event)(*args)
+                continue
+            try:
+                getattr(o, event)(*args)
+            except Exception as exc:
+                self._drop(o, exc)
+
+    def _drop(self, observer: Observer, exc: Exception) -> None:
+        from scaletrain.observe.output import tell
+
+        self.members.remove(observer)
+        with contextlib.suppress(Exception):
+            observer.close()
+        tell(
+            f"scaletrain: {observer.reports} failed ({type(exc).__name__}: {exc}) and is "
+            "off for the rest of the run; training goes on."
+        )
+
     def on_run_start(self, info: RunInfo) -> None:
-        for o in self.members:
-            o.on_run_start(info)
+        self._each("on_run_start", info)
 
     def on_epoch_start(self, epoch: int, epochs: int, steps_in_epoch: int, done: int) -> None:
-        for o in self.members:
-            o.on_epoch_start(epoch, epochs, steps_in_epoch, done)
+        self._each("on_epoch_start", epoch, epochs, steps_in_epoch, done)
 
     def on_step_end(self, event: StepEvent) -> None:
-        for o in self.members:
-            o.on_step_end(event)
+        self._each("on_step_end", event)
 
     def on_log(self, record: Mapping[str, Any]) -> None:
-        for o in self.members:
-            o.on_log(record)
+        self._each("on_log", record)
 
     def on_epoch_end(self, epoch: int) -> None:
-        for o in self.members:
-            o.on_epoch_end(epoch)
+        self._each("on_epoch_end", epoch)
 
     def on_eval_batch(self, step: int) -> None:
-        for o in self.members:
-            o.on_eval_batch(step)
+        self._each("on_eval_batch", step)
 
     def on_eval(self, event: EvalEvent) -> None:
-        for o in self.members:
-            o.on_eval(event)
+        self._each("on_eval", event)
 
     def on_save(self, step: int, path: Path) -> None:
-        for o in self.members:
-            o.on_save(step, path)
+        self._each("on_save", step, path)
 
     def on_stop(self, step: int, total_steps: int, reason: str, path: Path | None) -> None:
-        for o in self.members:
-            o.on_stop(step, total_steps, reason, path)
+        self._each("on_stop", step, total_steps, reason, path)
 
     def on_run_end(self, summary: Mapping[str, Any]) -> None:
-        for o in self.members:
-            o.on_run_end(summary)
+        self._each("on_run_end", summary)
 
     def close(self) -> None:
-        # Every observer gets closed even if one fails; the first failure is raised.
+        # Every observer gets closed even if one fails; the first failure of one that
+        # takes part in the run is raised (one that only reports is said and dropped).
         error: BaseException | None = None
-        for o in self.members:
+        for o in list(self.members):
             try:
                 o.close()
             except Exception as exc:
-                error = error or exc
+                if o.reports:
+                    self._drop(o, exc)
+                else:
+                    error = error or exc
         if error is not None:
             raise error

@@ -74,9 +74,12 @@ class TensorBoardScalars(Observer):
     """Rank 0: loss, lr, samples/s, evaluation and the ledger's phase medians per window,
     as TensorBoard scalars in `logdir` (written only where `tensorboard` is installed)."""
 
+    reports = "the TensorBoard scalars"
+
     def __init__(self, logdir: Path, ledger: StepLedger | None = None) -> None:
         self.logdir = logdir
         self._writer: Any = None
+        self._failed = False
         if ledger is not None:
             ledger.listeners.append(self._window)
 
@@ -103,6 +106,22 @@ class TensorBoardScalars(Observer):
         self.writer.add_scalar(f"eval/{event.metric.replace(' ', '_')}", event.accuracy, event.step)
 
     def _window(self, stats: WindowStats, newly: list[Straggler]) -> None:
+        # Called by the ledger, outside the observers' guard: a failure here is said
+        # once and turns these scalars off; it never reaches the ledger.
+        if self._failed:
+            return
+        try:
+            self._window_scalars(stats)
+        except Exception as exc:
+            from scaletrain.observe.output import tell
+
+            self._failed = True
+            tell(
+                f"scaletrain: {self.reports} failed ({type(exc).__name__}: {exc}) and are off "
+                "for the rest of the run; training goes on."
+            )
+
+    def _window_scalars(self, stats: WindowStats) -> None:
         step = stats.last_step
         for name in (*PHASES, "step"):
             s = stats.spreads[name]
@@ -111,6 +130,7 @@ class TensorBoardScalars(Observer):
                 self.writer.add_scalar(f"ledger/{name}_ms_max", s.max * 1e3, step)
 
     def close(self) -> None:
+        self._failed = True  # no window opens a new events file after this
         if self._writer is not None:
             with contextlib.suppress(Exception):
                 self._writer.close()

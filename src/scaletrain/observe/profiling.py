@@ -13,18 +13,29 @@
 - after the run rank 0 merges the traces into RUN/traces/merged.json.gz, each rank a
   process track of its own ("rank r"), on one time axis (traces carry wall-clock
   timestamps; ranks on other hosts are shifted by their clock's offset, measured when
-  the window opened: every rank read its clock right after one all-gather).
+  the window opened: every rank read its clock right after one all-gather), and says
+  in one line where the traces are and the overlap they measured.
+
+Kineto writes `USDT: ... profiler_start` / `profiler_stop` to the process's stderr
+(file descriptor 2) at every start and stop, whatever KINETO_LOG_LEVEL says: the two
+calls run with that descriptor on a temporary file, and what else was written there
+meanwhile (its warnings, another thread's lines) is passed on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import os
 import re
 import socket
+import statistics
+import sys
+import tempfile
 import time
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +123,41 @@ def arm_profile(
     return window
 
 
+_KINETO_CHATTER = re.compile(
+    rb"^(?:USDT|STAGE|INFO|VERBOSE):\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \d+:\d+ \S+\.cpp:\d+\] "
+)
+"""Kineto's progress lines (its warnings and errors are kept)."""
+
+
+@contextlib.contextmanager
+def _without_kineto_chatter() -> Iterator[None]:
+    """Run the block with fd 2 on a temporary file; then write back what is not
+    kineto's progress chatter. Where fd 2 cannot be duplicated, nothing is changed."""
+    with contextlib.suppress(Exception):
+        sys.stderr.flush()
+    try:
+        saved = os.dup(2)
+    except OSError:
+        yield
+        return
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            with contextlib.suppress(Exception):
+                sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            kept = [
+                line for line in caught.read().splitlines(True) if not _KINETO_CHATTER.match(line)
+            ]
+            if kept:
+                with contextlib.suppress(OSError):
+                    os.write(2, b"".join(kept))
+
+
 def _worker_name(rank: int) -> str:
     host = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())
     return f"rank{rank}_{host}_{os.getpid()}"
@@ -174,12 +220,14 @@ class ProfileWindow:
         # the training steps are.
         self._prof.record_steps = True
         self._prof.step_num = self.first
-        self._prof.start()
+        with _without_kineto_chatter():
+            self._prof.start()
 
     def _stop(self, ledger: Any, *, collective: bool) -> None:
         prof, self._prof = self._prof, None
         self.done = True
-        prof.stop()  # calls the trace handler: the file is written now
+        with _without_kineto_chatter():
+            prof.stop()  # calls the trace handler: the file is written now
         written = sorted(self.out.glob(f"{self.worker}.*.pt.trace.json.gz"))
         self.trace = written[-1] if written else None
         stats, kind = analyze_trace(self.trace) if self.trace else (None, "cpu")
@@ -212,14 +260,37 @@ class ProfileWindow:
             self._stop(ledger, collective=False)
 
     def merge(self, ledger: Any) -> Path | None:
-        """Rank 0, after the run: one trace with every rank's track."""
+        """Rank 0, after the run: one trace with every rank's track, and one line that
+        says where the traces are and the overlap they measured."""
         if not self.done:
             return None
         try:
-            return merge_traces(self.out, clock_ns=self.clock_ns)
+            merged: Path | None = merge_traces(self.out, clock_ns=self.clock_ns)
         except (OSError, ValueError) as exc:
             ledger.say(f"scaletrain: could not merge the traces in {self.out}: {exc}")
-            return None
+            merged = None
+        ledger.say(self.summary_line(merged))
+        return merged
+
+    def summary_line(self, merged: Path | None) -> str:
+        """ "profile: steps 4-6 of 2 ranks traced to RUN/traces (...); communication
+        overlapped with compute: median 41%, lowest 35% (rank 1)"."""
+        ranks = (self.results or {}).get("ranks", [])
+        where = f"profile: steps {self.first}-{self.last} of {len(ranks) or 1} rank"
+        where += f"{'s' if len(ranks) != 1 else ''} traced to {self.out}"
+        if merged is not None:
+            where += f" ({merged.name}: every rank on one timeline, for Perfetto or TensorBoard)"
+        measured = sorted(
+            (float(r["overlap"]), int(r["rank"])) for r in ranks if r.get("overlap") is not None
+        )
+        if not measured:
+            return f"{where}; no communication in the window, so no overlap to measure"
+        median = statistics.median(m for m, _ in measured)
+        low, rank = measured[0]
+        overlap = f"median {median:.0%}, lowest {low:.0%} (rank {rank})"
+        if len(measured) == 1:
+            overlap = f"{low:.0%} (rank {rank})"
+        return f"{where}; communication overlapped with compute in the traces: {overlap}"
 
 
 _FIELDS = ("comm_s", "compute_s", "overlapped_s", "exposed_s")

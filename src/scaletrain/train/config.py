@@ -19,7 +19,14 @@ from typing import Any, Literal
 from scaletrain.errors import ConfigError, several, spell
 from scaletrain.observe.heartbeat import DEFAULT_HANG_TIMEOUT_S
 
-__all__ = ["METAVARS", "SCHEDULES", "SINGLE_PROCESS_STRATEGIES", "TrainConfig"]
+__all__ = [
+    "FLAG_GROUPS",
+    "METAVARS",
+    "SCHEDULES",
+    "SINGLE_PROCESS_STRATEGIES",
+    "SWITCHES",
+    "TrainConfig",
+]
 
 SCHEDULES = ("cosine", "linear", "constant")
 """Learning-rate shapes after the warm-up (see scaletrain.train.schedule)."""
@@ -39,6 +46,32 @@ METAVARS = {
 }  # fmt: skip
 """The placeholder each flag shows in --help."""
 
+FLAG_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("what to train", ("recipe", "data_dir", "num_workers", "seed")),
+    ("processes and parallelism", (
+        "nproc", "strategy", "mesh", "backend", "precision", "sync_bn",
+    )),
+    ("length and optimizer", (
+        "epochs", "max_steps", "batch_size", "accumulate", "lr", "schedule", "warmup",
+        "clip_grad",
+    )),
+    ("evaluation", ("eval_batches", "eval_batch_size")),
+    ("run directory and checkpoints", (
+        "out", "save_every", "save_last", "keep", "async_save", "stop_after", "overwrite",
+        "fork", "fork_optimizer",
+    )),
+    ("output and measurement", ("log_every", "ledger", "ledger_every", "profile")),
+    ("failures", ("max_restarts", "hang_timeout", "monitor_interval")),
+    ("several machines (each node runs the same command)", (
+        "nnodes", "node_rank", "rdzv_endpoint", "rdzv_id", "local_addr", "env",
+    )),
+)  # fmt: skip
+"""The sections of `scaletrain train --help`: every field in one, in the order shown."""
+
+SWITCHES = ("overwrite", "fork_optimizer")
+"""Bool fields that ask for something once, for this start, rather than describe the run
+(config.json records them off): their flag turns them on, and there is no --no- form."""
+
 Recipe = Literal["convnet", "split-net", "wrn", "gpt"]
 ClusterKind = Literal["auto", "local", "slurm", "mpi", "torchelastic", "sagemaker", "kubeflow"]
 StrategyName = Literal["ddp", "fsdp", "tensor", "pipeline", "dp", "model-parallel", "single"]
@@ -50,51 +83,51 @@ class TrainConfig:
     """Everything `scaletrain train` needs; every field is one flag and one config-file key."""
 
     recipe: Recipe | None = None
-    """Model, data and optimizer settings to train; None: convnet (gpt for tensor parallel)."""
+    """Model, data and optimizer settings to train (default: convnet; gpt for tensor parallel)."""
     strategy: StrategyName = "ddp"
     """How the model is spread over the processes."""
     mesh: str | None = None
     """Device mesh such as dp=2,tp=2 (FSDP x tensor) or dp=2,pp=2 (DDP x pipeline)."""
     nproc: int | None = None
-    """Processes on this node; None: one per GPU, else 2 on CPU (1 for dp, model-parallel, single)."""
+    """Processes on this node (default: one per GPU, else 2 on CPU; 1 for dp, model-parallel, single)."""
     backend: Literal["nccl", "gloo"] | None = None
-    """Communication backend; None: nccl on GPUs, gloo on CPUs."""
+    """Communication backend (default: nccl on GPUs, gloo on CPUs)."""
     precision: Literal["32", "bf16-mixed", "fp16-mixed", "bf16-true"] = "32"
     """Numeric precision: fp16-mixed needs a GPU; bf16-mixed works everywhere."""
     sync_bn: bool | None = None
-    """SyncBatchNorm across data-parallel ranks; None: the recipe's choice."""
+    """SyncBatchNorm across data-parallel ranks (default: the recipe's choice)."""
     epochs: int | None = None
-    """Passes over the training set; None: the recipe's."""
+    """Passes over the training set (default: the recipe's)."""
     max_steps: int | None = None
-    """Stop after this many optimizer steps in all; None: run every epoch."""
+    """Stop after this many optimizer steps in all (default: run every epoch)."""
     batch_size: int | None = None
-    """Samples per data-parallel replica per step; None: the recipe's."""
+    """Samples per data-parallel replica per step (default: the recipe's)."""
     lr: float | None = None
-    """Peak learning rate; None: the recipe's, scaled linearly with the global batch."""
+    """Peak learning rate (default: the recipe's, scaled linearly with the global batch)."""
     schedule: Schedule = "cosine"
     """Learning rate after the warm-up: cosine or linear decay to 0 at the last step, or constant."""
     warmup: int | None = None
-    """Steps of linear learning-rate warm-up from 0; None: the recipe's."""
+    """Steps of linear learning-rate warm-up from 0 (default: the recipe's)."""
     accumulate: int = 1
     """Micro-batches per optimizer step (gradient accumulation)."""
     clip_grad: float | None = None
-    """Clip gradients to this whole-model norm; None: no clipping."""
+    """Clip gradients to this whole-model norm (default: no clipping)."""
     seed: int = 0
     """Seed for weights, shuffling and augmentation: same seed, same run."""
     data_dir: str | None = None
-    """Directory holding the dataset files; None: search the usual places."""
+    """Directory holding the dataset files (default: search the usual places)."""
     num_workers: int = 0
     """DataLoader worker processes per rank (0: load in the training process)."""
     eval_batch_size: int | None = None
-    """Samples per rank per evaluation batch; None: the recipe's."""
+    """Samples per rank per evaluation batch (default: the recipe's)."""
     eval_batches: int | None = None
-    """Evaluation batches per rank after each epoch; 0: skip evaluation; None: the whole test set."""
+    """Evaluation batches per rank after each epoch; 0: skip evaluation (default: the whole test set)."""
     out: str | None = None
-    """Run directory (metrics, checkpoints, model); None: runs/<recipe>-<job id, else time>."""
+    """Run directory for metrics, checkpoints and the model (default: runs/<recipe>-<job id, else time>)."""
     log_every: int = 20
     """Steps between metric records and progress lines."""
     save_every: int | None = None
-    """Save a checkpoint every N steps into OUT/checkpoints; None: only at the end and when stopped."""
+    """Save a checkpoint every N steps into OUT/checkpoints (default: only at the end and when stopped)."""
     save_last: bool = True
     """Keep a checkpoint of the last step, to extend or fork the run later (it holds the optimizer state: about 3x model.pt's size with Adam)."""
     keep: int = 3
@@ -104,7 +137,7 @@ class TrainConfig:
     stop_after: int | None = None
     """Save and stop after N steps of this run; starting again resumes."""
     max_restarts: int = 0
-    """Restart the workers up to N times after a failure; they resume from the last checkpoint."""
+    """Restart the workers up to K times after a failure; they resume from the last checkpoint."""
     monitor_interval: float = 0.1
     """Seconds between the launcher's checks of its workers: a failed or finished worker is noticed up to this much later."""
     hang_timeout: float = DEFAULT_HANG_TIMEOUT_S
@@ -112,9 +145,9 @@ class TrainConfig:
     fork: str | None = None
     """Start a NEW run in this directory from the weights of OUT's newest checkpoint, with the settings given now."""
     fork_optimizer: bool = False
-    """With --fork: take the optimizer state (moments) too, to continue rather than fine-tune."""
+    """With --fork: take the optimizer state (moments) too, to continue rather than fine-tune (this start only)."""
     overwrite: bool = False
-    """Replace a finished run in OUT (or in the --fork directory) instead of refusing to touch it."""
+    """Replace a finished run in OUT (or in the --fork directory) instead of refusing to touch it (this start only)."""
     ledger: bool = True
     """Step ledger: where every rank's time goes (OUT/observe/), stragglers named, a table at the end."""
     ledger_every: int = 50
@@ -122,15 +155,15 @@ class TrainConfig:
     profile: str | None = None
     """Steps to record with torch.profiler on every rank, e.g. 10-15 (traces in OUT/traces/)."""
     nnodes: str | None = None
-    """Nodes in the job, N or an elastic range MIN:MAX; None: 1, or what the cluster says."""
+    """Nodes in the job, N or an elastic range MIN:MAX (default: 1, or what the cluster says)."""
     node_rank: int | None = None
     """This node's index; node 0 hosts the rendezvous at --rdzv-endpoint."""
     rdzv_endpoint: str | None = None
     """HOST:PORT where the nodes meet (node 0's address), the same on every node."""
     rdzv_id: str | None = None
-    """Job id shared by every node; None: the scheduler's job id, else scaletrain."""
+    """Job id shared by every node (default: the scheduler's job id, else scaletrain)."""
     local_addr: str | None = None
-    """This node's address as the other nodes reach it; None: the interface that routes to them."""
+    """This node's address as the other nodes reach it (default: the interface that routes to them)."""
     env: ClusterKind = "auto"
     """Cluster environment to read; auto detects it, local runs here as one node (even in sbatch)."""
 

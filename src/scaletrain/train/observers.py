@@ -22,14 +22,29 @@ class ProgressPrinter(Observer):
     """Rank 0's terminal: the run header, a live bar per epoch (plain lines in a log
     file), each evaluation, and the last line."""
 
+    reports = "the progress display"
+
     def __init__(self, progress: StepProgress | None = None) -> None:
         self.progress = progress or StepProgress(enabled=True)
         self._epochs = 1
         self._label = ""
 
     def print(self, message: Any) -> None:
-        """A line (or a rich renderable: the ledger's table) above the live bar."""
-        self.progress.print(message)
+        """A line (or a rich renderable: the ledger's table) above the live bar. The
+        ledger prints through this between its collectives: a failure here is said
+        once and the display goes off; it never reaches the ledger."""
+        if not self.progress.enabled:
+            return
+        try:
+            self.progress.print(message)
+        except Exception as exc:
+            from scaletrain.observe.output import tell
+
+            self.progress.enabled = False
+            tell(
+                f"scaletrain: {self.reports} failed ({type(exc).__name__}: {exc}) and is off "
+                "for the rest of the run; training goes on."
+            )
 
     def on_run_start(self, info: RunInfo) -> None:
         for line in info.header:
@@ -103,6 +118,8 @@ def _size(n: int) -> str:
 class MetricsLog(Observer):
     """RUN/metrics.jsonl: one JSON object per line (`train`, `eval`, `summary`), each
     with `time`, the Unix time it was written."""
+
+    reports = "metrics.jsonl"
 
     def __init__(self, path: Path) -> None:
         self.path = path

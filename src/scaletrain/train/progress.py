@@ -33,10 +33,19 @@ class StepProgress:
         # importing rich costs every other rank 0.1 s of its start.
         from rich.console import Console
 
+        from scaletrain.observe.output import LossyStream
+
         self.enabled = enabled
         # soft_wrap: in a log file a long line stays one line instead of wrapping at 80.
+        # A closed stdout (`| head`) loses the progress, never the run (LossyStream).
+        stream = LossyStream(
+            sys.stdout,
+            then="Training goes on; the run directory's metrics.jsonl keeps every record.",
+        )
         self.console = console or Console(
-            file=sys.stdout, soft_wrap=True, force_terminal=_terminal(os.environ)
+            file=stream,  # type: ignore[arg-type]
+            soft_wrap=True,
+            force_terminal=_terminal(os.environ),
         )
         # In a log file (CI, `tee`) a live bar is noise: print a line per update instead.
         self.live = enabled and self.console.is_terminal

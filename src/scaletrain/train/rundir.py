@@ -16,18 +16,32 @@ This module imports no torch: the CLI checks a directory before it launches anyt
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
 from scaletrain.errors import ConfigError, spell
 
-__all__ = ["RunDir", "clear_run", "inspect_run", "refuse_reuse", "set_aside_interrupted"]
+__all__ = [
+    "PIDS_DIR",
+    "RunDir",
+    "clear_run",
+    "inspect_run",
+    "refuse_reuse",
+    "remove_pid_files",
+    "set_aside_interrupted",
+]
 
 PREEMPTED_MARKER = "PREEMPTED"
 """File rank 0 writes into the run directory when a signal stopped the run."""
 
-_TRAINED = ("checkpoints", "model.pt", "metrics.jsonl", "config.json", PREEMPTED_MARKER, "pids")
+PIDS_DIR = "pids"
+"""RUN/pids/rank<r>.pid: each worker's pid while it runs (removed as it exits)."""
+
+_TRAINED = ("checkpoints", "model.pt", "metrics.jsonl", "config.json", PREEMPTED_MARKER, PIDS_DIR)
 """What a run writes as it trains and saves."""
 _WATCHED = ("observe", "tensorboard", "traces", "report.html", "hang", "flight_recorder")
 """What a run writes about itself: the step ledger (observe/), TensorBoard scalars,
@@ -81,12 +95,38 @@ def inspect_run(path: str | Path) -> RunDir:
     )
 
 
+def _refuse_unusable(path: Path, field: str) -> None:
+    """A run directory is (or will be made) a directory this user can write: a file at
+    its path or above it, or a parent it cannot write, is refused before anything runs
+    (rank 0's mkdir would otherwise fail after every process started)."""
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    if existing is None:
+        return
+    fix = f"Fix: pass a directory, new or a run's, e.g. {spell(field, 'runs/NAME')}"
+    if not existing.is_dir():
+        where = "names a file" if existing == path else f"is inside {existing}, which is a file"
+        raise ConfigError(
+            f"{spell(field, str(path))} {where}; expected a directory, where a run keeps its "
+            f"checkpoints, metrics.jsonl and model.pt. {fix}.",
+            field=field,
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "that directory" if existing == path else f"{existing}, where it would be made,"
+        raise ConfigError(
+            f"{spell(field, str(path))}: {what} is not writable by this user; expected a "
+            f"directory the run can write its checkpoints and metrics into. {fix}.",
+            field=field,
+        )
+
+
 def refuse_reuse(run: RunDir, *, overwrite: bool, field: str = "out") -> None:
-    """Raise ConfigError when starting on `run` would replace a finished run's results.
+    """Raise ConfigError when `run` cannot be a run directory (a file, not writable), or
+    when starting on it would replace a finished run's results.
 
     `field` is the setting that named the directory: "out" for a run, "fork" for the
     directory a fork would start in (which must not hold a run at all).
     """
+    _refuse_unusable(run.path, field)
     if overwrite:
         return
     if field == "fork" and run.holds_run:
@@ -159,3 +199,19 @@ def set_aside_interrupted(run: RunDir) -> str | None:
         f"{run.path} held a run that was interrupted before its first checkpoint: starting "
         f"over from step 0 (what it wrote is kept in {', '.join(names)})"
     )
+
+
+def remove_pid_files(run_dir: str | Path, pids: Collection[int]) -> None:
+    """Remove the pid files of the workers `pids` (all gone: killed at once, they could
+    not remove their own), and RUN/pids/ once empty. Other files stay: on a disk shared
+    by several nodes, another node's workers may still be running."""
+    folder = Path(run_dir) / PIDS_DIR
+    for path in folder.glob("rank*.pid"):
+        try:
+            pid = int(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if pid in pids:
+            path.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        folder.rmdir()

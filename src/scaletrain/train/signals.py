@@ -6,20 +6,27 @@ be lost: the handler only sets a flag, the step in flight finishes, every rank
 agrees on the step (a signal reaches ranks at different times) and saves. A second
 Ctrl-C means "now": the process ends at once, without a traceback, and the last
 complete checkpoint stays as it was (saves are atomic).
+
+Before a worker of a launched job has formed its process group there is nothing to
+save, and a rank that waits there inside C++ for a peer that a Ctrl-C already ended
+runs no Python handler until its timeout: until `StopRequest.arm()`, Ctrl-C ends such
+a worker at once (`install(exit_until_armed=True)`), and its launcher says so.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import threading
+from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
 
 from scaletrain.exitcodes import EXIT_ABORTED
 
-__all__ = ["StopRequest"]
+__all__ = ["StopRequest", "ctrl_c_held"]
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
@@ -28,9 +35,12 @@ class StopRequest:
     """Installed for the duration of a run (main thread only); `.signal` is the first
     stop signal received, or None."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_abort: Callable[[], None] | None = None) -> None:
         self.signal: int | None = None
         self._previous: dict[int, Any] = {}
+        self.on_abort = on_abort
+        """Called before a second Ctrl-C ends the process (no `finally` runs then): what
+        must not stay behind, such as this rank's pid file."""
 
     @property
     def reason(self) -> str:
@@ -39,12 +49,20 @@ class StopRequest:
         name = signal.Signals(self.signal).name
         return "Ctrl-C" if self.signal == signal.SIGINT else f"signal {name}"
 
-    def install(self) -> StopRequest:
+    def install(self, *, exit_until_armed: bool = False) -> StopRequest:
+        """Take the stop signals from here on. `exit_until_armed`: Ctrl-C keeps its
+        default action (the process ends at once, silently) until `arm()`."""
         if threading.current_thread() is not threading.main_thread():
             return self
         for sig in _STOP_SIGNALS:
-            self._previous[sig] = signal.signal(sig, self._handle)
+            quick = exit_until_armed and sig == signal.SIGINT
+            self._previous[sig] = signal.signal(sig, signal.SIG_DFL if quick else self._handle)
         return self
+
+    def arm(self) -> None:
+        """There is a run to save from here on: Ctrl-C finishes the step and saves."""
+        if signal.SIGINT in self._previous:
+            signal.signal(signal.SIGINT, self._handle)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if signum == signal.SIGINT and self.signal == signal.SIGINT:
@@ -53,6 +71,9 @@ class StopRequest:
             print(
                 "\nscaletrain: second Ctrl-C: aborting without saving.", file=sys.stderr, flush=True
             )
+            if self.on_abort is not None:
+                with contextlib.suppress(Exception):
+                    self.on_abort()
             os._exit(EXIT_ABORTED)
         if self.signal is None:
             self.signal = signum
@@ -68,3 +89,22 @@ class StopRequest:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+
+
+@contextlib.contextmanager
+def ctrl_c_held() -> Iterator[None]:
+    """Hold Ctrl-C (block SIGINT in this, the main, thread) for the block; one pressed
+    meanwhile arrives when it ends. For `import torch`: a module it imports catches
+    KeyboardInterrupt, so a Ctrl-C during the import could be lost (3 of 40 in a test
+    here) and the run went on as if nothing had been pressed."""
+    if (
+        not hasattr(signal, "pthread_sigmask")
+        or threading.current_thread() is not threading.main_thread()
+    ):
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)

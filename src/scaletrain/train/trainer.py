@@ -26,7 +26,13 @@ from scaletrain.runtime import LedgerConfig, Runtime, init
 from scaletrain.train.config import TrainConfig
 from scaletrain.train.observers import MetricsLog, ProgressPrinter, WatchdogBeats
 from scaletrain.train.recipes import Recipe, get_recipe
-from scaletrain.train.rundir import clear_run, inspect_run, refuse_reuse, set_aside_interrupted
+from scaletrain.train.rundir import (
+    PIDS_DIR,
+    clear_run,
+    inspect_run,
+    refuse_reuse,
+    set_aside_interrupted,
+)
 from scaletrain.train.session import PREEMPTED_MARKER, Preempted, Session
 from scaletrain.train.signals import StopRequest
 
@@ -42,8 +48,13 @@ class Trainer:
     `observers` are told about the run, every step, evaluation, save and stop.
     """
 
-    def __init__(self, config: TrainConfig, observers: Iterable[Observer] = ()) -> None:
+    def __init__(
+        self, config: TrainConfig, observers: Iterable[Observer] = (), *, worker: bool = False
+    ) -> None:
         self.config = config
+        self.worker = worker
+        """One process of a launched job: a Ctrl-C before its process group forms ends it
+        at once and quietly (see scaletrain.train.signals); its launcher says it."""
         self.recipe: Recipe = get_recipe(config.resolved_recipe())
         self.extra_observers = list(observers)
         self.first_failure = True
@@ -58,10 +69,10 @@ class Trainer:
 
             # Before the process group exists: NCCL reads these when it is created.
             configure_flight_recorder(run_dir)
-        stop = StopRequest().install()
-        rt: Runtime | None = None
         self._out: Path | None = None
         self._created = False
+        stop = StopRequest(on_abort=self._tidy_out).install(exit_until_armed=self.worker)
+        rt: Runtime | None = None
         failed = False
         try:
             rt = init(
@@ -73,6 +84,7 @@ class Trainer:
                     LedgerConfig(every=cfg.ledger_every, summary="table") if cfg.ledger else False
                 ),
             )
+            stop.arm()
             return self._run(rt, stop)
         except Exception:
             failed = True
@@ -126,7 +138,7 @@ class Trainer:
         # removed at exit. parents=True: on another node's own disk, rank 0's mkdir
         # above did not happen.
         self._out, self._rank = out, rt.rank
-        pids = out / "pids"
+        pids = out / PIDS_DIR
         pids.mkdir(parents=True, exist_ok=True)
         (pids / f"rank{rt.rank}.pid").write_text(f"{os.getpid()}\n")
         return out, notes
@@ -136,7 +148,7 @@ class Trainer:
         directory this start made and left empty (it failed before writing) too."""
         if self._out is None:
             return
-        pids = self._out / "pids"
+        pids = self._out / PIDS_DIR
         (pids / f"rank{self._rank}.pid").unlink(missing_ok=True)
         with contextlib.suppress(OSError):
             pids.rmdir()  # the last rank out removes it

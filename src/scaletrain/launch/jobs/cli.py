@@ -22,10 +22,17 @@ __all__ = ["KINDS", "add_job_parsers", "run_job"]
 KINDS = ("sbatch", "pytorchjob", "sagemaker")
 
 
+_JOB_ELSEWHERE = {
+    "--nproc-per-node": "--gpus-per-node G for a GPU job (one process per GPU), or --nproc N "
+    "for the processes of each node of a CPU job",
+}
+"""torchrun's flags a job user brings along, and what to pass (see Parser.elsewhere)."""
+
+
 def _common(p: argparse.ArgumentParser, default_out: str) -> None:
     from scaletrain.launch.jobs.spec import NODE_FIELDS
-    from scaletrain.settings import add_flags
-    from scaletrain.train.config import METAVARS, TrainConfig
+    from scaletrain.settings import Parser, add_flags
+    from scaletrain.train.config import FLAG_GROUPS, METAVARS, SWITCHES, TrainConfig
 
     j = p.add_argument_group("the job")
     j.add_argument(
@@ -54,14 +61,19 @@ def _common(p: argparse.ArgumentParser, default_out: str) -> None:
         metavar="G",
         help="GPUs per node (default: 0, a CPU job); one training process per GPU",
     )
-    t = p.add_argument_group("training (the flags of `scaletrain train`)")
-    t.add_argument(
+    p.add_argument(
         "--config",
         metavar="FILE",
         default=None,
-        help="YAML or JSON file of train settings; flags given too win",
+        help="YAML or JSON file of train settings (the flags of `scaletrain train`, in the "
+        "sections below); flags given too win",
     )
-    add_flags(t, TrainConfig, metavars=METAVARS, exclude=NODE_FIELDS)  # fmt: skip
+    add_flags(
+        p, TrainConfig, metavars=METAVARS, exclude=NODE_FIELDS, groups=FLAG_GROUPS,
+        switches=SWITCHES,
+    )  # fmt: skip
+    if isinstance(p, Parser):
+        p.elsewhere = {**p.elsewhere, **_JOB_ELSEWHERE}
 
 
 def add_job_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
