@@ -8,15 +8,15 @@
 #     OUT=/tmp/gpu bash benchmarks/gpu_session.sh            # every step
 #     OUT=/tmp/gpu bash benchmarks/gpu_session.sh tests      # only the named steps
 #
-# Steps: env, tests, plan. A measurement an issue asks for is added here as a step
-# when the code it measures lands, so the next GPU session only has to run this.
+# Steps: env, tests, smoke, plan. A measurement an issue asks for is added here as a
+# step when the code it measures lands, so the next GPU session only has to run this.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-python3}
-STEPS=${*:-env tests plan}
+STEPS=${*:-env tests smoke plan}
 START=$SECONDS
 
 want() { [[ " $STEPS " == *" $1 "* ]]; }
@@ -46,6 +46,20 @@ if want tests; then
 	# that needs a package the GPU image lacks is reported, not fatal.
 	step tests 300 $PY -m pytest -q -p no:cacheprovider -o addopts="" -ra \
 		--continue-on-collection-errors -m gpu --timeout 240 tests
+fi
+
+if want smoke; then
+	# `scaletrain train` on the GPU end to end: a run stopped at step 20 with a profile
+	# window, resumed to 40; the resumed run keeps its MFU and step range (summary.json),
+	# and the console holds no profiler noise (CUPTI/kineto lines).
+	step smoke 200 bash -c '
+		set -e; D=$(mktemp -d); R=$D/run
+		'"$PY"' -c "from scaletrain.testing import write_fake_mnist; write_fake_mnist(\"$D/data\", n_train=2000, n_test=100)"
+		T="'"$PY"' -m scaletrain train --nproc 1 --data-dir $D/data --out $R --batch-size 50 --max-steps 40 --eval-batches 1 --log-every 10"
+		$T --stop-after 20 --profile 5-7
+		$T
+		'"$PY"' -c "import json; s=json.load(open(\"$R/observe/summary.json\")); print(\"summary steps\", s[\"first_step\"], s[\"last_step\"], \"mfu\", s[\"mfu\"])"
+		ls $R $R/checkpoints'
 fi
 
 if want plan; then
