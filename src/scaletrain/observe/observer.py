@@ -83,12 +83,17 @@ class TensorBoardScalars(Observer):
         if ledger is not None:
             ledger.listeners.append(self._window)
 
+    def on_run_start(self, info: RunInfo) -> None:
+        # Opened once the start is accepted, not at construction: a start that is
+        # refused (a resume whose settings change the run's meaning, no valid
+        # checkpoint) must leave the run directory exactly as it found it, and
+        # SummaryWriter creates an events file the moment it is constructed. Nor at the
+        # first scalar: that is the ledger's first window, inside a step, and importing
+        # TensorBoard there (a quarter of a second) read as the step's synchronisation.
+        self.writer  # noqa: B018
+
     @property
     def writer(self) -> Any:
-        # Opened at the first scalar, not here: a start that is refused (a resume
-        # whose settings change the run's meaning, no valid checkpoint) must leave
-        # the run directory exactly as it found it, and SummaryWriter creates an
-        # events file the moment it is constructed.
         if self._writer is None:
             from torch.utils.tensorboard import SummaryWriter
 
