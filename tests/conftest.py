@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -10,6 +11,13 @@ import pytest
 
 # Before torch is imported anywhere: one thread per process on a 2-core CI box.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# A suite started in the background by a non-interactive shell (`make test &`, some CI
+# runners) inherits SIGINT ignored, and so would every process a test starts: the Ctrl-C
+# tests would then press keys nobody hears. A handled signal is reset to its default at
+# exec, so with Python's own handler here each child starts as from a terminal.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(autouse=True)
