@@ -240,22 +240,15 @@ def test_a_one_process_run_without_a_process_group_gets_its_summary(tmp_path: Pa
 
     import scaletrain as st
 
-    rt = st.init(strategy="single", env="local", ledger=st.LedgerConfig(out=tmp_path, every=5))
-    bare = nn.Linear(8, 8)
-    model, opt = rt.setup(bare, torch.optim.SGD(bare.parameters(), lr=0.1))
-    for _ in range(12):
-        loss = model(torch.randn(4, 8, device=rt.device)).sum()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    rt.shutdown()
+    _one_process_loop(st.LedgerConfig(out=tmp_path, every=5))
     run = read_run(tmp_path)
     assert run.summary is not None and (tmp_path / "observe" / "summary.json").is_file()
     assert run.summary["ranks"] and "forward" in run.summary["phases"]
     # A failed run skips it, as rt.shutdown(failed=True) says.
     failed = tmp_path / "failed"
     rt = st.init(strategy="single", env="local", ledger=st.LedgerConfig(out=failed, every=5))
-    model, opt = rt.setup(bare, torch.optim.SGD(bare.parameters(), lr=0.1))
+    bare = nn.Linear(8, 8)
+    model, _ = rt.setup(bare, torch.optim.SGD(bare.parameters(), lr=0.1))
     for _ in range(12):
         model(torch.randn(4, 8, device=rt.device)).sum().backward()
     rt.shutdown(failed=True)

@@ -81,11 +81,10 @@ def sigint_held() -> Iterator[None]:
     if not _guarded():
         yield
         return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
-    try:
+    from scaletrain.train.signals import sigint_blocked
+
+    with sigint_blocked():
         yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def release_sigint() -> None:
