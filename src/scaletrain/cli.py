@@ -180,10 +180,11 @@ def _preflight(config: TrainConfig, nodes: int, hint: int | None) -> tuple[int, 
     from scaletrain.dist.topology import parse_mesh
     from scaletrain.precision import Precision
     from scaletrain.strategies import resolve_strategy
-    from scaletrain.train import get_recipe
     from scaletrain.train.config import SINGLE_PROCESS_STRATEGIES
+    from scaletrain.train.recipes import check_recipe, recipe_for
 
-    recipe = get_recipe(config.resolved_recipe())
+    recipe = recipe_for(config)
+    check_recipe(recipe)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     nproc = hint if config.nproc is None and hint else config.default_nproc(gpus)
     world = nproc * nodes
@@ -238,7 +239,7 @@ def _warn_oversubscribed(config: TrainConfig, recipe: Any, nproc: int, dp_size: 
         "step waits for the slowest, so it runs far slower than with fewer)"
     )
     fix = f"{spell('nproc', cores)}"
-    if config.lr is None:
+    if config.lr is None and recipe.reference_batch is not None:
         global_batch = (config.batch_size or recipe.batch_size) * dp_size * config.accumulate
         line += (
             f", and the learning rate scales with the global batch of {global_batch:,} to "
@@ -288,7 +289,7 @@ def _cmd_train(ns: argparse.Namespace, argv: Sequence[str]) -> int:
         # Already one rank of a launched job (torchrun, srun, mpirun): train here.
         return _train_here(config.replace(out=out), worker=True)
     nproc, dp_size = _preflight(config, placement.nodes, placement.procs_per_node_hint)
-    from scaletrain.train import get_recipe
+    from scaletrain.train.recipes import recipe_for
     from scaletrain.train.resume import check_start
     from scaletrain.train.rundir import inspect_run, refuse_reuse
 
@@ -302,7 +303,7 @@ def _cmd_train(ns: argparse.Namespace, argv: Sequence[str]) -> int:
     if not config.overwrite or config.fork:
         check_start(
             config.replace(out=out),
-            recipe=get_recipe(config.resolved_recipe()),
+            recipe=recipe_for(config),
             dp_size=dp_size,
         )
     if placement.mode == "srun":

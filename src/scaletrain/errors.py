@@ -72,7 +72,14 @@ def closest(value: object, choices: Sequence[str]) -> list[str]:
     starts = [c for c in choices if v and c.lower().startswith(v)]
     if 0 < len(starts) <= 2:
         return starts
-    return difflib.get_close_matches(v, list(choices), n=2, cutoff=0.6)
+    close = difflib.get_close_matches(v, list(choices), n=2, cutoff=0.6)
+    if len(close) == 2:
+        # A second spelling only when it is about as near as the first: `--nodez` is
+        # `--nnodes` (0.73), not also `--model` (0.6).
+        first, second = (difflib.SequenceMatcher(None, v, c.lower()).ratio() for c in close)
+        if second < first - 0.1:
+            close = close[:1]
+    return close
 
 
 def near_fix(field: str, value: object, choices: Sequence[str]) -> str:

@@ -38,7 +38,7 @@ def _plan(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
         (["--devices", "2", "--hardware", "h100-sxm", "--mfu", "1.5"], "--mfu 1.5 must be"),
         (["--devices", "2", "--mfu", "0.5"], "no --hardware was given"),
         (["--devices", "2", "--recipe", "nope"], "--recipe nope is not known"),
-        (["--devices", "2", "--model", "no_such_module_x:build"], "cannot import"),
+        (["--devices", "2", "--model", "no_such_module_x:build"], "no module 'no_such_module_x'"),
         (["--devices", "2", "--model", "json:loads"], "example(batch_size)"),
         ([], "--devices is missing"),
         (["--check", "RUN", "--devices", "2"], "--check RUN takes the model"),
@@ -47,7 +47,7 @@ def _plan(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
         (["--check", "RUN", "--nodes", "2"], "--nodes 2 was given too"),
         (["--devices", "1", "--device", "tpu"], "--device tpu is not known"),
         (["--devices", "8", "--hardware", "h100-sxm", "--device", "cpu"], "plans on paper"),
-        (["--devices", "2", "--model", "json"], "Fix: --model json:build"),
+        (["--devices", "2", "--model", "json"], "Fix: --model json:FACTORY"),
         (["--check", "/no/such/run"], "is not a finished run with a ledger"),
     ],
 )

@@ -114,7 +114,9 @@ def test_cli_flags_are_frozen() -> None:
          # issue 12: the elastic agent's polling interval
          "--monitor-interval",
          # issue 26: a finished run keeps its last checkpoint unless told not to
-         "--save-last", "--no-save-last"]
+         "--save-last", "--no-save-last",
+         # issue 27: your own model and data
+         "--model", "--data"]
     )  # fmt: skip
     launch = _flags(parser, "launch")
     for flag in ("--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint",

@@ -104,10 +104,10 @@ def default_out(
     job = job_id(environ, placement.env)
     if job is not None:
         safe = "".join(c if c.isalnum() or c in "-_." else "-" for c in job)
-        return os.path.join("runs", f"{config.resolved_recipe()}-{safe}")
+        return os.path.join("runs", f"{config.run_name()}-{safe}")
     if placement.mode == "launcher" and placement.nodes == 1:
         # One process decides for every worker of this node; ranks started by someone
         # else would each read their own clock.
         stamp = time.strftime("%Y%m%d-%H%M%S")
-        return os.path.join("runs", f"{config.resolved_recipe()}-{stamp}")
+        return os.path.join("runs", f"{config.run_name()}-{stamp}")
     return None

@@ -223,10 +223,11 @@ def check_run(run: str | Path) -> Check:
     step, growth, overlap = measured(base)
     allocated = measured_allocated(base)
     if allocated and world > 1:
+        which = f"--model {cfg['model']}" if cfg.get("model") else f"--recipe {cfg.get('recipe')}"
         raise ConfigError(
             f"{spell('check', str(run))} trained on {world} GPUs: a measured check covers "
             "runs of one GPU (a plan of several would need NCCL, which the probe does not "
-            f"run). Its layouts on paper: scaletrain plan --recipe {cfg.get('recipe')} "
+            f"run). Its layouts on paper: scaletrain plan {which} "
             f"--devices {world} --hardware h100-sxm (or another profile).",
             field="check",
         )
@@ -241,8 +242,10 @@ def check_run(run: str | Path) -> Check:
     # Measured where the run ran: a CPU run on a GPU machine is planned on its CPU.
     from scaletrain.train.planning import plan
 
+    model = cfg.get("model")
     result = plan(
-        cfg.get("recipe"), devices=world, batch_size=int(cfg["batch_size"]),
+        None if model else cfg.get("recipe"), model=model, devices=world,
+        batch_size=int(cfg["batch_size"]),
         precision=str(cfg.get("precision", "32")), overlap=overlap, layouts=[layout],
         device="cuda" if allocated else "cpu",
     )  # fmt: skip

@@ -42,12 +42,13 @@ METAVARS = {
     "max_restarts": "K", "monitor_interval": "S", "hang_timeout": "S", "mesh": "DIMS",
     "nnodes": "N|MIN:MAX",
     "node_rank": "R", "rdzv_endpoint": "HOST:PORT", "rdzv_id": "ID", "local_addr": "ADDR",
-    "fork": "NEW_RUN", "ledger_every": "K", "profile": "STEPS",
+    "fork": "NEW_RUN", "ledger_every": "K", "profile": "STEPS", "model": "MODULE:NAME",
+    "data": "MODULE:NAME",
 }  # fmt: skip
 """The placeholder each flag shows in --help."""
 
 FLAG_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("what to train", ("recipe", "data_dir", "num_workers", "seed")),
+    ("what to train", ("recipe", "model", "data", "data_dir", "num_workers", "seed")),
     ("processes and parallelism", (
         "nproc", "strategy", "mesh", "backend", "precision", "sync_bn",
     )),
@@ -84,6 +85,10 @@ class TrainConfig:
 
     recipe: Recipe | None = None
     """Model, data and optimizer settings to train (default: convnet; gpt for tensor parallel)."""
+    model: str | None = None
+    """Your own model instead of a recipe: MODULE:NAME, a module (or .py file) and its factory; its module's datasets(), loss(), optimizer() are used where it defines them."""
+    data: str | None = None
+    """Your own data for --model: MODULE:NAME of a function of the split (and the --data-dir) returning a Dataset of (inputs, targets) (default: the model module's datasets)."""
     strategy: StrategyName = "ddp"
     """How the model is spread over the processes."""
     mesh: str | None = None
@@ -287,6 +292,7 @@ class TrainConfig:
                         field="profile",
                     )
                 )
+        self._check_model(problems)
         self._check_nodes(bad, problems)
         if self.strategy in SINGLE_PROCESS_STRATEGIES and self.nproc is not None and self.nproc > 1:
             problems.append(
@@ -299,6 +305,42 @@ class TrainConfig:
                 )
             )
         return problems
+
+    def _check_model(self, problems: list[ConfigError]) -> None:
+        if self.model is not None and self.recipe is not None:
+            problems.append(
+                ConfigError(
+                    f"{spell('recipe', self.recipe)} and {spell('model', self.model)} both say "
+                    f"what to train. Fix: keep one of them.",
+                    field="model",
+                )
+            )
+        if self.data is not None and self.model is None:
+            problems.append(
+                ConfigError(
+                    f"{spell('data', self.data)} gives the data of your own model, but no "
+                    f"{spell('model')} was given (a recipe brings its data). Fix: add "
+                    f"{spell('model', 'MODULE:NAME')}, or drop {spell('data')}.",
+                    field="data",
+                )
+            )
+        for field in ("model", "data"):
+            value = getattr(self, field)
+            if value is None:
+                continue
+            where, colon, name = value.rpartition(":")
+            if (
+                not value.strip()
+                or any(c.isspace() for c in value)
+                or (colon and not (where and name))
+            ):
+                problems.append(
+                    ConfigError(
+                        f"{spell(field, value)}: expected MODULE:NAME, a module (or .py file) "
+                        f"and the name in it. Fix: e.g. {spell(field, 'mymodels:build')}.",
+                        field=field,
+                    )
+                )
 
     def _check_nodes(
         self, bad: Callable[[str, str, str], None], problems: list[ConfigError]
@@ -352,8 +394,19 @@ class TrainConfig:
             if value is not None and (not value.strip() or any(c.isspace() for c in value)):
                 bad(field, "a value without spaces", f"pass e.g. {spell(field, 'job42')}")
 
+    def run_name(self) -> str:
+        """What the run is called in default run directories and job names: the recipe,
+        or the name of a --model's factory (its module's name for MODULE:build)."""
+        if self.model is None:
+            return self.resolved_recipe()
+        where, _, name = self.model.rpartition(":") if ":" in self.model else (self.model, "", "")
+        if not name or name == "build":
+            name = Path(where).stem if where.endswith(".py") else where.rsplit(".", 1)[-1]
+        return "".join(c if c.isalnum() or c in "-_." else "-" for c in name) or "model"
+
     def resolved_recipe(self) -> str:
-        """The recipe to run: the one asked for, else the default for the strategy."""
+        """The recipe to run: the one asked for, else the default for the strategy (a
+        --model run has none: see scaletrain.train.recipes.recipe_for)."""
         if self.recipe is not None:
             return self.recipe
         # Tensor parallel shards Linear pairs; the default ConvNet has none, the GPT does.

@@ -22,7 +22,9 @@ from scaletrain.runtime import Runtime
 __all__ = [
     "EvalResult",
     "TimedBatches",
+    "cross_entropy_sums",
     "evaluate",
+    "logits_of",
     "seed_everything",
     "train_step",
 ]
@@ -107,6 +109,7 @@ def evaluate(
     *,
     on_batch: Callable[[], None] | None = None,
     max_batches: int | None = None,
+    sums: Callable[[Any, torch.Tensor], tuple[Any, Any, Any]] | None = None,
 ) -> EvalResult:
     """Loss and accuracy over a loader built with pad=False: each sample counted once.
 
@@ -115,14 +118,24 @@ def evaluate(
     need every rank to take part in every forward: a rank that ran out repeats its
     last batch and discards the result, so the counts stay exact. `on_batch` runs
     after every batch (the hang watchdog's heartbeat: a long evaluation is progress).
-    `max_batches` evaluates only the first that many batches of every rank.
+    `max_batches` evaluates only the first that many batches of every rank. `sums`
+    gives one batch's (loss summed, correct, counted) from the model's outputs and the
+    targets (a Recipe's eval_sums); by default cross-entropy and argmax accuracy over
+    the last dimension of the outputs (or their `logits`), targets of -100 not counted.
 
     The model evaluated is the one a checkpoint records: data-parallel replica 0's
     buffers (BatchNorm statistics) on every rank, each rank's own restored after
     (Runtime.first_replica_buffers), so evaluating never changes the training run.
     """
     with rt.first_replica_buffers(model):
-        return _evaluate(rt, model, loader, on_batch=on_batch, max_batches=max_batches)
+        return _evaluate(
+            rt,
+            model,
+            loader,
+            on_batch=on_batch,
+            max_batches=max_batches,
+            sums=sums or cross_entropy_sums,
+        )
 
 
 def _evaluate(
@@ -132,6 +145,7 @@ def _evaluate(
     *,
     on_batch: Callable[[], None] | None,
     max_batches: int | None,
+    sums: Callable[[Any, torch.Tensor], tuple[Any, Any, Any]],
 ) -> EvalResult:
     remaining = getattr(loader, "remaining", None)
     if callable(remaining) and remaining() < len(loader):
@@ -142,7 +156,7 @@ def _evaluate(
     net.eval()
     loss_sum = torch.zeros((), dtype=torch.float64, device=rt.device)
     correct = torch.zeros((), dtype=torch.int64, device=rt.device)
-    count = 0
+    count = torch.zeros((), dtype=torch.int64, device=rt.device)
     batches = len(loader)
     if max_batches is not None:
         batches = min(batches, max_batches)
@@ -154,16 +168,11 @@ def _evaluate(
         last = (x, y)
         x = x.to(rt.device, non_blocking=True)
         outputs = rt.predict(model, x)
-        y = y.to(outputs.device, non_blocking=True)
-        logits = outputs.reshape(-1, outputs.shape[-1])
-        targets = y.reshape(-1)
-        loss_sum += (
-            nn.functional.cross_entropy(logits, targets, reduction="sum")
-            .double()
-            .to(loss_sum.device)
-        )
-        correct += (logits.argmax(dim=1) == targets).sum().to(correct.device)
-        count += targets.numel()
+        batch_loss, batch_correct, batch_count = sums(outputs, y)
+        loss_sum += torch.as_tensor(batch_loss).double().to(loss_sum.device)
+        correct += torch.as_tensor(batch_correct).to(device=correct.device, dtype=correct.dtype)
+        # Added up on the device: no synchronisation per batch.
+        count += torch.as_tensor(batch_count).to(device=count.device, dtype=count.dtype)
         if on_batch is not None:
             on_batch()
     for _ in range(most - batches):
@@ -182,3 +191,35 @@ def _evaluate(
     return EvalResult(
         loss=float(totals["loss_sum"]) / n, accuracy=float(totals["correct"]) / n, count=n
     )
+
+
+def logits_of(outputs: Any) -> torch.Tensor:
+    """The prediction tensor of a model's outputs: the tensor itself, or the `logits` of
+    a Hugging Face style output (a ModelOutput, or any object or dict holding them)."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs
+    logits = outputs.get("logits") if isinstance(outputs, dict) else None
+    if logits is None:
+        logits = getattr(outputs, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    raise ConfigError(
+        f"the model returned a {type(outputs).__name__}, which is neither a tensor of "
+        "predictions nor holds `logits`. Fix: define loss(outputs, targets) and "
+        "metrics(outputs, targets) in the model's module for outputs of that kind."
+    )
+
+
+def cross_entropy_sums(
+    outputs: Any, targets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(cross-entropy summed, argmax hits, targets counted) over one batch: over the last
+    dimension of the outputs (or of their `logits`), targets of -100 not counted (the
+    padding Hugging Face's labels mark)."""
+    logits = logits_of(outputs)
+    flat = logits.reshape(-1, logits.shape[-1])
+    y = targets.reshape(-1).to(flat.device, non_blocking=True)
+    keep = y != -100
+    loss_sum = nn.functional.cross_entropy(flat, y, reduction="sum")
+    correct = ((flat.argmax(dim=1) == y) & keep).sum()
+    return loss_sum, correct, keep.sum()

@@ -8,7 +8,6 @@ Checking a finished run against its plan: scaletrain.train.checking.
 
 from __future__ import annotations
 
-import importlib
 import statistics
 import time
 from collections.abc import Callable
@@ -49,7 +48,9 @@ def resolve_model(
     recipe: str | None, model: str | Callable[[], nn.Module] | None
 ) -> tuple[str, Callable[[], nn.Module], Callable[[int], Any], Any, Callable[[Any], Any], int]:
     """(name, build, example, loss, optimizer factory, default batch) for a recipe or
-    a model given as "module:factory" (the module also defines example(batch_size))."""
+    a model given as "module:factory" (scaletrain.train.recipes's protocol; the
+    example batch is the module's example(batch_size), else its first training
+    samples)."""
     from scaletrain.train.recipes import get_recipe
 
     if recipe is not None and model is not None:
@@ -64,39 +65,16 @@ def resolve_model(
         return r.name, r.build, r.example, r.loss, partial(r.optimizer, lr=r.lr), r.batch_size
     if callable(model):
         raise ConfigError(
-            f"{spell('model', model)}: give the model as 'module:factory' so its example "
-            "batch can be found (module.example(batch_size) -> (inputs, targets)).",
+            f"{spell('model', model)}: give the model as 'module:factory' (the protocol "
+            "`scaletrain train --model` reads: scaletrain.train.recipes), so that the "
+            "planner's processes can import it.",
             field="model",
         )
-    where, _, attr = str(model).partition(":")
-    try:
-        module = importlib.import_module(where) if where and attr else None
-    except ImportError as exc:
-        raise ConfigError(
-            f"{spell('model', model)}: cannot import {where!r} ({exc}). Fix: a module on "
-            "the Python path, e.g. mypkg.models:build.",
-            field="model",
-        ) from None
-    factory = getattr(module, attr, None) if module is not None else None
-    example = getattr(module, "example", None) if module is not None else None
-    if not callable(factory) or not callable(example):
-        raise ConfigError(
-            f"{spell('model', model)}: expected 'module:factory' where factory() builds the "
-            "nn.Module and the same module defines example(batch_size) -> (inputs, "
-            f"targets); {'found no callable ' + repr(attr) if not callable(factory) else 'no example()'}."
-            + (
-                f" Fix: {spell('model', where + ':build')} (the factory's name after ':')."
-                if not attr
-                else ""
-            ),
-            field="model",
-        )
-    return where, factory, example, _token_loss, torch.optim.AdamW, 32
+    from scaletrain.train.recipes import check_recipe, load_recipe
 
-
-def _token_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy over the last dimension (a model given as module:factory)."""
-    return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
+    r = load_recipe(str(model))
+    check_recipe(r, training=False)
+    return r.spec or r.name, r.build, r.example, r.loss, partial(r.optimizer, lr=r.lr), r.batch_size
 
 
 def _tp_plan(

@@ -6,7 +6,7 @@ with another --max-steps or --epochs extends or shortens the run. Other settings
 change what the run *means*, and resuming with them would silently produce a run
 that neither configuration describes:
 
-  recipe, batch_size, accumulate    the model, data and samples per step
+  recipe (or model, data), batch_size, accumulate   the model, data and samples per step
   lr (when given), schedule, warmup the learning-rate curve
   seed                              the order of the epochs still to come
   precision, clip_grad, sync_bn     the arithmetic of every step
@@ -53,6 +53,8 @@ __all__ = [
 
 MEANING = (
     "recipe",
+    "model",
+    "data",
     "batch_size",
     "accumulate",
     "lr",
@@ -301,7 +303,7 @@ def check_start(config: TrainConfig, *, recipe: Any, dp_size: int) -> None:
     if path is not None and values is not None and isinstance(values.get("step"), int):
         saved = values.get("config") if isinstance(values.get("config"), dict) else None
         now = config.replace(
-            recipe=recipe.name,
+            recipe=recipe.name if recipe.spec is None else None,
             batch_size=config.batch_size or recipe.batch_size,
             warmup=recipe.warmup if config.warmup is None else config.warmup,
             sync_bn=recipe.sync_bn if config.sync_bn is None else config.sync_bn,

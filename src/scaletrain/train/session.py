@@ -165,7 +165,7 @@ class Session:
         return resolved_config(
             self.cfg,
             rt,
-            recipe=recipe.name,
+            recipe=recipe.name if recipe.spec is None else None,
             nproc=rt.env.local_world_size,
             backend=rt.backend,
             epochs=self.epochs_wanted,
@@ -250,10 +250,11 @@ class Session:
         if cfg.accumulate > 1:
             extras.append(f"accumulate {cfg.accumulate}")
         micro = f" x {cfg.accumulate} micro-steps" if cfg.accumulate > 1 else ""
+        kind, what = ("model", recipe.spec) if recipe.spec else ("recipe", recipe.name)
         header = [
-            f"scaletrain train: recipe [bold]{recipe.name}[/] on {recipe.dataset} "
-            f"({len(self.train_set):,} train / {len(self.test_set):,} test samples; "
-            f"data: {self.data_path or 'generated in memory'})",
+            f"scaletrain train: {kind} [bold]{what}[/] on {recipe.dataset} "
+            f"({len(self.train_set):,} train / {len(self.test_set):,} test samples"
+            f"{self._data_words()})",
             f"  strategy {cfg.strategy}{' + sync-bn' if self.sync_bn else ''}, {layout}"
             f"{_plural(rt.world_size, 'process', 'processes')} x {rt.backend} on "
             f"{rt.device.type}, batch {self.batch_size}/replica x {rt.dp_size}{micro} (global "
@@ -308,6 +309,12 @@ class Session:
             f"  learning rate at step {done.step + 1}: {was:.3g} -> {now:.3g} (the "
             f"{cfg.schedule} schedule now spans {self.total_steps} steps, not {saved_total})"
         ]
+
+    def _data_words(self) -> str:
+        if self.recipe.spec is not None:
+            # A model module reads its own data; the directory given is passed to it.
+            return f"; data: {self.data_path}" if self.data_path else ""
+        return f"; data: {self.data_path or 'generated in memory'}"
 
     def _describe_lr(self) -> str:
         if self.total_steps <= self.warmup:
@@ -490,6 +497,7 @@ class Session:
             self.eval_loader,
             on_batch=lambda: self.observers.on_eval_batch(step),
             max_batches=self.cfg.eval_batches,
+            sums=self.recipe.eval_sums,
         )
         classification = self.recipe.task == "classification"
         event = EvalEvent(
@@ -522,7 +530,8 @@ class Session:
             done.last_eval = self._evaluate(max(self.epochs - 1, 0))
         summary: dict[str, Any] = {
             "event": "summary",
-            "recipe": recipe.name,
+            "recipe": recipe.name if recipe.spec is None else None,
+            "model": recipe.spec,
             "task": recipe.task,
             "strategy": self.cfg.strategy,
             "mesh": rt.mesh_shape,

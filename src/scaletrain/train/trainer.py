@@ -25,7 +25,7 @@ from scaletrain.observe.events import Observer, Observers
 from scaletrain.runtime import LedgerConfig, Runtime, init
 from scaletrain.train.config import TrainConfig
 from scaletrain.train.observers import MetricsLog, ProgressPrinter, WatchdogBeats
-from scaletrain.train.recipes import Recipe, get_recipe
+from scaletrain.train.recipes import Recipe, recipe_for
 from scaletrain.train.rundir import (
     PIDS_DIR,
     clear_run,
@@ -55,7 +55,7 @@ class Trainer:
         self.worker = worker
         """One process of a launched job: a Ctrl-C before its process group forms ends it
         at once and quietly (see scaletrain.train.signals); its launcher says it."""
-        self.recipe: Recipe = get_recipe(config.resolved_recipe())
+        self.recipe: Recipe = recipe_for(config)
         self.extra_observers = list(observers)
         self.first_failure = True
         """After run() raised: whether this rank was the first of the job to fail (the one

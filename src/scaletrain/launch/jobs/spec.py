@@ -100,7 +100,7 @@ def job_spec(config: TrainConfig, *, nnodes: str, name: str | None, gpus_per_nod
             f"{gpus_per_node}: each process drives one GPU. Fix: --nproc {gpus_per_node}, or "
             f"leave --nproc out (one per GPU)."
         )
-    job_name = name if name is not None else f"scaletrain-{config.resolved_recipe()}"
+    job_name = name if name is not None else f"scaletrain-{config.run_name()}"
     if not _NAME.fullmatch(job_name):
         raise ConfigError(
             f"--name {job_name!r} is not a usable job name. Expected letters, digits, '-', "

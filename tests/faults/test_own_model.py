@@ -1,0 +1,195 @@
+"""Your own model through `scaletrain train --model MODULE:NAME`: everything a recipe gets.
+
+A module the test writes (a small MLP with BatchNorm, its data, an lr) trains at 2
+processes under DDP and FSDP; SIGTERM saves and exits 75 and the next start resumes to
+the same losses and weights as a straight run; the run extends, forks, and `scaletrain
+report` and `plan --check` read it. Real `scaletrain train` processes, as a user runs them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from scaletrain.testing import launcher_free_env
+
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
+
+EXIT_PREEMPTED = 75
+
+MODULE = '''
+"""A user's model and data: nothing of scaletrain in it."""
+import os
+import time
+
+import torch
+from torch import nn
+
+lr = 0.05
+batch_size = 16
+
+# Set by the test for the run it signals, so the run is still going when it arrives.
+_STEP_S = float(os.environ.get("USERMOD_STEP_S", "0"))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.ReLU())
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x):
+        if _STEP_S and self.training:
+            time.sleep(_STEP_S)
+        return self.head(self.body(x))
+
+
+def build() -> nn.Module:
+    return Net()
+
+
+def datasets(split, data_dir=None):
+    g = torch.Generator().manual_seed(0 if split == "train" else 1)
+    x = torch.randn(1280 if split == "train" else 64, 8, generator=g)
+    return torch.utils.data.TensorDataset(x, x[:, :4].argmax(dim=1))
+'''
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The user's project directory, holding their module; commands run from here."""
+    root = tmp_path_factory.mktemp("project")
+    (root / "usermod.py").write_text(MODULE)
+    return root
+
+
+def _train(
+    project: Path, out: str, *extra: str, env: dict[str, str] | None = None
+) -> subprocess.Popen[str]:
+    args = [
+        sys.executable, "-m", "scaletrain", "train", "--model", "usermod:build", "--nproc", "2",
+        "--out", out, "--epochs", "1", "--log-every", "1", "--save-every", "10",
+        "--hang-timeout", "60", *extra,
+    ]  # fmt: skip
+    return subprocess.Popen(
+        args,
+        cwd=project,
+        env={**launcher_free_env(), **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _done(proc: subprocess.Popen[str], timeout: float = 240) -> tuple[int, str]:
+    out, _ = proc.communicate(timeout=timeout)
+    return proc.returncode, out
+
+
+def _run(project: Path, out: str, *extra: str) -> str:
+    code, log = _done(_train(project, out, *extra))
+    assert code == 0, log
+    return log
+
+
+def _losses(run: Path) -> dict[int, float]:
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if r["event"] == "train"}
+
+
+def _same_model(a: Path, b: Path) -> None:
+    wa = torch.load(a / "model.pt", weights_only=True)
+    wb = torch.load(b / "model.pt", weights_only=True)
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        assert torch.equal(wa[name], wb[name]), name
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_your_model_stops_on_sigterm_and_resumes_bitwise(project: Path, strategy: str) -> None:
+    straight, run = f"straight-{strategy}", f"run-{strategy}"
+    log = _run(project, straight, "--strategy", strategy)
+    assert "model usermod:build on usermod.datasets (1,280 train / 64 test" in log, log
+    assert "lr 0.05" in log and "batch 16/replica x 2" in log
+    proc = _train(project, run, "--strategy", strategy, env={"USERMOD_STEP_S": "0.05"})
+    manifest = project / run / "checkpoints" / "step-000010" / "manifest.json"
+    deadline = time.monotonic() + 180
+    while not manifest.is_file() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert manifest.is_file(), _done(proc)[1]
+    for rank in (0, 1):
+        os.kill(int((project / run / "pids" / f"rank{rank}.pid").read_text()), signal.SIGTERM)
+    code, log = _done(proc)
+    assert code == EXIT_PREEMPTED, log
+    assert "signal SIGTERM" in log
+    log = _run(project, run, "--strategy", strategy)
+    assert "resumed from" in log
+    assert _losses(project / run) == _losses(project / straight)
+    _same_model(project / run, project / straight)
+
+
+def test_your_model_extends_forks_and_is_reported_and_checked(project: Path) -> None:
+    run = project / "life"
+    _run(project, "life", "--max-steps", "20")
+    log = _run(project, "life", "--max-steps", "30")
+    assert "resumed at step 20, extending to 30" in log
+    # Settings that change what the run means are refused for a model as for a recipe,
+    # the model itself among them.
+    code, log = _done(_train(project, "life", "--max-steps", "40", "--batch-size", "8"))
+    assert code == 2 and "would change what the run means" in log, log
+    log = _run(project, "life", "--fork", "forked", "--max-steps", "5", "--lr", "0.01")
+    assert "forked from" in log
+    forked = json.loads((project / "forked" / "config.json").read_text())
+    assert forked["model"] == "usermod:build" and forked["run"]["forked_from"]["step"] == 30
+    env = launcher_free_env()
+    report = subprocess.run(
+        [sys.executable, "-m", "scaletrain", "report", str(run)],
+        cwd=project, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert report.returncode == 0, report.stdout + report.stderr
+    assert (run / "report.html").is_file()
+    check = subprocess.run(
+        [sys.executable, "-m", "scaletrain", "plan", "--check", str(run)],
+        cwd=project, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert "check: ddp" in check.stdout and "step time" in check.stdout
+
+
+def test_a_model_module_that_breaks_the_protocol_is_refused_before_any_process(
+    project: Path, tmp_path: Path
+) -> None:
+    (project / "badmod.py").write_text(
+        "import torch\n"
+        "def build(width):\n    return torch.nn.Linear(width, 2)\n"
+        "def not_a_model():\n    return 3\n"
+        "def datasets(split):\n    return None\n"
+    )
+    cases = {
+        "badmod:nope": "badmod has no 'nope'. Its functions and classes: build, datasets",
+        "badmod:build": "its factory takes arguments (width)",
+        "badmod:not_a_model": "the factory returned a int; expected a torch.nn.Module",
+        "nosuchmod:build": "no module 'nosuchmod' on the Python path",
+        "usermod.py:build": None,  # a file path works as well as a module name
+    }
+    for spec, said in cases.items():
+        proc = subprocess.run(
+            [sys.executable, "-m", "scaletrain", "train", "--model", spec, "--nproc", "2",
+             "--max-steps", "2", "--out", str(tmp_path / spec.replace(":", "-")),
+             "--hang-timeout", "0"],
+            cwd=project, env=launcher_free_env(), capture_output=True, text=True, timeout=200,
+        )  # fmt: skip
+        if said is None:
+            assert proc.returncode == 0, proc.stdout + proc.stderr
+            continue
+        assert proc.returncode == 2, (spec, proc.stdout + proc.stderr)
+        assert said in proc.stderr and "rank" not in proc.stderr, (spec, proc.stderr)
+        assert not (tmp_path / spec.replace(":", "-")).exists()
