@@ -24,7 +24,7 @@ def example(name: str) -> str:
 def commands(name: str) -> list[list[str]]:
     """The example's commands, one word list per line (comments and blanks skipped)."""
     return [
-        shlex.split(line)
+        shlex.split(line, comments=True)
         for line in example(name).splitlines()
         if line.strip() and not line.lstrip().startswith("#")
     ]

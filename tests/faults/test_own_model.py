@@ -193,3 +193,22 @@ def test_a_model_module_that_breaks_the_protocol_is_refused_before_any_process(
         assert proc.returncode == 2, (spec, proc.stdout + proc.stderr)
         assert said in proc.stderr and "rank" not in proc.stderr, (spec, proc.stderr)
         assert not (tmp_path / spec.replace(":", "-")).exists()
+
+
+def test_the_readmes_own_model_runs_as_written(tmp_path: Path) -> None:
+    from tests.cluster.readme import commands, example
+
+    (tmp_path / "mymodel.py").write_text(example("own-model-module"))
+    logs = []
+    for words in commands("own-model-commands"):
+        assert words[:2] == ["scaletrain", "train"], words
+        done = subprocess.run(
+            [sys.executable, "-m", "scaletrain", *words[1:]],
+            cwd=tmp_path, env=launcher_free_env(), capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert done.returncode == 0, (words, done.stdout + done.stderr)
+        logs.append(done.stdout)
+    assert "model mymodel:build on mymodel.datasets" in logs[0]
+    assert "lr 0.01" in logs[0] and "batch 64/replica" in logs[0]
+    assert "extending to" in logs[1]
+    assert "strategy fsdp" in logs[2]
