@@ -117,7 +117,7 @@ def _same_model(a: Path, b: Path) -> None:
 def test_your_model_stops_on_sigterm_and_resumes_bitwise(project: Path, strategy: str) -> None:
     straight, run = f"straight-{strategy}", f"run-{strategy}"
     log = _run(project, straight, "--strategy", strategy)
-    assert "model usermod:build on usermod.datasets (1,280 train / 64 test" in log, log
+    assert "model usermod:build on usermod:datasets (1,280 train / 64 test" in log, log
     assert "lr 0.05" in log and "batch 16/replica x 2" in log
     proc = _train(project, run, "--strategy", strategy, env={"USERMOD_STEP_S": "0.05"})
     manifest = project / run / "checkpoints" / "step-000010" / "manifest.json"
@@ -208,7 +208,7 @@ def test_the_readmes_own_model_runs_as_written(tmp_path: Path) -> None:
         )  # fmt: skip
         assert done.returncode == 0, (words, done.stdout + done.stderr)
         logs.append(done.stdout)
-    assert "model mymodel:build on mymodel.datasets" in logs[0]
+    assert "model mymodel:build on mymodel:datasets" in logs[0]
     assert "lr 0.01" in logs[0] and "batch 64/replica" in logs[0]
     assert "extending to" in logs[1]
     assert "strategy fsdp" in logs[2]

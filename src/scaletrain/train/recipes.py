@@ -344,7 +344,7 @@ def load_recipe(spec: str, *, data: str | None = None, field: str = "model") -> 
         k: (v if v is not None else _DEFAULTS.get(k)) for k, v in values.items()
     }
     datasets = _resolve_data(data) if data is not None else find("datasets")
-    label = data if data is not None else f"{module.__name__}.datasets"
+    label = data if data is not None else f"{_module_part(spec)}:datasets"
     if datasets is not None and not callable(datasets):
         datasets = None
     run_name = name if name != "build" else Path(module.__name__.replace(".", "/")).name
