@@ -27,6 +27,7 @@ if TYPE_CHECKING:
         ScaletrainError,
     )
     from scaletrain.observe.ledger import LedgerConfig
+    from scaletrain.observe.trackers import MLflowTracker, TensorBoardTracker, Tracker
     from scaletrain.runtime import AccumulationStep, Runtime, init, sync_batchnorm
     from scaletrain.strategies import (
         DDP,
@@ -50,6 +51,9 @@ _WHERE = {
     "AccumulationStep": "scaletrain.runtime",
     "Runtime": "scaletrain.runtime",
     "LedgerConfig": "scaletrain.observe.ledger",
+    "MLflowTracker": "scaletrain.observe.trackers",
+    "TensorBoardTracker": "scaletrain.observe.trackers",
+    "Tracker": "scaletrain.observe.trackers",
     "init": "scaletrain.runtime",
     "plan": "scaletrain.plan",
     "sync_batchnorm": "scaletrain.runtime",
@@ -74,13 +78,16 @@ __all__ = [
     "EnvironmentDetectionError",
     "LaunchError",
     "LedgerConfig",
+    "MLflowTracker",
     "ModelParallel",
     "Pipeline",
     "Runtime",
     "ScaletrainError",
     "SingleDevice",
     "Strategy",
+    "TensorBoardTracker",
     "TensorParallel",
+    "Tracker",
     "__version__",
     "init",
     "plan",

@@ -92,12 +92,15 @@ def test_a_failing_reporter_is_dropped_with_one_line_and_others_go_on(
 
 
 def test_the_trainers_reporters_say_what_they_report(tmp_path: Path) -> None:
-    from scaletrain.observe.observer import LedgerObserver, TensorBoardScalars
+    from scaletrain.observe.observer import LedgerObserver
+    from scaletrain.observe.trackers import MLflowTracker, TensorBoardTracker, TrackerObserver
     from scaletrain.train.observers import MetricsLog, ProgressPrinter, WatchdogBeats
 
     log = MetricsLog(tmp_path / "metrics.jsonl")
     log.close()
-    assert ProgressPrinter.reports and log.reports and TensorBoardScalars.reports
+    assert ProgressPrinter.reports and log.reports
+    assert TrackerObserver(TensorBoardTracker()).reports == "the TensorBoard tracker"
+    assert TrackerObserver(MLflowTracker()).reports == "the MLflow tracker"
     # The watchdog and the ledger take part in the run: their errors stop it.
     assert not WatchdogBeats.reports and not LedgerObserver.reports
 
@@ -109,14 +112,15 @@ def test_tensorboard_opens_its_writer_when_the_run_starts_never_inside_a_step(
     creating its writer read as a quarter of a second of that step's synchronisation: a
     one-process GPU run's table said 62-68% sync and advised reducing less often."""
     from scaletrain.observe.events import RunInfo
-    from scaletrain.observe.observer import TensorBoardScalars
+    from scaletrain.observe.trackers import TensorBoardTracker, TrackerObserver
 
     logdir = tmp_path / "tensorboard"
-    scalars = TensorBoardScalars(logdir)
+    tracker = TensorBoardTracker()
+    scalars = TrackerObserver(tracker)
     assert not logdir.exists()  # a start refused before on_run_start leaves nothing
     scalars.on_run_start(
         RunInfo(out=tmp_path, rank=0, world_size=1, start_step=0, total_steps=10,
                 steps_per_epoch=10, epochs=1, global_batch=4)
     )  # fmt: skip
-    assert scalars._writer is not None and any(logdir.iterdir())
+    assert tracker._writer is not None and any(logdir.iterdir())
     scalars.close()

@@ -9,14 +9,15 @@ from scaletrain.train.rundir import clear_run, inspect_run, set_aside_interrupte
 
 def _run_with_everything(path: Path) -> None:
     """The files a finished run with the ledger, TensorBoard, a profile and a report has."""
-    for folder in ("checkpoints/step-000010", "observe", "tensorboard", "traces", "hang"):
+    for folder in ("checkpoints/step-000010", "observe", "tensorboard", "mlruns", "traces", "hang"):
         (path / folder).mkdir(parents=True)
+    (path / "mlruns/meta.yaml").write_text("x")
     (path / "checkpoints/step-000010/manifest.json").write_text("{}")
     (path / "observe/rank0.jsonl").write_text("{}\n")
     (path / "tensorboard/events.out").write_text("x")
     (path / "traces/rank0.json").write_text("{}")
     (path / "hang/rank0.txt").write_text("stack")
-    for name in ("model.pt", "metrics.jsonl", "config.json", "report.html"):
+    for name in ("model.pt", "metrics.jsonl", "config.json", "report.html", "mlflow.json"):
         (path / name).write_text("x")
 
 
@@ -28,6 +29,9 @@ def test_overwrite_removes_everything_the_run_wrote_and_nothing_else(tmp_path: P
     removed = clear_run(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
     assert {"observe", "tensorboard", "traces", "report.html", "hang"} <= set(removed)
+    # Issue 27: an overwritten run's MLflow store and run id go too (else the new run
+    # would log to the old MLflow run).
+    assert {"mlruns", "mlflow.json"} <= set(removed)
 
 
 def test_a_start_over_sets_aside_what_the_interrupted_run_wrote(tmp_path: Path) -> None:
@@ -37,10 +41,13 @@ def test_a_start_over_sets_aside_what_the_interrupted_run_wrote(tmp_path: Path) 
     (tmp_path / "observe/rank0.jsonl").write_text("old\n")
     (tmp_path / "metrics.jsonl").write_text('{"event": "train", "step": 3}\n')
     (tmp_path / "report.html").write_text("old")
+    (tmp_path / "mlflow.json").write_text('{"runs": {"mlruns": "abc"}}')
     said = set_aside_interrupted(inspect_run(tmp_path))
     assert said is not None and "observe.interrupted-1" in said
+    # The MLflow run id goes aside too: the new run is a new MLflow run.
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "metrics.interrupted-1.jsonl",
+        "mlflow.interrupted-1.json",
         "observe.interrupted-1",
         "report.interrupted-1.html",
     ]

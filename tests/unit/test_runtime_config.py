@@ -115,8 +115,8 @@ def test_cli_flags_are_frozen() -> None:
          "--monitor-interval",
          # issue 26: a finished run keeps its last checkpoint unless told not to
          "--save-last", "--no-save-last",
-         # issue 27: your own model and data
-         "--model", "--data"]
+         # issue 27: your own model and data; the experiment trackers rank 0 writes to
+         "--model", "--data", "--track"]
     )  # fmt: skip
     launch = _flags(parser, "launch")
     for flag in ("--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint",

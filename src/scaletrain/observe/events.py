@@ -17,9 +17,9 @@ import contextlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
-__all__ = ["EvalEvent", "Observer", "Observers", "RunInfo", "StepEvent"]
+__all__ = ["EvalEvent", "Observer", "Observers", "RunInfo", "StepEvent", "say_off"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +87,7 @@ class Observer:
     """Base class: override the events you need. Every method runs on every rank that
     has the observer (the trainer gives rank-0-only observers to rank 0 alone)."""
 
-    reports: ClassVar[str] = ""
+    reports: str = ""
     """What this observer only reports ("the progress display", "metrics.jsonl"), for the
     one line said if it fails: such an observer's errors never stop training (it is
     dropped, and the run goes on). Empty: it takes part in the run (the watchdog, the
@@ -133,6 +133,16 @@ class Observer:
         return None
 
 
+def say_off(reports: str, exc: BaseException) -> None:
+    """The one line said when what only reports fails: it is off, training goes on."""
+    from scaletrain.observe.output import tell
+
+    tell(
+        f"scaletrain: {reports} failed ({type(exc).__name__}: {exc}) and is off for the "
+        "rest of the run; training goes on."
+    )
+
+
 class Observers(Observer):
     """Several observers as one: each event goes to each, in order. An observer that only
     reports (`Observer.reports`) and fails is dropped with one line on stderr; the
@@ -155,15 +165,10 @@ class Observers(Observer):
                 self._drop(o, exc)
 
     def _drop(self, observer: Observer, exc: Exception) -> None:
-        from scaletrain.observe.output import tell
-
         self.members.remove(observer)
         with contextlib.suppress(Exception):
             observer.close()
-        tell(
-            f"scaletrain: {observer.reports} failed ({type(exc).__name__}: {exc}) and is "
-            "off for the rest of the run; training goes on."
-        )
+        say_off(observer.reports, exc)
 
     def on_run_start(self, info: RunInfo) -> None:
         self._each("on_run_start", info)

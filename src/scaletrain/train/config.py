@@ -43,7 +43,7 @@ METAVARS = {
     "nnodes": "N|MIN:MAX",
     "node_rank": "R", "rdzv_endpoint": "HOST:PORT", "rdzv_id": "ID", "local_addr": "ADDR",
     "fork": "NEW_RUN", "ledger_every": "K", "profile": "STEPS", "model": "MODULE:NAME",
-    "data": "MODULE:NAME",
+    "data": "MODULE:NAME", "track": "NAMES",
 }  # fmt: skip
 """The placeholder each flag shows in --help."""
 
@@ -61,7 +61,7 @@ FLAG_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "out", "save_every", "save_last", "keep", "async_save", "stop_after", "overwrite",
         "fork", "fork_optimizer",
     )),
-    ("output and measurement", ("log_every", "ledger", "ledger_every", "profile")),
+    ("output and measurement", ("log_every", "ledger", "ledger_every", "profile", "track")),
     ("failures", ("max_restarts", "hang_timeout", "monitor_interval")),
     ("several machines (each node runs the same command)", (
         "nnodes", "node_rank", "rdzv_endpoint", "rdzv_id", "local_addr", "env",
@@ -159,6 +159,8 @@ class TrainConfig:
     """Steps between the ledger's cross-rank windows (one small all-gather each)."""
     profile: str | None = None
     """Steps to record with torch.profiler on every rank, e.g. 10-15 (traces in OUT/traces/)."""
+    track: str | None = None
+    """Experiment trackers rank 0 writes to, comma-separated: tensorboard (OUT/tensorboard), mlflow (OUT/mlruns, or $MLFLOW_TRACKING_URI), or none (default: tensorboard where installed)."""
     nnodes: str | None = None
     """Nodes in the job, N or an elastic range MIN:MAX (default: 1, or what the cluster says)."""
     node_rank: int | None = None
@@ -292,6 +294,10 @@ class TrainConfig:
                         field="profile",
                     )
                 )
+        if self.track is not None:
+            from scaletrain.observe.trackers import track_problems
+
+            problems += track_problems(self.track)
         self._check_model(problems)
         self._check_nodes(bad, problems)
         if self.strategy in SINGLE_PROCESS_STRATEGIES and self.nproc is not None and self.nproc > 1:

@@ -14,7 +14,7 @@ that neither configuration describes:
 
 Those are refused with a table of what differs; `--fork NEW_RUN` starts a new run
 from the checkpoint's weights with the new settings. Everything else may change on
-resume: how long (max_steps, epochs), how it is watched or saved (log_every,
+resume: how long (max_steps, epochs), how it is watched or saved (log_every, track,
 save_every, keep, async_save, hang_timeout, eval_batches, eval_batch_size), and how
 many processes run it (nproc, nodes, backend): at another data-parallel size the
 per-replica batch stays, the peak learning rate is the checkpoint's, and the loader

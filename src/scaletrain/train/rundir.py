@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from scaletrain.errors import ConfigError, spell
+from scaletrain.observe.trackers import MLFLOW_RUN_FILE
 
 __all__ = [
     "PIDS_DIR",
@@ -43,11 +44,21 @@ PIDS_DIR = "pids"
 
 _TRAINED = ("checkpoints", "model.pt", "metrics.jsonl", "config.json", PREEMPTED_MARKER, PIDS_DIR)
 """What a run writes as it trains and saves."""
-_WATCHED = ("observe", "tensorboard", "traces", "report.html", "hang", "flight_recorder")
-"""What a run writes about itself: the step ledger (observe/), TensorBoard scalars,
-profiler traces, the report drawn from them, and a hang's diagnosis. Each describes one
-run; a new run in the same directory would add to them, and a report or `plan --check`
-would then draw two runs as one."""
+_WATCHED = (
+    "observe",
+    "tensorboard",
+    "mlruns",
+    MLFLOW_RUN_FILE,
+    "traces",
+    "report.html",
+    "hang",
+    "flight_recorder",
+)
+"""What a run writes about itself: the step ledger (observe/), TensorBoard scalars, the
+MLflow store and the id of the MLflow run it logs to, profiler traces, the report drawn
+from them, and a hang's diagnosis. Each describes one run; a new run in the same
+directory would add to them (or log to the old MLflow run), and a report or `plan
+--check` would then draw two runs as one."""
 _RUN_FILES = _TRAINED + _WATCHED
 
 

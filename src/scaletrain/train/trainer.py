@@ -171,18 +171,19 @@ class Trainer:
             observers.add(printer)
             observers.add(MetricsLog(out / "metrics.jsonl"))
         if rt.ledger is not None:
-            from scaletrain.observe.observer import (
-                LedgerObserver,
-                TensorBoardScalars,
-                tensorboard_available,
-            )
+            from scaletrain.observe.observer import LedgerObserver
 
             if printer is not None:
                 # Straggler warnings and the end-of-run table above the live progress bar.
                 rt.ledger.printer = printer.print
             observers.add(LedgerObserver(rt.ledger, profile=cfg.profile))
-            if rt.is_main and tensorboard_available():
-                observers.add(TensorBoardScalars(out / "tensorboard", rt.ledger))
+        if rt.is_main:
+            from scaletrain.observe.trackers import TrackerObserver, make_trackers
+
+            # --track: rank 0 alone writes (its loss and evaluation are already reduced
+            # over the ranks; the ledger's windows are gathered from every rank).
+            for tracker in make_trackers(cfg.track):
+                observers.add(TrackerObserver(tracker, rt.ledger))
         if cfg.hang_timeout > 0 and rt.world_size > 1:
             from scaletrain.observe import Watchdog
 
