@@ -41,6 +41,7 @@ from scaletrain.strategies.tensor_plan import (
     MLP_UP_NAMES,
     STYLES,
     check_tp_plan,
+    declared_tp_plan,
     default_tp_plan,
     explain_fixed_head_counts,
     matching_modules,
@@ -128,8 +129,12 @@ class TensorParallel(Strategy):
             )
 
     def resolved_plan(self, module: nn.Module) -> dict[str, Any]:
-        """The plan for `module`: the user's (keys checked against it) or the default."""
+        """The plan for `module`: the user's (keys checked against it), else the one the
+        model declares (a Hugging Face model's base_model_tp_plan), else the default."""
         if self.plan is None:
+            declared = None if self.sequence_parallel else declared_tp_plan(module)
+            if declared is not None:
+                return declared
             return dict(default_tp_plan(module, sequence_parallel=self.sequence_parallel))
         for key in self.plan:
             if not matching_modules(module, key):

@@ -1,6 +1,8 @@
 """Which Linear layers tensor parallel splits, and whether they divide: the plan.
 
-`default_tp_plan` finds MLPs and attention blocks by their layers' names and shapes,
+`declared_tp_plan` reads the plan a model declares (Hugging Face's
+`base_model_tp_plan`); `default_tp_plan` finds MLPs and attention blocks by their
+layers' names and shapes,
 so plain models (the GPT in scaletrain.train.models) need no plan; `check_tp_plan`
 refuses a split that would hand a rank part of a row, a column or a head; and
 `explain_fixed_head_counts` turns the bare shape error of an attention whose forward
@@ -25,6 +27,7 @@ __all__ = [
     "STYLES",
     "attention_modules",
     "check_tp_plan",
+    "declared_tp_plan",
     "default_tp_plan",
     "explain_fixed_head_counts",
     "matching_modules",
@@ -123,6 +126,38 @@ def _is_norm(module: nn.Module) -> bool:
     if hasattr(nn, "RMSNorm"):
         norms += (nn.RMSNorm,)
     return isinstance(module, norms) or type(module).__name__.endswith(("LayerNorm", "RMSNorm"))
+
+
+def declared_tp_plan(model: nn.Module) -> dict[str, str] | None:
+    """The plan a model declares for itself, in this module's words; None if it has none.
+
+    Hugging Face models carry one: `config.base_model_tp_plan`, keyed by module names
+    inside the base model (`layers.*.self_attn.q_proj`), which a task model such as
+    LlamaForCausalLM holds under its `base_model_prefix` (`model`). Its "colwise" and
+    "rowwise" entries are the styles this module applies; a plan with others (Hugging
+    Face's own "gather", "local_colwise", ...) is refused with the fix, since applying
+    part of it would split layers their neighbours expect whole.
+    """
+    declared = getattr(getattr(model, "config", None), "base_model_tp_plan", None)
+    if not isinstance(declared, Mapping) or not declared:
+        return None
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    base = prefix if isinstance(getattr(model, prefix, None), nn.Module) and prefix else ""
+    others = sorted({str(v) for v in declared.values()} - {"colwise", "rowwise"})
+    if others:
+        raise ConfigError(
+            f"{type(model).__name__} declares a tensor-parallel plan "
+            f"(config.base_model_tp_plan) with styles {', '.join(others)}, which scaletrain "
+            "does not apply (it applies colwise and rowwise). "
+            + say(
+                api="Fix: pass TensorParallel(plan={...}) with ColwiseParallel/RowwiseParallel "
+                "(or other torch ParallelStyle) values for its layers",
+                cli=f"Fix: {spell('strategy', 'fsdp')}, or the library's "
+                "TensorParallel(plan=...) with the layouts you want",
+            )
+            + "."
+        )
+    return {(f"{base}.{key}" if base else key): str(style) for key, style in declared.items()}
 
 
 def default_tp_plan(model: nn.Module, *, sequence_parallel: bool = False) -> dict[str, str]:

@@ -1,0 +1,78 @@
+"""A Hugging Face model trained by `scaletrain train --model` under every strategy equals
+one process: examples/hf_llama.py (a LlamaForCausalLM from a config, no download), 6
+steps of the same global batch of 16 sequences, AdamW, fp32 on the CPU.
+
+Tolerance: every weight within 2e-6 of the one-process run's, and, where every rank
+sees the whole batch (tensor, pipeline), every step's loss within 1e-5 (a data-parallel
+run's record is rank 0's half of the batch). Measured: 1e-7 for the weights and 5e-7
+for the losses; the strategies only reorder floating-point sums (all-reduces, sharded
+matrix products, microbatches).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from scaletrain.testing import launcher_free_env
+
+pytest.importorskip("transformers")
+pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+RUNS = {
+    # name: (flags, whether every rank sees the whole batch)
+    "ddp": (["--nproc", "2", "--batch-size", "8"], False),
+    "fsdp": (["--nproc", "2", "--batch-size", "8", "--strategy", "fsdp"], False),
+    "tensor": (["--nproc", "2", "--batch-size", "16", "--strategy", "tensor"], True),
+    "fsdp x tp": (["--nproc", "4", "--batch-size", "8", "--strategy", "fsdp",
+                   "--mesh", "dp=2,tp=2"], False),
+    "pipeline": (["--nproc", "2", "--batch-size", "16", "--strategy", "pipeline"], True),
+}  # fmt: skip
+
+
+def _train(out: Path, *flags: str) -> str:
+    args = [
+        sys.executable, "-m", "scaletrain", "train", "--model", "examples/hf_llama.py:build",
+        "--max-steps", "6", "--log-every", "1", "--eval-batches", "0", "--hang-timeout", "0",
+        "--no-save-last", "--out", str(out), *flags,
+    ]  # fmt: skip
+    done = subprocess.run(
+        args, cwd=ROOT, env=launcher_free_env(), capture_output=True, text=True, timeout=400
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def _losses(run: Path) -> list[float]:
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in records if r["event"] == "train"]
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("hf") / "one"
+    log = _train(out, "--nproc", "1", "--batch-size", "16")
+    assert "model examples/hf_llama.py:build on examples/hf_llama.py:datasets" in log
+    return out
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_a_hugging_face_llama_under_each_strategy_equals_one_process(
+    name: str, one_process: Path, tmp_path: Path
+) -> None:
+    flags, whole_batch = RUNS[name]
+    _train(tmp_path / "run", *flags)
+    ref = torch.load(one_process / "model.pt", weights_only=True)
+    got = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
+    assert ref.keys() == got.keys()
+    for key in ref:
+        torch.testing.assert_close(got[key], ref[key], rtol=0, atol=2e-6, msg=key)
+    if whole_batch:
+        for a, b in zip(_losses(tmp_path / "run"), _losses(one_process), strict=True):
+            assert abs(a - b) <= 1e-5, (a, b)
