@@ -83,6 +83,18 @@ def _add_checkpoint(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     c.add_argument("out", metavar="OUT.pt", help="file to write")
     latest = actions.add_parser("latest", help="print the newest valid checkpoint of a run")
     latest.add_argument("dir", metavar="RUN", help="a run directory (--out of scaletrain train)")
+    export = actions.add_parser(
+        "export",
+        help="write a run's Hugging Face model as a from_pretrained directory",
+        description=(
+            "Write the model of a run trained with --model (a transformers model) as a "
+            "Hugging Face directory, config.json and model.safetensors, from its model.pt "
+            "or its newest valid checkpoint, whatever strategy trained it: "
+            "from_pretrained(DIR) loads it."
+        ),
+    )
+    export.add_argument("dir", metavar="RUN", help="a run directory (--out of scaletrain train)")
+    export.add_argument("out", metavar="DIR", help="a new (or empty) directory to write")
 
 
 def _add_report(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -410,6 +422,12 @@ def _cmd_checkpoint(ns: argparse.Namespace) -> int:
     from scaletrain.errors import CheckpointError
 
     source = Path(ns.dir)
+    if ns.action == "export":
+        from scaletrain.train.export import export_hf
+
+        written, weights = export_hf(source, ns.out)
+        print(f"wrote {written} (config.json, model.safetensors) from {weights}")
+        return EXIT_OK
     if ns.action == "consolidate" and (source / MANIFEST).is_file():
         # A checkpoint directory itself: consolidate() says what is wrong with it.
         written = consolidate(source, ns.out)

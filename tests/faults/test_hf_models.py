@@ -76,3 +76,58 @@ def test_a_hugging_face_llama_under_each_strategy_equals_one_process(
     if whole_batch:
         for a, b in zip(_losses(tmp_path / "run"), _losses(one_process), strict=True):
             assert abs(a - b) <= 1e-5, (a, b)
+
+
+def test_export_writes_a_directory_from_pretrained_loads(tmp_path: Path) -> None:
+    """`scaletrain checkpoint export RUN DIR`: a run stopped under FSDP (a sharded
+    checkpoint, no model.pt) and the same run finished (its model.pt) each give a
+    Hugging Face directory whose model computes the run's logits."""
+    from transformers import LlamaForCausalLM
+
+    from scaletrain.checkpoint import consolidate, latest_checkpoint
+
+    run = tmp_path / "run"
+    flags = ["--nproc", "2", "--batch-size", "8", "--strategy", "fsdp"]
+    _train(run, *flags, "--stop-after", "3")
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+
+    def export(name: str) -> tuple[str, torch.Tensor]:
+        done = subprocess.run(
+            [sys.executable, "-m", "scaletrain", "checkpoint", "export", str(run),
+             str(tmp_path / name)],
+            cwd=ROOT, env=launcher_free_env(), capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
+        model = LlamaForCausalLM.from_pretrained(tmp_path / name).eval()
+        with torch.no_grad():
+            return done.stdout, model(tokens).logits
+
+    def logits_of(weights: dict[str, torch.Tensor]) -> torch.Tensor:
+        sys.path.insert(0, str(ROOT / "examples"))
+        try:
+            import hf_llama
+        finally:
+            sys.path.pop(0)
+        model = hf_llama.build().eval()
+        model.load_state_dict(weights)
+        with torch.no_grad():
+            return model(tokens).logits
+
+    said, got = export("stopped")
+    checkpoint = latest_checkpoint(run)
+    assert checkpoint is not None and f"from {checkpoint}" in said, said
+    whole = torch.load(consolidate(checkpoint, tmp_path / "c.pt"), weights_only=True)
+    torch.testing.assert_close(got, logits_of(whole), rtol=0, atol=0)
+    _train(run, *flags)
+    said, got = export("finished")
+    assert f"from {run / 'model.pt'}" in said, said
+    torch.testing.assert_close(
+        got, logits_of(torch.load(run / "model.pt", weights_only=True)), rtol=0, atol=0
+    )
+    # Nothing is written over, and a model that is not a Hugging Face one is refused.
+    again = subprocess.run(
+        [sys.executable, "-m", "scaletrain", "checkpoint", "export", str(run),
+         str(tmp_path / "finished")],
+        cwd=ROOT, env=launcher_free_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert again.returncode == 2 and "never writes over" in again.stderr, again.stderr

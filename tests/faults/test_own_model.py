@@ -162,6 +162,14 @@ def test_your_model_extends_forks_and_is_reported_and_checked(project: Path) -> 
     )  # fmt: skip
     assert check.returncode == 0, check.stdout + check.stderr
     assert "check: ddp" in check.stdout and "step time" in check.stdout
+    # Export writes Hugging Face directories; a plain nn.Module is pointed to consolidate.
+    export = subprocess.run(
+        [sys.executable, "-m", "scaletrain", "checkpoint", "export", str(run), "hf"],
+        cwd=project, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert export.returncode == 2, export.stdout + export.stderr
+    assert "not a transformers PreTrainedModel" in export.stderr and "consolidate" in export.stderr
+    assert not (project / "hf").exists()
 
 
 def test_a_model_module_that_breaks_the_protocol_is_refused_before_any_process(
