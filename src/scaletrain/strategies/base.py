@@ -187,6 +187,12 @@ class Strategy:
         """
         return self._forward_backward(module, inputs, targets, loss_fn)
 
+    def batch_splits(self) -> int:
+        """Into how many parts forward_backward cuts a batch, averaging their losses (a
+        pipeline's microbatches; 1 for the others): a loss normalised over a whole
+        step multiplies by it to undo that mean (scaletrain.train.loop.train_step)."""
+        return self._batch_splits()
+
     def predict(self, module: nn.Module, inputs: Any) -> Any:
         """Evaluation forward (no grad): the outputs, on every rank of the replica.
 
@@ -231,6 +237,9 @@ class Strategy:
 
     def _model_parallel_group(self, topo: Topology) -> Any:
         return None
+
+    def _batch_splits(self) -> int:
+        return 1
 
     def _full_state_dict(self, module: nn.Module, topo: Topology) -> dict[str, torch.Tensor]:
         # torch's state-dict API gathers DTensor shards (FSDP, TP) and strips DDP's

@@ -123,6 +123,9 @@ class PipelinexDDP(Strategy):
     def _model_parallel_group(self, topo: Topology) -> Any:
         return self.pipeline.model_parallel_group(topo)
 
+    def _batch_splits(self) -> int:
+        return self.pipeline.batch_splits()
+
     def _full_state_dict(self, module: nn.Module, topo: Topology) -> dict[str, torch.Tensor]:
         return self.pipeline.full_state_dict(module, topo)
 

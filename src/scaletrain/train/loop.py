@@ -60,38 +60,75 @@ def train_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     batches: Iterator[tuple[Any, torch.Tensor]],
-    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+    loss_fn: Callable[..., torch.Tensor],
     *,
     accumulate: int = 1,
     clip_grad: float | None = None,
+    token_loss: bool = False,
 ) -> torch.Tensor:
     """One optimizer step over the next `accumulate` (inputs, targets) micro-batches.
 
     The gradient all-reduce runs once, on the last micro-batch; gradients are clipped
     to the whole model's norm `clip_grad` (if given), the optimizer steps and the
-    gradients are cleared. Returns the mean loss of the micro-batches, detached, on
-    the device (no GPU synchronisation).
+    gradients are cleared. Returns the mean loss of this rank's micro-batches,
+    detached, on the device (no GPU synchronisation).
+
+    `token_loss`: the loss is normalised by the step's count of targets (those not
+    -100) over every micro-batch and every data-parallel rank, as one process on the
+    whole batch would: `loss_fn(outputs, targets, num_items=N)` returns its sum over
+    the batch divided by N. A mean per micro-batch and per rank (the default) weighs a
+    token of a micro-batch with little real text more than one of a full micro-batch;
+    with ragged padding that is another gradient than the whole batch's. It costs one
+    small all-reduce of the count per step, before the first forward.
     """
+    micro = [_next_micro(batches, index, accumulate) for index in range(accumulate)]
+    num_items: int | None = None
+    local_items = 0
+    scale = 1.0
+    if token_loss:
+        local_items = sum(int((y != -100).sum()) for _, y in micro)
+        # Tensor/pipeline peers of a replica hold the same batch: counted once each.
+        copies = rt.world_size // rt.dp_size
+        num_items = max(int(rt.reduce({"n": local_items}, op="sum")["n"]) // copies, 1)
+        # rt.forward_backward counts each micro-batch 1/accumulate, the gradient
+        # all-reduce averages over the data-parallel ranks and a pipeline over its
+        # microbatches: a sum over N is what those means must come to.
+        scale = float(rt.dp_size * accumulate * rt.strategy.batch_splits())
+
+        def scaled(outputs: Any, targets: torch.Tensor) -> torch.Tensor:
+            return loss_fn(outputs, targets, num_items=num_items) * scale
+
     total: torch.Tensor | None = None
-    for index in range(accumulate):
-        try:
-            x, y = next(batches)
-        except StopIteration:
-            raise ConfigError(
-                f"train_step needs {accumulate} micro-batch(es) for one optimizer step, but the "
-                f"loader ran out after {index}. Give it an iterator with at least that many "
-                "batches left (drop the partial accumulation window at an epoch's end)."
-            ) from None
+    for x, y in micro:
         x = x.to(rt.device, non_blocking=True)
         with rt.accumulate(model, steps=accumulate):
-            loss = rt.forward_backward(model, x, y, loss_fn)
+            loss = rt.forward_backward(model, x, y, scaled if token_loss else loss_fn)
         total = loss if total is None else total + loss.to(total.device)
     assert total is not None
     if clip_grad is not None:
         rt.clip_grad_norm(model, optimizer, clip_grad)
     rt.step(optimizer)
     optimizer.zero_grad(set_to_none=True)
+    if token_loss:
+        # Each returned value is this micro-batch's loss sum x scale / N (a pipeline's:
+        # the mean over its microbatches of theirs): back to this rank's mean per target.
+        assert num_items is not None
+        sums = total * (rt.strategy.batch_splits() * num_items / scale)
+        return sums / max(local_items, 1)
     return total / accumulate if accumulate > 1 else total
+
+
+def _next_micro(
+    batches: Iterator[tuple[Any, torch.Tensor]], index: int, accumulate: int
+) -> tuple[Any, torch.Tensor]:
+    try:
+        return next(batches)
+    except StopIteration:
+        raise ConfigError(
+            f"train_step needs {accumulate} micro-batch(es) for one optimizer step, but the "
+            f"loader ran out after {index}. Give it an iterator with at least that many "
+            "batches left (drop the partial accumulation window at an epoch's end)."
+        ) from None
 
 
 @dataclass(frozen=True, slots=True)

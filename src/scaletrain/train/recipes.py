@@ -16,7 +16,12 @@ working directory, or a path to a .py file):
                     "train" or "test" (or --data MODULE:NAME naming such a function)
     loss(outputs, targets) -> scalar tensor            default: cross-entropy over the
                     last dimension of `outputs` (or `outputs.logits`, as Hugging Face
-                    models return), targets of -100 ignored
+                    models return), targets of -100 ignored. A loss with a `num_items`
+                    parameter returns its sum over the batch divided by num_items, the
+                    count of targets in the whole step (every micro-batch, every rank),
+                    as transformers' num_items_in_batch: the gradient is then the whole
+                    batch's however the padding falls. The default loss does that for
+                    task "language-model".
     optimizer(params, lr) -> torch.optim.Optimizer     default: AdamW(weight_decay=0.01)
     metrics(outputs, targets) -> {"loss_sum", "correct", "count"}: sums over the batch
                     for evaluation; default: the loss summed and argmax accuracy, over
@@ -164,22 +169,32 @@ class Recipe:
     spec: str | None = None
     """Where a model module's recipe came from (`--model MODULE:NAME`); None for the
     seeds' recipes."""
-    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None
+    loss_fn: Callable[..., torch.Tensor] | None = None
     """The module's loss(outputs, targets); None: cross-entropy (see `loss`)."""
     optimizer_fn: Callable[..., torch.optim.Optimizer] | None = None
     """The module's optimizer(params, lr); None: by `optimizer_name`."""
     metrics_fn: Callable[[Any, torch.Tensor], Any] | None = None
     """The module's metrics(outputs, targets); None: see `eval_sums`."""
+    token_loss: bool = False
+    """Normalise the loss by the step's count of targets over every micro-batch and
+    rank (scaletrain.train.loop.train_step), not per micro-batch and rank: a model
+    module's language model, or one whose loss takes num_items."""
 
-    def loss(self, outputs: Any, targets: torch.Tensor) -> torch.Tensor:
-        """The module's loss, else mean cross-entropy over the last dimension (sequence
-        outputs (B, T, V) flattened to tokens; targets of -100 ignored)."""
+    def loss(
+        self, outputs: Any, targets: torch.Tensor, *, num_items: int | None = None
+    ) -> torch.Tensor:
+        """The module's loss, else cross-entropy over the last dimension (sequence
+        outputs (B, T, V) flattened to tokens; targets of -100 ignored): the mean, or
+        with `num_items` the sum over this batch divided by it."""
         if self.loss_fn is not None:
-            return self.loss_fn(outputs, targets)
+            if num_items is None:
+                return self.loss_fn(outputs, targets)
+            return self.loss_fn(outputs, targets, num_items=num_items)
         logits = logits_of(outputs)
-        return nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
-        )
+        flat, y = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
+        if num_items is None:
+            return nn.functional.cross_entropy(flat, y)
+        return nn.functional.cross_entropy(flat, y, reduction="sum") / num_items
 
     def eval_sums(self, outputs: Any, targets: torch.Tensor) -> tuple[torch.Tensor, Any, Any]:
         """(loss summed, correct predictions, targets counted) over one batch, which
@@ -340,6 +355,7 @@ def load_recipe(spec: str, *, data: str | None = None, field: str = "model") -> 
                 f"{key} = {kind(_DEFAULTS.get(key, 32))} in {module.__name__}, or leave it out.",
                 field=field,
             )
+    loss = _callable_or_none(find("loss"))
     settings: dict[str, Any] = {
         k: (v if v is not None else _DEFAULTS.get(k)) for k, v in values.items()
     }
@@ -367,9 +383,14 @@ def load_recipe(spec: str, *, data: str | None = None, field: str = "model") -> 
         batch_size=int(settings["batch_size"]),
         eval_batch_size=int(settings["eval_batch_size"] or settings["batch_size"]),
         task=str(settings["task"]),
-        loss_fn=_callable_or_none(find("loss")),
+        loss_fn=loss,
         optimizer_fn=_callable_or_none(find("optimizer")),
         metrics_fn=_callable_or_none(find("metrics")),
+        token_loss=(
+            "num_items" in inspect.signature(loss).parameters
+            if loss is not None
+            else settings["task"] == "language-model"
+        ),
     )
 
 

@@ -400,6 +400,7 @@ class Session:
                 self.recipe.loss,
                 accumulate=cfg.accumulate,
                 clip_grad=cfg.clip_grad,
+                token_loss=self.recipe.token_loss,
             )
             done.step += 1
             epoch_samples += self.global_batch

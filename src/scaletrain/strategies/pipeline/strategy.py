@@ -232,6 +232,9 @@ class Pipeline(Strategy):
             return Strategy._forward_backward(self, module, inputs, targets, loss_fn)
         return module.train_step(inputs, targets, loss_fn)
 
+    def _batch_splits(self) -> int:
+        return self.microbatches
+
     def _predict(self, module: nn.Module, inputs: Any) -> Any:
         if not isinstance(module, PipelineModule):
             return Strategy._predict(self, module, inputs)
