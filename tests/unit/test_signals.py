@@ -23,7 +23,7 @@ def test_a_ctrl_c_held_across_a_block_that_would_swallow_it_arrives_after() -> N
     # KeyboardInterrupt there was lost (3 of 40 Ctrl-Cs). Held, it arrives after.
     done = _python(
         "import os, signal, time\n"
-        "from scaletrain.train.signals import ctrl_c_held\n"
+        "from scaletrain.runtime.signals import ctrl_c_held\n"
         "with ctrl_c_held():\n"
         "    os.kill(os.getpid(), signal.SIGINT)\n"
         "    try:\n"
@@ -40,7 +40,7 @@ def test_a_ctrl_c_held_across_a_block_that_would_swallow_it_arrives_after() -> N
 def test_a_worker_ends_at_once_on_ctrl_c_until_it_has_a_run_to_save() -> None:
     code = (
         "import os, signal, time\n"
-        "from scaletrain.train.signals import StopRequest\n"
+        "from scaletrain.runtime.signals import StopRequest\n"
         "stop = StopRequest().install(exit_until_armed=True)\n"
         "{arm}"
         "os.kill(os.getpid(), signal.SIGINT)\n"
@@ -56,7 +56,7 @@ def test_a_worker_ends_at_once_on_ctrl_c_until_it_has_a_run_to_save() -> None:
 def test_a_second_ctrl_c_runs_the_abort_hook_before_it_ends_the_process() -> None:
     done = _python(
         "import os, signal, time\n"
-        "from scaletrain.train.signals import StopRequest\n"
+        "from scaletrain.runtime.signals import StopRequest\n"
         "StopRequest(on_abort=lambda: print('tidied', flush=True)).install()\n"
         "os.kill(os.getpid(), signal.SIGINT)\n"
         "time.sleep(0.1)\n"

@@ -1,4 +1,4 @@
-"""When every rank of `scaletrain train` stops: at the same step, agreed off the hot path.
+"""When every rank of a run stops: at the same step, agreed off the hot path.
 
 --stop-after counts steps, the same on every rank: no agreement is needed. A signal
 (Ctrl-C, SIGTERM, SIGUSR1) reaches ranks at different times, so after every step each
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from scaletrain.dist import PendingFlag
 from scaletrain.errors import spell
-from scaletrain.runtime import Runtime
-from scaletrain.train.signals import StopRequest
+from scaletrain.runtime.core import Runtime
+from scaletrain.runtime.signals import StopRequest
 
 __all__ = ["StopAgreement"]
 
