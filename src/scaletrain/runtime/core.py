@@ -21,6 +21,8 @@ from scaletrain.errors import ConfigError
 from scaletrain.observe import phases as _phases
 from scaletrain.observe.ledger import StepLedger, in_phase
 from scaletrain.precision import Precision
+from scaletrain.runtime.signals import StopRequest
+from scaletrain.runtime.stopping import StopAgreement
 from scaletrain.strategies import Strategy
 
 if TYPE_CHECKING:
@@ -66,6 +68,8 @@ class Runtime:
         self.ledger: StepLedger | None = None
         """Where this rank's time goes, step by step (scaletrain.observe.ledger); made by
         st.init, driven by hooks rt.setup and rt.loader install. None when turned off."""
+        self._stopping: StopAgreement | None = None
+        self._stop_reason: str | None = None
 
     def _phase(self, phase: int, *, mode: bool = False) -> contextlib.AbstractContextManager[None]:
         return in_phase(self.ledger, phase, mode=mode)
@@ -368,6 +372,36 @@ class Runtime:
         with self._phase(_phases.SYNC):
             _dist.barrier(self.device)
 
+    # -- stopping on a signal ---------------------------------------------------------
+    def should_stop(self) -> bool:
+        """True on every rank, after the same step, once SIGTERM, SIGUSR1 or a first
+        Ctrl-C reached any rank: the stop `scaletrain train` makes, for a loop of your own.
+        Then save, `rt.shutdown()` and exit with `st.EXIT_PREEMPTED` (75); the next start
+        resumes from that checkpoint.
+
+        Call it once per step at the same point on every rank (it is a collective, on
+        scaletrain's CPU group: no GPU synchronisation). The first call starts taking
+        those signals (in the main thread, until rt.shutdown); before it they do what
+        they did, so a loop that never asks keeps its usual Ctrl-C. Each call collects
+        the previous call's flag and starts the next without waiting
+        (scaletrain.runtime.stopping): a signal is answered one step after it arrives,
+        and the loop never waits for the slowest rank here. Once True it stays True;
+        `rt.stop_reason` says why. A second Ctrl-C ends the process at once (exit 130)
+        without saving; the checkpoints already written stay complete.
+        """
+        if self._stop_reason is not None:
+            return True
+        if self._stopping is None:
+            self._stopping = StopAgreement(self, StopRequest().install(), None)
+        self._stop_reason = self._stopping.after_step(0)
+        return self._stop_reason is not None
+
+    @property
+    def stop_reason(self) -> str | None:
+        """Why `should_stop()` said to stop ("signal SIGTERM", "Ctrl-C", "a signal on
+        another rank"); None until it did."""
+        return self._stop_reason
+
     def print(self, *args: Any, **kwargs: Any) -> None:
         """print() on rank 0 only."""
         if self.is_main:
@@ -441,6 +475,22 @@ class Runtime:
         if self._closed:
             return
         self._closed = True
+        try:
+            self._close(failed)
+        finally:
+            if self._stopping is not None and self._stop_reason is None:
+                # Signals do again what they did before the first rt.should_stop(). After
+                # an agreed stop they stay taken: the process is on its way out with exit
+                # 75, and a launcher that stops the rest of a job once one worker has
+                # exited (torch's agent sends SIGTERM) must not turn that into a death
+                # by signal.
+                self._stopping.stop.restore()
+
+    def _close(self, failed: bool) -> None:
+        if self._stopping is not None and not failed:
+            # The flag the last rt.should_stop() started is still in flight on the
+            # control group, which goes below: every rank collects it here.
+            self._stopping.collect()
         if self.ledger is not None:
             # One process gathers from itself, no collective needed: its summary is
             # written whether or not a process group exists (a 1-process run has none).
