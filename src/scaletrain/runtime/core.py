@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import weakref
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar, overload
 
@@ -70,6 +71,7 @@ class Runtime:
         st.init, driven by hooks rt.setup and rt.loader install. None when turned off."""
         self._stopping: StopAgreement | None = None
         self._stop_reason: str | None = None
+        self._loaders: weakref.WeakSet[ShardedLoader] = weakref.WeakSet()
 
     def _phase(self, phase: int, *, mode: bool = False) -> contextlib.AbstractContextManager[None]:
         return in_phase(self.ledger, phase, mode=mode)
@@ -288,6 +290,14 @@ class Runtime:
         with self.precision.forward_context():
             return self.strategy.predict(model, self.precision.convert_input(inputs))
 
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The run's precision for forward code outside rt.forward_backward and
+        rt.predict (a head, a metric, generation): the same context they run the model
+        in. torch.autocast to bfloat16 under "bf16-mixed", to float16 under "fp16-mixed";
+        nothing under "32", "bf16-true" (the weights are bfloat16 themselves) or FSDP
+        (its MixedPrecisionPolicy casts the sharded modules)."""
+        return self.precision.forward_context()
+
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
         """Skip the gradient all-reduce inside the block (accumulation micro-steps)."""
         return self.strategy.no_sync(model)
@@ -333,6 +343,7 @@ class Runtime:
             from scaletrain.observe.hooks import watch_loader
 
             watch_loader(self.ledger, loader)
+        self._loaders.add(loader)
         return loader
 
     # -- coordination -------------------------------------------------------------
@@ -343,6 +354,69 @@ class Runtime:
         device = self.device if self.backend == "nccl" else None
         with self._phase(_phases.SYNC):
             return _dist.reduce_values(values, op, device=device)
+
+    def gather(self, data: Any) -> Any:
+        """Every rank's tensor, concatenated along dim 0 in rank order: rank 0's rows,
+        then rank 1's, ... (Accelerate's `gather`). The first dimension may differ
+        between ranks (uneven shards); the other sizes and the dtype may not. A 0-d
+        tensor is one row. A dict, list or tuple of tensors gives the same structure,
+        each gathered. A collective: every rank calls it, with the same structure.
+
+        Under NCCL the rows travel on this rank's GPU, under Gloo on the CPU; each
+        result is on its tensor's device, detached. For metrics over a padded loader,
+        `rt.gather_for_metrics` counts every sample once.
+        """
+        leaves, problem = _tensors(data, "rt.gather")
+        return _rebuild(data, self._gather(leaves, "rt.gather", problem))
+
+    def gather_for_metrics(self, data: Any, loader: ShardedLoader | None = None) -> Any:
+        """`rt.gather` less the padding `rt.loader(pad=True)` added, so that every sample
+        of the dataset is counted once: predictions, labels, losses per sample.
+
+        `data` has one row per sample (dim 0) of the loader's last batch, called batch by
+        batch, or of every batch of its pass, concatenated after the loop. `loader`: the
+        loader the rows come from; by default the one of `rt.loader` that handed out a
+        batch last. (With pad=False or drop_last there is no padding: this is rt.gather.)
+        """
+        name = "rt.gather_for_metrics"
+        if loader is not None and not isinstance(loader, ShardedLoader):
+            raise ConfigError(
+                f"{name}(data, loader={type(loader).__name__}): expected the loader the rows "
+                "come from, as rt.loader(...) returned it, or no loader (the one that "
+                "handed out a batch last)."
+            )
+        leaves, problem = _tensors(data, name)
+        source = loader or max(self._loaders, key=lambda one: one.handed_out_at, default=None)
+        if problem is None and source is not None and source.handed_out_at:
+            try:
+                leaves = [_real_rows(t, source, name) for t in leaves]
+            except ConfigError as exc:
+                problem = str(exc)
+        return _rebuild(data, self._gather(leaves, name, problem))
+
+    def _gather(
+        self, leaves: list[torch.Tensor], name: str, problem: str | None
+    ) -> list[torch.Tensor]:
+        device = self.device if self.backend == "nccl" else None
+        with self._phase(_phases.SYNC):
+            return _dist.gather_rows(
+                leaves, world_size=self.world_size, device=device, name=name, problem=problem
+            )
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Rank `src`'s `obj` on every rank (pickled; plain data: numbers, strings, lists,
+        dicts, CPU tensors), e.g. a choice one rank makes for all. A collective; `src`
+        gets its own object back."""
+        if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < self.world_size:
+            raise ConfigError(
+                f"rt.broadcast_object(obj, src={src!r}): src is the rank that holds the object, "
+                f"an int from 0 to {self.world_size - 1} (world size {self.world_size}). "
+                "Fix: src=0, the rank that prints and writes files."
+            )
+        with self._phase(_phases.SYNC):
+            return _dist.broadcast_object(
+                obj, src, world_size=self.world_size, name="rt.broadcast_object"
+            )
 
     def rank_zero_first(self, local: bool = True) -> contextlib.AbstractContextManager[None]:
         """Local rank 0 of each node (or global rank 0) runs the block first, others wait."""
@@ -535,6 +609,64 @@ def _by_name(call: str, path: Any, unnamed: tuple[Any, ...]) -> None:
             f"rt.{call}(path, {got}): objects are passed by name (a load matches them by "
             f"name). Fix: {example}."
         )
+
+
+def _tensors(data: Any, name: str) -> tuple[list[torch.Tensor], str | None]:
+    """The tensors in `data` (a tensor, or a dict/list/tuple of them, nested), in order;
+    or the problem, in the words of `name`, if something else is in it."""
+    leaves: list[torch.Tensor] = []
+
+    def walk(item: Any, path: str) -> str | None:
+        if isinstance(item, torch.Tensor):
+            leaves.append(item)
+            return None
+        if isinstance(item, Mapping):
+            children = [(f"{path}[{k!r}]", v) for k, v in item.items()]
+        elif isinstance(item, (list, tuple)):
+            children = [(f"{path}[{i}]", v) for i, v in enumerate(item)]
+        else:
+            where = f"data{path}" if path else "data"
+            return (
+                f"{name}(data): {where} is a {type(item).__name__}; expected a tensor, or a "
+                "dict, list or tuple of tensors. Fix: torch.tensor(x) for numbers (or "
+                "rt.reduce to sum them); rt.broadcast_object for other objects."
+            )
+        for child_path, child in children:
+            problem = walk(child, child_path)
+            if problem is not None:
+                return problem
+        return None
+
+    problem = walk(data, "")
+    return (leaves, None) if problem is None else ([], problem)
+
+
+def _rebuild(data: Any, leaves: list[torch.Tensor]) -> Any:
+    """`data` with its tensors replaced by `leaves`, in the order `_tensors` found them."""
+    it = iter(leaves)
+
+    def build(item: Any) -> Any:
+        if isinstance(item, torch.Tensor):
+            return next(it)
+        if isinstance(item, Mapping):
+            return {k: build(v) for k, v in item.items()}
+        if isinstance(item, tuple) and hasattr(item, "_fields"):
+            return type(item)(*(build(v) for v in item))  # a namedtuple
+        if isinstance(item, (list, tuple)):
+            return type(item)(build(v) for v in item)
+        return item
+
+    return build(data)
+
+
+def _real_rows(tensor: torch.Tensor, loader: ShardedLoader, name: str) -> torch.Tensor:
+    """`tensor`'s rows less those of the samples the loader added as padding."""
+    rows = tensor.reshape(1) if tensor.dim() == 0 else tensor
+    padding = loader.padding(rows.shape[0], caller=name)
+    if not bool(padding.any()):
+        return rows
+    keep = (~padding).nonzero().squeeze(1).to(rows.device)
+    return rows.index_select(0, keep)
 
 
 _CURRENT: Runtime | None = None
