@@ -244,6 +244,9 @@ def test_one_process_without_a_process_group(monkeypatch: pytest.MonkeyPatch) ->
         assert sorted(torch.cat(got).tolist()) == list(range(N))
         with pytest.raises(st.ConfigError, match=r"received 3 rows, but the loader's last batch"):
             rt.gather_for_metrics(torch.zeros(3))
+        # The loader named is the one, also one without batches (len 0, falsy).
+        empty = rt.loader(TensorDataset(torch.arange(0)), batch_size=BATCH)
+        assert rt.gather_for_metrics(torch.zeros(0), empty).shape == (0,)
         with pytest.raises(st.ConfigError, match=r"data\['x'\] is a str"):
             rt.gather({"x": "text"})
         assert rt.broadcast_object({"k": 1}) == {"k": 1}

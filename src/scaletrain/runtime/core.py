@@ -386,7 +386,12 @@ class Runtime:
                 "handed out a batch last)."
             )
         leaves, problem = _tensors(data, name)
-        source = loader or max(self._loaders, key=lambda one: one.handed_out_at, default=None)
+        # `is None`, not `or`: a loader is falsy when it has no batches (len 0).
+        source = (
+            loader
+            if loader is not None
+            else max(self._loaders, key=lambda one: one.handed_out_at, default=None)
+        )
         if problem is None and source is not None and source.handed_out_at:
             try:
                 leaves = [_real_rows(t, source, name) for t in leaves]
