@@ -18,6 +18,7 @@ from scaletrain._lazy import lazy_attributes
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
+    from scaletrain.checkpoint import CheckpointManager
     from scaletrain.errors import (
         CheckpointError,
         ConfigError,
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
         LaunchError,
         ScaletrainError,
     )
+    from scaletrain.exitcodes import EXIT_PREEMPTED
     from scaletrain.observe.ledger import LedgerConfig
     from scaletrain.observe.trackers import MLflowTracker, TensorBoardTracker, Tracker
     from scaletrain.runtime import AccumulationStep, Runtime, init, sync_batchnorm
@@ -42,6 +44,8 @@ if TYPE_CHECKING:
     from scaletrain.train.planning import plan  # st.plan: the scaletrain.plan package, callable
 
 _WHERE = {
+    "CheckpointManager": "scaletrain.checkpoint",
+    "EXIT_PREEMPTED": "scaletrain.exitcodes",
     "CheckpointError": "scaletrain.errors",
     "ConfigError": "scaletrain.errors",
     "DatasetError": "scaletrain.errors",
@@ -69,9 +73,11 @@ _WHERE = {
 
 __all__ = [
     "DDP",
+    "EXIT_PREEMPTED",
     "FSDP",
     "AccumulationStep",
     "CheckpointError",
+    "CheckpointManager",
     "ConfigError",
     "DataParallel",
     "DatasetError",

@@ -288,7 +288,7 @@ def _worker_args(argv: Sequence[str], out: str | None) -> list[str]:
 
 
 def _cmd_train(ns: argparse.Namespace, argv: Sequence[str]) -> int:
-    from scaletrain.train.signals import ctrl_c_held
+    from scaletrain.runtime.signals import ctrl_c_held
 
     with ctrl_c_held():
         import torch  # noqa: F401  (a Ctrl-C during this import could be lost: see there)

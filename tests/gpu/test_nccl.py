@@ -61,3 +61,39 @@ def test_single_process_on_gpu_picks_cuda0(monkeypatch: pytest.MonkeyPatch) -> N
         assert next(model.parameters()).is_cuda
     finally:
         rt.shutdown()
+
+
+def _collectives_job(backend: str) -> dict[str, Any]:
+    from torch.utils.data import TensorDataset
+
+    import scaletrain as st
+
+    device = "cuda:0" if backend == "gloo" else None  # Gloo: every rank on the one GPU
+    rt = st.init(strategy="ddp", backend=backend, device=device, precision="bf16-mixed")
+    r = rt.rank
+    loader = rt.loader(TensorDataset(torch.arange(7)), batch_size=2, seed=1)
+    seen = [rt.gather_for_metrics(idx.to(rt.device)) for (idx,) in loader]
+    with rt.autocast():
+        dtype = (torch.ones(2, 2, device=rt.device) @ torch.ones(2, 2, device=rt.device)).dtype
+    res = {
+        "gather": rt.gather(torch.arange(r + 1, device=rt.device) + 10 * r),
+        "metrics": torch.cat(seen),
+        "bcast": rt.broadcast_object({"from": r}, src=rt.world_size - 1),
+        "autocast": dtype,
+    }
+    rt.shutdown()
+    return res
+
+
+@pytest.mark.parametrize("backend", ["nccl", "gloo"])
+def test_gather_broadcast_and_autocast_on_the_gpu(backend: str) -> None:
+    # NCCL needs a GPU per rank; Gloo ranks may share one (the rows travel on the CPU).
+    n = min(torch.cuda.device_count(), 2) if backend == "nccl" else 2
+    if torch.cuda.device_count() < 1:
+        pytest.skip("needs a CUDA GPU")
+    for res in run_ranks(_collectives_job, n, backend, timeout=200):
+        assert res["gather"].is_cuda and res["metrics"].is_cuda
+        assert res["gather"].tolist() == [v + 10 * q for q in range(n) for v in range(q + 1)]
+        assert sorted(res["metrics"].tolist()) == list(range(7))
+        assert res["bcast"] == {"from": n - 1}
+        assert res["autocast"] == torch.bfloat16

@@ -124,3 +124,21 @@ def test_workers_that_saved_on_a_signal_are_not_a_failure_to_report(tmp_path: Pa
         errors.ChildFailedError("scaletrain", failures), workers_record=True
     )
     assert (summary, code) == ("", 75)
+
+
+def test_a_scripts_workers_that_saved_on_a_signal_are_one_line_not_a_failure(
+    tmp_path: Path,
+) -> None:
+    # A loop that stops on rt.should_stop() exits 75 on every rank; `scaletrain launch`
+    # summarised that as worker rank 0's failure, with torch's @record advice.
+    failures = {r: _unrecorded(r, 75, tmp_path) for r in (0, 1)}
+    summary, code = summarize_failure(errors.ChildFailedError("own_loop.py", failures))
+    assert code == 75
+    assert summary == (
+        "scaletrain launch: the workers stopped on a signal after saving (exit code 75); "
+        "start the job again to resume."
+    )
+    # One worker that saved beside one that failed is a failure.
+    failures[1] = _unrecorded(1, 1, tmp_path)
+    summary, code = summarize_failure(errors.ChildFailedError("own_loop.py", failures))
+    assert code in (1, 75) and "worker rank" in summary

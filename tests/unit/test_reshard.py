@@ -150,3 +150,31 @@ def test_uneven_shards_agree_on_the_epoch_after_a_restore() -> None:
     assert [p[0] for p in passes] == [1, 0, 0]
     assert [p[2] for p in passes] == [3, 2, 2]
     assert {p[1] for p in passes} == {2}
+
+
+@pytest.mark.parametrize("worlds", [[1], [2], [3], [2, 3], [3, 2], [4, 3, 2, 5], [3, 1], [1, 4]])
+def test_padding_marks_every_repeat_also_across_reshards(worlds: list[int]) -> None:
+    """pad=True repeats samples so that every rank has as many; `padding()` says which of
+    a rank's indices are those repeats (rt.gather_for_metrics drops them): without them
+    the epoch holds every sample exactly once, whatever world sizes it went through."""
+    rng = random.Random(str(worlds))
+    for n, seed in itertools.product([0, 1, 2, 5, 17, 100], [0, 7]):
+        samplers = [
+            ShardedSampler(n, num_replicas=worlds[0], rank=r, seed=seed) for r in range(worlds[0])
+        ]
+        real: list[int] = []
+        for after in [*worlds[1:], None]:
+            for s in samplers:
+                take = len(s) if after is None else rng.randint(0, len(s))
+                window = slice(s.position, s.position + take)
+                real += s.indices()[window][~s.padding()[window]].tolist()
+                s.advance(take)
+            if after is None:
+                break
+            saved = [s.state_dict() for s in samplers]
+            samplers = [
+                ShardedSampler(n, num_replicas=after, rank=r, seed=seed) for r in range(after)
+            ]
+            for r, s in enumerate(samplers):
+                s.load_state_dict(resume_state(saved, after, r))
+        assert sorted(real) == list(range(n)), (n, seed)

@@ -300,3 +300,24 @@ def test_loader_rejects_mismatched_dataset() -> None:
         )
     with pytest.raises(ConfigError, match="batch_size"):
         make_loader(batch=0)
+
+
+def test_a_loader_tells_which_rows_it_handed_out_were_padding() -> None:
+    """7 samples on rank 1 of 3: positions 1, 4, 7 of the padded order; 7 repeats one."""
+    sampler = ShardedSampler(7, num_replicas=3, rank=1, shuffle=False)
+    assert sampler.padding().tolist() == [False, False, True]
+    loader = ShardedLoader(list(range(7)), batch_size=2, sampler=sampler)
+    batches = iter(loader)
+    assert next(batches).tolist() == [1, 4]
+    assert loader.padding(2).tolist() == [False, False]
+    assert next(batches).tolist() == [0]  # the repeat of sample 0
+    assert loader.padding(1).tolist() == [True]  # the last batch's
+    assert loader.padding(3).tolist() == [False, False, True]  # the pass's
+    with pytest.raises(ConfigError, match=r"received 4 rows, but the loader's last batch had 1"):
+        loader.padding(4)
+    assert list(batches) == []  # the pass is over: its rows are still known
+    assert loader.padding(3).tolist() == [False, False, True]
+    # No padding: drop_last, pad=False, or shards that divide.
+    for kwargs in ({"drop_last": True}, {"pad": False}):
+        assert not ShardedSampler(7, num_replicas=3, rank=1, **kwargs).padding().any()
+    assert not ShardedSampler(6, num_replicas=3, rank=2).padding().any()

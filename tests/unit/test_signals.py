@@ -23,7 +23,7 @@ def test_a_ctrl_c_held_across_a_block_that_would_swallow_it_arrives_after() -> N
     # KeyboardInterrupt there was lost (3 of 40 Ctrl-Cs). Held, it arrives after.
     done = _python(
         "import os, signal, time\n"
-        "from scaletrain.train.signals import ctrl_c_held\n"
+        "from scaletrain.runtime.signals import ctrl_c_held\n"
         "with ctrl_c_held():\n"
         "    os.kill(os.getpid(), signal.SIGINT)\n"
         "    try:\n"
@@ -40,7 +40,7 @@ def test_a_ctrl_c_held_across_a_block_that_would_swallow_it_arrives_after() -> N
 def test_a_worker_ends_at_once_on_ctrl_c_until_it_has_a_run_to_save() -> None:
     code = (
         "import os, signal, time\n"
-        "from scaletrain.train.signals import StopRequest\n"
+        "from scaletrain.runtime.signals import StopRequest\n"
         "stop = StopRequest().install(exit_until_armed=True)\n"
         "{arm}"
         "os.kill(os.getpid(), signal.SIGINT)\n"
@@ -56,7 +56,7 @@ def test_a_worker_ends_at_once_on_ctrl_c_until_it_has_a_run_to_save() -> None:
 def test_a_second_ctrl_c_runs_the_abort_hook_before_it_ends_the_process() -> None:
     done = _python(
         "import os, signal, time\n"
-        "from scaletrain.train.signals import StopRequest\n"
+        "from scaletrain.runtime.signals import StopRequest\n"
         "StopRequest(on_abort=lambda: print('tidied', flush=True)).install()\n"
         "os.kill(os.getpid(), signal.SIGINT)\n"
         "time.sleep(0.1)\n"
@@ -64,3 +64,50 @@ def test_a_second_ctrl_c_runs_the_abort_hook_before_it_ends_the_process() -> Non
         "time.sleep(5)\n"
     )
     assert done.returncode == 130 and done.stdout == "tidied\n", done.stdout + done.stderr
+
+
+_LOOP = (
+    "import os, signal, time\n"
+    "import scaletrain as st\n"
+    "rt = st.init(strategy='single', ledger=False)\n"
+    "try:\n"
+    "    os.kill(os.getpid(), signal.SIGINT)\n"
+    "    time.sleep(1)\n"
+    "except KeyboardInterrupt:\n"
+    "    print('before the first should_stop: KeyboardInterrupt', flush=True)\n"
+    "for step in range(1, 10):\n"
+    "    if step == 2:\n"
+    "        os.kill(os.getpid(), signal.{sig})\n"
+    "    if rt.should_stop():\n"
+    "        break\n"
+    "print('stopped after step', step, 'by', rt.stop_reason, rt.should_stop(), flush=True)\n"
+    "rt.shutdown()\n"
+)
+
+
+@pytest.mark.parametrize(("sig", "reason"), [("SIGINT", "Ctrl-C"), ("SIGUSR1", "signal SIGUSR1")])
+def test_should_stop_in_one_process(sig: str, reason: str) -> None:
+    """A loop's own stop (rt.should_stop) in one process, without a process group: the
+    signal's step is finished, the next one says stop (the agreement comes one step
+    later, as at any world size). Before the first call Ctrl-C is Python's own."""
+    done = _python(_LOOP.replace("{sig}", sig))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout == (
+        f"before the first should_stop: KeyboardInterrupt\nstopped after step 3 by {reason} True\n"
+    ), done.stdout + done.stderr
+    if sig == "SIGINT":
+        assert "scaletrain: Ctrl-C: finishing this step" in done.stderr
+
+
+def test_shutdown_gives_the_signals_back_when_nothing_stopped_the_loop() -> None:
+    done = _python(
+        "import signal\n"
+        "import scaletrain as st\n"
+        "rt = st.init(strategy='single', ledger=False)\n"
+        "assert rt.should_stop() is False\n"
+        "assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL\n"
+        "rt.shutdown()\n"
+        "print(signal.getsignal(signal.SIGTERM) is signal.SIG_DFL,\n"
+        "      signal.getsignal(signal.SIGINT) is signal.default_int_handler)\n"
+    )
+    assert done.stdout == "True True\n", done.stdout + done.stderr

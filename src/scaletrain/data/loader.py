@@ -10,6 +10,7 @@ epoch on the same order.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -21,6 +22,10 @@ from scaletrain.data.sampler import ShardedSampler
 from scaletrain.errors import ConfigError
 
 __all__ = ["ShardedLoader"]
+
+_HANDOUTS = itertools.count(1)
+"""Numbers the batches every loader of the process hands out: the latest one is the
+batch of the loader a loop is iterating (ShardedLoader.handed_out_at)."""
 
 
 class ShardedLoader:
@@ -72,6 +77,14 @@ class ShardedLoader:
         self._drop_last = drop_last
         self._seed = sampler.seed if seed is None else int(seed)
         self._generator = torch.Generator()
+        # The current pass (one `for` over the loader): which of its samples are padding,
+        # how many it has handed out, and how many the last batch had.
+        self._pass_padding = torch.zeros(0, dtype=torch.bool)
+        self._pass_rows = 0
+        self._batch_rows = 0
+        self.handed_out_at = 0
+        """When this loader last handed out a batch, in the order of every loader's
+        batches in this process (0: never)."""
         self._loader: DataLoader[Any] = DataLoader(
             dataset,
             batch_size=batch_size,
@@ -133,6 +146,24 @@ class ShardedLoader:
         handed_out = self._batches(self._sampler.position)
         return handed_out >= self._batches(self._sampler.longest_shard())
 
+    def padding(self, rows: int, *, caller: str = "ShardedLoader.padding") -> torch.Tensor:
+        """Which of the last `rows` samples this loader handed out are padding (repeats
+        that pad=True added so every rank has as many), in the order handed out.
+
+        `rows` is the last batch's samples, or every sample this pass (the current
+        `for` over the loader, or the one just finished) handed out: predictions made
+        batch by batch, or collected and concatenated at the end.
+        """
+        if rows == self._batch_rows or rows == self._pass_rows:
+            return self._pass_padding[self._pass_rows - rows : self._pass_rows]
+        raise ConfigError(
+            f"{caller}: received {rows} rows, but the loader's last batch had "
+            f"{self._batch_rows} samples and its pass so far {self._pass_rows}; expected one "
+            "row per sample of either (dim 0), so that the padding rt.loader(pad=True) "
+            "added can be told apart. Fix: pass the batch's outputs as they come, or all of "
+            "them concatenated along dim 0 after the loop."
+        )
+
     def state_dict(self) -> dict[str, Any]:
         return self._sampler.state_dict()
 
@@ -150,10 +181,16 @@ class ShardedLoader:
         self._generator.manual_seed(
             int(np.random.SeedSequence([self._seed, sampler.rank, epoch]).generate_state(1)[0])
         )
+        self._pass_padding = sampler.padding()[sampler.position :]
+        self._pass_rows = self._batch_rows = 0
         for batch in self._loader:
             # Batch sizes follow from the sampler alone (full batches, then a
             # partial one unless drop_last), so no need to inspect what the
             # collate_fn returned, which may be any structure.
-            sampler.advance(min(self._batch_size, sampler.remaining()))
+            rows = min(self._batch_size, sampler.remaining())
+            sampler.advance(rows)
+            self._batch_rows = rows
+            self._pass_rows += rows
+            self.handed_out_at = next(_HANDOUTS)
             yield batch
         sampler.set_epoch(epoch + 1)

@@ -213,6 +213,18 @@ class ShardedSampler(Sampler[int]):
             return order[torch.arange(total) % n]
         return order
 
+    def _fit_ids(self, ids: torch.Tensor, replicas: int) -> torch.Tensor:
+        """`_fit` on positions in the epoch's order: the k-th repeat of position p comes
+        back as p + k * N, so an id >= N is padding and id % N is the position it repeats."""
+        n = len(ids)
+        if self._drop_last:
+            return ids[: n - n % replicas]
+        total = -(-n // replicas) * replicas
+        if self._pad and n and total > n:
+            at = torch.arange(total)
+            return ids[at % n] + (at // n) * self._n
+        return ids
+
     def _order(self, epoch: int) -> torch.Tensor:
         if self._shuffle:
             g = torch.Generator()
@@ -220,12 +232,14 @@ class ShardedSampler(Sampler[int]):
             return torch.randperm(self._n, generator=g)
         return torch.arange(self._n)
 
-    def _resharded(self) -> tuple[torch.Tensor, int]:
-        """(this rank's indices, the longest rank's count) in a resharded epoch."""
+    def _resharded(self) -> tuple[torch.Tensor, int, torch.Tensor]:
+        """(this rank's indices, the longest rank's count, which of its indices are
+        padding) in a resharded epoch. Dealt as positions in the epoch's order (see
+        `_fit_ids`), so the repeats of every layout stay known as padding."""
         key = (self._epoch, self._rank, self._num_replicas, repr(self._layers))
         if self._cache is None or self._cache[0] != key:
             replicas = int(self._layers[0]["num_replicas"])
-            shards = _split(self._fit(self._order(self._epoch), replicas), replicas)
+            shards = _split(self._fit_ids(torch.arange(self._n), replicas), replicas)
             for i, layer in enumerate(self._layers):
                 left = reshard(shards, [int(p) for p in layer["positions"]])
                 after = (
@@ -233,9 +247,23 @@ class ShardedSampler(Sampler[int]):
                     if i + 1 < len(self._layers)
                     else self._num_replicas
                 )
-                shards = _split(self._fit(left, after), after)
-            self._cache = (key, shards[self._rank], max((len(s) for s in shards), default=0))
-        return self._cache[1], self._cache[2]
+                shards = _split(self._fit_ids(left, after), after)
+            ids = shards[self._rank]
+            mine = self._order(self._epoch)[ids % max(self._n, 1)]
+            longest = max((len(s) for s in shards), default=0)
+            self._cache = (key, mine, longest, ids >= self._n)
+        return self._cache[1], self._cache[2], self._cache[3]
+
+    def padding(self) -> torch.Tensor:
+        """Which of this rank's indices of the current epoch (`indices()`, in order) are
+        padding: repeats that `pad=True` added so that every rank has as many. Dropping
+        them over every rank counts each sample once (rt.gather_for_metrics does)."""
+        if self._layers:
+            return self._resharded()[2]
+        # Rank r's j-th index is position j * R + r of the padded order; those past N
+        # are the repeats (none with drop_last or pad=False, whose shards fit N).
+        positions = torch.arange(len(self)) * self._num_replicas + self._rank
+        return positions >= self._n
 
     def indices(self, epoch: int | None = None) -> torch.Tensor:
         """All of this rank's indices for `epoch` (default: current), ignoring position."""

@@ -7,12 +7,15 @@ thread has gone on; letting go of a tensor made in Python takes the GIL, and a t
 that asks for the GIL while the interpreter finalizes is ended by pthread_exit, whose
 unwinding through the work's destructor aborts the process ("terminate called without
 an active exception"). The default group may outlive rt.shutdown (a DDP model the
-loop still holds keeps it), so it is left to the collectives DDP runs itself.
+loop still holds keeps it), so it is left to the collectives DDP runs itself, and to
+`gather_rows` under NCCL, whose rows stay on the GPU.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
+import pickle
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -30,7 +33,9 @@ __all__ = [
     "any_rank",
     "any_rank_async",
     "barrier",
+    "broadcast_object",
     "from_rank_zero",
+    "gather_rows",
     "rank_first",
     "reduce_values",
 ]
@@ -250,3 +255,109 @@ def all_gather_floats(values: list[float], *, world_size: int) -> list[list[floa
     rows = [torch.empty_like(mine) for _ in range(world_size)]
     dist.all_gather(rows, mine, group=control_group())
     return [r.tolist() for r in rows]
+
+
+def gather_rows(
+    tensors: list[torch.Tensor],
+    *,
+    world_size: int,
+    device: torch.device | None = None,
+    name: str,
+    problem: str | None = None,
+) -> list[torch.Tensor]:
+    """Each of `tensors` from every rank, concatenated along dim 0 in rank order (a 0-d
+    tensor is one row). First dimensions may differ between ranks; the other sizes and
+    the dtype may not.
+
+    Every rank's shapes and dtypes go first, in one gather on the CPU group, with
+    `problem`: this rank's own error in the call (`name`) found before, if any. So a
+    mistake on one rank raises on every rank, ConfigError where it was made and
+    PeerFailure on the others, instead of leaving them waiting in a collective. The rows
+    then travel as bytes, padded to the longest rank's: on `device` through the default
+    group (a GPU under NCCL), else on the CPU group. Results are on each tensor's device.
+    """
+    rows = [t.detach().reshape(1) if t.dim() == 0 else t.detach() for t in tensors]
+    if world_size == 1 or not _active():
+        if problem is not None:
+            raise ConfigError(problem)
+        return rows
+    group = control_group()
+    mine = (problem, [(tuple(r.shape), str(r.dtype)) for r in rows])
+    meta: list[Any] = [None] * world_size
+    dist.all_gather_object(meta, mine, group=group)
+    if problem is not None:
+        raise ConfigError(problem)
+    failed = [r for r, (other, _) in enumerate(meta) if other is not None]
+    if failed:
+        raise PeerFailure(f"{name}: rank {failed[0]} was called wrongly; its error says how")
+    kinds = [[(shape[1:], dtype) for shape, dtype in m[1]] for m in meta]
+    if any(k != kinds[0] for k in kinds):
+        seen = "; ".join(
+            f"rank {r}: "
+            + (", ".join(f"{list(shape)} {dtype.replace('torch.', '')}" for shape, dtype in m[1])
+               or "nothing")
+            for r, m in enumerate(meta)
+        )  # fmt: skip
+        raise ConfigError(
+            f"{name}: the ranks' tensors differ beyond their first dimension ({seen}); "
+            "expected as many tensors on every rank, each with the same dtype and the same "
+            "sizes after dim 0, which are concatenated along dim 0. Fix: give every rank "
+            "tensors of the same kind (an empty one, torch.empty(0, ...), where a rank has "
+            "no rows)."
+        )
+    return [
+        _gather_one(r, [int(m[1][i][0][0]) for m in meta], device, group)
+        for i, r in enumerate(rows)
+    ]
+
+
+def _gather_one(
+    rows: torch.Tensor, counts: list[int], device: torch.device | None, group: Any
+) -> torch.Tensor:
+    # As bytes: every dtype travels (Gloo lacks some, e.g. bool), the same way on both.
+    width = math.prod(rows.shape[1:])
+    flat = rows.reshape(rows.shape[0], width).contiguous().view(torch.uint8)
+    comm = device if device is not None else torch.device("cpu")
+    padded = torch.zeros(max(counts), flat.shape[1], dtype=torch.uint8, device=comm)
+    padded[: rows.shape[0]] = flat.to(comm)
+    parts = [torch.empty_like(padded) for _ in counts]
+    dist.all_gather(parts, padded, group=None if device is not None else group)
+    joined = torch.cat([part[:count] for part, count in zip(parts, counts, strict=True)])
+    out = joined.view(rows.dtype).reshape(sum(counts), *rows.shape[1:])
+    return out.to(rows.device)
+
+
+def broadcast_object(obj: Any, src: int, *, world_size: int, name: str) -> Any:
+    """Rank `src`'s `obj` on every rank (pickled; `src` keeps its own object).
+
+    Pickled on `src` before anything is sent: an object that cannot be pickled raises
+    ConfigError there and PeerFailure on the others, instead of leaving them waiting in
+    the broadcast. On scaletrain's CPU group: no GPU involved.
+    """
+    if world_size == 1 or not _active():
+        return obj
+    group = control_group()
+    mine = dist.get_rank() == src
+    data, problem = b"", ""
+    if mine:
+        try:
+            data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:  # pickling raises TypeError, AttributeError, PicklingError...
+            problem = f"{type(exc).__name__}: {exc}"
+    size = torch.tensor([-1 if problem else len(data)], dtype=torch.int64)
+    dist.broadcast(size, src=src, group=group)
+    if int(size.item()) < 0:
+        if mine:
+            raise ConfigError(
+                f"{name}: the object on rank {src}, a {type(obj).__name__}, cannot be "
+                f"pickled ({problem}); expected plain data (numbers, strings, lists, dicts, "
+                "tensors on the CPU). Fix: broadcast what it is made from instead."
+            )
+        raise PeerFailure(f"{name}: rank {src} could not send its object; its error says why")
+    buf = (
+        torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        if mine
+        else torch.empty(int(size.item()), dtype=torch.uint8)
+    )
+    dist.broadcast(buf, src=src, group=group)
+    return obj if mine else pickle.loads(buf.numpy().tobytes())

@@ -19,7 +19,7 @@ import time
 import traceback
 from typing import Any
 
-__all__ = ["is_consequence", "record_failure", "summarize_failure"]
+__all__ = ["is_consequence", "preempted_note", "record_failure", "summarize_failure"]
 
 _PROG = "scaletrain launch"
 _KEY = "scaletrain"
@@ -154,6 +154,14 @@ def _unrecorded_cause(failures: dict[int, Any]) -> tuple[int, Any]:
     return min(failures.items(), key=key)
 
 
+def preempted_note(prog: str = _PROG) -> str:
+    """What a launcher says when every worker exited with EXIT_PREEMPTED (75)."""
+    return (
+        f"{prog}: the workers stopped on a signal after saving (exit code 75); start the "
+        "job again to resume."
+    )
+
+
 def summarize_failure(
     exc: Any,
     *,
@@ -179,8 +187,10 @@ def summarize_failure(
 
     ours = {r: d for r, f in exc.failures.items() if (d := _ours(f)) is not None}
     unrecorded = {r: f for r, f in exc.failures.items() if r not in ours}
-    if workers_record and all(int(f.exitcode) == EXIT_PREEMPTED for f in exc.failures.values()):
-        return "", EXIT_PREEMPTED  # saved and stopped on a signal: rank 0 said so
+    if all(int(f.exitcode) == EXIT_PREEMPTED for f in exc.failures.values()):
+        # Saved and stopped on a signal (scaletrain train's workers, rt.should_stop()
+        # loops): not a failure. scaletrain train's rank 0 has said so itself.
+        return ("" if workers_record else preempted_note(prog)), EXIT_PREEMPTED
     only_echoes = not any(not d.get("consequence") for d in ours.values())
     if workers_record and unrecorded and only_echoes:
         rank, failure = _unrecorded_cause(unrecorded)

@@ -21,10 +21,10 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from scaletrain.errors import LaunchError
-from scaletrain.exitcodes import EXIT_ABORTED, EXIT_ERROR
+from scaletrain.exitcodes import EXIT_ABORTED, EXIT_ERROR, EXIT_PREEMPTED
 from scaletrain.launch.checks import check_network, check_target
 from scaletrain.launch.config import LaunchConfig
-from scaletrain.launch.failures import summarize_failure
+from scaletrain.launch.failures import preempted_note, summarize_failure
 from scaletrain.launch.fastjoin import fast_rendezvous
 from scaletrain.launch.guard import guarded_command, sigint_held
 from scaletrain.launch.plan import Plan, make_plan
@@ -317,6 +317,14 @@ class _AgentWatch:
         """Times the workers were started (0: still in the first rendezvous)."""
         self.pids: list[int] = []
         """Every worker it started, in every round."""
+        self.workers: Any = None
+        """The agent's processes of the latest round (torch's PContext)."""
+
+    def exit_codes(self) -> list[int | None]:
+        """How the latest round's workers ended (None: still running), once the agent
+        has stopped them."""
+        handlers = getattr(self.workers, "subprocess_handlers", None) or {}
+        return [handler.proc.returncode for handler in handlers.values()]
 
 
 @dataclasses.dataclass(slots=True)
@@ -335,7 +343,8 @@ class LaunchReport:
 def _agent_hooks(plan: Plan, watch: _AgentWatch) -> Iterator[_AgentWatch]:
     """Count the agent's rendezvous rounds and note its workers' pids, for this launch
     only, so that a rendezvous that fails after a failure is not reported as one that
-    never formed, and a second Ctrl-C knows whose pid files to remove. (The store's host
+    never formed, a second Ctrl-C knows whose pid files to remove, and a launcher told to
+    stop knows how its workers ended (all 75: they saved). (The store's host
     waits for the other nodes at the end: rendezvous.py.)"""
     from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
@@ -354,6 +363,7 @@ def _agent_hooks(plan: Plan, watch: _AgentWatch) -> Iterator[_AgentWatch]:
         with sigint_held():
             pids = start_workers(self, worker_group)
             watch.pids.extend(pids.values())
+            watch.workers = getattr(self, "_pcontext", None)
         return pids
 
     SimpleElasticAgent._rendezvous = counted  # type: ignore[method-assign]
@@ -456,6 +466,13 @@ def _run_agent(
         # forwarded the signal to the workers. Exit as a shell reports a signal.
         if interrupts.count > 1:
             return EXIT_ABORTED
+        codes = watch.exit_codes()
+        if codes and all(code == EXIT_PREEMPTED for code in codes):
+            # Every worker saved on the signal it was given (rt.should_stop() loops,
+            # scaletrain train): the job stopped to be started again, as 75 says.
+            if not quiet:
+                print(preempted_note(_PROG), file=sys.stderr, flush=True)
+            return EXIT_PREEMPTED
         if not quiet and exc.sigval != signal.SIGINT:
             waiting = watch.rounds > watch.started
             state = f"waiting for --nnodes {plan.nnodes} node(s) to join" if waiting else ""

@@ -1,7 +1,8 @@
 """`scaletrain.init()` and the Runtime it returns: the whole public training API.
 
 core.py holds the Runtime (the methods a training loop calls), start.py `init` (what
-builds it) and `sync_batchnorm` (which reads the current one).
+builds it) and `sync_batchnorm` (which reads the current one); signals.py and stopping.py
+how a run stops on a signal (a stop request, then every rank's agreement on the step).
 """
 
 from scaletrain.accumulation import AccumulationStep

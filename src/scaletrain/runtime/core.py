@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import weakref
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar, overload
 
@@ -21,6 +22,8 @@ from scaletrain.errors import ConfigError
 from scaletrain.observe import phases as _phases
 from scaletrain.observe.ledger import StepLedger, in_phase
 from scaletrain.precision import Precision
+from scaletrain.runtime.signals import StopRequest
+from scaletrain.runtime.stopping import StopAgreement
 from scaletrain.strategies import Strategy
 
 if TYPE_CHECKING:
@@ -66,6 +69,9 @@ class Runtime:
         self.ledger: StepLedger | None = None
         """Where this rank's time goes, step by step (scaletrain.observe.ledger); made by
         st.init, driven by hooks rt.setup and rt.loader install. None when turned off."""
+        self._stopping: StopAgreement | None = None
+        self._stop_reason: str | None = None
+        self._loaders: weakref.WeakSet[ShardedLoader] = weakref.WeakSet()
 
     def _phase(self, phase: int, *, mode: bool = False) -> contextlib.AbstractContextManager[None]:
         return in_phase(self.ledger, phase, mode=mode)
@@ -284,6 +290,14 @@ class Runtime:
         with self.precision.forward_context():
             return self.strategy.predict(model, self.precision.convert_input(inputs))
 
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The run's precision for forward code outside rt.forward_backward and
+        rt.predict (a head, a metric, generation): the same context they run the model
+        in. torch.autocast to bfloat16 under "bf16-mixed", to float16 under "fp16-mixed";
+        nothing under "32", "bf16-true" (the weights are bfloat16 themselves) or FSDP
+        (its MixedPrecisionPolicy casts the sharded modules)."""
+        return self.precision.forward_context()
+
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
         """Skip the gradient all-reduce inside the block (accumulation micro-steps)."""
         return self.strategy.no_sync(model)
@@ -329,6 +343,7 @@ class Runtime:
             from scaletrain.observe.hooks import watch_loader
 
             watch_loader(self.ledger, loader)
+        self._loaders.add(loader)
         return loader
 
     # -- coordination -------------------------------------------------------------
@@ -339,6 +354,74 @@ class Runtime:
         device = self.device if self.backend == "nccl" else None
         with self._phase(_phases.SYNC):
             return _dist.reduce_values(values, op, device=device)
+
+    def gather(self, data: Any) -> Any:
+        """Every rank's tensor, concatenated along dim 0 in rank order: rank 0's rows,
+        then rank 1's, ... (Accelerate's `gather`). The first dimension may differ
+        between ranks (uneven shards); the other sizes and the dtype may not. A 0-d
+        tensor is one row. A dict, list or tuple of tensors gives the same structure,
+        each gathered. A collective: every rank calls it, with the same structure.
+
+        Under NCCL the rows travel on this rank's GPU, under Gloo on the CPU; each
+        result is on its tensor's device, detached. For metrics over a padded loader,
+        `rt.gather_for_metrics` counts every sample once.
+        """
+        leaves, problem = _tensors(data, "rt.gather")
+        return _rebuild(data, self._gather(leaves, "rt.gather", problem))
+
+    def gather_for_metrics(self, data: Any, loader: ShardedLoader | None = None) -> Any:
+        """`rt.gather` less the padding `rt.loader(pad=True)` added, so that every sample
+        of the dataset is counted once: predictions, labels, losses per sample.
+
+        `data` has one row per sample (dim 0) of the loader's last batch, called batch by
+        batch, or of every batch of its pass, concatenated after the loop. `loader`: the
+        loader the rows come from; by default the one of `rt.loader` that handed out a
+        batch last. (With pad=False or drop_last there is no padding: this is rt.gather.)
+        """
+        name = "rt.gather_for_metrics"
+        if loader is not None and not isinstance(loader, ShardedLoader):
+            raise ConfigError(
+                f"{name}(data, loader={type(loader).__name__}): expected the loader the rows "
+                "come from, as rt.loader(...) returned it, or no loader (the one that "
+                "handed out a batch last)."
+            )
+        leaves, problem = _tensors(data, name)
+        # `is None`, not `or`: a loader is falsy when it has no batches (len 0).
+        source = (
+            loader
+            if loader is not None
+            else max(self._loaders, key=lambda one: one.handed_out_at, default=None)
+        )
+        if problem is None and source is not None and source.handed_out_at:
+            try:
+                leaves = [_real_rows(t, source, name) for t in leaves]
+            except ConfigError as exc:
+                problem = str(exc)
+        return _rebuild(data, self._gather(leaves, name, problem))
+
+    def _gather(
+        self, leaves: list[torch.Tensor], name: str, problem: str | None
+    ) -> list[torch.Tensor]:
+        device = self.device if self.backend == "nccl" else None
+        with self._phase(_phases.SYNC):
+            return _dist.gather_rows(
+                leaves, world_size=self.world_size, device=device, name=name, problem=problem
+            )
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Rank `src`'s `obj` on every rank (pickled; plain data: numbers, strings, lists,
+        dicts, CPU tensors), e.g. a choice one rank makes for all. A collective; `src`
+        gets its own object back."""
+        if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < self.world_size:
+            raise ConfigError(
+                f"rt.broadcast_object(obj, src={src!r}): src is the rank that holds the object, "
+                f"an int from 0 to {self.world_size - 1} (world size {self.world_size}). "
+                "Fix: src=0, the rank that prints and writes files."
+            )
+        with self._phase(_phases.SYNC):
+            return _dist.broadcast_object(
+                obj, src, world_size=self.world_size, name="rt.broadcast_object"
+            )
 
     def rank_zero_first(self, local: bool = True) -> contextlib.AbstractContextManager[None]:
         """Local rank 0 of each node (or global rank 0) runs the block first, others wait."""
@@ -367,6 +450,36 @@ class Runtime:
     def barrier(self) -> None:
         with self._phase(_phases.SYNC):
             _dist.barrier(self.device)
+
+    # -- stopping on a signal ---------------------------------------------------------
+    def should_stop(self) -> bool:
+        """True on every rank, after the same step, once SIGTERM, SIGUSR1 or a first
+        Ctrl-C reached any rank: the stop `scaletrain train` makes, for a loop of your own.
+        Then save, `rt.shutdown()` and exit with `st.EXIT_PREEMPTED` (75); the next start
+        resumes from that checkpoint.
+
+        Call it once per step at the same point on every rank (it is a collective, on
+        scaletrain's CPU group: no GPU synchronisation). The first call starts taking
+        those signals (in the main thread, until rt.shutdown); before it they do what
+        they did, so a loop that never asks keeps its usual Ctrl-C. Each call collects
+        the previous call's flag and starts the next without waiting
+        (scaletrain.runtime.stopping): a signal is answered one step after it arrives,
+        and the loop never waits for the slowest rank here. Once True it stays True;
+        `rt.stop_reason` says why. A second Ctrl-C ends the process at once (exit 130)
+        without saving; the checkpoints already written stay complete.
+        """
+        if self._stop_reason is not None:
+            return True
+        if self._stopping is None:
+            self._stopping = StopAgreement(self, StopRequest().install(), None)
+        self._stop_reason = self._stopping.after_step(0)
+        return self._stop_reason is not None
+
+    @property
+    def stop_reason(self) -> str | None:
+        """Why `should_stop()` said to stop ("signal SIGTERM", "Ctrl-C", "a signal on
+        another rank"); None until it did."""
+        return self._stop_reason
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """print() on rank 0 only."""
@@ -441,6 +554,22 @@ class Runtime:
         if self._closed:
             return
         self._closed = True
+        try:
+            self._close(failed)
+        finally:
+            if self._stopping is not None and self._stop_reason is None:
+                # Signals do again what they did before the first rt.should_stop(). After
+                # an agreed stop they stay taken: the process is on its way out with exit
+                # 75, and a launcher that stops the rest of a job once one worker has
+                # exited (torch's agent sends SIGTERM) must not turn that into a death
+                # by signal.
+                self._stopping.stop.restore()
+
+    def _close(self, failed: bool) -> None:
+        if self._stopping is not None and not failed:
+            # The flag the last rt.should_stop() started is still in flight on the
+            # control group, which goes below: every rank collects it here.
+            self._stopping.collect()
         if self.ledger is not None:
             # One process gathers from itself, no collective needed: its summary is
             # written whether or not a process group exists (a 1-process run has none).
@@ -485,6 +614,64 @@ def _by_name(call: str, path: Any, unnamed: tuple[Any, ...]) -> None:
             f"rt.{call}(path, {got}): objects are passed by name (a load matches them by "
             f"name). Fix: {example}."
         )
+
+
+def _tensors(data: Any, name: str) -> tuple[list[torch.Tensor], str | None]:
+    """The tensors in `data` (a tensor, or a dict/list/tuple of them, nested), in order;
+    or the problem, in the words of `name`, if something else is in it."""
+    leaves: list[torch.Tensor] = []
+
+    def walk(item: Any, path: str) -> str | None:
+        if isinstance(item, torch.Tensor):
+            leaves.append(item)
+            return None
+        if isinstance(item, Mapping):
+            children = [(f"{path}[{k!r}]", v) for k, v in item.items()]
+        elif isinstance(item, (list, tuple)):
+            children = [(f"{path}[{i}]", v) for i, v in enumerate(item)]
+        else:
+            where = f"data{path}" if path else "data"
+            return (
+                f"{name}(data): {where} is a {type(item).__name__}; expected a tensor, or a "
+                "dict, list or tuple of tensors. Fix: torch.tensor(x) for numbers (or "
+                "rt.reduce to sum them); rt.broadcast_object for other objects."
+            )
+        for child_path, child in children:
+            problem = walk(child, child_path)
+            if problem is not None:
+                return problem
+        return None
+
+    problem = walk(data, "")
+    return (leaves, None) if problem is None else ([], problem)
+
+
+def _rebuild(data: Any, leaves: list[torch.Tensor]) -> Any:
+    """`data` with its tensors replaced by `leaves`, in the order `_tensors` found them."""
+    it = iter(leaves)
+
+    def build(item: Any) -> Any:
+        if isinstance(item, torch.Tensor):
+            return next(it)
+        if isinstance(item, Mapping):
+            return {k: build(v) for k, v in item.items()}
+        if isinstance(item, tuple) and hasattr(item, "_fields"):
+            return type(item)(*(build(v) for v in item))  # a namedtuple
+        if isinstance(item, (list, tuple)):
+            return type(item)(build(v) for v in item)
+        return item
+
+    return build(data)
+
+
+def _real_rows(tensor: torch.Tensor, loader: ShardedLoader, name: str) -> torch.Tensor:
+    """`tensor`'s rows less those of the samples the loader added as padding."""
+    rows = tensor.reshape(1) if tensor.dim() == 0 else tensor
+    padding = loader.padding(rows.shape[0], caller=name)
+    if not bool(padding.any()):
+        return rows
+    keep = (~padding).nonzero().squeeze(1).to(rows.device)
+    return rows.index_select(0, keep)
 
 
 _CURRENT: Runtime | None = None

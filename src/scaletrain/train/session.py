@@ -20,6 +20,8 @@ from scaletrain.checkpoint.full import save_file
 from scaletrain.errors import ConfigError, spell
 from scaletrain.observe.events import EvalEvent, Observers, RunInfo, StepEvent
 from scaletrain.runtime import Runtime, sync_batchnorm
+from scaletrain.runtime.signals import StopRequest
+from scaletrain.runtime.stopping import StopAgreement
 from scaletrain.train.config import TrainConfig
 from scaletrain.train.length import RunLength
 from scaletrain.train.loop import TimedBatches, evaluate, seed_everything, train_step
@@ -35,8 +37,6 @@ from scaletrain.train.resume import (
 )
 from scaletrain.train.rundir import PREEMPTED_MARKER
 from scaletrain.train.schedule import lr_at, set_lr
-from scaletrain.train.signals import StopRequest
-from scaletrain.train.stopping import StopAgreement
 
 __all__ = ["PREEMPTED_MARKER", "Preempted", "Session"]
 
@@ -460,7 +460,7 @@ class Session:
         observers.on_epoch_end(epoch)
 
     def _agree_to_stop(self) -> bool:
-        """Every rank stops at the same step (scaletrain.train.stopping)."""
+        """Every rank stops at the same step (scaletrain.runtime.stopping)."""
         reason = self.agreement.after_step(
             self.done.step - self.run_start_step, last=self.done.step >= self.total_steps
         )

@@ -23,6 +23,7 @@ from scaletrain.errors import spell
 from scaletrain.exitcodes import EXIT_PREEMPTED
 from scaletrain.observe.events import Observer, Observers
 from scaletrain.runtime import LedgerConfig, Runtime, init
+from scaletrain.runtime.signals import StopRequest
 from scaletrain.train.config import TrainConfig
 from scaletrain.train.observers import MetricsLog, ProgressPrinter, WatchdogBeats
 from scaletrain.train.recipes import Recipe, recipe_for
@@ -34,7 +35,6 @@ from scaletrain.train.rundir import (
     set_aside_interrupted,
 )
 from scaletrain.train.session import PREEMPTED_MARKER, Preempted, Session
-from scaletrain.train.signals import StopRequest
 
 __all__ = ["EXIT_PREEMPTED", "PREEMPTED_MARKER", "Preempted", "Trainer"]
 
@@ -54,7 +54,7 @@ class Trainer:
         self.config = config
         self.worker = worker
         """One process of a launched job: a Ctrl-C before its process group forms ends it
-        at once and quietly (see scaletrain.train.signals); its launcher says it."""
+        at once and quietly (see scaletrain.runtime.signals); its launcher says it."""
         self.recipe: Recipe = recipe_for(config)
         self.extra_observers = list(observers)
         self.first_failure = True

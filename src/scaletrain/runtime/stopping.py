@@ -1,4 +1,4 @@
-"""When every rank of `scaletrain train` stops: at the same step, agreed off the hot path.
+"""When every rank of a run stops: at the same step, agreed off the hot path.
 
 --stop-after counts steps, the same on every rank: no agreement is needed. A signal
 (Ctrl-C, SIGTERM, SIGUSR1) reaches ranks at different times, so after every step each
@@ -8,14 +8,21 @@ after the signal, and the round trip runs on the control group's threads while t
 step computes. (A blocking rt.any_rank after every step made each step wait for the
 slowest rank's arrival there: the ledger's "sync" phase, 3-5 ms a step on a busy 2-core
 machine.)
+
+`scaletrain train` holds one StopAgreement; a loop of one's own gets the same through
+`rt.should_stop()`.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from scaletrain.dist import PendingFlag
 from scaletrain.errors import spell
-from scaletrain.runtime import Runtime
-from scaletrain.train.signals import StopRequest
+from scaletrain.runtime.signals import StopRequest
+
+if TYPE_CHECKING:
+    from scaletrain.runtime.core import Runtime
 
 __all__ = ["StopAgreement"]
 
