@@ -5,6 +5,9 @@ rt = st.init(strategy="ddp")
 model, optimizer = rt.setup(model, optimizer)
 loader = rt.loader(dataset, batch_size=100)
 
+st.launch(train, nproc=2, args=(...)) runs a function on 2 new processes (each may
+call st.init()) and returns their results in rank order.
+
 The public names are imported on first use (PEP 562): `import scaletrain` and the
 `scaletrain` command's --help and --version do not pay for importing torch.
 """
@@ -25,9 +28,11 @@ if TYPE_CHECKING:
         DatasetError,
         EnvironmentDetectionError,
         LaunchError,
+        RankError,
         ScaletrainError,
     )
     from scaletrain.exitcodes import EXIT_PREEMPTED
+    from scaletrain.launch.function import launch_function as launch  # st.launch: callable
     from scaletrain.observe.ledger import LedgerConfig
     from scaletrain.observe.trackers import MLflowTracker, TensorBoardTracker, Tracker
     from scaletrain.runtime import AccumulationStep, Runtime, init, sync_batchnorm
@@ -51,6 +56,7 @@ _WHERE = {
     "DatasetError": "scaletrain.errors",
     "EnvironmentDetectionError": "scaletrain.errors",
     "LaunchError": "scaletrain.errors",
+    "RankError": "scaletrain.errors",
     "ScaletrainError": "scaletrain.errors",
     "AccumulationStep": "scaletrain.runtime",
     "Runtime": "scaletrain.runtime",
@@ -59,6 +65,7 @@ _WHERE = {
     "TensorBoardTracker": "scaletrain.observe.trackers",
     "Tracker": "scaletrain.observe.trackers",
     "init": "scaletrain.runtime",
+    "launch": "scaletrain.launch",
     "plan": "scaletrain.plan",
     "sync_batchnorm": "scaletrain.runtime",
     "DDP": "scaletrain.strategies",
@@ -87,6 +94,7 @@ __all__ = [
     "MLflowTracker",
     "ModelParallel",
     "Pipeline",
+    "RankError",
     "Runtime",
     "ScaletrainError",
     "SingleDevice",
@@ -96,6 +104,7 @@ __all__ = [
     "Tracker",
     "__version__",
     "init",
+    "launch",
     "plan",
     "sync_batchnorm",
 ]

@@ -25,7 +25,9 @@ def lazy_attributes(
         module = where.get(name)
         if module is None:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        value = getattr(importlib.import_module(module), name)
+        value = importlib.import_module(module)
+        if module != f"{package}.{name}":  # else the name is that subpackage itself
+            value = getattr(value, name)
         namespace[name] = value
         return value
 

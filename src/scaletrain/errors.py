@@ -16,6 +16,7 @@ __all__ = [
     "EnvironmentDetectionError",
     "LaunchError",
     "PeerFailure",
+    "RankError",
     "ScaletrainError",
     "closest",
     "interface",
@@ -140,6 +141,34 @@ class DatasetError(ScaletrainError, FileNotFoundError):
 
 class LaunchError(ScaletrainError):
     """The launcher cannot start: port in use, unreachable endpoint, missing script."""
+
+
+class RankError(LaunchError):
+    """A rank of `st.launch` failed: the first to fail, told once for the whole job.
+
+    `rank` and `exit_code` name it; where it raised, `exc_type` and `exc_message` are its
+    exception's, `traceback` is that rank's traceback as text, and `exception` the
+    exception itself where it could be rebuilt here (it pickles), else None.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        rank: int,
+        exit_code: int,
+        exc_type: str | None = None,
+        exc_message: str | None = None,
+        traceback: str = "",
+        exception: BaseException | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.exit_code = exit_code
+        self.exc_type = exc_type
+        self.exc_message = exc_message
+        self.traceback = traceback
+        self.exception = exception
 
 
 class CheckpointError(ScaletrainError):

@@ -1,4 +1,16 @@
-"""Launching: `scaletrain launch`, a thin layer over PyTorch's torch.distributed.run."""
+"""Launching: `scaletrain launch`, a thin layer over PyTorch's torch.distributed.run, and
+`st.launch(fn, nproc=N, args=...)`, which runs a Python function on N processes.
+
+`st.launch(...)` is this package, called: importing `scaletrain.launch` binds the name
+`launch` on `scaletrain` to this module (Python sets a subpackage as an attribute of its
+parent), so the module itself is made callable; the call goes to
+scaletrain.launch.function.launch_function. `scaletrain.launch.launch` stays the
+function that runs a script (`scaletrain launch SCRIPT`).
+"""
+
+import sys
+import types
+from typing import Any
 
 from scaletrain.launch.cli import add_arguments, run
 from scaletrain.launch.config import LaunchConfig
@@ -21,3 +33,14 @@ __all__ = [
     "run",
     "summarize_failure",
 ]
+
+
+class _CallablePackage(types.ModuleType):
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """st.launch(fn, *, nproc=None, args=()): see scaletrain.launch.function."""
+        from scaletrain.launch.function import launch_function
+
+        return launch_function(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallablePackage

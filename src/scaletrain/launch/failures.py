@@ -17,9 +17,10 @@ import os
 import signal
 import time
 import traceback
+from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["is_consequence", "preempted_note", "record_failure", "summarize_failure"]
+__all__ = ["cause_of", "is_consequence", "preempted_note", "record_failure", "summarize_failure"]
 
 _PROG = "scaletrain launch"
 _KEY = "scaletrain"
@@ -44,12 +45,20 @@ def is_consequence(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(p in str(exc) for p in _PEER_GONE)
 
 
-def record_failure(exc: BaseException, *, rank: int, usage: bool, exit_code: int) -> bool:
+def record_failure(
+    exc: BaseException,
+    *,
+    rank: int,
+    usage: bool,
+    exit_code: int,
+    extra: Mapping[str, Any] | None = None,
+) -> bool:
     """Write this worker's error file for the launcher (True if there is one to write).
 
     `usage` marks an error in the user's input, shown as its message alone; anything
     else is shown with its traceback. Errors that only report another rank's failure
-    are marked as consequences, so the launcher shows the cause.
+    are marked as consequences, so the launcher shows the cause. `extra` adds entries
+    (JSON values) to scaletrain's section of the record.
     """
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
@@ -70,6 +79,7 @@ def record_failure(exc: BaseException, *, rank: int, usage: bool, exit_code: int
             "exit_code": exit_code,
             "traceback": stack,
             "consequence": is_consequence(exc),
+            **(extra or {}),
         },
     }
     try:
@@ -162,6 +172,26 @@ def preempted_note(prog: str = _PROG) -> str:
     )
 
 
+def _earliest_cause(ours: Mapping[int, dict[str, Any]]) -> int:
+    """The cause among the ranks that recorded an error: the earliest failure that is not
+    just "a peer went away"; the earliest of any kind where every rank reports only that."""
+    causes = {r: d for r, d in ours.items() if not d.get("consequence")} or ours
+    return min(causes, key=lambda r: float(causes[r].get("time", 0.0)))
+
+
+def cause_of(failures: Mapping[int, Any]) -> tuple[int, dict[str, Any] | None]:
+    """The failed rank whose failure caused the others', with its record (None where it
+    recorded nothing), for workers that record every Python error (`record_failure`):
+    a rank that recorded a cause, else a rank that ended without a record (its peers
+    only report that it went away), else the earliest recorded."""
+    ours = {r: d for r, f in failures.items() if (d := _ours(f)) is not None}
+    unrecorded = {r: f for r, f in failures.items() if r not in ours}
+    if unrecorded and not any(not d.get("consequence") for d in ours.values()):
+        return _unrecorded_cause(unrecorded)[0], None
+    rank = _earliest_cause(ours)
+    return rank, ours[rank]
+
+
 def summarize_failure(
     exc: Any,
     *,
@@ -206,10 +236,7 @@ def summarize_failure(
             )
         return "\n".join(lines), code
     if ours:
-        # The cause: the earliest failure that is not just "a peer went away"; the
-        # earliest of any kind where every rank reports only that.
-        causes = {r: d for r, d in ours.items() if not d.get("consequence")} or ours
-        rank = min(causes, key=lambda r: float(causes[r].get("time", 0.0)))
+        rank = _earliest_cause(ours)
         data, failure = ours[rank], exc.failures[rank]
         code, _ = _exit_code(failure)
         # The code the worker chose: the agent may have sent it SIGTERM while it was

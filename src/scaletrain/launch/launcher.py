@@ -17,7 +17,7 @@ import shlex
 import signal
 import sys
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from scaletrain.errors import LaunchError
@@ -188,11 +188,16 @@ class _Interrupts:
     Ctrl-C reaches only this process. The first one becomes torch's own shutdown with
     SIGINT: the agent forwards it and waits for the workers (a scaletrain worker
     finishes its step, saves and exits). The second one kills every worker's process
-    group at once: the user means now.
+    group at once: the user means now. `workers` lists the processes it kills (all of
+    this process's children by default) and `prog` names the launcher in its notice.
     """
 
-    def __init__(self, quiet: bool) -> None:
+    def __init__(
+        self, quiet: bool, *, prog: str = _PROG, workers: Callable[[], list[int]] | None = None
+    ) -> None:
         self.quiet = quiet
+        self.prog = prog
+        self.workers = workers or _child_pids
         self.count = 0
         self._previous: Any = None
         self._others: dict[signal.Signals, Any] = {}
@@ -226,13 +231,13 @@ class _Interrupts:
 
             if not self.quiet:
                 print(
-                    f"\n{_PROG}: Ctrl-C: asking the workers to stop (Ctrl-C again to kill them "
+                    f"\n{self.prog}: Ctrl-C: asking the workers to stop (Ctrl-C again to kill them "
                     "now).",
                     file=sys.stderr,
                     flush=True,
                 )
             raise SignalException("Ctrl-C", sigval=signal.SIGINT)
-        for pid in _child_pids():
+        for pid in self.workers():
             with contextlib.suppress(OSError):
                 os.killpg(pid, signal.SIGKILL)
             with contextlib.suppress(OSError):
@@ -245,9 +250,12 @@ class _Interrupts:
 
 
 @contextlib.contextmanager
-def _quiet_agent(quiet: bool) -> Iterator[None]:
+def _quiet_agent(
+    quiet: bool, prefixes: Sequence[str] = ("torch.distributed.elastic",)
+) -> Iterator[None]:
     """Hide the elastic agent's own log lines (workers' closing signals, its failure
-    table) where the launcher prints its own summary of what happened."""
+    table) where the launcher prints its own summary of what happened; `prefixes` are
+    the loggers hidden, with every logger below them."""
     if not quiet:
         yield
         return
@@ -255,11 +263,10 @@ def _quiet_agent(quiet: bool) -> Iterator[None]:
 
     # torch gives each elastic module a logger with its own level, so the parent's
     # level is not enough: every one of them is raised, and restored afterwards.
-    prefix = "torch.distributed.elastic"
-    loggers = [logging.getLogger(prefix)] + [
+    loggers = [logging.getLogger(prefix) for prefix in prefixes] + [
         logger
         for name, logger in logging.Logger.manager.loggerDict.items()
-        if name.startswith(prefix + ".") and isinstance(logger, logging.Logger)
+        if name.startswith(tuple(p + "." for p in prefixes)) and isinstance(logger, logging.Logger)
     ]
     levels = [logger.level for logger in loggers]
     for logger in loggers:
