@@ -8,7 +8,7 @@
 #     OUT=/tmp/gpu bash benchmarks/gpu_session.sh            # every step
 #     OUT=/tmp/gpu bash benchmarks/gpu_session.sh tests      # only the named steps
 #
-# Steps: env, tests, smoke, plan. A measurement an issue asks for is added here as a
+# Steps: env, tests, smoke, hf, plan. A measurement an issue asks for is added here as a
 # step when the code it measures lands, so the next GPU session only has to run this.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -16,7 +16,7 @@ OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-python3}
-STEPS=${*:-env tests smoke plan}
+STEPS=${*:-env tests smoke hf plan}
 START=$SECONDS
 
 want() { [[ " $STEPS " == *" $1 "* ]]; }
@@ -60,6 +60,18 @@ if want smoke; then
 		$T
 		'"$PY"' -c "import json; s=json.load(open(\"$R/observe/summary.json\")); print(\"summary steps\", s[\"first_step\"], s[\"last_step\"], \"mfu\", s[\"mfu\"])"
 		ls $R $R/checkpoints'
+fi
+
+if want hf; then
+	# Issue 27: the Hugging Face example (examples/hf_llama.py) at about 1B parameters,
+	# FSDP, bf16-mixed, sequences of 1024 tokens, batch 8: step time, MFU and CUDA peak
+	# from the step ledger (observe/summary.json and the table), 1 GPU.
+	step hf 300 bash -c '
+		set -e; R=$(mktemp -d)/hf
+		HF_LLAMA_BLOCK=1024 '"$PY"' -m scaletrain train --model examples/hf_llama.py:build_1b \
+			--strategy fsdp --precision bf16-mixed --nproc 1 --batch-size 8 --max-steps 40 \
+			--eval-batches 2 --log-every 10 --ledger-every 10 --no-save-last --out $R
+		'"$PY"' -c "import json; s=json.load(open(\"$R/observe/summary.json\")); r=s[\"ranks\"][0]; print(\"step_ms\", round(r[\"step\"]*1e3, 2), \"mfu\", s[\"mfu\"], \"allocated_peak_MiB\", round((r.get(\"allocated_peak\") or 0)/2**20), \"flops_per_step\", r[\"flops_per_step\"], \"steps\", s[\"first_step\"], s[\"last_step\"])"'
 fi
 
 if want plan; then

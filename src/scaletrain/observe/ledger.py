@@ -325,6 +325,11 @@ class StepLedger:
             self.flops_per_step = float(self.flops.stop())
             self._flags.append("flops")
             self._write_flops()
+            for problem in getattr(self.flops, "problems", ()):
+                self.say(
+                    f"scaletrain: the FLOP count (for MFU) left out {problem}; the MFU shown "
+                    "is a lower bound."
+                )
         self.push(OPTIMIZER)
 
     def optimizer_end(self) -> None:
