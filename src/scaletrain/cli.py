@@ -211,7 +211,7 @@ def _preflight(config: TrainConfig, nodes: int, hint: int | None) -> tuple[int, 
     device = choose_device(0, backend=backend)
     Precision(name=config.precision, device=device)
     mesh = parse_mesh(config.mesh, world) if config.mesh is not None else None
-    strategy = resolve_strategy(config.strategy, mesh=mesh)
+    strategy = resolve_strategy(config.strategy_object(), mesh=mesh)
     topo = Topology(
         world_size=world,
         local_world_size=nproc,

@@ -18,6 +18,7 @@ from torch import nn
 
 from scaletrain.dist.replicas import first_replica_values
 from scaletrain.errors import ConfigError
+from scaletrain.strategies.levers import apply_levers, check_compiler, check_levers, lever_blocks
 
 if TYPE_CHECKING:
     from scaletrain.dist.topology import Topology
@@ -59,8 +60,29 @@ class Strategy:
     """The dimension this strategy spans when no mesh is given: the implicit mesh is
     every rank along it (Topology.resolve)."""
 
+    ac: str = "none"
+    """Activation checkpointing of the model's blocks: "none", "full" (every block) or
+    "selective" (see ac_every); scaletrain.strategies.levers says how."""
+    ac_every: int | None = None
+    """With ac="selective": checkpoint every k-th block whole; None: every block at the
+    op level (matmul and attention outputs kept, the cheap ops recomputed)."""
+    compile: bool | str = False
+    """torch.compile each block, after tensor parallel and checkpointing, before FSDP/DDP:
+    True (inductor), or a backend's name ("aot_eager" traces the same graphs without
+    generating code: the first thing to try when a compiled run misbehaves)."""
+
+    def __post_init__(self) -> None:
+        check_levers(f"{type(self).__name__}(...)", self.ac, self.ac_every, self.compile)
+
+    @property
+    def uses_levers(self) -> bool:
+        """Whether checkpointing or compile is asked for."""
+        return self.ac != "none" or self.compile is not False
+
     def validate(self, topo: Topology) -> None:
         """Fail before training if this strategy cannot work on topo's backend/devices."""
+        if self.compile:
+            check_compiler(topo.device, self.compile)
         self._validate(topo)
 
     def check_model(self, module: nn.Module, topo: Topology) -> None:
@@ -68,6 +90,7 @@ class Strategy:
         and without a process group (`module` may live on the meta device): a launcher
         calls it so that a model this strategy cannot split fails before any process
         starts, with the message a worker would give."""
+        lever_blocks(module, self.ac, owner=f"{type(self).__name__}(...)")
         self._check_model(module, topo)
 
     def setup_module(self, module: nn.Module, topo: Topology) -> nn.Module:
@@ -202,6 +225,20 @@ class Strategy:
         with torch.no_grad():
             return self._predict(module, inputs)
 
+    def apply_levers(self, module: nn.Module, blocks: list[str] | None = None) -> None:
+        """Checkpoint and compile `module`'s blocks as this strategy's fields say, in
+        place. Strategies call it where the order holds (after tensor parallel, before
+        FSDP/DDP wrap: see scaletrain.strategies.levers); `blocks` default to the
+        model's auto-detected ones."""
+        apply_levers(
+            module,
+            ac=self.ac,
+            ac_every=self.ac_every,
+            compile=self.compile,
+            blocks=blocks,
+            owner=f"{type(self).__name__}(...)",
+        )
+
     # -- hooks -----------------------------------------------------------------
     def _validate(self, topo: Topology) -> None:
         return None
@@ -210,7 +247,9 @@ class Strategy:
         return None
 
     def _setup_module(self, module: nn.Module, topo: Topology) -> nn.Module:
-        return module.to(topo.device)
+        module = module.to(topo.device)
+        self.apply_levers(module)
+        return module
 
     def _setup_optimizer(
         self, optimizer: torch.optim.Optimizer, module: nn.Module, topo: Topology

@@ -72,6 +72,7 @@ class DDP(Strategy):
     """Devices each process owns for device_map; None: as many as its "local:i" name."""
 
     def __post_init__(self) -> None:
+        Strategy.__post_init__(self)
         if self.comm_hook is not None and self.comm_hook not in COMM_HOOKS:
             raise ConfigError(
                 f"DDP(comm_hook={self.comm_hook!r}) is not a known hook; expected one of "
@@ -129,6 +130,7 @@ class DDP(Strategy):
             module = module.to(topo.device)
         else:
             place_module(module, self.device_map, devices=self.process_devices(topo), owner="DDP")
+        self.apply_levers(module)
         if topo.world_size == 1:
             # The same script runs in one process with no wrapper and no process group.
             return module

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
-from scaletrain.errors import ConfigError
+from scaletrain.errors import ConfigError, spell
 from scaletrain.strategies.base import Strategy, register
 
 if TYPE_CHECKING:
@@ -52,6 +52,17 @@ class DataParallel(Strategy):
     """GPU indices to replicate over; None: every visible GPU. The model lives on the first."""
 
     def __post_init__(self) -> None:
+        Strategy.__post_init__(self)
+        if self.uses_levers:
+            # Its replicas are copied from the model at every forward, in threads:
+            # checkpoint wrappers and compiled blocks are not made to be copied so.
+            raise ConfigError(
+                f"{spell('strategy', 'dp')} takes no {spell('ac')} or {spell('compile')}: "
+                "nn.DataParallel copies the model into each GPU's replica at every step. "
+                f"Fix: {spell('strategy', 'ddp')} (one process per GPU), which takes them "
+                "and is faster.",
+                field="strategy",
+            )
         if self.device_ids is None:
             return
         ids = list(self.device_ids)

@@ -62,6 +62,7 @@ class FSDP(Strategy):
     """A torch.distributed.fsdp.MixedPrecisionPolicy, or None for the parameters' dtype."""
 
     def __post_init__(self) -> None:
+        Strategy.__post_init__(self)
         self.wrap = normalise_wrap(self.wrap)
         if not isinstance(self.reshard_after_forward, bool):
             raise ConfigError(
@@ -95,6 +96,8 @@ class FSDP(Strategy):
         module = module.to(topo.device)
         # Resolved even in one process: a wrong class name fails on a laptop, not at scale.
         targets = wrap_targets(module, self.wrap)
+        # Checkpointing and compile act on the units FSDP shards, before it shards them.
+        self.apply_levers(module, targets)
         if topo.world_size == 1:
             # One process: nothing to shard; the same script runs unwrapped (and
             # _adopt_precision left autocast on).

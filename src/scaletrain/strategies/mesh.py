@@ -30,7 +30,7 @@ from scaletrain.errors import ConfigError, spell
 from scaletrain.strategies import base
 from scaletrain.strategies.base import Strategy, rebind_to_wrapped
 from scaletrain.strategies.ddp import DDP
-from scaletrain.strategies.fsdp import FSDP
+from scaletrain.strategies.fsdp import FSDP, wrap_targets
 from scaletrain.strategies.pipeline import Pipeline, PipelineModule
 from scaletrain.strategies.tensor import TensorParallel
 
@@ -54,6 +54,10 @@ class FSDPxTP(Strategy):
     tensor: TensorParallel = field(default_factory=TensorParallel)
     """How the tensor-parallel dimension shards (plan, sequence parallel)."""
 
+    def __post_init__(self) -> None:
+        Strategy.__post_init__(self)
+        _lift_levers(self, (self.fsdp, self.tensor))
+
     def _validate(self, topo: Topology) -> None:
         self.tensor.validate(topo)
         self.fsdp.validate(topo)
@@ -67,6 +71,8 @@ class FSDPxTP(Strategy):
 
     def _setup_module(self, module: nn.Module, topo: Topology) -> nn.Module:
         module = self.tensor.setup_module(module, topo)
+        # Between the two: after tensor parallel's sharding, before FSDP's (levers.py).
+        self.apply_levers(module, wrap_targets(module, self.fsdp.wrap))
         if topo.size("dp") > 1:
             # FSDP2 shards the TP DTensors along the other mesh dimension (2-D DTensors).
             module = self.fsdp.setup_module(module, topo)
@@ -94,6 +100,12 @@ class PipelinexDDP(Strategy):
     """How the model is split into stages and scheduled."""
     _syncing: bool = field(default=True, repr=False)
     _dp_group: Any = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        Strategy.__post_init__(self)
+        _lift_levers(self, (self.pipeline,))
+        # The pipeline applies them, to its stages.
+        self.pipeline.ac, self.pipeline.compile = self.ac, self.compile
 
     def _validate(self, topo: Topology) -> None:
         self.pipeline.validate(topo)
@@ -162,6 +174,23 @@ class PipelinexDDP(Strategy):
         return self.pipeline.checkpoint_module(module)
 
 
+def _lift_levers(composite: Strategy, parts: tuple[Strategy, ...]) -> None:
+    """Make the composite the one owner of the levers (checkpointing, compile): set on
+    one of its parts (compose() wraps the user's st.FSDP(ac="full")), they move up, so
+    no block is checkpointed or compiled twice."""
+    for part in parts:
+        if not part.uses_levers:
+            continue
+        if composite.uses_levers:
+            raise ConfigError(
+                f"{type(composite).__name__}: ac/compile are set on more than one of its "
+                "parts. Fix: set them once, on the strategy you name."
+            )
+        composite.ac, composite.ac_every, composite.compile = part.ac, part.ac_every, part.compile
+        part.ac, part.ac_every, part.compile = "none", None, False
+        Strategy.__post_init__(composite)
+
+
 def _average_gradients(module: PipelineModule, group: Any) -> None:
     """Average this rank's stage gradients over its data-parallel peers, in one call."""
     if group is None:
@@ -211,7 +240,7 @@ def compose(strategy: Strategy, mesh: Mapping[str, int]) -> Strategy:
                 "DDP(device_map=...) with a 'pp' mesh dimension: pipeline stages already "
                 "place the model; drop the device map."
             )
-        return PipelinexDDP()
+        return PipelinexDDP(ac=strategy.ac, ac_every=strategy.ac_every, compile=strategy.compile)
     if isinstance(strategy, Pipeline):
         return PipelinexDDP(pipeline=strategy)
     if isinstance(strategy, PipelinexDDP):

@@ -72,6 +72,7 @@ class ModelParallel(Strategy):
     """Submodule name -> device ("cuda:0", "cpu", "local:i"), or "auto" to balance parameters."""
 
     def __post_init__(self) -> None:
+        Strategy.__post_init__(self)
         check_device_map(self.device_map, "ModelParallel")
 
     def _validate(self, topo: Topology) -> None:
@@ -88,6 +89,7 @@ class ModelParallel(Strategy):
 
     def _setup_module(self, module: nn.Module, topo: Topology) -> nn.Module:
         place_module(module, self.device_map, owner="ModelParallel")
+        self.apply_levers(module)
         return module
 
     def _setup_optimizer(

@@ -86,6 +86,7 @@ class TensorParallel(Strategy):
     """Also split the activations between layers along the sequence (dim 1)."""
 
     def __post_init__(self) -> None:
+        Strategy.__post_init__(self)
         if not isinstance(self.sequence_parallel, bool):
             raise ConfigError(
                 f"TensorParallel(sequence_parallel={self.sequence_parallel!r}) must be True "
@@ -162,11 +163,13 @@ class TensorParallel(Strategy):
         # shard fails on a laptop with the same message as at scale.
         plan = self.resolved_plan(module)
         if topo.world_size == 1:
+            self.apply_levers(module)
             return module
         mesh = device_mesh(topo, "tp")
         degree = mesh.size()
         check_tp_plan(module, plan, degree)
         if degree == 1:
+            self.apply_levers(module)
             return module
         blocks = sequence_parallel_blocks(module, plan) if self.sequence_parallel else None
         names = parameter_names(module)
@@ -177,6 +180,9 @@ class TensorParallel(Strategy):
         explain_fixed_head_counts(module, plan, degree)
         if blocks is not None:
             _slice_and_gather(module, blocks, mesh)
+        # After the sharding: the checkpoint recomputes, and compile traces, the
+        # redistributions tensor parallel added to each block.
+        self.apply_levers(module)
         remember_parameter_names(module, names)
         return module
 

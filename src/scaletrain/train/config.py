@@ -14,10 +14,13 @@ import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from scaletrain.errors import ConfigError, several, spell
 from scaletrain.observe.heartbeat import DEFAULT_HANG_TIMEOUT_S
+
+if TYPE_CHECKING:
+    from scaletrain.strategies import Strategy
 
 __all__ = [
     "FLAG_GROUPS",
@@ -43,7 +46,7 @@ METAVARS = {
     "nnodes": "N|MIN:MAX",
     "node_rank": "R", "rdzv_endpoint": "HOST:PORT", "rdzv_id": "ID", "local_addr": "ADDR",
     "fork": "NEW_RUN", "ledger_every": "K", "profile": "STEPS", "model": "MODULE:NAME",
-    "data": "MODULE:NAME", "track": "NAMES",
+    "data": "MODULE:NAME", "track": "NAMES", "ac_every": "K",
 }  # fmt: skip
 """The placeholder each flag shows in --help."""
 
@@ -52,6 +55,7 @@ FLAG_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("processes and parallelism", (
         "nproc", "strategy", "mesh", "backend", "precision", "sync_bn",
     )),
+    ("memory and speed (large models)", ("ac", "ac_every", "compile")),
     ("length and optimizer", (
         "epochs", "max_steps", "batch_size", "accumulate", "lr", "schedule", "warmup",
         "clip_grad",
@@ -101,6 +105,12 @@ class TrainConfig:
     """Numeric precision: fp16-mixed needs a GPU; bf16-mixed works everywhere."""
     sync_bn: bool | None = None
     """SyncBatchNorm across data-parallel ranks (default: the recipe's choice)."""
+    ac: Literal["none", "full", "selective"] = "none"
+    """Activation checkpointing of the model's blocks: full recomputes each block's forward in backward (least memory); selective keeps matmul and attention outputs and recomputes the rest, or with --ac-every K recomputes every K-th block."""
+    ac_every: int | None = None
+    """With --ac selective: checkpoint every K-th block whole instead of every block at the op level."""
+    compile: bool = False
+    """torch.compile each block; the first steps take longer (the ledger shows it as compile time); on CPU it needs a C++ compiler."""
     epochs: int | None = None
     """Passes over the training set (default: the recipe's)."""
     max_steps: int | None = None
@@ -201,6 +211,7 @@ class TrainConfig:
             "keep": "checkpoints to keep",
             "accumulate": "micro-batches per step (1: no accumulation)",
             "ledger_every": "steps between the ledger's windows",
+            "ac_every": "blocks between checkpointed ones",
         }
         for field, what in at_least_one.items():
             value = getattr(self, field)
@@ -298,6 +309,15 @@ class TrainConfig:
             from scaletrain.observe.trackers import track_problems
 
             problems += track_problems(self.track)
+        if self.ac_every is not None and self.ac != "selective":
+            problems.append(
+                ConfigError(
+                    f"{spell('ac_every', self.ac_every)} picks every K-th block for "
+                    f"{spell('ac', 'selective')}, but the mode is {spell('ac', self.ac)}. Fix: "
+                    f"add {spell('ac', 'selective')}, or drop {spell('ac_every')}.",
+                    field="ac_every",
+                )
+            )
         self._check_model(problems)
         self._check_nodes(bad, problems)
         if self.strategy in SINGLE_PROCESS_STRATEGIES and self.nproc is not None and self.nproc > 1:
@@ -417,6 +437,12 @@ class TrainConfig:
             return self.recipe
         # Tensor parallel shards Linear pairs; the default ConvNet has none, the GPT does.
         return "gpt" if self.strategy == "tensor" or "tp=" in (self.mesh or "") else "convnet"
+
+    def strategy_object(self) -> Strategy:
+        """The strategy named, with the levers (--ac, --ac-every, --compile) set on it."""
+        from scaletrain.strategies import STRATEGIES
+
+        return STRATEGIES[self.strategy](ac=self.ac, ac_every=self.ac_every, compile=self.compile)
 
     def default_nproc(self, gpus: int) -> int:
         """Processes on this node when --nproc is not given."""

@@ -76,7 +76,7 @@ class Trainer:
         failed = False
         try:
             rt = init(
-                strategy=cfg.strategy,
+                strategy=cfg.strategy_object(),
                 backend=cfg.backend,
                 mesh=cfg.mesh,
                 precision=cfg.precision,

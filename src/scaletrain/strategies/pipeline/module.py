@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from scaletrain.errors import ConfigError
+from scaletrain.strategies.levers import apply_levers
 from scaletrain.strategies.pipeline.inputs import batch_size, pad, to_device, trailing
 
 __all__ = ["PipelineModule"]
@@ -52,6 +53,8 @@ class PipelineModule(nn.Module):
         pp_rank: int,
         pp_size: int,
         device: torch.device,
+        ac: str = "none",
+        compile: bool | str = False,
     ) -> None:
         super().__init__()
         self.module = module
@@ -62,6 +65,8 @@ class PipelineModule(nn.Module):
         self.pp_rank = pp_rank
         self.pp_size = pp_size
         self.device = device
+        self.ac = ac
+        self.compile_stages = compile
         self.num_stages = len(self.split_points) + 1
         per_rank = self.num_stages // pp_size
         # Loop-style placement, as torch's schedules expect: rank r holds r, r+P, ...
@@ -281,6 +286,17 @@ class PipelineModule(nn.Module):
         )
         pipe = self._trace(to_device(example, self.device))
         stages = [pipe.build_stage(i, self.device, self.pp_group) for i in self.stage_indices]
+        for s in stages:
+            # A stage is one traced graph, with no blocks left inside: the levers act on
+            # it whole (checkpointing each microbatch's stage forward is GPipe's
+            # rematerialisation). Evaluation keeps nothing to recompute.
+            apply_levers(
+                s.submod,
+                ac=self.ac if train else "none",
+                compile=self.compile_stages,
+                blocks=[""],
+                owner="Pipeline(...)",
+            )
         for watch, _ in self._watchers:
             for s in stages:
                 watch(s.submod)

@@ -46,6 +46,7 @@ class Pipeline(Strategy):
     """Equal parts each batch is cut into; more shrink the pipeline bubble."""
 
     def __post_init__(self) -> None:
+        Strategy.__post_init__(self)
         key = str(self.schedule).strip().lower().replace("_", "-")
         key = {"interleaved1f1b": "interleaved-1f1b", "interleaved": "interleaved-1f1b"}.get(
             key, key
@@ -66,6 +67,14 @@ class Pipeline(Strategy):
                 "is cut into that many equal microbatches)."
             )
         self.stages = _normalise_stages(self.stages)
+        if self.ac_every is not None:
+            raise ConfigError(
+                f"Pipeline(ac_every={self.ac_every}): a pipeline checkpoints whole stages "
+                "(the tracer leaves no blocks inside them), so there is no k-th block. Fix: "
+                "ac='full' (each stage's forward recomputed per microbatch) or "
+                "ac='selective' without ac_every (op level, inside each stage).",
+                field="ac_every",
+            )
 
     # -- layout ---------------------------------------------------------------
     def num_stages(self, pp_size: int) -> int:
@@ -167,6 +176,7 @@ class Pipeline(Strategy):
             # One process (or pp=1): nothing to pipeline; the same script runs unchanged.
             if isinstance(self.stages, tuple):
                 _check_split_names(module, self.stages)
+            self.apply_levers(module)
             return module
         self.check_layout(pp_size)
         split = self.split_points(module, pp_size)
@@ -180,6 +190,8 @@ class Pipeline(Strategy):
             pp_rank=mesh.get_local_rank(),
             pp_size=pp_size,
             device=topo.device,
+            ac=self.ac,
+            compile=self.compile,
         )
 
     def _checkpoint_module(self, module: nn.Module) -> nn.Module:
