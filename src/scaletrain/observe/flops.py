@@ -285,9 +285,14 @@ def _in_compiled_region() -> bool:
     if dynamo is None:
         return False  # nothing was ever compiled
     import torch
-    from torch._C._dynamo.eval_frame import get_eval_frame_callback
 
-    return bool(torch.compiler.is_compiling()) or get_eval_frame_callback() not in (None, False)
+    if torch.compiler.is_compiling():
+        return True
+    try:
+        from torch._C._dynamo.eval_frame import get_eval_frame_callback
+    except ImportError:  # a torch without it: only a trace is known
+        return False
+    return get_eval_frame_callback() not in (None, False)
 
 
 def _force_eager() -> Any:
