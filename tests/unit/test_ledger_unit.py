@@ -389,3 +389,222 @@ def test_a_rank_that_waited_for_a_cpu_is_named_for_its_wait(tmp_path: Path, know
     else:
         assert s["cpu_wait_s"] is None and s["phase"] == "forward"
         assert "CPU" not in summary["advice"]
+
+
+def test_compile_time_is_its_own_phase_wherever_torch_compiles(tmp_path: Path) -> None:
+    """Issue 28: torch.compile's time (dynamo's compile callbacks drive compile_begin and
+    compile_end) is the compile phase, taken out of the phase it interrupts: forward,
+    backward (AOT autograd compiles a backward lazily at its first run), evaluation; the
+    phases still add up to the step's wall time, and the step is flagged and left out of
+    the statistics."""
+    ledger, clock = _ledger(tmp_path)
+    ledger.compile_begin()  # before the first hook: no step's time
+    clock.now += 50
+    ledger.compile_end()
+    ledger.push(DATA)
+    clock.now += 1
+    ledger.data_arrived()
+    ledger.forward_begin(True)
+    clock.now += 0.5
+    ledger.compile_begin()  # dynamo traces the forward...
+    clock.now += 2
+    ledger.compile_begin()  # ...and a nested compile (older torch) is counted once
+    clock.now += 1
+    ledger.compile_end()
+    clock.now += 1
+    ledger.compile_end()
+    clock.now += 0.5
+    ledger.backward_begin()
+    clock.now += 0.25
+    ledger.compile_begin()  # the lazily compiled backward
+    clock.now += 1.5
+    ledger.compile_end()
+    clock.now += 0.25
+    ledger.compute_end()
+    ledger.backward_end()
+    ledger.optimizer_begin()
+    clock.now += 0.25
+    ledger.optimizer_end()
+    for _ in range(2):
+        _step(ledger, clock)
+    ledger.forward_begin(False)  # evaluation: its recompilation is compile's
+    clock.now += 1
+    ledger.compile_begin()
+    clock.now += 3
+    ledger.compile_end()
+    ledger.end_eval()
+    _step(ledger, clock)
+    ledger.finish(collective=False)
+    steps = read_run(tmp_path).ranks[0].steps
+    first, fourth = steps[0], steps[3]
+    assert first.phases["compile"] == pytest.approx(5.5)
+    assert first.phases["forward"] == pytest.approx(1.0)
+    assert first.phases["backward"] == pytest.approx(0.5)
+    assert first.wall == pytest.approx(8.25) and sum(first.phases.values()) == pytest.approx(8.25)
+    assert set(first.flags) == {"compile", "warmup"}
+    assert steps[1].counted and steps[2].counted and steps[1].phases["compile"] == 0
+    assert fourth.phases["compile"] == pytest.approx(3) and fourth.phases["eval"] == pytest.approx(
+        1
+    )
+    assert fourth.phases["forward"] == pytest.approx(2) and fourth.flags == ("compile",)
+    assert sum(fourth.phases.values()) == pytest.approx(fourth.wall) and not fourth.counted
+    assert (ledger.compiled.seconds, ledger.compiled.steps) == (pytest.approx(8.5), 2)
+    assert (ledger.compiled.first, ledger.compiled.last) == (1, 4)
+    assert ledger.run.steps == 2  # steps 2 and 3: the statistics never saw a compile
+
+
+def _printed(summary: dict[str, object]) -> str:
+    import io
+
+    from rich.console import Console
+
+    from scaletrain.observe.summary import print_summary
+
+    console = Console(file=io.StringIO(), width=250)
+    print_summary(summary, console.print)
+    return " ".join(console.file.getvalue().split())  # type: ignore[attr-defined]
+
+
+def test_a_rank_that_recompiles_is_no_straggler_and_its_steps_no_slow_steps(
+    tmp_path: Path,
+) -> None:
+    """Issue 28: rank 0 recompiles 4 s in each of steps 21-30 (a shape that changes on it
+    alone); its peer does not. Those steps are left out of its window (which still has
+    the steps for a verdict) and of the run: nobody is named, the step time and MFU are
+    training's (counted, the run's mean step was 7.9 s and its MFU 8.7%), and the
+    compile seconds have their own line in the summary, the one-line summary and the
+    report."""
+    from scaletrain.observe.report import _facts
+    from scaletrain.observe.summary import summary_line
+    from scaletrain.observe.window import _SCALARS
+
+    def gather(values: list[float]) -> list[list[float]]:
+        other = list(values)
+        other[0] = 1.0
+        for name in ("compile_s", "compile_steps", "compile_first", "compile_last"):
+            other[4 + len(PHASES) + _SCALARS.index(name)] = 0.0  # the peer compiled nothing
+        return [values, other]
+
+    ledger, clock = _ledger(tmp_path, every=20, world_size=2, gather=gather)
+    ledger.flops_per_step = 6.9e9
+    ledger.peak_measured = 1e10
+    for step in range(1, 41):
+        _step(ledger, clock)
+        if 20 <= step < 30:  # the next step's forward recompiles
+            ledger.compile_begin()
+            clock.now += 4
+            ledger.compile_end()
+    ledger.finish()
+    assert ledger.windows[-1].ranks[0].steps == 10  # a verdict was given: none
+    assert not ledger.detector.named and not ledger.detector.candidates
+    summary = json.loads((tmp_path / "observe" / "summary.json").read_text())
+    assert summary["stragglers"] == [] and summary["advice"] is None
+    assert summary["phases"]["step"]["median"] == pytest.approx(6.9)
+    assert summary["mfu"]["measured"] == pytest.approx(0.1)
+    assert summary["compile"] == {
+        "seconds": pytest.approx(40), "rank": 0, "median": pytest.approx(20),
+        "steps": 10, "first_step": 21, "last_step": 30,
+    }  # fmt: skip
+    assert summary["ranks"][0]["compile_s"] == pytest.approx(40)
+    assert summary["ranks"][1]["compile_steps"] == 0
+    window = json.loads((tmp_path / "observe" / "windows.jsonl").read_text().splitlines()[-1])
+    assert window["ranks"][0]["compile_s"] == pytest.approx(40)
+    assert "compile 40.0 s in steps 21-30, rank 0 (not in the step time)" in summary_line(
+        summary, tmp_path
+    )
+    out = _printed(summary)
+    assert "warm-up, compiling and profiled steps left out" in out
+    assert "torch.compile: 40.0 s in steps 21-30, rank 0 (the slowest rank)" in out
+    assert "torch.compile" in _facts(read_run(tmp_path))
+    # A run that compiled nothing says nothing about it.
+    plain, clock = _ledger(tmp_path / "plain", every=5)
+    for _ in range(6):
+        _step(plain, clock)
+    plain.finish()
+    summary = json.loads((tmp_path / "plain" / "observe" / "summary.json").read_text())
+    assert summary["compile"] is None and "compile" not in summary_line(summary, None)
+    assert "compil" not in _printed(summary)
+
+
+@pytest.mark.timeout(120)
+def test_a_compiled_model_shows_its_compile_time_as_the_compile_phase(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 28, through rt.setup's hooks and dynamo's own compile callbacks: a model
+    compiled before rt.setup (aot_eager: dynamo's trace, AOT autograd, a backward compiled
+    lazily at its first run) trained by a plain loop. Its compile seconds are the compile
+    phase of the steps that compiled (the first training step after the FLOP count, and a
+    recompilation for a new shape), those steps are left out of the statistics, and the
+    end-of-run line says what compiling cost. torch._dynamo.reset() (which drops every
+    compile callback) does not stop it.
+
+    Before, the FLOP count (on by default) ran the first step under FlopCounterMode,
+    under which dynamo skips a frame and torch marks its code to be skipped for good:
+    the model never compiled, it ran eager for the whole run; compiled after rt.setup
+    too."""
+    import torch
+    import torch._dynamo
+    from torch import nn
+
+    import scaletrain as st
+    import scaletrain.observe.flops as flops
+
+    monkeypatch.setattr(flops, "measure_peak", lambda *a, **k: 1e9)
+    torch._dynamo.reset()
+    capsys.readouterr()
+    try:
+        rt = st.init(strategy="single", env="local", ledger=st.LedgerConfig(out=tmp_path, every=5))
+        torch.manual_seed(0)
+        bare = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+        compiled = torch.compile(bare, backend="aot_eager")
+        model, opt = rt.setup(compiled, torch.optim.SGD(bare.parameters(), lr=0.1))
+        torch._dynamo.reset()  # drops every compile callback: the next forward restores ours
+        for i in range(12):
+            x = torch.randn(5 if i == 7 else 4, 8, device=rt.device)  # step 8: a new shape
+            loss = model(x).sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        rt.shutdown()
+    finally:
+        torch._dynamo.reset()
+    run = read_run(tmp_path)
+    steps = {s.step: s for s in run.ranks[0].steps}
+    assert [k for k, s in steps.items() if s.phases["compile"] > 0] == [2, 8]
+    for k in (2, 8):
+        s = steps[k]
+        assert "compile" in s.flags and not s.counted
+        assert s.phases["compile"] > 0.5 * s.wall  # the step was mostly compiling
+        assert sum(s.phases.values()) == pytest.approx(s.wall, abs=2e-5)  # us on disk
+    assert steps[1].flags == ("flops", "warmup")  # counted eagerly: nothing was marked
+    assert all(steps[k].counted for k in steps if k not in (1, 2, 8))
+    summary = run.summary
+    assert summary is not None and summary["stragglers"] == []
+    c = summary["compile"]
+    assert (c["steps"], c["first_step"], c["last_step"]) == (2, 2, 8)
+    assert c["seconds"] == pytest.approx(steps[2].phases["compile"] + steps[8].phases["compile"])
+    assert summary["phases"]["step"]["median"] < c["seconds"] / 20  # training's step
+    assert summary["phases"]["compile"]["max"] == 0  # no counted step compiled
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if "ms/step" in line]
+    assert " in 2 steps from 2 to 8 (not in the step time)" in line, line
+
+    # Compiled after rt.setup, the hooks run inside the compiled model, where counting
+    # FLOPs kept it from ever compiling: no FLOP count then (said once), and it compiles.
+    after = tmp_path / "after"
+    try:
+        rt = st.init(strategy="single", env="local", ledger=st.LedgerConfig(out=after, every=5))
+        model, opt = rt.setup(bare, torch.optim.SGD(bare.parameters(), lr=0.1))
+        model = torch.compile(model, backend="eager")
+        for _ in range(3):
+            loss = model(torch.randn(4, 8, device=rt.device)).sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        rt.shutdown()
+    finally:
+        torch._dynamo.reset()
+    err = capsys.readouterr().err
+    assert err.count("no FLOP count, so no MFU: the model was compiled after rt.setup") == 1
+    steps = {s.step: s for s in read_run(after).ranks[0].steps}
+    assert steps[1].phases["compile"] > 0 and "compile" in steps[1].flags
+    assert steps[2].phases["compile"] == steps[3].phases["compile"] == 0

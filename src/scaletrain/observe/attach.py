@@ -101,7 +101,13 @@ def attach_model(ledger: StepLedger, model: Any, optimizer: Any | None) -> None:
     and the peak measurement for MFU when the config asks for them."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from scaletrain.observe.hooks import watch_ddp, watch_module, watch_optimizer, watch_stages
+    from scaletrain.observe.hooks import (
+        watch_compile,
+        watch_ddp,
+        watch_module,
+        watch_optimizer,
+        watch_stages,
+    )
     from scaletrain.observe.memory import current_rss_bytes, reset_rss_peak
 
     if not watch_stages(ledger, model):
@@ -110,6 +116,7 @@ def attach_model(ledger: StepLedger, model: Any, optimizer: Any | None) -> None:
         watch_ddp(ledger, model)
     if optimizer is not None:
         watch_optimizer(ledger, optimizer)
+    watch_compile(ledger)  # now if a compiled model loaded dynamo, else at a forward
     if ledger.config.flops and ledger.flops is None:
         from scaletrain.observe.flops import (
             FlopCounter,

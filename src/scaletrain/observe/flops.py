@@ -1,7 +1,9 @@
 """Model FLOPs utilisation: FLOPs per step counted once, against a measured and a datasheet peak.
 
 - FLOPs per step: `torch.utils.flop_counter.FlopCounterMode` around one whole step
-  (every micro-batch's forward and backward), on every rank, once.
+  (every micro-batch's forward and backward), on every rank, once; with torch.compile
+  told to run eager meanwhile (`FlopCounter`: the count is the model's arithmetic, and
+  the compiled model compiles at the next step).
 - Measured peak: a short matmul benchmark in the training dtype at start, cached per
   device, dtype, threads, processes per node and torch version
   (peak_flops.json in scaletrain's cache directory, see cachedir.py), so later runs
@@ -22,6 +24,7 @@ import contextlib
 import json
 import os
 import re
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -218,6 +221,7 @@ class FlopCounter:
 
     def __init__(self) -> None:
         self._mode: Any = None
+        self._eager: Any = None
         self.total: int | None = None
         self.problems: list[str] = []
         """"aten.op: the error" for each op whose FLOPs were not counted."""
@@ -226,14 +230,22 @@ class FlopCounter:
     def active(self) -> bool:
         return self._mode is not None
 
-    def start(self) -> None:
+    def start(self) -> bool:
+        """Count from now; False (nothing started) inside a torch.compile'd callable: a
+        model compiled after rt.setup, whose forward hooks run inside it. A dispatch mode
+        entered there would keep every frame after it from ever compiling, and the
+        compiler's stance cannot change inside it."""
+        if _in_compiled_region():
+            return False
         from torch.utils.flop_counter import FlopCounterMode
 
         self._mode = FlopCounterMode(display=False)
         registry = getattr(self._mode, "flop_registry", None)
         if isinstance(registry, dict):
             self._mode.flop_registry = {op: self._guarded(op, f) for op, f in registry.items()}
+        self._eager = _force_eager()
         self._mode.__enter__()
+        return True
 
     def _guarded(self, op: Any, formula: Any) -> Any:
         name = str(getattr(op, "__name__", op)).split(".")[0]
@@ -259,8 +271,50 @@ class FlopCounter:
         if mode is None:
             return self.total or 0
         mode.__exit__(None, None, None)
+        eager, self._eager = self._eager, None
+        if eager is not None:
+            eager.__exit__(None, None, None)
         self.total = int(mode.get_total_flops())
         return self.total
+
+
+def _in_compiled_region() -> bool:
+    """Whether this runs inside a torch.compile'd callable: traced by dynamo, or run
+    between its graphs (dynamo's frame callback is then set, to compile what it calls)."""
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is None:
+        return False  # nothing was ever compiled
+    import torch
+
+    if torch.compiler.is_compiling():
+        return True
+    try:
+        from torch._C._dynamo.eval_frame import get_eval_frame_callback
+    except ImportError:  # a torch without it: only a trace is known
+        return False
+    return get_eval_frame_callback() not in (None, False)
+
+
+def _force_eager() -> Any:
+    """torch.compile's stance set to "force_eager" (the stance object: its __exit__
+    restores the previous one), or None where nothing can be compiled yet (dynamo not
+    loaded), the stance cannot change (inside a compiled region) or torch has none.
+
+    Dynamo does not compile a frame under a dispatch mode such as FlopCounterMode, and
+    torch up to 2.13 at least then marks that code to be skipped for good (torch issue
+    190286): a model compiled before rt.setup ran eager for the whole run, silently.
+    Under "force_eager" dynamo is not asked at all, so nothing is marked: the counted
+    step runs eager (its FLOPs are the model's arithmetic) and the next one compiles."""
+    dynamo = sys.modules.get("torch._dynamo")
+    set_stance = getattr(dynamo, "set_stance", None)
+    if set_stance is None:
+        return None
+    try:
+        stance = set_stance("force_eager")
+        stance.__enter__()  # set already by the constructor in torch 2.13; harmless
+    except RuntimeError:
+        return None
+    return stance
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,6 +11,10 @@ so a user's own loop is measured with no other change:
   between the two is exposed communication.
 - data: the loader's iterator is timed (`next()` is the data wait).
 - optimizer: step pre- and post-hooks; the post-hook closes the step.
+- torch.compile: dynamo's compile start and end callbacks (`watch_compile`), which also
+  run for a backward that AOT autograd compiles lazily at its first run; whatever
+  compiled the model (the user before rt.setup, a strategy, a model module), the time is
+  the compile phase's.
 - pipeline stages (scaletrain's PipelineModule, whose own forward is never called: its
   schedule runs each stage's submodule microbatch by microbatch): each stage's forward
   is forward, the backward from its output is backward, and everything else in the
@@ -26,6 +30,7 @@ so a user's own loop is measured with no other change:
 
 from __future__ import annotations
 
+import sys
 import time
 import weakref
 from collections.abc import Iterator
@@ -39,6 +44,7 @@ from scaletrain.observe.phases import BACKWARD, COMM, DATA
 
 __all__ = [
     "settle_callbacks",
+    "watch_compile",
     "watch_ddp",
     "watch_loader",
     "watch_module",
@@ -60,6 +66,48 @@ def settle_callbacks(timeout_s: float = 10.0) -> bool:
     while _ON_WORKERS and time.monotonic() < deadline:
         time.sleep(1e-3)
     return not _ON_WORKERS
+
+
+_COMPILE_LEDGERS: weakref.WeakSet[StepLedger] = weakref.WeakSet()
+"""Ledgers that dynamo's compile callbacks reach."""
+
+
+def _compile_started(*_: Any) -> None:
+    # Older torch calls the callbacks with no argument, newer with a CallbackArgs.
+    for ledger in list(_COMPILE_LEDGERS):
+        ledger.compile_begin()
+
+
+def _compile_ended(*_: Any) -> None:
+    for ledger in list(_COMPILE_LEDGERS):
+        ledger.compile_end()
+
+
+def watch_compile(ledger: StepLedger) -> bool:
+    """Count torch.compile's work as `ledger`'s compile phase; False while torch's
+    compiler is not loaded (or this torch has no compile callbacks).
+
+    Dynamo calls its registered start and end callbacks around every compilation on the
+    thread that compiles: a frame's trace with its backend (forward), a backward compiled
+    lazily at its first run, a recompilation. Importing dynamo to register them costs
+    seconds, so this waits until something else has: torch.compile imports it when it is
+    called, before the compiled code first runs. The forward hooks call this at every
+    forward (a dictionary and a list lookup): until dynamo is loaded, and because
+    torch._dynamo.reset() drops every registered callback, ours included. One pair of
+    callbacks serves every ledger of the process (held weakly: a ledger dropped without
+    rt.shutdown leaves nothing behind)."""
+    dynamo = sys.modules.get("torch._dynamo")
+    handler = getattr(dynamo, "callback_handler", None)
+    starts = getattr(handler, "start_callbacks", None)
+    if not isinstance(starts, list):
+        return False
+    if _compile_started not in starts:
+        handler.register_start_callback(_compile_started)  # type: ignore[union-attr]
+        handler.register_end_callback(_compile_ended)  # type: ignore[union-attr]
+    if not ledger.compile_watched:
+        _COMPILE_LEDGERS.add(ledger)
+        ledger.compile_watched = True
+    return True
 
 
 def _first_grad_tensors(output: Any) -> list[torch.Tensor]:
@@ -86,6 +134,7 @@ def watch_module(ledger: StepLedger, module: nn.Module) -> list[Any]:
         engine.queue_callback(compute_done)
 
     def pre(_module: nn.Module, _args: Any) -> None:
+        watch_compile(ledger)
         ledger.forward_begin(torch.is_grad_enabled())
 
     def post(_module: nn.Module, _args: Any, output: Any) -> None:
@@ -124,6 +173,7 @@ def watch_stages(ledger: StepLedger, model: Any) -> bool:
 
     def pre(_module: nn.Module, _args: Any) -> None:
         # Evaluation (no gradients) and the FLOP count start as for a whole model.
+        watch_compile(ledger)
         ledger.forward_begin(torch.is_grad_enabled())
 
     def post(_module: nn.Module, _args: Any, output: Any) -> None:

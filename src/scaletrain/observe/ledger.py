@@ -12,7 +12,16 @@ straggler is named early).
 Bracketed phases (data, optimizer, sync) sit on a stack over the loop's base phase
 (h2d -> forward -> backward -> comm -> other); evaluation and checkpoints are modes that
 absorb everything inside them (an evaluation's own loader waits and reductions count as
-eval).
+eval). Compiling (torch.compile, told by dynamo's compile callbacks: see
+`compile_begin`) overrides them all: while torch compiles, nothing else runs on the
+thread, whichever phase it interrupted.
+
+A step that compiled is flagged "compile" and, like the warm-up step, left out of the
+statistics: window medians (so of the straggler scores), the run's means, the step time
+and MFU of the summary. Its whole step is left out, not only its compile seconds: the rest
+of it is no typical step either (new kernels' first runs, CUDA graphs recorded, the
+autotuner's trials). Its seconds per phase stay in its record on disk; its compile
+seconds are summed apart (`CompileTally`), for the summary's compile line.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ from scaletrain.observe.phases import (
     BACKWARD,
     CHECKPOINT,
     COMM,
+    COMPILE,
     DATA,
     EVAL,
     FORWARD,
@@ -49,7 +59,7 @@ from scaletrain.observe.records import (
     rank_file,
 )
 from scaletrain.observe.runqueue import RunQueueClock
-from scaletrain.observe.series import Reduced, Series, Totals, union_length
+from scaletrain.observe.series import CompileTally, Reduced, Series, Totals, union_length
 from scaletrain.observe.stragglers import Straggler, StragglerDetector, StragglerOptions
 from scaletrain.observe.window import RankWindow, WindowStats, pack, summarize, unpack
 
@@ -143,6 +153,13 @@ class StepLedger:
         self._sticky_eval = False
         self._loading_steps = 0
         """Optimizer steps begun inside a checkpoint's load, not yet ended."""
+        self._compiling = 0
+        """Compilations under way (dynamo's callbacks; nested ones counted once)."""
+        self.compile_watched = False
+        """Dynamo's compile callbacks reach this ledger (scaletrain.observe.hooks)."""
+        self._compiled_window = CompileTally()
+        self.compiled = CompileTally()
+        """torch.compile's seconds over the run's steps that compiled."""
         self._active = False
         self._finished = False
         self._buckets: list[tuple[float, float]] = []
@@ -211,7 +228,9 @@ class StepLedger:
 
     # -- switching --------------------------------------------------------------------
     def _switch(self) -> None:
-        if self._modes:
+        if self._compiling:
+            new = COMPILE
+        elif self._modes:
             new = self._modes[-1]
         elif self._stack:
             new = self._stack[-1]
@@ -275,6 +294,26 @@ class StepLedger:
             del self._modes[len(self._modes) - 1 - self._modes[::-1].index(phase)]
             self._switch()
 
+    def compile_begin(self) -> None:
+        """torch.compile started compiling (dynamo's start callback, on the thread that
+        compiles: forward's, or the autograd engine's for a backward compiled lazily at
+        its first run): until `compile_end`, the time is compile's. The step is flagged
+        "compile" (left out of the statistics). Before the first hook (no step yet) and
+        after the end it is nobody's."""
+        if self._finished or not self._active:
+            return
+        self._compiling += 1
+        if self._compiling == 1:
+            if "compile" not in self._flags:
+                self._flags.append("compile")
+            self._switch()
+
+    def compile_end(self) -> None:
+        if self._compiling:
+            self._compiling -= 1
+            if not self._compiling:
+                self._switch()
+
     # -- hook entry points ------------------------------------------------------------
     def forward_begin(self, grad_enabled: bool) -> None:
         if not grad_enabled:
@@ -288,8 +327,14 @@ class StepLedger:
             self._sticky_eval = False
             self.end_mode(EVAL)
         flops = self.flops
-        if flops is not None and self.closed == 0 and not flops.active and flops.total is None:
-            flops.start()
+        first = flops is not None and self.closed == 0 and not flops.active
+        if first and flops.total is None and not flops.start():
+            self.flops = None
+            self.say(
+                "scaletrain: no FLOP count, so no MFU: the model was compiled after "
+                "rt.setup, and counting inside torch.compile would keep it from ever "
+                "compiling. Fix: torch.compile(model) before rt.setup(model, ...) for MFU."
+            )
         self.set_base(FORWARD)
 
     def end_eval(self) -> None:
@@ -391,11 +436,16 @@ class StepLedger:
                 overlap=overlap,
                 flags=flags,
             )
+        if "compile" in flags:
+            self._compiled_window.add(step, times.seconds[COMPILE])
+            self.compiled.add(step, times.seconds[COMPILE])
         if not flags:
             self._window.add(times, cpu, busy, overlap)
             self.run.add(times, cpu, busy, overlap)
 
-    def _rank_window(self, reduced: Reduced, cpu_wait: float | None) -> RankWindow:
+    def _rank_window(
+        self, reduced: Reduced, cpu_wait: float | None, compiled: CompileTally
+    ) -> RankWindow:
         sample = self.memory.sample() if self.memory is not None else None
         return summarize(
             reduced,
@@ -405,6 +455,7 @@ class StepLedger:
             flops=self.flops_per_step,
             host=self.host,
             cpu_wait=cpu_wait,
+            compiled=compiled,
         )
 
     def _window_cpu_wait(self) -> float | None:
@@ -434,7 +485,9 @@ class StepLedger:
         return unpack(self.gather_raw(pack(mine)))
 
     def _close_window(self) -> None:
-        mine = self._rank_window(self._window.reduce(), self._window_cpu_wait())
+        mine = self._rank_window(
+            self._window.reduce(), self._window_cpu_wait(), self._compiled_window
+        )
         if self._log is not None:
             keys = ("allocated_peak", "reserved_peak", "rss_peak", "gpu_util")
             memory = {k: getattr(mine, k) for k in keys}
@@ -442,6 +495,7 @@ class StepLedger:
             self._log.write(clean_json({"kind": "memory", "step": self.step, **memory}))
         stats = WindowStats.build(self._window_first, self.step, self.gather(mine))
         self._window = Series()
+        self._compiled_window = CompileTally()
         self._window_first = self.step + 1
         self.windows.append(stats)
         newly = self.detector.update(stats)
@@ -510,7 +564,9 @@ class StepLedger:
             return None
         from scaletrain.observe.summary import build_summary, print_line, print_summary
 
-        ranks = self.gather(self._rank_window(self.run.reduce(), self._run_cpu_wait()))
+        ranks = self.gather(
+            self._rank_window(self.run.reduce(), self._run_cpu_wait(), self.compiled)
+        )
         stats = WindowStats.build(self.start_step + 1, self.step, ranks)
         self.summary = build_summary(self, stats)
         if self.rank == 0:
@@ -533,6 +589,11 @@ class StepLedger:
 
     def close(self) -> None:
         self._finished = True
+        if self.flops is not None and self.flops.active:
+            # A run that ended before its first optimizer step: the count's dispatch mode
+            # (and torch.compile's eager stance) must not outlive it, or every later
+            # forward in the process runs under them.
+            self.flops.stop()
         if self._log is not None:
             self._log.close()
             self._log = None

@@ -12,6 +12,7 @@ __all__ = [
     "BACKWARD",
     "CHECKPOINT",
     "COMM",
+    "COMPILE",
     "COMPUTE_PHASES",
     "DATA",
     "EVAL",
@@ -36,8 +37,11 @@ PHASES: tuple[str, ...] = (
     "checkpoint",
     "eval",
     "other",
+    "compile",
 )
-DATA, H2D, FORWARD, BACKWARD, COMM, OPTIMIZER, SYNC, CHECKPOINT, EVAL, OTHER = range(len(PHASES))
+DATA, H2D, FORWARD, BACKWARD, COMM, OPTIMIZER, SYNC, CHECKPOINT, EVAL, OTHER, COMPILE = range(
+    len(PHASES)
+)
 
 PHASE_DOCS: dict[str, str] = {
     "data": "waiting for the loader's next batch",
@@ -54,12 +58,20 @@ PHASE_DOCS: dict[str, str] = {
     "checkpoint": "training stalled in rt.save / rt.load",
     "eval": "evaluation between steps",
     "other": "everything else in the loop (zero_grad, logging, the user's own code)",
+    "compile": "torch.compile compiling (dynamo's trace, AOT autograd, the backend's code "
+    "generation), whatever phase it interrupts: in forward, in backward (a backward compiled "
+    "lazily at its first run), in evaluation, and every recompilation later on. A step that "
+    "compiled is left out of the statistics (step time, MFU, stragglers), as the warm-up "
+    "step is; its compile seconds are summed on their own",
 }
 
 COMPUTE_PHASES: tuple[int, ...] = (H2D, FORWARD, BACKWARD, OPTIMIZER)
-"""Phases a rank spends computing on its own (no peer involved)."""
+"""Phases a rank spends computing on its own (no peer involved). Compiling is not
+training's compute: it is left out (and so are the steps that compiled)."""
 
 STRAGGLER_PHASES: tuple[int, ...] = (DATA, H2D, FORWARD, BACKWARD, OPTIMIZER)
 """Phases compared across ranks to name a straggler. Collective time is left out (as
 NVIDIA's straggler detector does): a collective makes every rank equally long, the fast
-ones waiting for the slow one, which would hide it."""
+ones waiting for the slow one, which would hide it. Compile is left out too: a rank
+that compiled longer (a cold cache, a slower CPU for the code generation) is no
+straggler, and a step that compiled never reaches a window's statistics anyway."""

@@ -15,7 +15,8 @@ Lines of rank<r>.jsonl, told apart by "kind":
   order of `phases`; they add up to `wall`), `cpu` (process CPU seconds, all threads),
   `comm_busy` and `overlap` (seconds some gradient bucket was being reduced, and the
   fraction of it hidden behind backward; null where not timed), `flags` (subset of
-  "warmup", "flops", "profiled": steps the statistics leave out).
+  "warmup", "flops", "profiled", "compile": steps the statistics leave out; "compile":
+  torch.compile compiled in it, for `p`'s "compile" seconds).
 - "memory" (every window): `step`, `allocated_peak`, `reserved_peak` (CUDA bytes, null on
   CPU; the peaks since rt.setup, where CUDA's counters restart), `rss_peak` (bytes), `gpu_util` (percent from NVML, null without it), `rss_setup`
   (the RSS when rt.setup ran; on Linux the peak RSS restarts there, so `rss_peak` is the
@@ -26,7 +27,11 @@ Lines of rank<r>.jsonl, told apart by "kind":
 - "profile": `first_step`, `last_step`, `trace`, and the window's overlap numbers.
 
 windows.jsonl and summary.json give, per rank, `cpu_wait` besides the phases: seconds per
-step the training thread waited for a CPU (the kernel's run queue; null without /proc).
+step the training thread waited for a CPU (the kernel's run queue; null without /proc);
+and `compile_s`, `compile_steps`, `compile_first`, `compile_last`: torch.compile's
+seconds over the steps that compiled, how many, the first and the last (0: none).
+summary.json's `compile` is the run's (null when nothing compiled). A file written
+before the "compile" phase existed reads as 0 compile seconds.
 
 Times are seconds, rounded to the microsecond. `read_run(RUN)` reads it all back;
 `phase_medians` and `peak_memory` are what a planner compares its predictions with.
@@ -59,7 +64,7 @@ __all__ = [
 
 FORMAT_VERSION = 1
 OBSERVE_DIR = "observe"
-SKIPPED_FLAGS = frozenset({"warmup", "flops", "profiled"})
+SKIPPED_FLAGS = frozenset({"warmup", "flops", "profiled", "compile"})
 
 
 def clean_json(value: Any) -> Any:
@@ -153,7 +158,8 @@ class StepRecord:
 
     @property
     def counted(self) -> bool:
-        """False for steps the statistics leave out (warm-up, FLOP counting, profiled)."""
+        """False for steps the statistics leave out (warm-up, FLOP counting, profiled,
+        compiling)."""
         return not (SKIPPED_FLAGS & set(self.flags))
 
 
@@ -239,7 +245,8 @@ def read_run(run_dir: str | Path) -> RunRecords:
 
 def phase_medians(run: str | Path | RunRecords) -> dict[int, dict[str, float]]:
     """Per rank: the median seconds per step of every phase, and of the whole step
-    ("step"), over the steps the statistics count (warm-up and profiled steps out)."""
+    ("step"), over the steps the statistics count (warm-up, profiled and compiling steps
+    out)."""
     records = run if isinstance(run, RunRecords) else read_run(run)
     out: dict[int, dict[str, float]] = {}
     for rank, rr in records.ranks.items():

@@ -19,6 +19,7 @@ from scaletrain.errors import ScaletrainError
 from scaletrain.observe.phases import PHASE_DOCS, PHASES
 from scaletrain.observe.records import OBSERVE_DIR, RunRecords, peak_memory, read_run
 from scaletrain.observe.stragglers import what_slowed
+from scaletrain.observe.summary import compile_line
 
 __all__ = ["ReportError", "write_report"]
 
@@ -33,6 +34,7 @@ _COLORS = {
     "checkpoint": "#9d755d",
     "eval": "#bab0ac",
     "other": "#d3d3d3",
+    "compile": "#eeca3b",
 }
 MAX_POINTS = 1500
 """Points per rank in the step-time plot (longer runs are binned: median per bin)."""
@@ -113,7 +115,7 @@ def _figures(records: RunRecords, metrics: list[dict[str, Any]]) -> list[tuple[s
     fig.update_layout(xaxis_title="step", yaxis_title="step time (ms)", **layout)
     figs.append(("Step time per rank over the run", fig, "The straggler view: a rank "
                  "whose line sits above the others is slow; spikes are checkpoints and "
-                 "evaluations."))  # fmt: skip
+                 "evaluations (steps that compiled are left out, as the warm-up step)."))  # fmt: skip
 
     fig = go.Figure()
     ledger_overlap = [
@@ -247,6 +249,11 @@ def _facts(records: RunRecords) -> str:
     if s:
         rows.append(("steps", f"{s['first_step']}-{s['last_step']}"))
         rows.append(("median step", f"{s['phases']['step']['median'] * 1e3:.2f} ms"))
+        compiled = compile_line(s)
+        if compiled:
+            rows.append(
+                ("torch.compile", f"{compiled.removeprefix('compile ')} (not in the step times)")
+            )
         for st in s.get("stragglers", []):
             rows.append(("straggler", f"rank {st['rank']} {what_slowed(st)}"))
         if s.get("advice"):

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from scaletrain.observe.clocks import StepTimes
 from scaletrain.observe.phases import PHASES
 
-__all__ = ["Reduced", "Series", "Totals", "mean", "median", "union_length"]
+__all__ = ["CompileTally", "Reduced", "Series", "Totals", "mean", "median", "union_length"]
 
 
 def median(values: Sequence[float]) -> float:
@@ -68,6 +68,26 @@ class Series:
             overlap=stat([r[4] for r in rows if r[4] is not None]),
             cpu=stat([r[2] for r in rows]),
         )
+
+
+@dataclass(slots=True)
+class CompileTally:
+    """torch.compile's seconds over the steps that compiled (a window's or the run's).
+
+    Those steps are left out of Series and Totals (their statistics would measure the
+    compiler, not training): this is all that is kept of them."""
+
+    seconds: float = 0.0
+    steps: int = 0
+    first: int = 0
+    """The first step that compiled (0: none)."""
+    last: int = 0
+
+    def add(self, step: int, seconds: float) -> None:
+        self.seconds += seconds
+        self.steps += 1
+        self.first = self.first or step
+        self.last = step
 
 
 class Totals:

@@ -1,10 +1,15 @@
 """The whole run in one table: phase x (min, median, max over ranks, the rank named), plus
 overlap, MFU, memory, the stragglers and one line of advice when a pattern is clear.
 
-Per rank, a phase's value is its MEAN seconds per step over the counted steps (warm-up
-and profiled steps left out): means add up to the mean step, and rare phases
+Per rank, a phase's value is its MEAN seconds per step over the counted steps (warm-up,
+profiled and compiling steps left out): means add up to the mean step, and rare phases
 (checkpoints, evaluation) count for what they cost. Windows use medians instead (a
 straggler must be slow typically, not once).
+
+torch.compile's time is reported on its own line ("compile 41.2 s in steps 1-2"), the
+slowest rank's, and only when something compiled. The step time and MFU leave out the
+steps that compiled, whole (the ledger's rule, scaletrain.observe.ledger): they describe
+training at its pace, not the compiler; the compile line says what it cost on top.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from scaletrain.observe.window import WindowStats
 __all__ = [
     "advice",
     "build_summary",
+    "compile_line",
     "print_line",
     "print_summary",
     "summary_line",
@@ -55,6 +61,8 @@ def build_summary(ledger: Any, stats: WindowStats) -> dict[str, Any]:
             "rss_peak": _finite(w.rss_peak),
             "gpu_util": _finite(w.gpu_util),
             "flops_per_step": _finite(w.flops),
+            "compile_s": w.compile_s,
+            "compile_steps": int(w.compile_steps),
         }
         if not math.isnan(w.flops) and w.wall > 0 and w.steps > 0:
             mfu = compute_mfu(w.flops, w.wall, ledger.peak_measured, ledger.peak_datasheet)
@@ -85,9 +93,48 @@ def build_summary(ledger: Any, stats: WindowStats) -> dict[str, Any]:
             "datasheet": ledger.peak_datasheet,
         },
         "mfu": _mfu_overall(mfus),
+        "compile": _compile_overall(stats),
     }
     summary["advice"] = advice(summary)
     return summary
+
+
+def _compile_overall(stats: WindowStats) -> dict[str, Any] | None:
+    """The run's compile time: the slowest rank's seconds (its peers wait for it at the
+    next collective), the steps that compiled on any rank; None when none did."""
+    compiled = [w for w in stats.ranks if w.compile_steps > 0]
+    if not compiled:
+        return None
+    top = max(compiled, key=lambda w: (w.compile_s, -w.rank))
+    return {
+        "seconds": top.compile_s,
+        "rank": top.rank,
+        "median": statistics.median(w.compile_s for w in stats.ranks),
+        "steps": int(max(w.compile_steps for w in compiled)),
+        "first_step": int(min(w.compile_first for w in compiled)),
+        "last_step": int(max(w.compile_last for w in compiled)),
+    }
+
+
+def _seconds(x: float) -> str:
+    return f"{x:,.1f} s" if x >= 1 else f"{x * 1e3:,.0f} ms"
+
+
+def compile_line(summary: dict[str, Any]) -> str | None:
+    """torch.compile's cost in a few words ("compile 41.2 s in steps 1-2"), None when
+    nothing compiled (or a summary from before the compile phase existed)."""
+    c = summary.get("compile")
+    if not c:
+        return None
+    first, last, n = c["first_step"], c["last_step"], c["steps"]
+    if first == last:
+        where = f"step {first}"
+    elif n == last - first + 1:
+        where = f"steps {first}-{last}"
+    else:
+        where = f"{n} steps from {first} to {last}"
+    rank = f", rank {c['rank']}" if summary.get("world_size", 1) > 1 else ""
+    return f"compile {_seconds(c['seconds'])} in {where}{rank}"
 
 
 def _mfu_overall(mfus: list[Any]) -> dict[str, Any] | None:
@@ -214,9 +261,12 @@ def summary_table(summary: dict[str, Any]) -> Any:
 
     world = summary["world_size"]
     counted = max((r["steps"] for r in summary["ranks"]), default=0)
+    skipped = (
+        "warm-up, compiling and profiled" if summary.get("compile") else "warm-up and profiled"
+    )
     table = Table(
         title=f"where the time goes: ms per step (mean of {counted} steps in "
-        f"{summary['first_step']}-{summary['last_step']}, warm-up and profiled steps left "
+        f"{summary['first_step']}-{summary['last_step']}, {skipped} steps left "
         f"out; min / median / max over {world} rank{'s' if world != 1 else ''})",
         title_justify="left",
     )
@@ -250,6 +300,12 @@ def summary_table(summary: dict[str, Any]) -> Any:
 
 def _lines(summary: dict[str, Any]) -> list[str]:
     lines = []
+    compiled = compile_line(summary)
+    if compiled:
+        lines.append(
+            f"torch.compile: {compiled.removeprefix('compile ')} (the slowest rank), left out "
+            "of the step times and MFU: those steps are not in the table"
+        )
     overlaps = [(r["rank"], r["overlap"]) for r in summary["ranks"] if r.get("overlap") is not None]
     if overlaps:
         lo = min(overlaps, key=lambda x: x[1])
@@ -309,6 +365,9 @@ def summary_line(summary: dict[str, Any], out: Path | None) -> str:
     if summary["stragglers"]:
         s = max(summary["stragglers"], key=lambda x: x["cost_s"])
         parts.append(f"straggler: rank {s['rank']} slow in {s['phase']} ({s['slower']:.2f}x)")
+    compiled = compile_line(summary)
+    if compiled:
+        parts.append(f"{compiled} (not in the step time)")
     if out is not None:
         parts.append(f"ledger in {out / 'observe'} (scaletrain report {out})")
     else:

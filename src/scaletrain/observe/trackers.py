@@ -434,9 +434,13 @@ class TrackerObserver(Observer):
         scalars: dict[str, float] = {}
         for name in (*PHASES, "step"):
             s = stats.spreads[name]
-            if s.median == s.median:  # not NaN
+            # Compiling steps are not in a window's medians: their seconds, apart.
+            if s.median == s.median and name != "compile":  # not NaN
                 scalars[f"ledger/{name}_ms_median"] = s.median * 1e3
                 scalars[f"ledger/{name}_ms_max"] = s.max * 1e3
+        compiled = max((w.compile_s for w in stats.ranks), default=0.0)
+        if compiled > 0:
+            scalars["ledger/compile_s"] = compiled
         try:
             self.tracker.log(scalars, stats.last_step)
         except Exception as exc:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scaletrain.observe.phases import COMM, PHASES, SYNC
-from scaletrain.observe.series import Reduced
+from scaletrain.observe.series import CompileTally, Reduced
 
 __all__ = ["PhaseSpread", "RankWindow", "WindowStats", "pack", "summarize", "unpack"]
 
@@ -51,6 +51,14 @@ class RankWindow:
     cpu_wait: float = _NAN
     """Seconds per step the training thread waited for a CPU (runnable, in the kernel's
     run queue: other processes had its core); NaN where the kernel does not say."""
+    compile_s: float = 0.0
+    """Seconds torch.compile took over the window's (or run's) steps that compiled; those
+    steps are not in `steps`, `wall` or `phases`."""
+    compile_steps: float = 0.0
+    """How many steps compiled."""
+    compile_first: float = 0.0
+    """The first and last of them (0: none)."""
+    compile_last: float = 0.0
 
     @property
     def waited(self) -> float:
@@ -69,6 +77,10 @@ _SCALARS = (
     "flops",
     "host_id",
     "cpu_wait",
+    "compile_s",
+    "compile_steps",
+    "compile_first",
+    "compile_last",
 )
 VECTOR_LEN = 4 + len(PHASES) + len(_SCALARS)
 
@@ -182,9 +194,12 @@ def summarize(
     flops: float | None,
     host: str,
     cpu_wait: float | None = None,
+    compiled: CompileTally | None = None,
 ) -> RankWindow:
     """This rank's window from its reduced series (medians for a window, means for the
-    whole run), a memory sample and its run-queue wait per step."""
+    whole run), a memory sample, its run-queue wait per step and what its steps that
+    compiled took to compile."""
+    compiled = compiled or CompileTally()
     return RankWindow(
         rank=rank,
         peer_group=peer_group,
@@ -201,4 +216,8 @@ def summarize(
         flops=_num(flops),
         host_id=float(zlib.crc32(host.encode()) % 2**24),
         cpu_wait=_num(cpu_wait),
+        compile_s=compiled.seconds,
+        compile_steps=float(compiled.steps),
+        compile_first=float(compiled.first),
+        compile_last=float(compiled.last),
     )

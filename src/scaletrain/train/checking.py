@@ -143,15 +143,16 @@ TOO_SHORT_GPU = 0.001
 10% (the host's launches set such steps' pace, not the model's arithmetic)."""
 
 
-_NOT_PLANNED = ("data", "h2d", "checkpoint", "eval")
-"""Ledger phases the plan does not predict: the input pipeline, saving, evaluating."""
+_NOT_PLANNED = ("data", "h2d", "checkpoint", "eval", "compile")
+"""Ledger phases the plan does not predict: the input pipeline, saving, evaluating,
+compiling."""
 
 
 def measured(run: str | Path) -> tuple[float, int | None, float | None]:
     """(median seconds of training work per step on the slowest rank, RSS growth after
     setup on the largest rank, median hidden fraction of gradient communication) from
-    RUN/observe/. Training work is the step's wall time less its data, h2d, checkpoint
-    and eval phases (what the plan predicts)."""
+    RUN/observe/. Training work is the step's wall time less its data, h2d, checkpoint,
+    eval and compile phases (what the plan predicts)."""
     from scaletrain.observe.records import read_run
 
     records = read_run(run)
