@@ -13,11 +13,14 @@ CHROMIUM := /usr/bin/chromium
 # Open MPI 4.1, MPICH 4.0). The tests start and stop the daemons themselves.
 CLUSTER_PKGS := slurmctld slurmd slurm-client munge openmpi-bin mpich iproute2 util-linux
 CLUSTER_STAMP := /usr/sbin/slurmctld /usr/bin/mpirun.openmpi /usr/bin/mpiexec.mpich /usr/sbin/ip
+# torch.compile's CPU code generator (inductor) builds C++ with the system compiler:
+# the --compile tests run it.
+CXX_BIN := /usr/bin/g++
 TRAIN_ARGS ?=
 
 .PHONY: setup train test lint typecheck layers unit clean peers-venv peers
 
-setup: $(STAMP) $(FMNIST) $(CHROMIUM) $(CLUSTER_STAMP)
+setup: $(STAMP) $(FMNIST) $(CHROMIUM) $(CLUSTER_STAMP) $(CXX_BIN)
 
 # torch first and pinned: it takes the local CPU wheel, so resolving the
 # package's `torch` range afterwards installs nothing more (no CUDA wheels).
@@ -51,6 +54,13 @@ $(CLUSTER_STAMP):
 		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 		$$SUDO apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends $$missing; \
+	fi
+
+$(CXX_BIN):
+	@if ! dpkg -s g++ >/dev/null 2>&1; then \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends g++; \
 	fi
 
 train: setup

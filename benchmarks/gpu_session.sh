@@ -8,7 +8,7 @@
 #     OUT=/tmp/gpu bash benchmarks/gpu_session.sh            # every step
 #     OUT=/tmp/gpu bash benchmarks/gpu_session.sh tests      # only the named steps
 #
-# Steps: env, tests, smoke, hf, plan. A measurement an issue asks for is added here as a
+# Steps: env, tests, smoke, hf, plan, levers. A measurement an issue asks for is added here as a
 # step when the code it measures lands, so the next GPU session only has to run this.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -16,7 +16,7 @@ OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-python3}
-STEPS=${*:-env tests smoke hf plan}
+STEPS=${*:-env tests levers smoke hf plan}
 START=$SECONDS
 
 want() { [[ " $STEPS " == *" $1 "* ]]; }
@@ -78,6 +78,14 @@ if want plan; then
 	# The planner's one-GPU check (benchmarks/plan_gpu.py): predicted vs measured step
 	# and CUDA peak for the recipes; RESULTS.md "One GPU measured".
 	step plan 200 $PY benchmarks/plan_gpu.py --part 1 --rounds 1 --steps 60
+fi
+
+if want levers; then
+	# Issue 28: the llama recipe at 1B on one GPU in bf16-mixed, each activation
+	# checkpointing mode with and without torch.compile (benchmarks/levers.py): step
+	# time, tokens/s, MFU and CUDA peak allocated per setting, each in its own process.
+	step levers 420 $PY benchmarks/levers.py --size 1b --precision bf16-mixed --batch 4 \
+		--seq 2048 --steps 12 --warmup 4
 fi
 
 echo "done in $((SECONDS - START))s; results in $OUT"

@@ -266,3 +266,22 @@ def test_eval_runs_without_checkpointing(monkeypatch: pytest.MonkeyPatch) -> Non
     assert calls == []
     model(x)
     assert len(calls) == SMALL.n_layer
+
+
+def test_the_planner_profiles_each_checkpointing_mode() -> None:
+    """The plan profiles the model with its blocks checkpointed: activation memory
+    falls (most under full), and full's recomputed forward costs compute time."""
+    from scaletrain.plan.layouts import Layout
+    from scaletrain.train.planning import plan
+
+    rows = {
+        ac: plan("gpt", devices=2, hardware="h100-sxm", ac=ac, layouts=[Layout("fsdp", dp=2)]).rows[
+            0
+        ]
+        for ac in ("none", "full", "selective")
+    }
+    acts = {ac: row.memory.activations for ac, row in rows.items()}
+    assert acts["full"] < acts["selective"] < acts["none"]
+    assert rows["full"].time.compute > rows["none"].time.compute
+    with pytest.raises(ConfigError, match="ac_every=2 picks every k-th block"):
+        plan("gpt", devices=2, hardware="h100-sxm", ac="full", ac_every=2)

@@ -249,6 +249,7 @@ def check_run(run: str | Path) -> Check:
         batch_size=int(cfg["batch_size"]),
         precision=str(cfg.get("precision", "32")), overlap=overlap, layouts=[layout],
         device="cuda" if allocated else "cpu",
+        ac=str(cfg.get("ac", "none")), ac_every=cfg.get("ac_every"),
     )  # fmt: skip
     return Check(
         layout, result.rows[0], step, growth, overlap, measured_cpu(base), allocated=allocated

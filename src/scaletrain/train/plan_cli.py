@@ -48,6 +48,14 @@ def add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="with --hardware: the fraction of datasheet peak a step reaches (default 0.4; "
         "a run's measured MFU is in its ledger summary)",
     )  # fmt: skip
+    p.add_argument(
+        "--ac", choices=("none", "full", "selective"), default="none",
+        help="activation checkpointing, as scaletrain train takes it (default: none)",
+    )  # fmt: skip
+    p.add_argument(
+        "--ac-every", metavar="K", type=int, default=None,
+        help="with --ac selective: every K-th block checkpointed whole",
+    )  # fmt: skip
     p.add_argument("--check", metavar="RUN", default=None, help="a finished run to check")
 
 
@@ -87,6 +95,7 @@ def run_plan(ns: argparse.Namespace) -> int:
     result = plan(
         ns.recipe, model=ns.model, devices=ns.devices, nodes=ns.nodes, hardware=ns.hardware,
         batch_size=ns.batch_size, precision=ns.precision, mfu=ns.mfu, device=ns.device,
+        ac=ns.ac, ac_every=ns.ac_every,
     )  # fmt: skip
     print(result.table())
     return EXIT_OK

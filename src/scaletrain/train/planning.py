@@ -383,6 +383,8 @@ def plan(
     comm: CommModel | None = None,
     device: str | None = None,
     mfu: float | None = None,
+    ac: str = "none",
+    ac_every: int | None = None,
 ) -> Plan:
     """Memory per device and step time of every layout of `devices` for a recipe or a
     model ("module:factory"); see scaletrain.plan. Returns data (`Plan.rows`,
@@ -393,9 +395,17 @@ def plan(
     20-55 s on 2 CPU cores); `device` "cpu" measures the CPU of a GPU machine, "cuda"
     insists on its GPU. A profile name ("h100-sxm", "a100-sxm", "a100-pcie", "ethernet")
     plans on paper, at `mfu` of its datasheet peak (default 40%). `layouts` picks rows; `compute` and `comm` replace this machine's
-    measurements (a benchmark measures them once for many plans).
+    measurements (a benchmark measures them once for many plans). `ac`/`ac_every` plan
+    with activation checkpointing as training takes it: the model is profiled with its
+    blocks checkpointed, so its activation memory and its recomputed FLOPs are measured,
+    not modelled.
     """
     name, build, example, loss, optimizer, default_batch = resolve_model(recipe, model)
+    if ac != "none" or ac_every is not None:
+        from scaletrain.strategies.levers import check_levers
+
+        check_levers("plan(...)", ac, ac_every, False)
+        build = partial(_checkpointed, build, ac, ac_every)
     batch = default_batch if batch_size is None else batch_size
     precision = canonical(precision)  # bf16 is bf16-mixed, as st.init takes it
     check_request(devices, nodes, hardware, precision, batch, device, mfu)
@@ -423,6 +433,16 @@ def plan(
         tp_plan=tp_plan, overlap=overlap, name=name, layouts=layouts, compute=compute,
         comm=comm, fsdp_units=fsdp_units_of(build), device=device, mfu=mfu,
     )  # fmt: skip
+
+
+def _checkpointed(build: Callable[[], nn.Module], ac: str, every: int | None) -> nn.Module:
+    """build() with its blocks checkpointed (a module-level function: the probes'
+    processes unpickle it)."""
+    from scaletrain.strategies.levers import apply_levers
+
+    model = build()
+    apply_levers(model, ac=ac, ac_every=every, owner="plan(...)")
+    return model
 
 
 def fsdp_units_of(build: Callable[[], nn.Module]) -> list[str]:
