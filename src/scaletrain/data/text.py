@@ -75,16 +75,16 @@ def python_corpus_root(root: str | Path | None = None) -> Path:
     base = Path(root).expanduser() if root is not None else Path(sysconfig.get_paths()["stdlib"])
     if not base.is_dir():
         raise DatasetError(
-            f"{spell('data_dir', str(base))}: no such directory. The gpt recipe reads "
-            "Python sources (.py files, searched recursively) as its text corpus. Fix: "
+            f"{spell('data_dir', str(base))}: no such directory. The gpt and llama recipes "
+            "read Python sources (.py files, searched recursively) as their text corpus. Fix: "
             f"point {spell('data_dir')} at a directory of .py files, or leave it out to "
             "read this Python's standard library."
         )
     if next((p for p in base.rglob("*.py") if "site-packages" not in p.parts), None) is None:
         raise DatasetError(
-            f"no .py files under {base}: the gpt recipe reads Python sources as its text "
-            f"corpus. Fix: point {spell('data_dir')} at a directory with .py files, or leave "
-            "it out to read this Python's standard library."
+            f"no .py files under {base}: the gpt and llama recipes read Python sources as "
+            f"their text corpus. Fix: point {spell('data_dir')} at a directory with .py "
+            "files, or leave it out to read this Python's standard library."
         )
     return base
 

@@ -77,7 +77,7 @@ SWITCHES = ("overwrite", "fork_optimizer")
 """Bool fields that ask for something once, for this start, rather than describe the run
 (config.json records them off): their flag turns them on, and there is no --no- form."""
 
-Recipe = Literal["convnet", "split-net", "wrn", "gpt"]
+Recipe = Literal["convnet", "split-net", "wrn", "gpt", "llama", "llama-1b", "llama-8b"]
 ClusterKind = Literal["auto", "local", "slurm", "mpi", "torchelastic", "sagemaker", "kubeflow"]
 StrategyName = Literal["ddp", "fsdp", "tensor", "pipeline", "dp", "model-parallel", "single"]
 Schedule = Literal["cosine", "linear", "constant"]

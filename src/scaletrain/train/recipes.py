@@ -56,7 +56,15 @@ from torch import nn
 
 from scaletrain.errors import ConfigError, DatasetError, spell, unknown
 from scaletrain.train.loop import cross_entropy_sums, logits_of
-from scaletrain.train.models import GPT, ConvNet, GPTConfig, SplitNet, WideResNet
+from scaletrain.train.models import (
+    GPT,
+    LLAMA_SHAPES,
+    ConvNet,
+    GPTConfig,
+    Llama,
+    SplitNet,
+    WideResNet,
+)
 
 __all__ = [
     "RECIPES",
@@ -87,10 +95,10 @@ def _teacher(data_dir: str | None, split: str) -> Any:
     return teacher_dataset(split)
 
 
-def _python_text(data_dir: str | None, split: str) -> Any:
+def _python_text(data_dir: str | None, split: str, *, block_size: int) -> Any:
     from scaletrain.data.text import load_python_corpus
 
-    return load_python_corpus(split, block_size=_GPT.block_size, root=data_dir)
+    return load_python_corpus(split, block_size=block_size, root=data_dir)
 
 
 def _python_text_locate(data_dir: str | None) -> str | None:
@@ -104,7 +112,7 @@ def _generated(data_dir: str | None) -> str | None:
         raise DatasetError(
             f"{spell('data_dir', data_dir)}: the split-net recipe generates its data (a fixed "
             f"random teacher network), so it reads no files. Fix: leave out "
-            f"{spell('data_dir')}, or pick a recipe that reads files (convnet, wrn, gpt)."
+            f"{spell('data_dir')}, or pick a recipe that reads files (convnet, wrn, gpt, llama)."
         )
     return None
 
@@ -120,9 +128,36 @@ def _features(batch: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(batch, 10), torch.randint(0, 5, (batch,))
 
 
-def _tokens(batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-    tokens = torch.randint(0, _GPT.vocab_size, (batch, _GPT.block_size + 1))
+def _tokens(batch: int, *, vocab: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, vocab, (batch, seq + 1))
     return tokens[:, :-1], tokens[:, 1:]
+
+
+_LLAMA_SEQ = {"debug": 64, "1b": 2048, "8b": 8192}
+"""Tokens per training sequence of each llama recipe: the gpt recipe's at the debug
+size, and 2,048 / 8,192 for 1B / 8B (torchtitan's Llama 3.1 8B runs use 8,192)."""
+
+
+def _llama(size: str) -> Llama:
+    return Llama(LLAMA_SHAPES[size])
+
+
+def _llama_recipe(size: str, name: str, **settings: Any) -> Recipe:
+    shape, seq = LLAMA_SHAPES[size], _LLAMA_SEQ[size]
+    return Recipe(
+        name=name,
+        dataset="python sources (byte-level)",
+        build=partial(_llama, size),
+        data=partial(_python_text, block_size=seq),
+        locate_data=_python_text_locate,
+        example=partial(_tokens, vocab=shape.vocab_size, seq=seq),
+        optimizer_name="adamw",
+        betas=(0.9, 0.95),
+        weight_decay=0.1,
+        epochs=1,
+        task="language-model",
+        **settings,
+    )
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -149,6 +184,8 @@ class Recipe:
     """"sgd" (Nesterov momentum) or "adamw"."""
     momentum: float = 0.9
     """SGD momentum."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW's betas."""
     weight_decay: float = 5e-4
     """Weight decay."""
     reference_batch: int | None = 200
@@ -216,7 +253,9 @@ class Recipe:
         if self.optimizer_fn is not None:
             return self.optimizer_fn(params, lr)
         if self.optimizer_name == "adamw":
-            return torch.optim.AdamW(params, lr=lr, weight_decay=self.weight_decay)
+            return torch.optim.AdamW(
+                params, lr=lr, betas=self.betas, weight_decay=self.weight_decay
+            )
         return torch.optim.SGD(
             params, lr=lr, momentum=self.momentum, nesterov=True, weight_decay=self.weight_decay
         )
@@ -266,9 +305,9 @@ RECIPES: dict[str, Recipe] = {
             name="gpt",
             dataset="python sources (byte-level)",
             build=partial(GPT, _GPT),
-            data=_python_text,
+            data=partial(_python_text, block_size=_GPT.block_size),
             locate_data=_python_text_locate,
-            example=_tokens,
+            example=partial(_tokens, vocab=_GPT.vocab_size, seq=_GPT.block_size),
             lr=1e-3,
             optimizer_name="adamw",
             weight_decay=0.01,
@@ -277,6 +316,37 @@ RECIPES: dict[str, Recipe] = {
             batch_size=32,
             eval_batch_size=64,
             task="language-model",
+        ),
+        # Llama-shaped (RMSNorm, rotary embeddings, SwiGLU, grouped-query attention) on
+        # the gpt recipe's bytes, with torchtitan's AdamW (betas 0.9 / 0.95, decay 0.1).
+        # 1B and 8B read the same bytes through a 128,256-token vocabulary: they are for
+        # plans and GPUs (throughput, memory), at a learning rate used as it is.
+        _llama_recipe(
+            "debug",
+            "llama",
+            lr=2e-3,
+            reference_batch=64,
+            warmup=100,
+            batch_size=32,
+            eval_batch_size=64,
+        ),
+        _llama_recipe(
+            "1b",
+            "llama-1b",
+            lr=3e-4,
+            reference_batch=None,
+            warmup=100,
+            batch_size=4,
+            eval_batch_size=4,
+        ),
+        _llama_recipe(
+            "8b",
+            "llama-8b",
+            lr=3e-4,
+            reference_batch=None,
+            warmup=200,
+            batch_size=1,
+            eval_batch_size=1,
         ),
     )
 }
