@@ -93,7 +93,13 @@ class ProgressPrinter(Observer):
                 f"{_size(int(summary.get('checkpoint_bytes') or 0))}; --no-save-last skips it)"
             )
         self.progress.print(
-            f"done: {summary['steps']} steps in {summary['train_time_s']:.1f} s, "
+            f"done: {summary['steps']} steps in {summary['train_time_s']:.1f} s"
+            + (
+                f" ({summary['compile_time_s']:.1f} s of it compiling)"
+                if summary.get("compile_time_s")
+                else ""
+            )
+            + ", "
             f"{summary['samples_per_s']:,.0f} samples/s over "
             f"{_plural(int(summary['world_size']), 'process', 'processes')}{result}. "
             f"Wrote {out}/metrics.jsonl and {out}/model.pt{kept}"

@@ -59,6 +59,8 @@ class _Progress:
 
     step: int = 0
     train_time: float = 0.0
+    compile_before: float = 0.0
+    """torch.compile's seconds inside train_time before this start (a resumed run's)."""
     samples: int = 0
     stopped_by: str | None = None
     last_eval: EvalEvent | None = None
@@ -213,6 +215,7 @@ class Session:
         check_meaning(saved, self._resolved(), lr_given, str(resumed.path))
         done.step = int(values["step"])
         done.train_time = float(values.get("train_time", 0.0))
+        done.compile_before = float(values.get("compile_time", 0.0))
         done.samples = int(values.get("samples", 0))
         if saved is not None and not lr_given:
             # The run's own peak learning rate, also at another data-parallel size
@@ -468,10 +471,16 @@ class Session:
             self.done.stopped_by = reason
         return self.done.stopped_by is not None
 
+    def _compile_time(self) -> float:
+        """Seconds this rank spent in torch.compile inside the run's training time."""
+        ledger = self.rt.ledger
+        return self.done.compile_before + (ledger.compiled.seconds if ledger is not None else 0.0)
+
     def _save(self, *, final: bool = False) -> Path:
         done = self.done
         values = {
             "train_time": done.train_time,
+            "compile_time": self._compile_time(),
             "samples": done.samples,
             # What a later resume compares (settings that alter the run) and reports
             # (extending or shortening).
@@ -542,7 +551,10 @@ class Session:
             "steps": done.step,
             "epochs": self.epochs,
             "train_time_s": done.train_time,
-            "samples_per_s": done.samples / max(done.train_time, 1e-9),
+            "compile_time_s": self._compile_time(),
+            # Throughput of training, not of compiling (the ledger leaves those steps out
+            # of its step time too).
+            "samples_per_s": done.samples / max(done.train_time - self._compile_time(), 1e-9),
             "val_loss": done.last_eval.loss if done.last_eval else None,
             "val_acc": done.last_eval.accuracy if done.last_eval else None,
             "out": str(self.out),
