@@ -52,8 +52,13 @@ VARIANTS: list[tuple[str, int | None, bool | str]] = [
 ]
 
 COMPILE_TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
-"""Compiled vs eager after 20 AdamW steps (float32, lr 1e-3): inductor's fused
-kernels sum in another order, and the differences grow a little with every step."""
+"""Losses (and gradient norms), compiled vs eager over 20 AdamW steps (float32, lr
+1e-3): inductor's fused kernels sum in another order, and the differences grow a
+little with every step."""
+WEIGHT_TOLERANCE = {"rtol": 1e-4, "atol": 5e-5}
+"""Weights after those 20 steps: Adam's normalised updates carry a rounding
+difference whole into a weight near zero (inductor under tensor parallel: 1.2e-5 in
+one of 4,096)."""
 
 
 def _loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -116,7 +121,7 @@ def _check(per_rank: list[list[dict[str, Any]]]) -> None:
                 got, eager = torch.tensor(run["losses"]), torch.tensor(base["losses"])
                 torch.testing.assert_close(got, eager, **COMPILE_TOLERANCE)
                 for name, value in base["weights"].items():
-                    torch.testing.assert_close(run["weights"][name], value, **COMPILE_TOLERANCE)
+                    torch.testing.assert_close(run["weights"][name], value, **WEIGHT_TOLERANCE)
 
 
 @pytest.mark.parametrize(
