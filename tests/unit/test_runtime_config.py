@@ -116,7 +116,9 @@ def test_cli_flags_are_frozen() -> None:
          # issue 26: a finished run keeps its last checkpoint unless told not to
          "--save-last", "--no-save-last",
          # issue 27: your own model and data; the experiment trackers rank 0 writes to
-         "--model", "--data", "--track"]
+         "--model", "--data", "--track",
+         # issue 28: the levers of large-model training
+         "--ac", "--ac-every", "--compile", "--no-compile", "--float8", "--no-float8"]
     )  # fmt: skip
     launch = _flags(parser, "launch")
     for flag in ("--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint",

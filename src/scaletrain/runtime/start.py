@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -19,6 +20,7 @@ from scaletrain.observe.ledger import LedgerConfig
 from scaletrain.precision import Precision
 from scaletrain.runtime.core import Runtime, current, set_current
 from scaletrain.strategies import Strategy, resolve_strategy
+from scaletrain.strategies.levers import float8_note
 
 __all__ = ["init", "sync_batchnorm"]
 
@@ -62,6 +64,9 @@ def init(
     strat.adopt_precision(prec, topo)
     # Check the strategy before any peer is contacted: a bad config fails fast, alone.
     strat.validate(topo)
+    note = float8_note(strat.compile) if strat.float8 else None
+    if note is not None and topo.rank == 0:
+        print(f"scaletrain: note: {note}", file=sys.stderr)
     home = strat.home_device(topo)
     if home != dev:
         topo = dataclasses.replace(topo, device=home)

@@ -18,7 +18,15 @@ from torch import nn
 
 from scaletrain.dist.replicas import first_replica_values
 from scaletrain.errors import ConfigError
-from scaletrain.strategies.levers import apply_levers, check_compiler, check_levers, lever_blocks
+from scaletrain.strategies.levers import (
+    apply_levers,
+    check_compiler,
+    check_float8,
+    check_levers,
+    convert_float8,
+    float8_layers,
+    lever_blocks,
+)
 
 if TYPE_CHECKING:
     from scaletrain.dist.topology import Topology
@@ -70,17 +78,29 @@ class Strategy:
     """torch.compile each block, after tensor parallel and checkpointing, before FSDP/DDP:
     True (inductor), or a backend's name ("aot_eager" traces the same graphs without
     generating code: the first thing to try when a compiled run misbehaves)."""
+    float8: bool = False
+    """Train the Linear layers of the model's blocks in float8 (torchao's Float8Linear;
+    GPUs of compute capability 8.9+, `pip install 'scaletrain[float8]'`), applied first,
+    before tensor parallel; under FSDP the weights are all-gathered in float8. Fast only
+    with compile=True."""
 
     def __post_init__(self) -> None:
         check_levers(f"{type(self).__name__}(...)", self.ac, self.ac_every, self.compile)
+        if not isinstance(self.float8, bool):
+            raise ConfigError(
+                f"{type(self).__name__}(float8={self.float8!r}) must be True or False.",
+                field="float8",
+            )
 
     @property
     def uses_levers(self) -> bool:
-        """Whether checkpointing or compile is asked for."""
-        return self.ac != "none" or self.compile is not False
+        """Whether checkpointing, compile or float8 is asked for."""
+        return self.ac != "none" or self.compile is not False or self.float8
 
     def validate(self, topo: Topology) -> None:
         """Fail before training if this strategy cannot work on topo's backend/devices."""
+        if self.float8:
+            check_float8(topo.device, f"{type(self).__name__}(...)")
         if self.compile:
             check_compiler(topo.device, self.compile)
         self._validate(topo)
@@ -90,7 +110,10 @@ class Strategy:
         and without a process group (`module` may live on the meta device): a launcher
         calls it so that a model this strategy cannot split fails before any process
         starts, with the message a worker would give."""
-        lever_blocks(module, self.ac, owner=f"{type(self).__name__}(...)")
+        owner = f"{type(self).__name__}(...)"
+        lever_blocks(module, self.ac, self._blocks(module), owner=owner)
+        if self.float8:
+            float8_layers(module, self._blocks(module), owner=owner)
         self._check_model(module, topo)
 
     def setup_module(self, module: nn.Module, topo: Topology) -> nn.Module:
@@ -225,6 +248,21 @@ class Strategy:
         with torch.no_grad():
             return self._predict(module, inputs)
 
+    def apply_float8(
+        self, module: nn.Module, *, fsdp_all_gather: bool = False, blocks: list[str] | None = None
+    ) -> None:
+        """Convert `module`'s blocks' Linear layers to float8 if this strategy's `float8`
+        says so, in place. Strategies call it first, on the model's device, before tensor
+        parallel and the other levers (see scaletrain.strategies.levers); `fsdp_all_gather`
+        where FSDP will shard it over more than one rank."""
+        if self.float8:
+            convert_float8(
+                module,
+                self._blocks(module) if blocks is None else blocks,
+                fsdp_all_gather=fsdp_all_gather,
+                owner=f"{type(self).__name__}(...)",
+            )
+
     def apply_levers(self, module: nn.Module, blocks: list[str] | None = None) -> None:
         """Checkpoint and compile `module`'s blocks as this strategy's fields say, in
         place. Strategies call it where the order holds (after tensor parallel, before
@@ -243,11 +281,16 @@ class Strategy:
     def _validate(self, topo: Topology) -> None:
         return None
 
+    def _blocks(self, module: nn.Module) -> list[str] | None:
+        """The blocks the levers act on; None: the model's auto-detected ones."""
+        return None
+
     def _check_model(self, module: nn.Module, topo: Topology) -> None:
         return None
 
     def _setup_module(self, module: nn.Module, topo: Topology) -> nn.Module:
         module = module.to(topo.device)
+        self.apply_float8(module)
         self.apply_levers(module)
         return module
 
@@ -292,7 +335,7 @@ class Strategy:
             self._unwrap(module),
             options=StateDictOptions(full_state_dict=True, cpu_offload=False),
         )
-        return {k: _full_tensor(v).detach().cpu() for k, v in state.items()}
+        return {k: _plain(_full_tensor(v)).detach().cpu() for k, v in state.items()}
 
     def _forward_backward(
         self,
@@ -437,9 +480,23 @@ def _is_dtensor(t: torch.Tensor) -> bool:
     return type(t).__name__ == "DTensor"
 
 
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor inside a wrapper subclass (float8's weights under FSDP's float8
+    all-gather are one, holding the weight itself): what a state dict hands out, so a
+    model without float8 (and torch.load's weights_only) takes it."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    while is_traceable_wrapper_subclass(t) and not _is_dtensor(t):
+        inner, _ = t.__tensor_flatten__()
+        if len(inner) != 1:
+            break
+        t = getattr(t, inner[0])
+    return t
+
+
 def _storage(t: torch.Tensor) -> int:
     local = t.to_local() if hasattr(t, "to_local") else t  # a DTensor's own shard
-    return int(local.untyped_storage().data_ptr())
+    return int(_plain(local).untyped_storage().data_ptr())
 
 
 def _storages(module: nn.Module) -> set[int]:

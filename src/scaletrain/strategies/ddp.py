@@ -130,6 +130,7 @@ class DDP(Strategy):
             module = module.to(topo.device)
         else:
             place_module(module, self.device_map, devices=self.process_devices(topo), owner="DDP")
+        self.apply_float8(module)
         self.apply_levers(module)
         if topo.world_size == 1:
             # The same script runs in one process with no wrapper and no process group.

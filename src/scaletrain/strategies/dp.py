@@ -53,6 +53,14 @@ class DataParallel(Strategy):
 
     def __post_init__(self) -> None:
         Strategy.__post_init__(self)
+        if self.float8:
+            raise ConfigError(
+                f"{spell('strategy', 'dp')} takes no {spell('float8')}: nn.DataParallel copies "
+                "the model into each GPU's replica at every step, float8's layers and all. "
+                f"Fix: {spell('strategy', 'ddp')} (one process per GPU), which takes it and is "
+                "faster.",
+                field="float8",
+            )
         if self.uses_levers:
             # Its replicas are copied from the model at every forward, in threads:
             # checkpoint wrappers and compiled blocks are not made to be copied so.

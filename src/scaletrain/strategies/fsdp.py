@@ -31,6 +31,7 @@ from scaletrain.strategies.base import (
     remember_parameter_names,
 )
 from scaletrain.strategies.blocks import WrapSpec, auto_wrap_targets, normalise_wrap, wrap_targets
+from scaletrain.strategies.levers import precompute_scales_after_steps
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -92,11 +93,19 @@ class FSDP(Strategy):
     def _check_model(self, module: nn.Module, topo: Topology) -> None:
         wrap_targets(module, self.wrap)
 
+    def _blocks(self, module: nn.Module) -> list[str] | None:
+        return wrap_targets(module, self.wrap)
+
     def _setup_module(self, module: nn.Module, topo: Topology) -> nn.Module:
         module = module.to(topo.device)
         # Resolved even in one process: a wrong class name fails on a laptop, not at scale.
         targets = wrap_targets(module, self.wrap)
-        # Checkpointing and compile act on the units FSDP shards, before it shards them.
+        # Before float8, whose all-gather wraps the weights in new Parameters: the
+        # names the user's optimizer was built with.
+        names = parameter_names(module)
+        # float8, checkpointing and compile act on the units FSDP shards, before it
+        # shards them; float8's weights all-gather in float8 where there is a gather.
+        self.apply_float8(module, fsdp_all_gather=topo.world_size > 1, blocks=targets)
         self.apply_levers(module, targets)
         if topo.world_size == 1:
             # One process: nothing to shard; the same script runs unwrapped (and
@@ -104,7 +113,6 @@ class FSDP(Strategy):
             return module
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-        names = parameter_names(module)
         kwargs: dict[str, Any] = {
             "mesh": device_mesh(topo, "dp"),
             "reshard_after_forward": self.reshard_after_forward,
@@ -128,7 +136,9 @@ class FSDP(Strategy):
     def _setup_optimizer(
         self, optimizer: torch.optim.Optimizer, module: nn.Module, topo: Topology
     ) -> torch.optim.Optimizer:
-        return rebind_to_wrapped(optimizer, module)
+        optimizer = rebind_to_wrapped(optimizer, module)
+        precompute_scales_after_steps(optimizer, module)
+        return optimizer
 
     def _unwrap(self, module: nn.Module) -> nn.Module:
         return module

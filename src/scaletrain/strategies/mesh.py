@@ -28,10 +28,17 @@ from torch import nn
 from scaletrain.dist.mesh import device_mesh
 from scaletrain.errors import ConfigError, spell
 from scaletrain.strategies import base
-from scaletrain.strategies.base import Strategy, rebind_to_wrapped
+from scaletrain.strategies.base import (
+    Strategy,
+    parameter_names,
+    rebind_to_wrapped,
+    remember_parameter_names,
+)
 from scaletrain.strategies.ddp import DDP
 from scaletrain.strategies.fsdp import FSDP, wrap_targets
+from scaletrain.strategies.levers import precompute_scales_after_steps
 from scaletrain.strategies.pipeline import Pipeline, PipelineModule
+from scaletrain.strategies.pipeline.strategy import refuse_float8
 from scaletrain.strategies.tensor import TensorParallel
 
 if TYPE_CHECKING:
@@ -69,7 +76,17 @@ class FSDPxTP(Strategy):
         self.tensor.check_model(module, topo)
         self.fsdp.check_model(module, topo)
 
+    def _blocks(self, module: nn.Module) -> list[str] | None:
+        return wrap_targets(module, self.fsdp.wrap)
+
     def _setup_module(self, module: nn.Module, topo: Topology) -> nn.Module:
+        module = module.to(topo.device)
+        if self.float8:
+            # First (levers.py), so tensor parallel picks float8 styles for the float8
+            # layers and FSDP gathers their weights in float8; the names the user's
+            # optimizer knows are taken before the all-gather's new Parameters.
+            remember_parameter_names(module, parameter_names(module))
+            self.apply_float8(module, fsdp_all_gather=topo.size("dp") > 1)
         module = self.tensor.setup_module(module, topo)
         # Between the two: after tensor parallel's sharding, before FSDP's (levers.py).
         self.apply_levers(module, wrap_targets(module, self.fsdp.wrap))
@@ -82,7 +99,9 @@ class FSDPxTP(Strategy):
         self, optimizer: torch.optim.Optimizer, module: nn.Module, topo: Topology
     ) -> torch.optim.Optimizer:
         # Tensor parallel remembered the names first; FSDP's wrapping keeps them.
-        return rebind_to_wrapped(optimizer, module)
+        optimizer = rebind_to_wrapped(optimizer, module)
+        precompute_scales_after_steps(optimizer, module)
+        return optimizer
 
     def _no_sync(self, module: nn.Module) -> contextlib.AbstractContextManager[None]:
         return self.fsdp.no_sync(module)
@@ -104,6 +123,8 @@ class PipelinexDDP(Strategy):
     def __post_init__(self) -> None:
         Strategy.__post_init__(self)
         _lift_levers(self, (self.pipeline,))
+        if self.float8:
+            refuse_float8()
         # The pipeline applies them, to its stages.
         self.pipeline.ac, self.pipeline.compile = self.ac, self.compile
 
@@ -175,19 +196,20 @@ class PipelinexDDP(Strategy):
 
 
 def _lift_levers(composite: Strategy, parts: tuple[Strategy, ...]) -> None:
-    """Make the composite the one owner of the levers (checkpointing, compile): set on
-    one of its parts (compose() wraps the user's st.FSDP(ac="full")), they move up, so
-    no block is checkpointed or compiled twice."""
+    """Make the composite the one owner of the levers (float8, checkpointing, compile):
+    set on one of its parts (compose() wraps the user's st.FSDP(ac="full")), they move
+    up, so no block is converted, checkpointed or compiled twice."""
     for part in parts:
         if not part.uses_levers:
             continue
         if composite.uses_levers:
             raise ConfigError(
-                f"{type(composite).__name__}: ac/compile are set on more than one of its "
-                "parts. Fix: set them once, on the strategy you name."
+                f"{type(composite).__name__}: ac/compile/float8 are set on more than one of "
+                "its parts. Fix: set them once, on the strategy you name."
             )
         composite.ac, composite.ac_every, composite.compile = part.ac, part.ac_every, part.compile
-        part.ac, part.ac_every, part.compile = "none", None, False
+        composite.float8 = part.float8
+        part.ac, part.ac_every, part.compile, part.float8 = "none", None, False, False
         Strategy.__post_init__(composite)
 
 
@@ -240,7 +262,12 @@ def compose(strategy: Strategy, mesh: Mapping[str, int]) -> Strategy:
                 "DDP(device_map=...) with a 'pp' mesh dimension: pipeline stages already "
                 "place the model; drop the device map."
             )
-        return PipelinexDDP(ac=strategy.ac, ac_every=strategy.ac_every, compile=strategy.compile)
+        return PipelinexDDP(
+            ac=strategy.ac,
+            ac_every=strategy.ac_every,
+            compile=strategy.compile,
+            float8=strategy.float8,
+        )
     if isinstance(strategy, Pipeline):
         return PipelinexDDP(pipeline=strategy)
     if isinstance(strategy, PipelinexDDP):

@@ -89,6 +89,7 @@ class ModelParallel(Strategy):
 
     def _setup_module(self, module: nn.Module, topo: Topology) -> nn.Module:
         place_module(module, self.device_map, owner="ModelParallel")
+        self.apply_float8(module)
         self.apply_levers(module)
         return module
 

@@ -18,6 +18,7 @@ so that plain models (the GPT in scaletrain.train.models) need no plan.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -159,6 +160,8 @@ class TensorParallel(Strategy):
 
     def _setup_module(self, module: nn.Module, topo: Topology) -> nn.Module:
         module = module.to(topo.device)
+        # float8 before the sharding (levers.py): the float8 layers get float8 styles.
+        self.apply_float8(module)
         # Resolved and checked even in one process, so a model tensor parallel cannot
         # shard fails on a laptop with the same message as at scale.
         plan = self.resolved_plan(module)
@@ -175,7 +178,11 @@ class TensorParallel(Strategy):
         names = parameter_names(module)
         from torch.distributed.tensor.parallel import parallelize_module
 
-        styles = {key: _style(value, self.sequence_parallel) for key, value in plan.items()}
+        # Gloo has no float8 collectives (NCCL has): float8 all-gathers on NCCL only.
+        float8_comms = topo.backend == "nccl"
+        styles = _float8_styles(module, plan, self.sequence_parallel, float8_comms) or {
+            key: _style(value, self.sequence_parallel) for key, value in plan.items()
+        }
         parallelize_module(module, mesh, styles)
         explain_fixed_head_counts(module, plan, degree)
         if blocks is not None:
@@ -217,6 +224,60 @@ def _style(value: Any, sequence_parallel: bool) -> ParallelStyle:
     if value == "colwise":
         return ColwiseParallel(input_layouts=Shard(1))
     return RowwiseParallel(output_layouts=Shard(1))
+
+
+def _float8_styles(
+    module: nn.Module, plan: Mapping[str, Any], sequence_parallel: bool, float8_comms: bool
+) -> dict[str, ParallelStyle] | None:
+    """The plan with torchao's float8 styles for the float8 layers it names as "colwise" or
+    "rowwise"; None for torch's own styles everywhere: when the model has no float8
+    layers, or with sequence parallel where the backend has no float8 collectives
+    (`float8_comms` False: Gloo).
+
+    Float8ColwiseParallel and Float8RowwiseParallel cast a layer's input to float8
+    before tensor parallel redistributes it, so with sequence parallel the all-gather
+    of the sequence moves float8 (half of bf16's bytes), and cast its output's gradient
+    to float8 in backward. They take only Float8Linear layers, so the plan's patterns
+    are expanded to the modules they match and each gets the style its type takes.
+    torch's plain styles also work on float8 layers (the matmuls in float8, the
+    collectives in the activations' precision); ParallelStyle objects of the user's own
+    are applied as given."""
+    float8_linear = getattr(sys.modules.get("torchao.float8.float8_linear"), "Float8Linear", None)
+    modules = dict(module.named_modules())
+    if float8_linear is None or not any(isinstance(m, float8_linear) for m in modules.values()):
+        return None
+    if sequence_parallel and not float8_comms:
+        return None
+    from torch.distributed.tensor import Shard
+    from torchao.float8.float8_tensor_parallel import (
+        Float8ColwiseParallel,
+        Float8RowwiseParallel,
+    )
+
+    styles: dict[str, ParallelStyle] = {}
+    for key, value in plan.items():
+        names = matching_modules(module, key)
+        if value not in ("colwise", "rowwise") or not any(
+            isinstance(modules[n], float8_linear) for n in names
+        ):
+            styles[key] = _style(value, sequence_parallel)
+            continue
+        for name in names:
+            if not isinstance(modules[name], float8_linear):
+                styles[name] = _style(value, sequence_parallel)
+            elif value == "colwise":
+                styles[name] = (
+                    Float8ColwiseParallel(input_layouts=Shard(1))
+                    if sequence_parallel
+                    else Float8ColwiseParallel()
+                )
+            else:
+                styles[name] = (
+                    Float8RowwiseParallel(output_layouts=Shard(1))
+                    if sequence_parallel
+                    else Float8RowwiseParallel()
+                )
+    return styles
 
 
 def _slice_and_gather(model: nn.Module, blocks: list[str], mesh: DeviceMesh) -> None:

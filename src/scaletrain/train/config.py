@@ -55,7 +55,7 @@ FLAG_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("processes and parallelism", (
         "nproc", "strategy", "mesh", "backend", "precision", "sync_bn",
     )),
-    ("memory and speed (large models)", ("ac", "ac_every", "compile")),
+    ("memory and speed (large models)", ("ac", "ac_every", "compile", "float8")),
     ("length and optimizer", (
         "epochs", "max_steps", "batch_size", "accumulate", "lr", "schedule", "warmup",
         "clip_grad",
@@ -111,6 +111,8 @@ class TrainConfig:
     """With --ac selective: checkpoint every K-th block whole instead of every block at the op level."""
     compile: bool = False
     """torch.compile each block; the first steps take longer (the ledger shows it as compile time); on CPU it needs a C++ compiler."""
+    float8: bool = False
+    """Train the blocks' Linear layers in float8 (torchao; GPUs of compute capability 8.9+ such as L4, H100, H200, B200; pip install 'scaletrain[float8]'); fast only with --compile."""
     epochs: int | None = None
     """Passes over the training set (default: the recipe's)."""
     max_steps: int | None = None
@@ -439,10 +441,12 @@ class TrainConfig:
         return "gpt" if self.strategy == "tensor" or "tp=" in (self.mesh or "") else "convnet"
 
     def strategy_object(self) -> Strategy:
-        """The strategy named, with the levers (--ac, --ac-every, --compile) set on it."""
+        """The strategy named, with the levers (--ac, --ac-every, --compile, --float8) set on it."""
         from scaletrain.strategies import STRATEGIES
 
-        return STRATEGIES[self.strategy](ac=self.ac, ac_every=self.ac_every, compile=self.compile)
+        return STRATEGIES[self.strategy](
+            ac=self.ac, ac_every=self.ac_every, compile=self.compile, float8=self.float8
+        )
 
     def default_nproc(self, gpus: int) -> int:
         """Processes on this node when --nproc is not given."""

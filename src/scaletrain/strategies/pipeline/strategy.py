@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from scaletrain.dist.mesh import device_mesh
-from scaletrain.errors import ConfigError
+from scaletrain.errors import ConfigError, spell
 from scaletrain.plan import balance_stages, list_layers
 from scaletrain.strategies.base import Strategy, register
 from scaletrain.strategies.pipeline.module import PipelineModule
@@ -19,13 +19,24 @@ from scaletrain.strategies.pipeline.module import PipelineModule
 if TYPE_CHECKING:
     from scaletrain.dist.topology import Topology
 
-__all__ = ["SCHEDULES", "Pipeline", "pipeline_layers"]
+__all__ = ["SCHEDULES", "Pipeline", "pipeline_layers", "refuse_float8"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 """Schedule names: fill-drain, one-forward-one-backward, and 1F1B over virtual stages."""
 
 _INTERLEAVED_STAGES_PER_RANK = 2
 """Virtual stages per rank for `interleaved-1f1b` when `stages` is left to None."""
+
+
+def refuse_float8() -> None:
+    """float8 is refused for pipelines (alone or with DDP), in one line with the fix."""
+    raise ConfigError(
+        f"{spell('float8', True)} with a pipeline: its stages are traced (torch.export) from "
+        "the model, and the tracer cannot capture float8's layers (tensor subclasses in "
+        f"their forward). Fix: train the pipeline without {spell('float8')}, or use "
+        f"{spell('strategy', 'fsdp')} or {spell('strategy', 'tensor')}, which take it.",
+        field="float8",
+    )
 
 
 @register
@@ -67,6 +78,8 @@ class Pipeline(Strategy):
                 "is cut into that many equal microbatches)."
             )
         self.stages = _normalise_stages(self.stages)
+        if self.float8:
+            refuse_float8()
         if self.ac_every is not None:
             raise ConfigError(
                 f"Pipeline(ac_every={self.ac_every}): a pipeline checkpoints whole stages "
