@@ -8,7 +8,7 @@
 #     OUT=/tmp/gpu bash benchmarks/gpu_session.sh            # every step
 #     OUT=/tmp/gpu bash benchmarks/gpu_session.sh tests      # only the named steps
 #
-# Steps: env, tests, smoke, hf, plan, levers. A measurement an issue asks for is added here as a
+# Steps: env, tests, smoke, hf, plan, levers, float8. A measurement an issue asks for is added here as a
 # step when the code it measures lands, so the next GPU session only has to run this.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -16,7 +16,7 @@ OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-python3}
-STEPS=${*:-env tests levers smoke hf plan}
+STEPS=${*:-env tests levers float8 smoke hf plan}
 START=$SECONDS
 
 want() { [[ " $STEPS " == *" $1 "* ]]; }
@@ -38,6 +38,12 @@ if want env; then
 	# The `scaletrain` command for tests that start it; the image has setuptools.
 	$PY -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 ||
 		echo "pip install -e . failed: tests that run the scaletrain command will fail"
+	# float8 (the float8 step, tests/gpu/test_float8_gpu.py) needs torchao, which the
+	# image may lack and the machine cannot download: a wheel carried in benchmarks/.wheels
+	# (here: pip download torchao --no-deps -d benchmarks/.wheels) is installed.
+	for wheel in benchmarks/.wheels/torchao-*.whl; do
+		[[ -e $wheel ]] && $PY -m pip install -q --no-deps "$wheel"
+	done
 	step env 60 bash -c "nvidia-smi; $PY -c 'import torch, sys; print(sys.version); print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0), torch.cuda.get_device_capability(0))'; git log -1 --format='%H %s' 2>/dev/null || true"
 fi
 
@@ -86,6 +92,14 @@ if want levers; then
 	# time, tokens/s, MFU and CUDA peak allocated per setting, each in its own process.
 	step levers 420 $PY benchmarks/levers.py --size 1b --precision bf16-mixed --batch 4 \
 		--seq 2048 --steps 12 --warmup 4
+fi
+
+if want float8; then
+	# Issue 28: float8 on one GPU of compute capability 8.9+ (benchmarks/levers.py --set
+	# float8): the llama recipe's model at 1B in bf16-mixed, compiled, without and with
+	# float8: step time, tokens/s, MFU and CUDA peak allocated, each in its own process.
+	step float8 180 $PY benchmarks/levers.py --set float8 --size 1b --precision bf16-mixed \
+		--batch 4 --seq 2048 --steps 12 --warmup 4
 fi
 
 echo "done in $((SECONDS - START))s; results in $OUT"

@@ -1,4 +1,4 @@
-"""Activation checkpointing and torch.compile, side by side: peak memory and step time.
+"""Activation checkpointing, torch.compile and float8, side by side: peak memory and step time.
 
 Trains the llama recipe's model (RMSNorm, rotary embeddings, SwiGLU, grouped-query
 attention) in one process through the library (`st.init(strategy=st.SingleDevice(
@@ -15,6 +15,9 @@ peak memory is its own:
     python benchmarks/levers.py                          # CPU: a size that stresses 2 cores
     python benchmarks/levers.py --size 1b --precision bf16-mixed --batch 4 --seq 2048
                                                          # one GPU (benchmarks/gpu_session.sh)
+    python benchmarks/levers.py --set float8 --size 1b --precision bf16-mixed --batch 4 \
+        --seq 2048                                       # compiled, with and without float8
+                                                         # (a GPU of compute capability 8.9+)
 
 Prints a table in the format of benchmarks/RESULTS.md.
 """
@@ -35,19 +38,27 @@ from pathlib import Path
 from typing import Any
 
 SETTINGS = [
-    ("none", None, False),
-    ("selective", None, False),
-    ("selective", 2, False),
-    ("full", None, False),
-    ("none", None, True),
-    ("selective", None, True),
-    ("full", None, True),
+    ("none", None, False, False),
+    ("selective", None, False, False),
+    ("selective", 2, False, False),
+    ("full", None, False, False),
+    ("none", None, True, False),
+    ("selective", None, True, False),
+    ("full", None, True, False),
 ]
+"""--set levers (the default): (ac, ac_every, compile, float8) of each row."""
+
+FLOAT8_SETTINGS = [
+    ("none", None, True, False),
+    ("none", None, True, True),
+]
+"""--set float8: compiled, without and with float8 (float8 is fast only compiled)."""
 
 
-def _label(ac: str, every: int | None, compiled: bool) -> str:
+def _label(ac: str, every: int | None, compiled: bool, float8: bool = False) -> str:
     name = f"{ac} every {every}" if every else ac
-    return f"{name} + compile" if compiled else name
+    name = f"{name} + compile" if compiled else name
+    return f"{name} + float8" if float8 else name
 
 
 def one(args: argparse.Namespace) -> dict[str, Any]:
@@ -69,7 +80,9 @@ def one(args: argparse.Namespace) -> dict[str, Any]:
         changes["n_kv_heads"] = args.kv_heads
     shape = replace(shape, max_seq_len=max(shape.max_seq_len, args.seq), **changes)
     out = tempfile.mkdtemp(prefix="levers-")
-    strategy = st.SingleDevice(ac=args.ac, ac_every=args.every, compile=args.compile)
+    strategy = st.SingleDevice(
+        ac=args.ac, ac_every=args.every, compile=args.compile, float8=args.float8
+    )
     rt = st.init(
         strategy=strategy,
         precision=args.precision,
@@ -109,7 +122,7 @@ def one(args: argparse.Namespace) -> dict[str, Any]:
     kept = times[args.warmup :]
     step = statistics.median(kept)
     return {
-        "setting": _label(args.ac, args.every, args.compile),
+        "setting": _label(args.ac, args.every, args.compile, args.float8),
         "params": params,
         "step_s": step,
         "tokens_s": args.batch * args.seq / step,
@@ -132,11 +145,19 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--precision", default="32")
+    p.add_argument(
+        "--set",
+        choices=("levers", "float8"),
+        default="levers",
+        help="levers: each checkpointing mode with and without compile; float8: compiled, "
+        "with and without float8",
+    )
     p.add_argument("--only", default=None, help="comma-separated setting numbers (0-based)")
     p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--ac", default="none", help=argparse.SUPPRESS)
     p.add_argument("--every", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--float8", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.size != "debug":
         # The named size as it is, unless a dimension is given explicitly.
@@ -146,21 +167,23 @@ def main() -> None:
     if args.one:
         print("RESULT " + json.dumps(one(args)))
         return
-    chosen = SETTINGS if args.only is None else [SETTINGS[int(i)] for i in args.only.split(",")]
+    table = FLOAT8_SETTINGS if args.set == "float8" else SETTINGS
+    chosen = table if args.only is None else [table[int(i)] for i in args.only.split(",")]
     shared = [a for a in sys.argv[1:] if not a.startswith("--only")]
     if "--only" in sys.argv:
         i = sys.argv.index("--only")
         shared = sys.argv[1:i] + sys.argv[i + 2 :]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
     rows = []
-    for ac, every, compiled in chosen:
+    for ac, every, compiled, float8 in chosen:
         cmd = [sys.executable, __file__, "--one", *shared, "--ac", ac]
         cmd += ["--every", str(every)] if every else []
         cmd += ["--compile"] if compiled else []
+        cmd += ["--float8"] if float8 else []
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
         line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
         if line is None:
-            print(f"{_label(ac, every, compiled)}: failed\n{done.stdout}{done.stderr}")
+            print(f"{_label(ac, every, compiled, float8)}: failed\n{done.stdout}{done.stderr}")
             continue
         rows.append(json.loads(line[len("RESULT ") :]))
         print(f"# {rows[-1]['setting']}: done", file=sys.stderr)
