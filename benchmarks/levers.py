@@ -8,9 +8,9 @@ peak memory is its own:
 - on a GPU: CUDA peak allocated bytes, step time, tokens/s and MFU from the step
   ledger (compiling steps are left out of both by the ledger);
 - on a CPU: the growth of the process's peak resident memory from the end of
-  setup to the end of training (activations, gradients and optimizer state, plus
-  whatever the allocator keeps), and the median step time of the steps after the
-  first `--warmup` (compile happens in those).
+  setup to the end of training (activations, gradients and optimizer state; with
+  glibc's mmap threshold fixed, so freed tensors leave the RSS), and the median step
+  time of the steps after the first `--warmup` (compile happens in those).
 
     python benchmarks/levers.py                          # CPU: a size that stresses 2 cores
     python benchmarks/levers.py --size 1b --precision bf16-mixed --batch 4 --seq 2048
@@ -173,7 +173,15 @@ def main() -> None:
     if "--only" in sys.argv:
         i = sys.argv.index("--only")
         shared = sys.argv[1:i] + sys.argv[i + 2 :]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
+        # glibc serves large blocks from mmap, returned at free, only below a threshold
+        # it raises as blocks are freed; past it, freed activations stay in the heap
+        # and the peak RSS no longer follows the live tensors. A fixed threshold keeps
+        # every tensor-sized block on mmap.
+        "MALLOC_MMAP_THRESHOLD_": "65536",
+    }
     rows = []
     for ac, every, compiled, float8 in chosen:
         cmd = [sys.executable, __file__, "--one", *shared, "--ac", ac]
