@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -188,7 +189,10 @@ def _topology() -> Any:
             r"compile='inductr' is not a torch.compile backend",
         ),
         (lambda: st.DataParallel(compile=True), r"strategy='dp' takes no ac or compile"),
-        (lambda: st.Pipeline(ac="selective", ac_every=2), r"a pipeline checkpoints whole stages"),
+        (
+            lambda: st.Pipeline(ac="selective", ac_every=2),
+            r"Pipeline\(\.\.\.\): ac_every=2 with a pipeline: it checkpoints whole stages",
+        ),
         (
             lambda: FSDPxTP(fsdp=st.FSDP(ac="full"), tensor=st.TensorParallel(compile=True)),
             "set on more than one of its parts",
@@ -283,3 +287,73 @@ def test_the_planner_profiles_each_checkpointing_mode() -> None:
     assert rows["full"].time.compute > rows["none"].time.compute
     with pytest.raises(ConfigError, match="ac_every=2 picks every k-th block"):
         plan("gpt", devices=2, hardware="h100-sxm", ac="full", ac_every=2)
+
+
+def test_selective_recomputes_every_call_that_drew_random_numbers() -> None:
+    """Recomputation restores the block's starting RNG state and redraws its random ops
+    in order; a call kept from forward that drew numbers (CUDA's flash attention with
+    dropout) would draw nothing on recompute and shift every later mask. So a kept op
+    is kept only when its call drew nothing (attention without dropout)."""
+    from scaletrain.strategies.levers import selective_keeps
+
+    aten = torch.ops.aten
+    q = torch.zeros(1, 1, 2, 4)
+    for attention in (
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+    ):
+        op = getattr(aten, attention).default
+        assert selective_keeps(op, (q, q, q, 0.0))
+        assert not selective_keeps(op, (q, q, q, 0.1))
+        assert not selective_keeps(op, (q, q, q), {"dropout_p": 0.1})
+    assert selective_keeps(aten.mm.default, (q, q))
+    assert not selective_keeps(aten.native_dropout.default, (q, 0.1, True))
+    assert not selective_keeps(aten.add.Tensor, (q, q))
+
+    def grads(ac: str) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = GPT(dataclasses.replace(SMALL, dropout=0.1))
+        apply_levers(model, ac=ac)
+        x = torch.randint(0, SMALL.vocab_size, (4, SMALL.block_size))
+        torch.manual_seed(1)
+        model(x).float().pow(2).mean().backward()
+        return [p.grad for p in model.parameters()]
+
+    assert all(torch.equal(a, b) for a, b in zip(grads("selective"), grads("none"), strict=True))
+
+
+def test_a_pipeline_refuses_ac_every_in_the_words_of_the_interface() -> None:
+    with pytest.raises(ConfigError, match=r"PipelinexDDP\(\.\.\.\): ac_every=2 with a pipeline"):
+        resolve_strategy(st.DDP(ac="selective", ac_every=2), mesh={"dp": 2, "pp": 2})
+    use_cli_names(True)
+    try:
+        with pytest.raises(ConfigError, match=r"^--ac-every 2 with a pipeline: .* Fix: --ac full"):
+            st.Pipeline(ac="selective", ac_every=2)
+    finally:
+        use_cli_names(False)
+
+
+def test_a_pipeline_checkpoints_a_model_without_blocks_whole() -> None:
+    """Its stages are checkpointed whole, so it needs no blocks: not refused before
+    launch, and in one process the model is checkpointed whole."""
+    from scaletrain.dist.topology import Topology
+
+    flat = nn.Sequential(*(nn.Linear(8, 8) for _ in range(4)))
+    topo = Topology(
+        world_size=2,
+        local_world_size=2,
+        device=torch.device("cpu"),
+        backend="gloo",
+        mesh_shape={"pp": 2},
+        mesh_given=False,
+    )
+    st.Pipeline(ac="full").check_model(flat, topo)
+    # Four bare layers are one stage to FSDP (no units): the root is checkpointed.
+    assert st.Pipeline(ac="full")._blocks(flat) == [""]
+
+
+def test_a_mesh_leaves_the_users_strategy_as_it_was() -> None:
+    mine = st.FSDP(ac="full", compile=True)
+    composite = resolve_strategy(mine, mesh={"dp": 2, "tp": 2})
+    assert (composite.ac, composite.compile) == ("full", True)
+    assert (mine.ac, mine.compile) == ("full", True)

@@ -7,10 +7,11 @@ shards), in place, so parameter names and checkpoint keys stay the user's own:
   of its forward during backward: memory for compute. "full" does it for every
   block; "selective" either for every k-th block (`ac_every=k`) or, without
   `ac_every`, for every block at the op level: matrix multiplications, attention
-  and reduce-scatters keep their outputs (the expensive ops), the cheap ones
-  (norms, activations, elementwise) are recomputed (torch.utils.checkpoint's
-  selective policies). The recomputation runs the same ops on the same inputs, so
-  losses and gradients are bitwise those of no checkpointing.
+  and reduce-scatters keep their outputs (see selective_keeps), the cheap ones (norms, activations, elementwise) are recomputed
+  (torch.utils.checkpoint's selective policies). Eagerly, the recomputation runs
+  the same ops on the same inputs with the RNG state restored, so losses and
+  gradients are bitwise those of no checkpointing (compiled, the compiler may fuse
+  the recomputed ops differently: within rounding).
 - torch.compile (`compile`) compiles each block on its own (`Module.compile`, in
   place, so no `_orig_mod.` enters the names): every block shares one compiled
   graph, so compile time does not grow with depth. A model with no blocks is
@@ -75,6 +76,7 @@ __all__ = [
     "float8_note",
     "lever_blocks",
     "precompute_scales_after_steps",
+    "selective_keeps",
     "selective_policy",
 ]
 
@@ -200,14 +202,35 @@ def _saved_ops() -> frozenset[Any]:
     return frozenset(ops)
 
 
+def selective_keeps(op: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> bool:
+    """Whether op-level selective checkpointing keeps this call's output (else it is
+    recomputed): an expensive op (_SAVED_OPS), unless this call drew random numbers.
+
+    The recomputation restores the RNG state of the block's start and redraws its
+    random ops in order; a kept op that drew numbers in forward (attention with
+    dropout on CUDA) would draw nothing then and shift every later mask. So such a
+    call is recomputed too (attention without dropout, the usual case, is kept)."""
+    return op in _saved_ops() and not _draws_random(op, args, kwargs or {})
+
+
+def _draws_random(op: Any, args: tuple[Any, ...], kwargs: Any) -> bool:
+    if torch.Tag.nondeterministic_seeded not in getattr(op, "tags", ()):
+        return False
+    for i, arg in enumerate(op._schema.arguments):
+        if arg.name in ("dropout_p", "p"):
+            value = kwargs.get(arg.name, args[i] if i < len(args) else arg.default_value)
+            return bool(value)
+    return True
+
+
 def selective_policy() -> Callable[[], Any]:
     """A `context_fn` for torch.utils.checkpoint: the op-level selective policy."""
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-    saved = _saved_ops()
-
     def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-        return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+        return (
+            CheckpointPolicy.MUST_SAVE if selective_keeps(op) else CheckpointPolicy.PREFER_RECOMPUTE
+        )
 
     return functools.partial(create_selective_checkpoint_contexts, policy)
 

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -38,7 +39,7 @@ from scaletrain.strategies.ddp import DDP
 from scaletrain.strategies.fsdp import FSDP, wrap_targets
 from scaletrain.strategies.levers import precompute_scales_after_steps
 from scaletrain.strategies.pipeline import Pipeline, PipelineModule
-from scaletrain.strategies.pipeline.strategy import refuse_float8
+from scaletrain.strategies.pipeline.strategy import refuse_ac_every, refuse_float8
 from scaletrain.strategies.tensor import TensorParallel
 
 if TYPE_CHECKING:
@@ -63,7 +64,7 @@ class FSDPxTP(Strategy):
 
     def __post_init__(self) -> None:
         Strategy.__post_init__(self)
-        _lift_levers(self, (self.fsdp, self.tensor))
+        self.fsdp, self.tensor = _lift_levers(self, (self.fsdp, self.tensor))
 
     def _validate(self, topo: Topology) -> None:
         self.tensor.validate(topo)
@@ -122,14 +123,18 @@ class PipelinexDDP(Strategy):
 
     def __post_init__(self) -> None:
         Strategy.__post_init__(self)
-        _lift_levers(self, (self.pipeline,))
+        (self.pipeline,) = _lift_levers(self, (self.pipeline,))
         if self.float8:
             refuse_float8()
-        # The pipeline applies them, to its stages.
+        refuse_ac_every(self.ac_every, "PipelinexDDP(...)")
+        # The pipeline applies them, to its stages (its own copy: see _lift_levers).
         self.pipeline.ac, self.pipeline.compile = self.ac, self.compile
 
     def _validate(self, topo: Topology) -> None:
         self.pipeline.validate(topo)
+
+    def _blocks(self, module: nn.Module) -> list[str] | None:
+        return self.pipeline._blocks(module)
 
     def _check_model(self, module: nn.Module, topo: Topology) -> None:
         self.pipeline.check_model(module, topo)
@@ -195,11 +200,14 @@ class PipelinexDDP(Strategy):
         return self.pipeline.checkpoint_module(module)
 
 
-def _lift_levers(composite: Strategy, parts: tuple[Strategy, ...]) -> None:
+def _lift_levers(composite: Strategy, parts: tuple[Strategy, ...]) -> tuple[Any, ...]:
     """Make the composite the one owner of the levers (float8, checkpointing, compile):
     set on one of its parts (compose() wraps the user's st.FSDP(ac="full")), they move
-    up, so no block is converted, checkpointed or compiled twice."""
-    for part in parts:
+    up, so no block is converted, checkpointed or compiled twice. Returns copies of the
+    parts without them: the user's own strategy objects keep their settings (one reused
+    later without a mesh still checkpoints)."""
+    copies = tuple(copy.copy(part) for part in parts)
+    for part in copies:
         if not part.uses_levers:
             continue
         if composite.uses_levers:
@@ -211,6 +219,7 @@ def _lift_levers(composite: Strategy, parts: tuple[Strategy, ...]) -> None:
         composite.float8 = part.float8
         part.ac, part.ac_every, part.compile, part.float8 = "none", None, False, False
         Strategy.__post_init__(composite)
+    return copies
 
 
 def _average_gradients(module: PipelineModule, group: Any) -> None:

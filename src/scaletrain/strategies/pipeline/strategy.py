@@ -11,15 +11,16 @@ import torch.distributed as dist
 from torch import nn
 
 from scaletrain.dist.mesh import device_mesh
-from scaletrain.errors import ConfigError, spell
+from scaletrain.errors import ConfigError, say, spell
 from scaletrain.plan import balance_stages, list_layers
 from scaletrain.strategies.base import Strategy, register
+from scaletrain.strategies.blocks import auto_wrap_targets
 from scaletrain.strategies.pipeline.module import PipelineModule
 
 if TYPE_CHECKING:
     from scaletrain.dist.topology import Topology
 
-__all__ = ["SCHEDULES", "Pipeline", "pipeline_layers", "refuse_float8"]
+__all__ = ["SCHEDULES", "Pipeline", "pipeline_layers", "refuse_ac_every", "refuse_float8"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 """Schedule names: fill-drain, one-forward-one-backward, and 1F1B over virtual stages."""
@@ -36,6 +37,21 @@ def refuse_float8() -> None:
         f"their forward). Fix: train the pipeline without {spell('float8')}, or use "
         f"{spell('strategy', 'fsdp')} or {spell('strategy', 'tensor')}, which take it.",
         field="float8",
+    )
+
+
+def refuse_ac_every(ac_every: int | None, owner: str) -> None:
+    """A pipeline checkpoints whole stages: the tracer leaves no blocks inside them, so
+    there is no k-th block for ac_every to pick."""
+    if ac_every is None:
+        return
+    raise ConfigError(
+        f"{say(api=f'{owner}: ', cli='')}{spell('ac_every', ac_every)} with a pipeline: it "
+        "checkpoints whole stages (the tracer leaves no blocks inside them), so there is "
+        f"no k-th block. Fix: {spell('ac', 'full')} (each stage's forward recomputed per "
+        f"microbatch) or {spell('ac', 'selective')} without {spell('ac_every')} (op level, "
+        "inside each stage).",
+        field="ac_every",
     )
 
 
@@ -80,14 +96,12 @@ class Pipeline(Strategy):
         self.stages = _normalise_stages(self.stages)
         if self.float8:
             refuse_float8()
-        if self.ac_every is not None:
-            raise ConfigError(
-                f"Pipeline(ac_every={self.ac_every}): a pipeline checkpoints whole stages "
-                "(the tracer leaves no blocks inside them), so there is no k-th block. Fix: "
-                "ac='full' (each stage's forward recomputed per microbatch) or "
-                "ac='selective' without ac_every (op level, inside each stage).",
-                field="ac_every",
-            )
+        refuse_ac_every(self.ac_every, "Pipeline(...)")
+
+    def _blocks(self, module: nn.Module) -> list[str] | None:
+        # Whole stages (see refuse_ac_every); in one process, the model's blocks, or the
+        # model whole when it has none, as its stages would be.
+        return auto_wrap_targets(module) or [""]
 
     # -- layout ---------------------------------------------------------------
     def num_stages(self, pp_size: int) -> int:
@@ -189,7 +203,7 @@ class Pipeline(Strategy):
             # One process (or pp=1): nothing to pipeline; the same script runs unchanged.
             if isinstance(self.stages, tuple):
                 _check_split_names(module, self.stages)
-            self.apply_levers(module)
+            self.apply_levers(module, self._blocks(module))
             return module
         self.check_layout(pp_size)
         split = self.split_points(module, pp_size)
