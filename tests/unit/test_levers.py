@@ -159,7 +159,8 @@ def test_compiled_blocks_share_one_graph_and_keep_their_names() -> None:
     assert "blocks.0.attn.q_proj.weight" in model.state_dict()
 
 
-def _topology() -> Any:
+def _topology(dim: str = "dp") -> Any:
+    """Two CPU ranks along `dim`, as a launcher checks a model before they start."""
     from scaletrain.dist.topology import Topology
 
     return Topology(
@@ -167,7 +168,7 @@ def _topology() -> Any:
         local_world_size=2,
         device=torch.device("cpu"),
         backend="gloo",
-        mesh_shape={"dp": 2},
+        mesh_shape={dim: 2},
         mesh_given=False,
     )
 
@@ -336,17 +337,8 @@ def test_a_pipeline_refuses_ac_every_in_the_words_of_the_interface() -> None:
 def test_a_pipeline_checkpoints_a_model_without_blocks_whole() -> None:
     """Its stages are checkpointed whole, so it needs no blocks: not refused before
     launch, and in one process the model is checkpointed whole."""
-    from scaletrain.dist.topology import Topology
-
     flat = nn.Sequential(*(nn.Linear(8, 8) for _ in range(4)))
-    topo = Topology(
-        world_size=2,
-        local_world_size=2,
-        device=torch.device("cpu"),
-        backend="gloo",
-        mesh_shape={"pp": 2},
-        mesh_given=False,
-    )
+    topo = _topology("pp")
     st.Pipeline(ac="full").check_model(flat, topo)
     # Four bare layers are one stage to FSDP (no units): the root is checkpointed.
     assert st.Pipeline(ac="full")._blocks(flat) == [""]
