@@ -41,7 +41,8 @@ def test_compositions() -> None:
     assert isinstance(resolve_strategy("ddp", mesh={"dp": 2, "pp": 2}), PipelinexDDP)
     pipe = st.Pipeline(schedule="gpipe", microbatches=2)
     composite = resolve_strategy(pipe, mesh={"dp": 2, "pp": 2})
-    assert isinstance(composite, PipelinexDDP) and composite.pipeline is pipe
+    # A copy: the composite owns the levers, and the user's object keeps its settings.
+    assert isinstance(composite, PipelinexDDP) and composite.pipeline == pipe
     # A mesh with data parallel only needs no composite.
     assert isinstance(resolve_strategy("fsdp", mesh={"dp": 4}), st.FSDP)
 

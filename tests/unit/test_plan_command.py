@@ -212,7 +212,9 @@ def test_the_runtime_step_is_measured_beside_the_bare_model_and_leaves_nothing()
     _, build, example, loss, optimizer, _ = resolve_model("convnet", None)
     cost = runtime_overhead(build, example, loss, optimizer, 8, repeats=3)
     assert cost is not None and 0.0 <= cost.step < 1.0
-    assert cost.growth is None or cost.growth > 0  # the first steps' gradients at least
+    # RSS growth of this process: 0 where its heap already holds freed memory that the
+    # steps reuse (the suite's earlier tests ran in it), never negative.
+    assert cost.growth is None or cost.growth >= 0
     assert not dist.is_initialized()
     # Inside a job (a process group exists) it measures nothing rather than disturb it.
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
