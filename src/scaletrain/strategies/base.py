@@ -26,6 +26,7 @@ from scaletrain.strategies.levers import (
     convert_float8,
     float8_layers,
     lever_blocks,
+    plain_tensor,
 )
 
 if TYPE_CHECKING:
@@ -267,13 +268,13 @@ class Strategy:
         """Checkpoint and compile `module`'s blocks as this strategy's fields say, in
         place. Strategies call it where the order holds (after tensor parallel, before
         FSDP/DDP wrap: see scaletrain.strategies.levers); `blocks` default to the
-        model's auto-detected ones."""
+        strategy's own (`_blocks`)."""
         apply_levers(
             module,
             ac=self.ac,
             ac_every=self.ac_every,
             compile=self.compile,
-            blocks=blocks,
+            blocks=self._blocks(module) if blocks is None else blocks,
             owner=f"{type(self).__name__}(...)",
         )
 
@@ -335,7 +336,7 @@ class Strategy:
             self._unwrap(module),
             options=StateDictOptions(full_state_dict=True, cpu_offload=False),
         )
-        return {k: _plain(_full_tensor(v)).detach().cpu() for k, v in state.items()}
+        return {k: plain_tensor(_full_tensor(v)).detach().cpu() for k, v in state.items()}
 
     def _forward_backward(
         self,
@@ -480,23 +481,9 @@ def _is_dtensor(t: torch.Tensor) -> bool:
     return type(t).__name__ == "DTensor"
 
 
-def _plain(t: torch.Tensor) -> torch.Tensor:
-    """The plain tensor inside a wrapper subclass (float8's weights under FSDP's float8
-    all-gather are one, holding the weight itself): what a state dict hands out, so a
-    model without float8 (and torch.load's weights_only) takes it."""
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
-    while is_traceable_wrapper_subclass(t) and not _is_dtensor(t):
-        inner, _ = t.__tensor_flatten__()
-        if len(inner) != 1:
-            break
-        t = getattr(t, inner[0])
-    return t
-
-
 def _storage(t: torch.Tensor) -> int:
     local = t.to_local() if hasattr(t, "to_local") else t  # a DTensor's own shard
-    return int(_plain(local).untyped_storage().data_ptr())
+    return int(plain_tensor(local).untyped_storage().data_ptr())
 
 
 def _storages(module: nn.Module) -> set[int]:

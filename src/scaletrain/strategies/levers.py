@@ -75,6 +75,7 @@ __all__ = [
     "float8_layers",
     "float8_note",
     "lever_blocks",
+    "plain_tensor",
     "precompute_scales_after_steps",
     "selective_keeps",
     "selective_policy",
@@ -454,3 +455,17 @@ def precompute_scales_after_steps(optimizer: torch.optim.Optimizer, model: nn.Mo
         precompute_float8_dynamic_scale_for_fsdp(model)
 
     optimizer.register_step_post_hook(after_step)
+
+
+def plain_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor inside a wrapper subclass (float8's weights under FSDP's float8
+    all-gather are one, holding the weight itself): what a state dict hands out, so a
+    model without float8 (and torch.load's weights_only) takes it."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    while is_traceable_wrapper_subclass(t) and type(t).__name__ != "DTensor":
+        inner, _ = t.__tensor_flatten__()
+        if len(inner) != 1:
+            break
+        t = getattr(t, inner[0])
+    return t

@@ -90,7 +90,7 @@ class FSDPxTP(Strategy):
             self.apply_float8(module, fsdp_all_gather=topo.size("dp") > 1)
         module = self.tensor.setup_module(module, topo)
         # Between the two: after tensor parallel's sharding, before FSDP's (levers.py).
-        self.apply_levers(module, wrap_targets(module, self.fsdp.wrap))
+        self.apply_levers(module)
         if topo.size("dp") > 1:
             # FSDP2 shards the TP DTensors along the other mesh dimension (2-D DTensors).
             module = self.fsdp.setup_module(module, topo)

@@ -203,7 +203,7 @@ class Pipeline(Strategy):
             # One process (or pp=1): nothing to pipeline; the same script runs unchanged.
             if isinstance(self.stages, tuple):
                 _check_split_names(module, self.stages)
-            self.apply_levers(module, self._blocks(module))
+            self.apply_levers(module)
             return module
         self.check_layout(pp_size)
         split = self.split_points(module, pp_size)
