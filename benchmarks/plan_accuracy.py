@@ -130,8 +130,8 @@ def _calibrate(configs: list[tuple[str, int, str]]) -> dict[str, Any]:
     from scaletrain.plan.hardware import usable_cores
     from scaletrain.plan.here import probe_here
     from scaletrain.plan.layouts import layouts_for
-    from scaletrain.plan.partition import list_layers
     from scaletrain.plan.profile import profile_model
+    from scaletrain.strategies.partition import list_layers
     from scaletrain.train.planning import fsdp_units_of, resolve_model, tp_plan_of
 
     calib: dict[str, Any] = {"comm": {1: CommModel()}}

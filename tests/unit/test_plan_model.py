@@ -14,8 +14,8 @@ from scaletrain.plan.comm import CommModel, collective_time, fit_link
 from scaletrain.plan.estimate import Compute, estimate
 from scaletrain.plan.hardware import PROFILES, Hardware, Link
 from scaletrain.plan.layouts import Layout, layouts_for
-from scaletrain.plan.partition import list_layers
 from scaletrain.plan.profile import profile_model
+from scaletrain.strategies.partition import list_layers
 
 
 def _mlp() -> nn.Module:
@@ -1382,7 +1382,7 @@ def test_gradients_count_whole_where_they_outlive_the_peak() -> None:
     from scaletrain.plan.estimate import Compute, estimate
     from scaletrain.plan.hardware import this_machine
     from scaletrain.plan.layouts import Layout
-    from scaletrain.plan.partition import list_layers
+    from scaletrain.strategies.partition import list_layers
     from scaletrain.train.recipes import get_recipe
 
     two = st.plan("gpt", devices=2, hardware="h100-sxm", batch_size=32)

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from scaletrain.plan.layertime import LOSS, layer_shares
-from scaletrain.plan.partition import list_layers
 from scaletrain.plan.schedule import actions, simulate
+from scaletrain.strategies.partition import list_layers
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])

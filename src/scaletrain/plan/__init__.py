@@ -18,7 +18,7 @@ import sys
 import types
 from typing import Any
 
-from scaletrain.plan.partition import (
+from scaletrain.strategies.partition import (
     Layer,
     balance_stages,
     list_layers,

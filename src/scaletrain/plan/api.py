@@ -21,10 +21,10 @@ from scaletrain.plan.estimate import Compute, Estimate, estimate, send_bytes
 from scaletrain.plan.hardware import PROFILES, this_gpu, this_machine
 from scaletrain.plan.here import _say_side_by_side, probe_here
 from scaletrain.plan.layouts import Layout, layouts_for
-from scaletrain.plan.partition import Layer, list_layers
 from scaletrain.plan.profile import profile_model
 from scaletrain.plan.result import Plan, throughput
 from scaletrain.precision import AUTOCAST_DTYPES, canonical
+from scaletrain.strategies.partition import Layer, list_layers
 
 __all__ = [
     "PRECISIONS",

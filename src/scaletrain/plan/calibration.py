@@ -13,8 +13,8 @@ from torch import nn
 
 from scaletrain.plan.costs import Compute
 from scaletrain.plan.layertime import layer_shares
-from scaletrain.plan.partition import list_layers
 from scaletrain.precision import Precision
+from scaletrain.strategies.partition import list_layers
 
 __all__ = ["CALIBRATED", "CALIBRATED_GPU", "Example", "calibrate"]
 

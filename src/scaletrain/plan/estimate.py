@@ -45,9 +45,9 @@ from scaletrain.plan.costs import Compute, Estimate, Memory, StepTime
 from scaletrain.plan.hardware import Hardware, Link
 from scaletrain.plan.layertime import LOSS
 from scaletrain.plan.layouts import Layout
-from scaletrain.plan.partition import Layer, balance_stages
 from scaletrain.plan.profile import ModelProfile
 from scaletrain.plan.schedule import simulate
+from scaletrain.strategies.partition import Layer, balance_stages
 
 __all__ = [
     "DDP_BUCKET_BYTES",

@@ -16,9 +16,9 @@ from scaletrain.plan.comm import CommModel
 from scaletrain.plan.estimate import send_bytes, step_collectives
 from scaletrain.plan.hardware import usable_cores
 from scaletrain.plan.layouts import Layout
-from scaletrain.plan.partition import Layer
 from scaletrain.plan.probe import STRATEGY_STEPS
 from scaletrain.plan.profile import ModelProfile
+from scaletrain.strategies.partition import Layer
 
 __all__ = ["probe_here"]
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from scaletrain.plan.partition import Layer
+from scaletrain.strategies.partition import Layer
 
 __all__ = ["LOSS", "layer_shares"]
 

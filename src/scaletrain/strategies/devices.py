@@ -4,7 +4,7 @@ Device strings: "cuda:1", "cpu", or "local:i", the i-th device of this process
 (with one process that is GPU i; under `st.DDP(device_map=...)` the process with
 local rank r owning k devices has GPUs r*k .. r*k+k-1). Where no GPU is visible
 every "local:i" is the CPU, so one script runs on a laptop and on a GPU node.
-"auto" balances the model's layers over the devices (scaletrain.plan).
+"auto" balances the model's layers over the devices (scaletrain.strategies.partition).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from scaletrain.errors import ConfigError
-from scaletrain.plan import list_layers, list_units, split_layers
+from scaletrain.strategies.partition import list_layers, list_units, split_layers
 
 __all__ = [
     "DeviceMap",
@@ -36,7 +36,7 @@ _LOCAL = re.compile(r"^local:(\d+)$")
 def auto_device_map(model: nn.Module, devices: Sequence[str]) -> dict[str, str]:
     """A contiguous split of the model's layers over `devices`, balanced by parameter count.
 
-    Layers and the balance are scaletrain.plan's, the same as pipeline stages': the
+    Layers and the balance are scaletrain.strategies.partition's, the same as pipeline stages': the
     top-level children (a ModuleList's entries counted one by one, a single wrapping
     child opened) in registration order, cut so that the device holding the most
     parameters holds as few as possible, ties going to the most even split. A layer

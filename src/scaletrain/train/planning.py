@@ -23,8 +23,8 @@ from scaletrain.plan.api import Plan, check_request, plan_model
 from scaletrain.plan.comm import CommModel
 from scaletrain.plan.estimate import Compute
 from scaletrain.plan.layouts import Layout, layouts_for
-from scaletrain.plan.partition import list_layers
 from scaletrain.precision import canonical
+from scaletrain.strategies.partition import list_layers
 
 __all__ = [
     "CALIBRATIONS",

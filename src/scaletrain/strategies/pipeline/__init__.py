@@ -42,7 +42,7 @@ rank's share under the full model's names; the union over the pipeline ranks is 
 trained model's state dict.
 """
 
-from scaletrain.plan import balance_stages
+from scaletrain.strategies.partition import balance_stages
 from scaletrain.strategies.pipeline.module import PipelineModule
 from scaletrain.strategies.pipeline.strategy import SCHEDULES, Pipeline, pipeline_layers
 

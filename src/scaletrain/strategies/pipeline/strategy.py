@@ -12,9 +12,9 @@ from torch import nn
 
 from scaletrain.dist.mesh import device_mesh
 from scaletrain.errors import ConfigError, say, spell
-from scaletrain.plan import balance_stages, list_layers
 from scaletrain.strategies.base import Strategy, register
 from scaletrain.strategies.blocks import auto_wrap_targets
+from scaletrain.strategies.partition import balance_stages, list_layers
 from scaletrain.strategies.pipeline.module import PipelineModule
 
 if TYPE_CHECKING:
@@ -282,7 +282,7 @@ class Pipeline(Strategy):
 
 def pipeline_layers(model: nn.Module) -> list[tuple[str, int]]:
     """(first module name, parameter count) of each layer the balancer may cut between:
-    the layers of scaletrain.plan.list_layers."""
+    the layers of scaletrain.strategies.partition.list_layers."""
     return [(layer.name, layer.size) for layer in list_layers(model)]
 
 

@@ -7,7 +7,7 @@ import pytest
 from torch import nn
 
 from scaletrain.errors import ConfigError
-from scaletrain.plan import Layer, list_layers, list_units, split_layers
+from scaletrain.strategies.partition import Layer, list_layers, list_units, split_layers
 from scaletrain.train.models import SplitNet
 
 
