@@ -53,3 +53,24 @@ def test_an_op_whose_formula_fails_counts_nothing_and_is_named(
     total = counter.stop()
     assert total >= 0 and a.grad is not None
     assert counter.problems and counter.problems[0].startswith("aten.mm: AssertionError")
+
+
+def test_attention_on_a_cpu_is_counted() -> None:
+    """torch's counter has no formula for the CPU's fused attention: a model's
+    attention counted 0 there, and so did a plan profiled on a CPU."""
+    import torch.nn.functional as F
+
+    from scaletrain.observe.flops import FlopCounter, attention_flops
+
+    q = torch.randn(2, 4, 16, 8, requires_grad=True)
+    k = torch.randn(2, 2, 16, 8, requires_grad=True)
+    v = torch.randn(2, 2, 16, 8, requires_grad=True)
+    counter = FlopCounter()
+    counter.start()
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    forward = counter.count()
+    out.sum().backward()
+    total = counter.stop()
+    assert forward == attention_flops(q, k, v) > 0
+    assert total == 3 * forward
+    assert counter.problems == []

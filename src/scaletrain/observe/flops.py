@@ -211,6 +211,23 @@ def attention_flops(query: Any, key: Any, value: Any) -> int:
     return 2 * b * heads * s_q * s_k * d + 2 * b * heads * s_q * s_k * d_v
 
 
+def _cpu_attention() -> dict[Any, Any]:
+    """FLOP formulas for the CPU's fused attention, which torch's counter lacks (a
+    model's attention would count 0 on a CPU, and in a plan profiled there)."""
+    import torch
+
+    aten = torch.ops.aten
+    out: dict[Any, Any] = {}
+    fwd = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    bwd = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+    if fwd is not None:
+        out[fwd] = lambda q, k, v, *a, **kw: attention_flops(q, k, v)
+    if bwd is not None:
+        # (grad_out, q, k, v, ...): the gradients of q, k and v: twice the forward.
+        out[bwd] = lambda g, q, k, v, *a, **kw: 2 * attention_flops(q, k, v)
+    return out
+
+
 class FlopCounter:
     """FLOPs of whatever runs between `start()` and `stop()` on this thread (and the
     autograd threads it starts): one training step, once.
@@ -222,6 +239,7 @@ class FlopCounter:
     def __init__(self) -> None:
         self._mode: Any = None
         self._eager: Any = None
+        self._last: Any = None
         self.total: int | None = None
         self.problems: list[str] = []
         """"aten.op: the error" for each op whose FLOPs were not counted."""
@@ -243,6 +261,7 @@ class FlopCounter:
         registry = getattr(self._mode, "flop_registry", None)
         if isinstance(registry, dict):
             self._mode.flop_registry = {op: self._guarded(op, f) for op, f in registry.items()}
+            self._mode.flop_registry.update(_cpu_attention())
         self._eager = _force_eager()
         self._mode.__enter__()
         return True
@@ -266,8 +285,20 @@ class FlopCounter:
 
         return count
 
+    def count(self) -> int:
+        """FLOPs counted so far; counting goes on."""
+        if self._mode is None:
+            return self.total or 0
+        return int(self._mode.get_total_flops())
+
+    def by_module(self) -> dict[str, dict[Any, int]]:
+        """FLOPs per module ("Model.sub.name": {op: flops}) of the last count."""
+        mode = self._mode if self._mode is not None else self._last
+        return {} if mode is None else dict(mode.get_flop_counts())
+
     def stop(self) -> int:
         mode, self._mode = self._mode, None
+        self._last = mode
         if mode is None:
             return self.total or 0
         mode.__exit__(None, None, None)
