@@ -46,7 +46,7 @@ if TYPE_CHECKING:
         Strategy,
         TensorParallel,
     )
-    from scaletrain.train.planning import plan  # st.plan: the scaletrain.plan package, callable
+    from scaletrain.planner.api import plan
 
 _WHERE = {
     "CheckpointManager": "scaletrain.checkpoint",
@@ -66,7 +66,7 @@ _WHERE = {
     "Tracker": "scaletrain.observe.trackers",
     "init": "scaletrain.runtime",
     "launch": "scaletrain.launch",
-    "plan": "scaletrain.plan",
+    "plan": "scaletrain.planner.api",
     "sync_batchnorm": "scaletrain.runtime",
     "DDP": "scaletrain.strategies",
     "FSDP": "scaletrain.strategies",

@@ -111,7 +111,7 @@ def _add_report(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 
 
 def _add_plan(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from scaletrain.train.plan_cli import add_plan_parser
+    from scaletrain.planner.command import add_plan_parser
 
     add_plan_parser(sub)
 
@@ -538,7 +538,7 @@ def _main(argv: Sequence[str] | None) -> int:
             print(f"wrote {write_report(ns.run, ns.output)}")
             return EXIT_OK
         if ns.command == "plan":
-            from scaletrain.train.plan_cli import run_plan
+            from scaletrain.planner.command import run_plan
 
             return run_plan(ns)
         if ns.command == "launch":

@@ -1,0 +1,226 @@
+"""`st.plan`: every layout of N devices for one model, as data and as a table.
+
+The model is profiled once (planner.profile: sizes, FLOPs, activation memory, with
+the levers applied), each layout priced by the analytic core (planner.cost) on a
+hardware file (scaletrain.hardware), and the fastest layout that fits recommended.
+Nothing here runs a process or a device: a plan of 512 GPUs takes the seconds of
+one fake forward and backward.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from scaletrain.errors import ConfigError, spell, unknown
+from scaletrain.hardware import Hardware
+from scaletrain.planner.cost import DTYPE, Estimate, Model, estimate
+from scaletrain.planner.layout import Layout, layouts_for
+from scaletrain.planner.profile import ModelProfile, profile_model
+
+__all__ = ["PRECISIONS", "Plan", "calibrated_path", "load_hardware", "plan"]
+
+PRECISIONS = ("32", "bf16-mixed", "fp16-mixed", "bf16-true")
+
+
+def calibrated_path() -> Path:
+    """Where `scaletrain plan --calibrate` keeps this machine's file by default."""
+    from scaletrain.cachedir import cache_dir
+
+    return cache_dir() / "hardware" / f"{socket.gethostname()}.toml"
+
+
+def load_hardware(hardware: str | None) -> Hardware:
+    """A shipped profile or a file; None: this machine's calibration, if it has one."""
+    from scaletrain.hardware import load
+
+    if hardware is not None:
+        return load(hardware)
+    mine = calibrated_path()
+    if not mine.is_file():
+        raise ConfigError(
+            f"no {spell('hardware')} given, and this machine has no calibration ({mine}). "
+            f"Fix: {spell('calibrate')} once to measure it (about a minute), or plan on "
+            f"paper with {spell('hardware', 'h100-sxm')} (or a file of your own).",
+            field="hardware",
+        )
+    return load(str(mine))
+
+
+def _whole(key: str, value: Any, low: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(
+            f"{spell(key, value)} must be a whole number >= {low}, e.g. {spell(key, 4)}.",
+            field=key,
+        )
+    return value
+
+
+@dataclass(slots=True)
+class Plan:
+    """Every layout of `devices` for one model: rows, the recommended one and why."""
+
+    model: str
+    devices: int
+    nodes: int
+    hardware: Hardware
+    precision: str
+    batch_size: int
+    profile: ModelProfile
+    rows: list[Estimate]
+    recommended: Estimate | None
+    reason: str
+    assumptions: list[str] = field(default_factory=list)
+
+    def row(self, label: str) -> Estimate:
+        for r in self.rows:
+            if r.layout.label == label or r.layout.strategy == label:
+                return r
+        raise KeyError(label)
+
+    def throughput(self, row: Estimate) -> float:
+        """Samples per second of the whole job (every replica takes `batch_size`)."""
+        return self.batch_size * row.layout.dp / max(row.time.total, 1e-12)
+
+    def tokens_per_device(self, row: Estimate) -> float:
+        """Tokens (samples for a model without a sequence) per second per device."""
+        per = self.profile.tokens / self.profile.batch_size
+        return self.throughput(row) * per / row.layout.devices
+
+    def mfu(self, row: Estimate) -> float | None:
+        """The step's FLOPs over the datasheet peak, as the ledger's MFU counts them."""
+        peak = self.hardware.peak_flops.get(DTYPE[self.precision])
+        if not peak:
+            return None
+        flops = self.profile.flops * self.batch_size / self.profile.batch_size
+        return flops * row.layout.dp / row.time.total / (peak * row.layout.devices)
+
+    def table(self) -> str:
+        big = max((r.memory.total for r in self.rows), default=0) > 16 * 2**30
+        unit, scale = ("GiB", 2**30) if big else ("MiB", 2**20)
+        rate = "tok/s/dev" if self.profile.tokens != self.profile.batch_size else "samples/s"
+        head = (
+            f"{'layout':<30} {'fits':<4} {'params':>7} {'grads':>7} {'optim':>7} {'acts':>7} "
+            f"{'buffers':>7} {'peak':>7} | {'compute':>8} {'comm':>8} {'bubble':>8} "
+            f"{'step':>8} {rate:>10} {'mfu':>5}"
+        )
+        lines = [
+            f"{self.model} on {self.devices} device(s), {self.nodes} node(s) of "
+            f"{self.hardware.name} ({self.hardware.description}); precision {self.precision}, "
+            f"batch {self.batch_size} per replica, activation checkpointing {self.profile.ac}; "
+            f"memory in {unit} per device, time in ms per step (comm: the part not hidden)",
+            head,
+            "-" * len(head),
+        ]
+        for r in self.rows:
+            m, t = r.memory, r.time
+            mark = "*" if r is self.recommended else ""
+            mfu = self.mfu(r)
+            thr = self.tokens_per_device(r) if rate == "tok/s/dev" else self.throughput(r)
+            lines.append(
+                f"{(r.layout.label + mark):<30} {('yes' if r.fits else 'NO'):<4} "
+                + " ".join(
+                    f"{v / scale:7.1f}"
+                    for v in (m.params, m.grads, m.optimizer, m.activations, m.buffers, m.total)
+                )
+                + f" | {t.compute * 1e3:8.1f} {t.exposed * 1e3:8.1f} {t.bubble * 1e3:8.1f} "
+                f"{t.total * 1e3:8.1f} {thr:10,.0f} {'' if mfu is None else f'{mfu:5.0%}'}"
+            )
+            lines.extend(f"    {n}" for n in r.notes)
+        lines.append(f"recommended: {self.reason}")
+        lines.extend(f"assumption: {a}" for a in self.assumptions)
+        return "\n".join(lines)
+
+
+def _recommend(plan: Plan) -> tuple[Estimate | None, str]:
+    fitting = sorted((r for r in plan.rows if r.fits), key=lambda r: -plan.throughput(r))
+    if not fitting:
+        return None, "nothing fits: every layout overflows a device (the rows marked NO)"
+    best = fitting[0]
+    why = f"{best.layout.label}: the highest throughput that fits, {plan.throughput(best):,.1f} samples/s"
+    if len(fitting) > 1:
+        ratio = plan.throughput(best) / max(plan.throughput(fitting[1]), 1e-12)
+        why += f", {ratio:.2f}x {fitting[1].layout.label}"
+    return best, why
+
+
+def plan(
+    recipe: str | None = None,
+    *,
+    model: str | None = None,
+    devices: int = 1,
+    hardware: str | None = None,
+    batch_size: int | None = None,
+    seq_len: int | None = None,
+    precision: str = "32",
+    ac: str = "none",
+    ac_every: int | None = None,
+    compile: bool = False,
+    layouts: list[Layout] | None = None,
+) -> Plan:
+    """Memory per device and step time of every layout of `devices` for a recipe, a
+    model ("module:factory") or a Hugging Face config.json, on `hardware` (a shipped
+    profile such as "h100-sxm", a hardware file, or None: this machine's
+    calibration). `ac`/`ac_every`/`compile` as training takes them; `layouts` picks
+    the rows. Returns data (`Plan.rows`, `Plan.recommended`); `Plan.table()` is what
+    `scaletrain plan` prints."""
+    from scaletrain.planner.models import resolve_model
+    from scaletrain.precision import canonical
+    from scaletrain.strategies.blocks import auto_wrap_targets
+    from scaletrain.strategies.levers import check_levers
+    from scaletrain.strategies.partition import list_layers
+    from scaletrain.strategies.tensor_plan import check_tp_plan
+
+    _whole("devices", devices)
+    if batch_size is not None:
+        _whole("batch_size", batch_size)
+    if not isinstance(precision, str) or canonical(precision) not in PRECISIONS:
+        raise ConfigError(unknown("precision", precision, PRECISIONS), field="precision")
+    precision = canonical(precision)
+    check_levers("plan(...)", ac, ac_every, compile)
+    hw = load_hardware(hardware)
+    planned = resolve_model(recipe, model, seq_len=seq_len, batch_size=batch_size)
+    batch = planned.batch_size if batch_size is None else batch_size
+    with torch.device("meta"):
+        net = planned.build()
+    layers, units = list_layers(net), auto_wrap_targets(net)
+    tp_plan = planned.tp_plan
+
+    def accepts(degree: int) -> bool:
+        try:
+            check_tp_plan(net, tp_plan or {}, degree)
+        except ConfigError:
+            return False
+        return True
+
+    if layouts is None:
+        rows = layouts_for(devices, batch=batch, layers=len(layers), tensor=bool(tp_plan))
+        layouts = [x for x in rows if x.tp == 1 or accepts(x.tp)]
+    profile = profile_model(
+        planned.build, planned.example(batch), planned.loss, planned.optimizer,
+        precision=precision, ac=ac, ac_every=ac_every, name=planned.name,
+    )  # fmt: skip
+    shape = Model(profile, layers, units, tp_plan, compiled=bool(compile), precision=precision)
+    result = Plan(
+        model=planned.name, devices=devices, nodes=-(-devices // hw.devices_per_node),
+        hardware=hw, precision=precision, batch_size=batch, profile=profile,
+        rows=[estimate(x, shape, hw, batch) for x in layouts], recommended=None, reason="",
+    )  # fmt: skip
+    result.recommended, result.reason = _recommend(result)
+    dtype = DTYPE[precision]
+    result.assumptions = [
+        f"matmuls at {hw.matmul_flops(dtype) / 1e12:,.1f} TFLOP/s ({dtype}), other kernels at "
+        f"{hw.memory_bandwidth / 1e9:,.0f} GB/s, {hw.launch * 1e6:.1f} us per kernel launch: "
+        + hw.sources.get("flops", hw.sources.get("efficiency", "the hardware file")),
+        f"links: {hw.intra.bandwidth / 1e9:,.0f} GB/s inside a node, "
+        f"{hw.inter.bandwidth / 1e9:,.1f} GB/s per device between nodes",
+    ]
+    if compile:
+        result.assumptions.append(
+            "compiled: elementwise kernels fused (planner.cost.COMPILED_BYTES, COMPILED_KERNELS)"
+        )
+    return result

@@ -1,0 +1,139 @@
+"""`scaletrain plan --check RUN`: a finished run's measurements beside the plan's
+prediction for its own layout.
+
+A run describes its layout in RUN/config.json and what it measured in RUN/observe/
+(the step ledger): the median training work per step on the slowest rank, and its
+memory (on a GPU the CUDA peak allocated, which the plan's peak predicts; on a CPU
+the RSS growth after setup, the peak less the parameters that existed before).
+The prediction is `plan` for that layout on a hardware file: the one given, else
+this machine's calibration.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from scaletrain.errors import ConfigError, spell
+from scaletrain.planner.cost import Estimate
+from scaletrain.planner.layout import Layout
+
+__all__ = ["Check", "check_run", "layout_of", "measured"]
+
+NOT_PLANNED = ("data", "h2d", "checkpoint", "eval", "compile")
+"""Ledger phases a plan does not predict: the input pipeline, saving, evaluating,
+compiling."""
+
+
+def layout_of(strategy: str, mesh: str | None, world: int) -> Layout:
+    """The plan's layout for a run's strategy, mesh and world size."""
+    dims = dict(p.split("=") for p in mesh.split(",")) if mesh else {}
+    dp, tp, pp = (int(dims.get(k, 1)) for k in ("dp", "tp", "pp"))
+    if world == 1:
+        return Layout("ddp")
+    if tp > 1 and dp > 1:
+        return Layout("fsdp x tp", dp=dp, tp=tp)
+    if pp > 1 and dp > 1:
+        return Layout("ddp x pp", dp=dp, pp=pp, schedule="1f1b", microbatches=4)
+    if strategy == "tensor":
+        return Layout("tensor", tp=world)
+    if strategy == "pipeline":
+        return Layout("pipeline", pp=world, schedule="1f1b", microbatches=4)
+    return Layout(strategy if strategy in ("ddp", "fsdp") else "ddp", dp=world)
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    """A run's measurements beside the plan's prediction for the same layout."""
+
+    layout: Layout
+    predicted: Estimate
+    step_s: float
+    memory: int | None
+    """The run's CUDA peak allocated, or its RSS growth after setup (busiest rank)."""
+    on_gpu: bool
+
+    @property
+    def predicted_memory(self) -> float:
+        m = self.predicted.memory
+        return m.total if self.on_gpu else m.total - m.params - m.buffers
+
+    def table(self) -> str:
+        p = self.predicted.time.total
+        what = "CUDA peak allocated" if self.on_gpu else "RSS growth after setup"
+        mem = f"{self.predicted_memory / 2**20:.1f} MiB predicted, " + (
+            f"{self.memory / 2**20:.1f} MiB measured "
+            f"({(self.predicted_memory - self.memory) / self.memory:+.1%}) ({what}, busiest rank)"
+            if self.memory
+            else "not measured by the run"
+        )
+        return "\n".join(
+            [
+                f"check: {self.layout.label}",
+                f"  step time   {p * 1e3:.1f} ms predicted, {self.step_s * 1e3:.1f} ms measured "
+                f"({(p - self.step_s) / self.step_s:+.1%})",
+                f"  memory      {mem}",
+            ]
+        )
+
+
+def measured(run: str | Path) -> tuple[float, int | None, bool]:
+    """(median seconds of training work per step on the slowest rank, memory on the
+    busiest rank, whether that is a GPU's) from RUN/observe/. Training work is the
+    step's wall time less the phases a plan does not predict."""
+    from scaletrain.observe.records import read_run
+
+    work: list[float] = []
+    allocated: list[int] = []
+    growths: list[int] = []
+    for rr in read_run(run).ranks.values():
+        steps = [s for s in rr.steps if s.counted] or rr.steps
+        if steps:
+            work.append(
+                statistics.median(
+                    s.wall - sum(s.phases.get(p, 0.0) for p in NOT_PLANNED) for s in steps
+                )
+            )
+        for m in rr.memory:
+            if m.get("allocated_peak"):
+                allocated.append(int(m["allocated_peak"]))
+            if m.get("rss_setup") and m.get("rss_peak"):
+                growths.append(int(m["rss_peak"]) - int(m["rss_setup"]))
+    if not work:
+        raise ConfigError(
+            f"{spell('check', str(run))}: the run's ledger (RUN/observe/) holds no step. "
+            "Fix: a run trained with the ledger on (the default) for some steps.",
+            field="check",
+        )
+    if allocated:
+        return max(work), max(allocated), True
+    return max(work), (max(growths) if growths else None), False
+
+
+def check_run(run: str | Path, hardware: str | None = None) -> Check:
+    """Predict the run's own layout (its config.json) and compare with its ledger."""
+    from scaletrain.planner.api import plan
+
+    base = Path(run)
+    config = base / "config.json"
+    if not config.is_file() or not (base / "observe").is_dir():
+        raise ConfigError(
+            f"{spell('check', str(run))} is not a finished run with a ledger: expected "
+            f"{config} and {base / 'observe'}/. Fix: the --out directory of a "
+            "`scaletrain train` run (ledger on, the default).",
+            field="check",
+        )
+    cfg = json.loads(config.read_text(encoding="utf-8"))
+    world = int(cfg.get("run", {}).get("world_size", cfg.get("nproc") or 1))
+    step, memory, on_gpu = measured(base)
+    layout = layout_of(cfg.get("strategy", "ddp"), cfg.get("mesh"), world)
+    model = cfg.get("model")
+    result = plan(
+        None if model else cfg.get("recipe"), model=model, devices=world, hardware=hardware,
+        batch_size=int(cfg["batch_size"]), precision=str(cfg.get("precision", "32")),
+        ac=str(cfg.get("ac", "none")), ac_every=cfg.get("ac_every"),
+        compile=bool(cfg.get("compile", False)), layouts=[layout],
+    )  # fmt: skip
+    return Check(layout, result.rows[0], step, memory, on_gpu)

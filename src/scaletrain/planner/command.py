@@ -1,0 +1,103 @@
+"""`scaletrain plan`: its flags and its run (the CLI's words for st.plan, `--check`
+and `--calibrate`)."""
+
+from __future__ import annotations
+
+import argparse
+
+from scaletrain.errors import ConfigError, spell
+from scaletrain.exitcodes import EXIT_OK
+
+__all__ = ["add_plan_parser", "run_plan"]
+
+
+def add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="memory per device and step time of every strategy at N devices",
+        description=(
+            "Predict, for every strategy and mesh of N devices (ddp, fsdp, tensor, pipeline "
+            "and their meshes), the peak memory per device and the step time, from the model "
+            "and a hardware file; recommend the fastest that fits. --calibrate measures this "
+            "machine into such a file; --check RUN compares a finished run with its plan."
+        ),
+    )
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--recipe", metavar="R", default=None, help="a recipe (default convnet)")
+    which.add_argument(
+        "--model", metavar="MODEL", default=None,
+        help="MODULE:FACTORY (the model protocol of scaletrain train), or a Hugging Face "
+        "config.json (or its directory): built on the meta device, nothing downloaded",
+    )  # fmt: skip
+    p.add_argument("--devices", metavar="N", type=int, default=None, help="devices in all")
+    p.add_argument(
+        "--hardware", metavar="NAME|FILE", default=None,
+        help="a shipped profile (h100-sxm, h100-96gb, h200, a100-sxm, a100-pcie, ethernet) "
+        "or a hardware file; default: this machine's calibration (--calibrate)",
+    )  # fmt: skip
+    p.add_argument("--batch-size", metavar="B", type=int, default=None, help="per replica")
+    p.add_argument("--seq-len", metavar="T", type=int, default=None, help="tokens per sample")
+    p.add_argument("--precision", metavar="P", default="32", help="32, bf16-mixed, ...")
+    p.add_argument(
+        "--ac", choices=("none", "full", "selective"), default="none",
+        help="activation checkpointing, as scaletrain train takes it (default: none)",
+    )  # fmt: skip
+    p.add_argument(
+        "--ac-every", metavar="K", type=int, default=None,
+        help="with --ac selective: every K-th block checkpointed whole",
+    )  # fmt: skip
+    p.add_argument("--compile", action="store_true", help="plan the blocks compiled")
+    p.add_argument("--check", metavar="RUN", default=None, help="a finished run to check")
+    p.add_argument(
+        "--calibrate", metavar="FILE", nargs="?", const="", default=None,
+        help="measure this machine (matmuls, memory, collectives: about a minute) and write "
+        "its hardware file (default: scaletrain's cache, which plans without --hardware use)",
+    )  # fmt: skip
+
+
+def run_plan(ns: argparse.Namespace) -> int:
+    model_flags = ("recipe", "model", "devices", "batch_size", "seq_len", "compile")
+    if ns.calibrate is not None:
+        given = [f for f in (*model_flags, "hardware", "check") if getattr(ns, f)]
+        if given:
+            raise ConfigError(
+                f"{spell('calibrate')} measures this machine and plans nothing, but "
+                f"{spell(given[0], getattr(ns, given[0]))} was given too. Fix: calibrate first, "
+                "then plan with the file it writes.",
+                field="calibrate",
+            )
+        from scaletrain.planner.api import calibrated_path
+        from scaletrain.planner.calibrate import calibrate
+
+        path = ns.calibrate or str(calibrated_path())
+        hw = calibrate(path)
+        print(f"wrote {path}: {hw.description}")
+        return EXIT_OK
+    if ns.check is not None:
+        given = [f for f in model_flags if getattr(ns, f)]
+        if given:
+            raise ConfigError(
+                f"{spell('check', ns.check)} takes the model, devices and batch from the run's "
+                f"config.json, but {spell(given[0], getattr(ns, given[0]))} was given too. Fix: "
+                f"drop it, or plan without {spell('check')}.",
+                field="check",
+            )
+        from scaletrain.planner.check import check_run
+
+        print(check_run(ns.check, ns.hardware).table())
+        return EXIT_OK
+    if ns.devices is None:
+        raise ConfigError(
+            f"{spell('devices')} is missing: how many devices to plan for. Fix: e.g. "
+            f"{spell('devices', 8)} (or {spell('check')} RUN to check a finished run).",
+            field="devices",
+        )
+    from scaletrain.planner.api import plan
+
+    result = plan(
+        ns.recipe, model=ns.model, devices=ns.devices, hardware=ns.hardware,
+        batch_size=ns.batch_size, seq_len=ns.seq_len, precision=ns.precision, ac=ns.ac,
+        ac_every=ns.ac_every, compile=ns.compile,
+    )  # fmt: skip
+    print(result.table())
+    return EXIT_OK

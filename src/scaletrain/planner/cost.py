@@ -1,0 +1,372 @@
+"""The analytic core: `memory(...)` and `step_time(...)` of one layout, from the
+model's profile and a hardware file.
+
+Memory per device, in four parts:
+
+- Model states: each state is some bytes per parameter that data parallelism shards
+  from a ZeRO stage on (`States`): the optimizer's state (and any fp32 master copy)
+  from stage 1, gradients from 2, parameters from 3. DDP is stage 0, FSDP stage 3,
+  FSDP keeping a unit's gathered parameters from forward to backward stage 2.
+  Tensor parallel divides the parameters its plan shards, a pipeline stage holds
+  its own layers'.
+- Activations: the profile's peak at the per-device batch (divided where tensor
+  parallel shards them; a pipeline stage holds its share for every microbatch in
+  flight: at most pp on the first stage with 1F1B, all of them with GPipe).
+- Buffers: FSDP's gathered units (two at a time with prefetch; every unit at once
+  for stage 2) in the compute dtype, a pipeline's send and receive buffers.
+- The peak is the larger of the backward's (activations and the gradients alive
+  then) and the optimizer step's (every gradient and its temporaries).
+
+Step time: a device's compute is its matmul FLOPs at the hardware's achieved
+FLOP/s plus the bytes its other kernels move at its memory bandwidth; a step can
+be no faster than its kernels' launches (`Hardware.launch` each; launches overlap
+with a GPU's work, so a GPU step takes the larger of the two, a CPU's their sum).
+torch.compile fuses elementwise chains: a compiled step moves COMPILED_BYTES of the
+eager bytes in COMPILED_KERNELS of the kernels. Communication is alpha-beta over
+the link each group spans (hardware.Link); what overlaps with compute:
+
+- DDP: gradient buckets all-reduce during the backward; the step waits for what
+  outlasts the backward, and at least for the last bucket.
+- FSDP: the next unit's all-gather runs during this unit's compute (prefetch); the
+  first gather of each pass and what outlasts the compute are exposed, and the
+  last reduce-scatter.
+- Tensor parallel: its collectives sit between a block's matmuls and are exposed
+  (twice in the forward where full checkpointing recomputes it).
+- A pipeline's step is its schedule simulated (planner.schedule) with the sends
+  between stages; its bubble is the step less the busiest rank's work.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from scaletrain.hardware import Hardware, Link
+from scaletrain.planner.layout import Layout
+from scaletrain.planner.profile import ModelProfile, Work
+from scaletrain.planner.schedule import simulate
+from scaletrain.strategies.partition import Layer, split_layers
+
+__all__ = [
+    "COMPILED_BYTES",
+    "COMPILED_KERNELS",
+    "DDP_BUCKET",
+    "Estimate",
+    "Memory",
+    "Model",
+    "States",
+    "StepTime",
+    "estimate",
+    "memory",
+    "model_states",
+    "states_for",
+    "step_time",
+]
+
+DDP_BUCKET = 25 * 2**20
+"""PyTorch DDP's default bucket_cap_mb (25 MiB)."""
+COMPILED_BYTES = 1 / 3
+"""Inductor fuses a chain of pointwise and reduction ops into one kernel that reads
+its inputs and writes its outputs once: the intermediate tensors (about two thirds
+of an eager block's elementwise traffic: each op reads and writes a tensor the next
+reads again) never reach memory."""
+COMPILED_KERNELS = 1 / 4
+"""The kernels of a compiled step against eager's: a block's ~30 elementwise
+kernels become a few fused ones."""
+MULTI_TENSOR = 64
+"""Tensors one launch of a foreach (multi-tensor) optimizer kernel covers on a GPU:
+its per-parameter ops launch once per chunk of the parameter list."""
+MASTER = {"32": 4.0, "bf16-mixed": 4.0, "fp16-mixed": 4.0, "bf16-true": 2.0}
+"""Bytes per parameter of the weights a precision trains (mixed precision keeps fp32
+weights and casts for the matmuls; bf16-true holds them in bf16)."""
+COMPUTE = {"32": 4.0, "bf16-mixed": 2.0, "fp16-mixed": 2.0, "bf16-true": 2.0}
+"""Bytes per parameter of the weights the matmuls read (what FSDP all-gathers under
+its mixed-precision policy)."""
+DTYPE = {"32": "fp32", "bf16-mixed": "bf16", "fp16-mixed": "fp16", "bf16-true": "bf16"}
+
+
+@dataclass(frozen=True, slots=True)
+class States:
+    """Model states as (name, bytes per parameter, the ZeRO stage that shards it, and
+    bytes per parameter of its shard once sharded: 0 for a state the sharded
+    optimizer frees once reduced)."""
+
+    parts: tuple[tuple[str, float, int] | tuple[str, float, int, float], ...]
+    transient: dict[str, float] = field(default_factory=dict)
+    """Bytes per parameter of the unit being computed held whole once its state is
+    sharded: stage 3's gathered weights (and a DeepSpeed-style optimizer's
+    low-precision gradients of that unit)."""
+
+
+def states_for(precision: str, optimizer_per_param: float) -> States:
+    """This package's training: weights and gradients at the precision's bytes (the
+    gradients in the weights' dtype), the optimizer's state as measured. (FSDP's
+    gathered units are buffers, counted by `memory`.)"""
+    w = MASTER[precision]
+    return States((("params", w, 3), ("grads", w, 2), ("optimizer", optimizer_per_param, 1)))
+
+
+def model_states(
+    params: float, shards: int, stage: int, states: States, largest: float = 0.0
+) -> dict[str, float]:
+    """Bytes per device of each state: `params` parameters over `shards` data-parallel
+    ranks at ZeRO `stage`; `largest`: the parameters of the largest unit."""
+    out: dict[str, float] = {}
+    for name, per, sharded_from, *rest in states.parts:
+        if stage < sharded_from:
+            out[name] = per * params
+        else:
+            shard = rest[0] if rest else per
+            out[name] = shard * params / shards + states.transient.get(name, 0.0) * largest
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Model:
+    """What the formulas need of a model beyond its profile: its layers (for pipeline
+    stages), the units FSDP shards, and what tensor parallel divides."""
+
+    profile: ModelProfile
+    layers: Sequence[Layer]
+    units: Sequence[str]
+    tp_plan: Mapping[str, str] | None = None
+    compiled: bool = False
+    precision: str = "32"
+
+    def _sum(self, names: Sequence[str], attr: str) -> float:
+        mods = self.profile.modules
+        return float(sum(getattr(mods[n], attr) for n in names if n in mods))
+
+    def tp_shares(self) -> tuple[float, float, float]:
+        """Fractions of the parameters, FLOPs and activations tensor parallel divides:
+        its planned layers' parameters, and the FLOPs and activations of the modules
+        holding them (attention and MLP blocks: their heads and hidden width split)."""
+        if not self.tp_plan:
+            return 0.0, 0.0, 0.0
+        p = self.profile
+        parents = sorted({n.rpartition(".")[0] for n in self.tp_plan})
+        params = self._sum(list(self.tp_plan), "param_bytes") / max(1, p.param_bytes)
+        flops = self._sum(parents, "flops") / max(1.0, p.flops)
+        held = sum(m.activation_bytes for n, m in p.modules.items() if n and "." not in n)
+        acts = self._sum(parents, "activation_bytes") / max(1, held)
+        return min(params, 1.0), min(flops, 1.0), min(acts, 1.0)
+
+    def tp_messages(self) -> tuple[int, float]:
+        """Blocking collectives per forward (a rowwise layer's output all-reduced; the
+        backward all-reduces a colwise layer's input gradient) and their bytes."""
+        if not self.tp_plan:
+            return 0, 0.0
+        rows = [n for n, s in self.tp_plan.items() if s == "rowwise"]
+        return len(rows), self._sum(rows, "output_bytes")
+
+    def stages(self, pp: int) -> list[list[Layer]]:
+        return split_layers(self.layers, pp)
+
+    def stage_shares(self, pp: int) -> list[tuple[float, float, float]]:
+        """Each stage's shares of (parameters, work, held activations); what sits
+        outside the layers goes to the first stage's parameters and the last stage's
+        work (the loss)."""
+        stages = self.stages(pp)
+        p = self.profile
+        par = [self._sum([m for x in s for m in x.members], "param_bytes") for s in stages]
+        work = [self._sum([m for x in s for m in x.members], "flops") for s in stages]
+        acts = [self._sum([m for x in s for m in x.members], "activation_bytes") for s in stages]
+        par[0] += max(0.0, p.param_bytes - sum(par))
+        work[-1] += max(0.0, p.flops - sum(work))
+        total = (max(1.0, sum(par)), max(1.0, sum(work)), max(1.0, sum(acts)))
+        return [(a / total[0], b / total[1], c / total[2]) for a, b, c in zip(par, work, acts, strict=True)]
+
+    def unit_params(self) -> list[float]:
+        """Parameters (bytes at training precision) of each FSDP unit and of the root
+        holding the rest."""
+        own = [self._sum([u], "param_bytes") for u in self.units]
+        rest = self.profile.param_bytes - sum(own)
+        return [*own, rest] if rest > 0 else own
+
+
+@dataclass(frozen=True, slots=True)
+class Memory:
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    buffers: float
+    grads_at_peak: float
+    optimizer_temp: float
+
+    @property
+    def total(self) -> float:
+        """The step's peak: the backward's or the optimizer step's, whichever is higher."""
+        states = self.params + self.optimizer + self.buffers
+        return states + max(self.grads_at_peak + self.activations, self.grads + self.optimizer_temp)
+
+
+@dataclass(frozen=True, slots=True)
+class StepTime:
+    compute: float
+    comm: float
+    """All communication of the step, hidden or not."""
+    exposed: float
+    bubble: float = 0.0
+    floor: bool = False
+    """True where kernel launches, not the work, set the compute time."""
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.exposed + self.bubble
+
+
+@dataclass(frozen=True, slots=True)
+class Estimate:
+    layout: Layout
+    memory: Memory
+    time: StepTime
+    fits: bool
+    notes: list[str] = field(default_factory=list)
+
+
+def _local(model: Model, layout: Layout) -> tuple[float, float]:
+    """(parameter, work) shares of the busiest device before data parallelism: what
+    tensor parallel and a pipeline stage leave it."""
+    tp_p, tp_f, _ = model.tp_shares()
+    cut = 1 - 1 / layout.tp
+    par, work = 1 - tp_p * cut, 1 - tp_f * cut
+    if layout.pp > 1:
+        shares = model.stage_shares(layout.pp)
+        par *= max(x[0] for x in shares)
+        work *= max(x[1] for x in shares)
+    return par, work
+
+
+def memory(layout: Layout, model: Model, batch: int) -> Memory:
+    """Bytes per device of `layout` at `batch` samples per data-parallel replica."""
+    p, prec = model.profile, model.precision
+    par, _ = _local(model, layout)
+    opt_per = p.optimizer_bytes / max(1, p.params)
+    psi = p.params * par
+    largest = max(model.unit_params() or [0.0]) / max(1e-9, p.param_bytes / max(1, p.params))
+    s = model_states(psi, layout.dp, layout.stage, states_for(prec, opt_per), largest * par)
+    buffers = 0.0
+    if layout.dp > 1 and layout.stage == 3:
+        buffers = 2 * largest * par * COMPUTE[prec]
+    elif layout.dp > 1 and layout.stage == 2:
+        buffers = psi * COMPUTE[prec]
+    micro = batch / (layout.microbatches or 1)
+    acts = p.activation_bytes * p.per_sample(micro)
+    if layout.tp > 1:
+        acts *= 1 - model.tp_shares()[2] * (1 - 1 / layout.tp)
+    if layout.pp > 1:
+        shares = model.stage_shares(layout.pp)
+        m = layout.microbatches or 1
+        inflight = [m if layout.schedule == "gpipe" else min(m, layout.pp - r) for r in range(layout.pp)]
+        held = sum(x.activation_bytes for n, x in p.modules.items() if n and "." not in n)
+        held_micro = held * p.per_sample(micro)
+        rest = max(0.0, acts - held_micro)  # the loss's and the step's temporaries
+        acts = max(
+            shares[r][2] * held_micro * inflight[r] + (rest if r == layout.pp - 1 else 0.0)
+            for r in range(layout.pp)
+        )
+        edge = max(p.modules[s[-1].members[-1]].output_bytes for s in model.stages(layout.pp)[:-1])
+        buffers += 2 * edge * p.per_sample(micro)
+    grads = s["grads"]
+    alive = p.peak_grad_bytes / max(1, p.param_bytes)
+    at_peak = grads if (layout.dp > 1 and layout.stage == 0) else grads * min(1.0, alive)
+    return Memory(
+        params=s["params"], grads=grads, optimizer=s["optimizer"], activations=max(0.0, acts),
+        buffers=buffers, grads_at_peak=at_peak, optimizer_temp=p.optimizer_temp_bytes * par,
+    )  # fmt: skip
+
+
+def _seconds(work: Work, hw: Hardware, dtype: str, compiled: bool) -> tuple[float, bool]:
+    """(seconds, launch-bound) of `work` on one device (module docstring)."""
+    moved = work.bytes * (COMPILED_BYTES if compiled else 1.0)
+    kernels = work.kernels * (COMPILED_KERNELS if compiled else 1.0)
+    busy = work.flops / hw.matmul_flops(dtype) + moved / hw.memory_bandwidth
+    launches = kernels * hw.launch
+    if hw.device == "cpu":
+        return busy + launches, False
+    return max(busy, launches), launches > busy
+
+
+def _link(hw: Hardware, inner: int) -> Link:
+    """The link a group spans: inside a node while it and the dimensions inside it fit
+    on one (tensor parallel innermost, then data parallel, then pipeline stages)."""
+    return hw.intra if inner <= hw.devices_per_node else hw.inter
+
+
+def step_time(layout: Layout, model: Model, hw: Hardware, batch: int) -> StepTime:
+    """Seconds of one step of `layout` at `batch` samples per replica on `hw`."""
+    p, prec, compiled = model.profile, model.precision, model.compiled
+    dtype = DTYPE[prec]
+    par, work_share = _local(model, layout)
+    scale = p.per_sample(batch) * work_share
+    # FSDP's mixed precision gathers the weights in the compute dtype: no casts.
+    cast = 0.0 if layout.dp > 1 and layout.stage >= 2 and MASTER[prec] > COMPUTE[prec] else 0.5
+    fixed = p.fixed.scaled(work_share * cast, cast)
+    fwd_s, fwd_floor = _seconds(p.forward.scaled(scale, work_share) + fixed, hw, dtype, compiled)
+    bwd_s, bwd_floor = _seconds(p.backward.scaled(scale, work_share) + fixed, hw, dtype, compiled)
+    opt_work = p.optimizer.scaled(par / (layout.dp if layout.stage >= 1 else 1))
+    if hw.device == "cuda":  # foreach kernels: one launch per op and chunk of tensors
+        per_tensor = p.optimizer.kernels / max(1, p.tensors)
+        chunks = math.ceil(p.tensors * par / MULTI_TENSOR)
+        opt_work = Work(0.0, opt_work.bytes, math.ceil(per_tensor * chunks))
+    opt_s, _ = _seconds(opt_work, hw, "fp32", False)
+    comm, exposed, bubble = 0.0, 0.0, 0.0
+    grad_bytes = p.params * par * MASTER[prec]
+    dp_link = _link(hw, layout.dp * layout.tp)
+    if layout.dp > 1 and layout.stage == 0:
+        buckets = max(1, math.ceil(grad_bytes / DDP_BUCKET))
+        each = dp_link.time("all_reduce", grad_bytes / buckets, layout.dp)
+        comm += each * buckets
+        exposed += max(each, comm - bwd_s)
+    elif layout.dp > 1:
+        units = [u * par * COMPUTE[prec] / MASTER[prec] for u in model.unit_params()]
+        gather = sum(dp_link.time("all_gather", u, layout.dp) for u in units)
+        scatter = sum(
+            dp_link.time("reduce_scatter", u * MASTER[prec] / COMPUTE[prec], layout.dp) for u in units
+        )
+        first = dp_link.time("all_gather", units[0], layout.dp)
+        last = dp_link.time("reduce_scatter", units[-1] * MASTER[prec] / COMPUTE[prec], layout.dp)
+        again = gather if layout.stage == 3 else 0.0  # stage 3 gathers again for the backward
+        comm += gather + again + scatter
+        exposed += first + max(0.0, gather - fwd_s) + max(last, again + scatter - bwd_s)
+    if layout.tp > 1:
+        msgs, nbytes = model.tp_messages()
+        each = nbytes * p.per_sample(batch) * work_share / max(1, msgs)
+        one = _link(hw, layout.tp).time("all_reduce", each, layout.tp)
+        passes = 3 if p.ac.startswith("full") else 2
+        comm += one * msgs * passes
+        exposed += one * msgs * passes
+    if layout.pp > 1:
+        m = layout.microbatches or 1
+        shares = model.stage_shares(layout.pp)
+        virtual = 2 if layout.schedule == "interleaved-1f1b" else 1
+        whole_f = fwd_s / work_share / m
+        whole_b = bwd_s / work_share / m
+        f = [whole_f * x[1] / virtual for x in shares for _ in range(virtual)]
+        b = [whole_b * x[1] / virtual for x in shares for _ in range(virtual)]
+        edge = max(p.modules[s[-1].members[-1]].output_bytes for s in model.stages(layout.pp)[:-1])
+        hop = _link(hw, layout.devices).time("send", edge * p.per_sample(batch / m), 2)
+        tl = simulate(f, b, schedule=layout.schedule or "1f1b", microbatches=m, virtual=virtual, hop=hop)
+        busiest = max(tl.work)
+        comm += hop * 2 * m * (layout.pp - 1)
+        bubble = tl.makespan - busiest
+        fwd_s, bwd_s = busiest * whole_f / (whole_f + whole_b), busiest * whole_b / (whole_f + whole_b)
+    return StepTime(
+        compute=fwd_s + bwd_s + opt_s, comm=comm, exposed=exposed, bubble=max(0.0, bubble),
+        floor=fwd_floor and bwd_floor,
+    )  # fmt: skip
+
+
+def estimate(layout: Layout, model: Model, hw: Hardware, batch: int) -> Estimate:
+    """One row of a plan: `layout`'s memory and step time, and whether it fits."""
+    mem = memory(layout, model, batch)
+    time = step_time(layout, model, hw, batch)
+    notes = []
+    fits = mem.total <= hw.memory
+    if not fits:
+        notes.append(f"does not fit: {(mem.total - hw.memory) / 2**30:.2f} GiB over {hw.memory / 2**30:.1f} GiB")
+    if time.floor:
+        notes.append("kernel launches, not the arithmetic, set this step's pace")
+    return Estimate(layout, mem, time, fits, notes)

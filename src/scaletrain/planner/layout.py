@@ -1,0 +1,91 @@
+"""The ways N devices can run one model: a strategy over a dp x tp x pp mesh, the
+ZeRO stage its data parallelism shards at, a pipeline's schedule and microbatches."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["SCHEDULES", "STRATEGIES", "Layout", "layouts_for"]
+
+STRATEGIES = {
+    "ddp": 0,
+    "fsdp": 3,
+    "fsdp-keep": 2,
+    "tensor": 0,
+    "pipeline": 0,
+    "fsdp x tp": 3,
+    "ddp x pp": 0,
+}
+"""Each row's strategy and the ZeRO stage its data parallelism is: DDP replicates
+everything (0); FSDP shards parameters, gradients and optimizer state (3); FSDP with
+reshard_after_forward=False ("fsdp-keep") keeps a unit's gathered parameters from its
+forward to its backward, which is ZeRO-2's memory with one all-gather per unit."""
+SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b")
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """One row of a plan: a strategy over a mesh (dp x tp x pp = devices)."""
+
+    strategy: str
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    schedule: str | None = None
+    microbatches: int | None = None
+    zero: int | None = None
+    """The ZeRO stage (0-3) of its data parallelism; None: the strategy's own."""
+
+    @property
+    def stage(self) -> int:
+        return STRATEGIES.get(self.strategy, 0) if self.zero is None else self.zero
+
+    @property
+    def devices(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def mesh(self) -> str:
+        parts = [f"{k}={v}" for k, v in (("dp", self.dp), ("tp", self.tp), ("pp", self.pp))]
+        return ",".join(p for p in parts if not p.endswith("=1")) or "dp=1"
+
+    @property
+    def label(self) -> str:
+        text = f"{self.strategy} {self.mesh}"
+        if self.schedule is not None:
+            text += f" {self.schedule} m={self.microbatches}"
+        return text
+
+
+def _pairs(n: int) -> list[tuple[int, int]]:
+    return [(a, n // a) for a in range(2, n // 2 + 1) if n % a == 0 and n // a >= 2]
+
+
+def _microbatches(pp: int, batch: int) -> int | None:
+    """The Pipeline strategy's default (4) where it divides the batch and gives every
+    stage one, else the smallest multiple of pp that divides it."""
+    for m in (4, *range(pp, 4 * pp + 1, pp)):
+        if m >= pp and batch % m == 0:
+            return m
+    return None
+
+
+def layouts_for(devices: int, *, batch: int, layers: int, tensor: bool) -> list[Layout]:
+    """Every layout of `devices` this model can run: tensor parallel where it has a
+    plan (`tensor`), a pipeline of pp stages where it has pp layers and a microbatch
+    count that divides `batch`."""
+    if devices == 1:
+        return [Layout("ddp")]
+    rows = [Layout("ddp", dp=devices), Layout("fsdp-keep", dp=devices), Layout("fsdp", dp=devices)]
+    if tensor:
+        rows.append(Layout("tensor", tp=devices))
+    m = _microbatches(devices, batch) if layers >= devices else None
+    if m is not None:
+        rows += [Layout("pipeline", pp=devices, schedule=s, microbatches=m) for s in SCHEDULES[:2]]
+    for dp, other in _pairs(devices):
+        if tensor:
+            rows.append(Layout("fsdp x tp", dp=dp, tp=other))
+        m = _microbatches(other, batch) if layers >= other else None
+        if m is not None:
+            rows.append(Layout("ddp x pp", dp=dp, pp=other, schedule="1f1b", microbatches=m))
+    return rows

@@ -1,0 +1,288 @@
+"""What one training step of a model costs, measured on the model without memory.
+
+`profile_model` builds the model on the meta device (parameter and buffer sizes) and
+again under a FakeTensorMode, where it runs one forward, backward and optimizer step
+at the real batch shape with the levers applied as training applies them
+(activation checkpointing recomputes in the backward, so its FLOPs and its smaller
+activations are measured, not modelled). Under the fake mode:
+
+- FLOPs: the ledger's own counter (scaletrain.observe.flops.FlopCounter), so a plan's
+  MFU and a run's count the same arithmetic; per module for tensor-parallel and
+  pipeline splits. These are the matrix products (mm, convolutions, attention).
+- Everything else is memory-bound: the bytes each other kernel reads and writes, and
+  the number of kernels (views move nothing and launch nothing).
+- Memory: PyTorch's MemTracker: the forward/backward's peak split into gradients
+  and activations (saved tensors and temporaries), per module what its forward
+  leaves alive, and the optimizer step's temporaries and state.
+
+Activations, FLOPs and elementwise bytes grow in proportion to the batch (every
+op of a step is per sample or per token), so one profile prices any batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["ModelProfile", "ModuleCost", "Work", "profile_model"]
+
+AUTOCAST = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
+
+
+@dataclass(frozen=True, slots=True)
+class ModuleCost:
+    """One module's share of a step (forward and backward, its children included)."""
+
+    name: str
+    param_bytes: int
+    flops: int
+    activation_bytes: int
+    """Bytes its forward leaves alive for the backward."""
+    output_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Work:
+    """What a phase of a step asks of a device: matmul FLOPs, bytes other kernels move,
+    and kernels launched."""
+
+    flops: float = 0.0
+    bytes: float = 0.0
+    kernels: int = 0
+
+    def __add__(self, other: Work) -> Work:
+        return Work(self.flops + other.flops, self.bytes + other.bytes, self.kernels + other.kernels)
+
+    def scaled(self, by: float, kernels: float = 1.0) -> Work:
+        return Work(self.flops * by, self.bytes * by, round(self.kernels * kernels))
+
+
+@dataclass(frozen=True, slots=True)
+class ModelProfile:
+    """One training step of a model at one batch (module docstring)."""
+
+    model: str
+    batch_size: int
+    tokens: int
+    """Samples times their sequence length (the batch for a model without one)."""
+    params: int
+    """Parameters (shared ones once)."""
+    tensors: int
+    """Parameter tensors (a GPU's foreach optimizer launches per chunk of them)."""
+    param_bytes: int
+    buffer_bytes: int
+    optimizer_bytes: int
+    """The optimizer's state for every parameter (Adam: two tensors each)."""
+    optimizer_temp_bytes: int
+    """What the optimizer step allocates beyond its state, at its peak."""
+    activation_bytes: int
+    """Peak bytes the forward/backward holds beyond parameters, buffers and gradients."""
+    peak_grad_bytes: int
+    """Gradients alive at that peak (the backward frees activations as it makes them)."""
+    forward: Work
+    backward: Work
+    """Per-sample work (at `batch_size`), with any recomputation activation
+    checkpointing adds."""
+    fixed: Work
+    """Forward and backward work on whole weights, the same at any batch: autocast's
+    casts of the parameters and of their gradients (none where FSDP gathers them in
+    the compute dtype)."""
+    optimizer: Work
+    ac: str = "none"
+    modules: dict[str, ModuleCost] = field(default_factory=dict)
+
+    @property
+    def flops(self) -> float:
+        return self.forward.flops + self.backward.flops
+
+    def per_sample(self, samples: float) -> float:
+        """The factor from this profile's batch to `samples` per device."""
+        return samples / self.batch_size
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (tuple, list)):
+        return sum(_nbytes(v) for v in value)
+    if isinstance(value, Mapping):
+        return sum(_nbytes(v) for v in value.values())
+    return 0
+
+
+class _Kernels(TorchDispatchMode):
+    """Counts the kernels that are not matrix products and the bytes they move; those
+    on whole weights (a parameter's cast for autocast, its gradient's cast back: an
+    op with a parameter among its inputs, or a copy shaped as one) apart, in `fixed`:
+    they cost the same at any batch."""
+
+    def __init__(self, shapes: set[tuple[int, ...]] = frozenset()) -> None:  # type: ignore[assignment]
+        super().__init__()
+        from torch.utils.flop_counter import flop_registry
+
+        self._matmuls = set(flop_registry)
+        self._shapes = shapes
+        self.work = Work()
+        self.fixed = Work()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        written = _nbytes(out)
+        if not written or getattr(func, "is_view", False) or func.overloadpacket in _FREE:
+            return out  # metadata (prim.device, sizes), views and bare allocations
+        moved = Work(0.0, 0.0 if func.overloadpacket in self._matmuls else _nbytes(args) + written, 1)
+        weights = any(isinstance(a, nn.Parameter) for a in args) or (
+            func.overloadpacket is torch.ops.aten._to_copy
+            and tuple(getattr(out, "shape", ())) in self._shapes
+        )
+        if weights:
+            self.fixed = self.fixed + moved
+        else:
+            self.work = self.work + moved
+        return out
+
+
+_FREE = {torch.ops.aten.detach, torch.ops.aten.lift_fresh, torch.ops.aten.empty,
+         torch.ops.aten.empty_like, torch.ops.aten.empty_strided, torch.ops.aten.alias,
+         torch.ops.aten._unsafe_view}  # fmt: skip
+"""Ops that allocate or relabel without a kernel that moves data."""
+
+
+def _built(build: Callable[[], nn.Module], dtype: torch.dtype | None) -> nn.Module:
+    """build() with its floating parameters in `dtype` (built under that default
+    dtype: module.to cannot swap a fake tensor's parameters)."""
+    if dtype is None:
+        return build()
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        return build()
+    finally:
+        torch.set_default_dtype(old)
+
+
+def _module_costs(
+    model: nn.Module, tracker: Any, counts: Mapping[str, Mapping[Any, int]], io: Mapping[str, int]
+) -> dict[str, ModuleCost]:
+    from torch.distributed._tools.mem_tracker import _MemRefType, _ModState
+
+    root = type(model).__name__
+    out: dict[str, ModuleCost] = {}
+    for name, module in model.named_modules():
+        held = 0
+        stats = tracker.memory_tracking.get(module)
+        if stats is not None:
+            pre = stats.snapshots.get(_ModState.PRE_FW, [])
+            post = stats.snapshots.get(_ModState.POST_FW, [])
+            if pre and post:
+                acts = [sum(s.get(d, {}).get(_MemRefType.ACT, 0) for d in s) for s in (pre[0], post[0])]
+                held = max(0, int(acts[1] - acts[0]))
+        key = f"{root}.{name}" if name else root
+        out[name] = ModuleCost(
+            name=name,
+            param_bytes=sum(_nbytes(p) for p in module.parameters()),
+            flops=int(sum(counts.get(key, {}).values())),
+            activation_bytes=held,
+            output_bytes=io.get(name, 0),
+        )
+    return out
+
+
+def profile_model(
+    build: Callable[[], nn.Module],
+    example: tuple[Any, Any],
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    optimizer: Callable[[Any], torch.optim.Optimizer],
+    *,
+    precision: str = "32",
+    ac: str = "none",
+    ac_every: int | None = None,
+    name: str | None = None,
+) -> ModelProfile:
+    """Measure one training step of `build()` on `example` = (inputs, targets) at
+    `precision` ("32", "bf16-mixed", "fp16-mixed", "bf16-true") with activation
+    checkpointing `ac`/`ac_every` as training applies it. Allocates no tensor memory."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+    from scaletrain.observe.flops import FlopCounter
+    from scaletrain.strategies.levers import apply_levers
+
+    weights = torch.bfloat16 if precision == "bf16-true" else None
+    inputs, targets = example
+    if weights is not None and inputs.is_floating_point():
+        inputs = inputs.to(weights)
+    with torch.device("meta"):
+        meta = _built(build, weights)
+    unique = {id(p): p for p in meta.parameters()}
+    params = sum(p.numel() for p in unique.values())
+    param_bytes = sum(_nbytes(p) for p in unique.values())
+    buffer_bytes = sum(_nbytes(b) for b in meta.buffers())
+    del meta
+    io: dict[str, int] = {}
+    cast = AUTOCAST.get(precision)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        model = _built(build, weights)
+        names = {id(m): n for n, m in model.named_modules()}
+        hooks = [
+            m.register_forward_hook(lambda m, a, o: io.__setitem__(names[id(m)], _nbytes(o)))
+            for m in model.modules()
+        ]
+        if ac != "none":
+            apply_levers(model, ac=ac, ac_every=ac_every, owner="plan(...)")
+        opt = optimizer(model.parameters())
+        x, y = mode.from_tensor(inputs), mode.from_tensor(targets)
+        shapes = {tuple(p.shape) for p in model.parameters()}
+        tracker = MemTracker()
+        tracker.track_external(model, opt)
+        counter = FlopCounter()
+        counter.start()
+        try:
+            with tracker:
+                with _Kernels(shapes) as fwd:
+                    with torch.autocast("cpu", dtype=cast) if cast else contextlib.nullcontext():
+                        loss = loss_fn(model(x), y)
+                flops_fwd = counter.count()
+                with _Kernels(shapes) as bwd:
+                    loss.backward()
+                flops_all = counter.count()
+        finally:
+            counter.stop()
+        peak = tracker.get_tracker_snapshot("peak")
+        modules = _module_costs(model, tracker, counter.by_module(), io)
+        for h in hooks:
+            h.remove()
+        opt.step()  # the state exists from here on, as in every step after the first
+        with MemTracker() as step_tracker, _Kernels() as step:
+            step_tracker.track_external(model, opt)
+            opt.step()
+        step_peak = step_tracker.get_tracker_snapshot("peak")
+        state = sum(_nbytes(t) for s in opt.state.values() for t in s.values() if t.dim())
+    kinds = next(iter(peak.values())) if peak else {}
+    step_kinds = next(iter(step_peak.values())) if step_peak else {}
+    batch = int(inputs.shape[0])
+    return ModelProfile(
+        model=name or type(model).__name__,
+        batch_size=batch,
+        tokens=int(inputs.shape[0] * inputs.shape[1]) if inputs.dim() == 2 and not inputs.is_floating_point() else batch,
+        params=params,
+        tensors=len(unique),
+        param_bytes=param_bytes,
+        buffer_bytes=buffer_bytes,
+        optimizer_bytes=state,
+        optimizer_temp_bytes=int(step_kinds.get(_MemRefType.TEMP, 0)),
+        activation_bytes=int(kinds.get(_MemRefType.ACT, 0) + kinds.get(_MemRefType.TEMP, 0)),
+        peak_grad_bytes=int(kinds.get(_MemRefType.GRAD, 0)),
+        forward=Work(float(flops_fwd), fwd.work.bytes, fwd.work.kernels),
+        backward=Work(float(flops_all - flops_fwd), bwd.work.bytes, bwd.work.kernels),
+        fixed=fwd.fixed + bwd.fixed,
+        optimizer=step.work + step.fixed,
+        ac=ac if ac_every is None else f"{ac} every {ac_every}",
+        modules=modules,
+    )

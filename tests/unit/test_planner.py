@@ -1,0 +1,239 @@
+"""The planner's analytic core: model states per ZeRO stage, memory and time per
+layout, the small-model floor, and the plan's rows and refusals. No processes."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import scaletrain as st
+from scaletrain.errors import ConfigError
+from scaletrain.hardware import Hardware, Link
+from scaletrain.planner.cost import (
+    DDP_BUCKET,
+    Model,
+    States,
+    estimate,
+    memory,
+    model_states,
+    step_time,
+)
+from scaletrain.planner.layout import Layout
+from scaletrain.planner.profile import profile_model
+from scaletrain.strategies.blocks import auto_wrap_targets
+from scaletrain.strategies.partition import list_layers
+
+GB = 1e9
+
+# The ZeRO paper's model states (Rajbhandari et al., "ZeRO: Memory Optimizations
+# Toward Training Trillion Parameter Models", 2020, figure 1): fp16 weights and
+# gradients, an fp32 master copy and Adam's two fp32 moments.
+PAPER = States((("params", 2, 3), ("grads", 2, 2), ("optimizer", 12, 1)))
+
+
+def _paper(psi: float, n: int, stage: int) -> float:
+    return [16 * psi, 4 * psi + 12 * psi / n, 2 * psi + 14 * psi / n, 16 * psi / n][stage]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("n", [1, 8, 64, 1024])
+def test_model_states_are_the_zero_papers(stage: int, n: int) -> None:
+    psi = 7.5e9
+    assert sum(model_states(psi, n, stage, PAPER).values()) == pytest.approx(_paper(psi, n, stage))
+
+
+def test_model_states_reproduce_deepspeeds_estimators() -> None:
+    # DeepSpeed's estimate_zero2/zero3_model_states_mem_needs without offload:
+    # 4 psi + 16 psi / N, and 4 x the largest layer + 18 psi / N (it also counts
+    # an fp32 gradient partition, and in stage 3 holds the largest layer's fp16
+    # weights and gradients whole).
+    ds = States(
+        (("params", 2, 3), ("grads", 2, 3, 0), ("fp32 grads", 4, 1), ("optimizer", 12, 1)),
+        transient={"params": 2, "grads": 2},
+    )
+    psi, largest = 6.7e9, 0.26e9
+    for n in (8, 16, 256):
+        assert sum(model_states(psi, n, 2, ds).values()) == pytest.approx(4 * psi + 16 * psi / n)
+        got = sum(model_states(psi, n, 3, ds, largest).values())
+        assert got == pytest.approx(4 * largest + 18 * psi / n)
+
+
+def _hw(**kw: object) -> Hardware:
+    base = Hardware(
+        name="test-gpu", description="a test GPU", device="cuda", memory=80 * 2**30,
+        devices_per_node=8, peak_flops={"fp32": 60e12, "bf16": 900e12},
+        flops={"fp32": 30e12, "bf16": 450e12}, memory_bandwidth=2e12, launch=5e-6,
+        intra=Link(5e-6, 400 * GB), inter=Link(10e-6, 40 * GB),
+    )  # fmt: skip
+    return replace(base, **kw)  # type: ignore[arg-type]
+
+
+class ResidualMLP(nn.Module):
+    """Blocks in a ModuleList: x + fc2(gelu(fc1(norm(x))))."""
+
+    def __init__(self, width: int = 64, depth: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU(),
+                          nn.Linear(4 * width, width))  # fmt: skip
+            for _ in range(depth)
+        )
+        self.head = nn.Linear(width, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+def _model(precision: str = "32", ac: str = "none", batch: int = 32, **kw: object) -> Model:
+    build = partial(ResidualMLP, **kw)  # type: ignore[arg-type]
+    width = int(kw.get("width", 64))  # type: ignore[call-overload]
+    example = (torch.randn(batch, width), torch.randint(0, 10, (batch,)))
+    profile = profile_model(
+        build, example, nn.functional.cross_entropy, partial(torch.optim.Adam, lr=1e-3),
+        precision=precision, ac=ac,
+    )  # fmt: skip
+    with torch.device("meta"):
+        net = build()
+    plan = {f"blocks.{i}.{j}": s for i in range(len(net.blocks)) for j, s in ((1, "colwise"), (3, "rowwise"))}
+    return Model(profile, list_layers(net), auto_wrap_targets(net), plan, precision=precision)
+
+
+def test_the_profile_counts_a_steps_flops_and_adams_state() -> None:
+    m = _model()
+    p = m.profile
+    linear = sum(2 * 32 * x.in_features * x.out_features for x in ResidualMLP().modules() if isinstance(x, nn.Linear))
+    assert p.forward.flops == linear
+    assert p.backward.flops == pytest.approx(2 * linear, rel=0.05)
+    assert p.optimizer_bytes == 2 * p.param_bytes  # Adam: two moments per parameter
+    assert p.forward.kernels > 0 and p.forward.bytes > 0 and p.activation_bytes > 0
+
+
+def test_sharding_divides_what_each_stage_shards() -> None:
+    m = _model()
+    ddp, keep, fsdp = (memory(Layout(s, dp=4), m, 32) for s in ("ddp", "fsdp-keep", "fsdp"))
+    assert ddp.params == keep.params == 4 * fsdp.params
+    assert ddp.grads == 4 * keep.grads == 4 * fsdp.grads
+    assert ddp.optimizer == 4 * fsdp.optimizer
+    assert fsdp.buffers < keep.buffers  # two gathered units against every one
+    assert ddp.total > fsdp.total
+
+
+def test_tensor_parallel_never_makes_memory_negative() -> None:
+    """A residual MLP's tensor-parallel rows once printed negative activations: the
+    row-wise layers' replicated outputs were taken from what the blocks hold."""
+    m = _model(width=128)
+    one = memory(Layout("ddp"), m, 32)
+    for tp in (2, 4, 8):
+        row = memory(Layout("tensor", tp=tp), m, 32)
+        assert 0 < row.activations <= one.activations
+        assert 0 < row.params < one.params
+
+
+def test_the_plan_of_a_residual_mlp_has_no_negative_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "resmlp.py").write_text(
+        "import torch\nfrom torch import nn\n"
+        "class Block(nn.Module):\n"
+        "    def __init__(self, w):\n"
+        "        super().__init__()\n"
+        "        self.up = nn.Linear(w, 4 * w)\n        self.down = nn.Linear(4 * w, w)\n"
+        "    def forward(self, x):\n        return x + self.down(torch.relu(self.up(x)))\n"
+        "class Net(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.blocks = nn.ModuleList(Block(256) for _ in range(4))\n"
+        "        self.head = nn.Linear(256, 10)\n"
+        "    def forward(self, x):\n"
+        "        for b in self.blocks:\n            x = b(x)\n        return self.head(x)\n"
+        "def example(batch_size):\n"
+        "    return torch.randn(batch_size, 256), torch.randint(0, 10, (batch_size,))\n"
+        "loss = nn.functional.cross_entropy\n",
+        encoding="utf-8",
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    p = st.plan(model="resmlp:Net", devices=8, hardware="h100-sxm", batch_size=64)
+    assert any(r.layout.tp > 1 for r in p.rows)
+    for r in p.rows:
+        m = r.memory
+        assert min(m.params, m.grads, m.optimizer, m.activations, m.buffers) >= 0, r.layout.label
+
+
+def test_ddp_hides_its_buckets_behind_the_backward_but_the_last() -> None:
+    m = _model()
+    hw = _hw()
+    t = step_time(Layout("ddp", dp=8), m, hw, 32)
+    assert t.comm > 0 and 0 < t.exposed <= t.comm
+    slow = step_time(Layout("ddp", dp=8), m, _hw(intra=Link(5e-6, 1e6)), 32)
+    assert slow.exposed > t.exposed * 10  # a link too slow to hide behind the backward
+    assert m.profile.param_bytes < DDP_BUCKET  # one bucket: all of it is the last
+    assert slow.exposed == pytest.approx(slow.comm)
+
+
+def test_groups_spanning_nodes_take_the_slower_link() -> None:
+    m = _model()
+    hw = _hw(devices_per_node=4)
+    inside = step_time(Layout("fsdp", dp=4), m, hw, 32)
+    across = step_time(Layout("fsdp", dp=8), m, hw, 32)
+    assert across.comm > inside.comm
+
+
+def test_a_small_models_step_has_the_launch_floor() -> None:
+    """On paper a tiny model's step took 0.4 ms on an H100, which no real step does:
+    every kernel is launched, whatever its arithmetic."""
+    m = _model(width=16, depth=2, batch=4)
+    hw = _hw()
+    row = estimate(Layout("ddp"), m, hw, 4)
+    kernels = m.profile.forward.kernels + m.profile.backward.kernels
+    assert row.time.compute >= kernels * hw.launch
+    assert row.time.floor and any("launches" in n for n in row.notes)
+    faster = estimate(Layout("ddp"), m, _hw(flops={"fp32": 1e18}, memory_bandwidth=1e18), 4)
+    assert faster.time.compute == pytest.approx(row.time.compute, rel=0.05)
+
+
+def test_checkpointing_and_compile_move_memory_and_time_the_right_way() -> None:
+    plain, full = _model(ac="none", batch=1024, depth=8), _model(ac="full", batch=1024, depth=8)
+    assert memory(Layout("ddp"), full, 1024).activations < memory(Layout("ddp"), plain, 1024).activations / 2
+    assert full.profile.backward.flops > plain.profile.backward.flops  # the recomputation
+    big = _hw(launch=0.0)
+    eager = step_time(Layout("ddp"), plain, big, 1024)
+    compiled = step_time(Layout("ddp"), replace(plain, compiled=True), big, 1024)
+    assert compiled.compute < eager.compute
+
+
+def test_a_pipeline_pays_its_bubble() -> None:
+    m = _model(depth=8)
+    row = step_time(Layout("pipeline", pp=4, schedule="gpipe", microbatches=4), m, _hw(), 32)
+    assert row.bubble > 0
+    more = step_time(Layout("pipeline", pp=4, schedule="gpipe", microbatches=16), m, _hw(), 32)
+    assert more.bubble / more.compute < row.bubble / row.compute
+
+
+def test_a_model_too_big_for_one_device_is_sharded() -> None:
+    p = st.plan("gpt", devices=8, hardware="h100-sxm")
+    assert p.recommended is not None and p.recommended.fits
+    tiny = replace(p.hardware, memory=int(p.row("ddp").memory.total * 0.5))
+    rows = [estimate(r.layout, Model(p.profile, [], []), tiny, p.batch_size) for r in p.rows[:1]]
+    assert not rows[0].fits and "does not fit" in rows[0].notes[0]
+
+
+def test_bad_requests_are_refused_in_the_callers_words() -> None:
+    with pytest.raises(ConfigError, match="devices=0 must be a whole number"):
+        st.plan("gpt", devices=0, hardware="h100-sxm")
+    with pytest.raises(ConfigError, match="precision='bf16x' is not known"):
+        st.plan("gpt", devices=2, hardware="h100-sxm", precision="bf16x")
+    with pytest.raises(ConfigError, match="ac_every=2 picks every k-th block"):
+        st.plan("gpt", devices=2, hardware="h100-sxm", ac="full", ac_every=2)
+
+
+def test_without_hardware_this_machines_calibration_is_asked_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SCALETRAIN_CACHE_DIR", str(tmp_path))
+    with pytest.raises(ConfigError, match="no hardware given, and this machine has no calibration"):
+        st.plan("gpt", devices=2)
