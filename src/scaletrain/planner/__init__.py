@@ -1,0 +1,1 @@
+"""The planner: what a training layout costs in memory and time, on paper."""
