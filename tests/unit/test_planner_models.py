@@ -1,0 +1,287 @@
+"""The models people plan: recipes, model modules and Hugging Face config.json files
+resolve to what the planner needs, and what cannot be planned is refused with the fix."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from scaletrain.errors import ConfigError, use_cli_names
+from scaletrain.planner.models import PlannedModel, resolve_model
+
+pytestmark = pytest.mark.timeout(120)
+
+TINY = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2}
+LLAMA = {
+    "model_type": "llama", "architectures": ["LlamaForCausalLM"], **TINY,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 48,
+    "torch_dtype": "bfloat16",
+}  # fmt: skip
+
+SEQ_MODULE = """
+import torch
+from torch import nn
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 8)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)) for _ in range(2))
+        self.head = nn.Linear(8, 50)
+        self.config = {config}
+
+    def forward(self, x):
+        h = self.emb(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h)
+
+def build():
+    return Tiny()
+
+def example(batch_size{seq_param}):
+    x = torch.randint(0, 50, (batch_size, {seq}))
+    return x, x
+"""
+
+
+def _module(tmp_path: Path, *, seq_param: str = ", seq_len=12", seq: str = "seq_len") -> str:
+    config = "type('C', (), {'max_seq_len': 32})()"
+    path = tmp_path / "seqmodel.py"
+    path.write_text(SEQ_MODULE.format(config=config, seq_param=seq_param, seq=seq))
+    return f"{path}:build"
+
+
+def _config(tmp_path: Path, settings: dict[str, Any], name: str = "config.json") -> Path:
+    folder = tmp_path / str(settings.get("model_type", "hf"))
+    folder.mkdir(exist_ok=True)
+    (folder / name).write_text(json.dumps(settings))
+    return folder
+
+
+def _on_meta(planned: PlannedModel) -> nn.Module:
+    with torch.device("meta"):
+        net = planned.build()
+    assert all(p.device.type == "meta" for p in net.parameters())
+    return net
+
+
+def _refused(match: str, **kwargs: Any) -> ConfigError:
+    with pytest.raises(ConfigError, match=match) as info:
+        resolve_model(**kwargs)
+    return info.value
+
+
+def test_no_model_named_plans_the_convnet_recipe_which_has_no_sequence() -> None:
+    planned = resolve_model(batch_size=7)
+    assert (planned.name, planned.batch_size, planned.seq_len) == ("convnet", 7, None)
+    assert planned.blocks == ("layer1", "layer2") and planned.tp_plan is None
+    inputs, targets = planned.example(3)
+    assert inputs.shape == (3, 1, 28, 28) and targets.shape == (3,)
+    net = _on_meta(planned)
+    assert isinstance(planned.optimizer(net.parameters()), torch.optim.SGD)
+    assert resolve_model("convnet").batch_size == 100
+
+
+def test_llama_8b_builds_on_meta_at_its_size_with_its_own_plan_and_sequence() -> None:
+    from scaletrain.train.models import LLAMA_TP_PLAN
+
+    planned = resolve_model("llama-8b")
+    net = _on_meta(planned)
+    assert sum(p.numel() for p in net.parameters()) == 8_030_261_248
+    assert (planned.seq_len, planned.batch_size) == (8192, 1)
+    assert planned.tp_plan == LLAMA_TP_PLAN
+    assert planned.blocks == tuple(f"layers.{i}" for i in range(32))
+    assert planned.example(1)[0].shape == (1, 8192)
+    shorter = resolve_model("llama-8b", seq_len=2048, batch_size=2)
+    inputs, targets = shorter.example(shorter.batch_size)
+    assert (shorter.seq_len, inputs.shape, targets.shape) == (2048, (2, 2048), (2, 2048))
+    assert inputs.dtype == torch.int64
+
+
+def test_a_recipes_sequence_is_refused_beyond_its_models_maximum() -> None:
+    err = _refused(r"seq_len=200000 is more than llama-8b takes: its config.max_seq_len is "
+                   r"131072\. Fix: seq_len=131072 or less", recipe="llama-8b", seq_len=200_000)  # fmt: skip
+    assert err.field == "seq_len"
+    _refused(r"more than gpt takes: its config.block_size is 64", recipe="gpt", seq_len=65)
+    assert resolve_model("gpt", seq_len=64).example(1)[0].shape == (1, 64)
+
+
+def test_a_model_module_with_a_sequence_takes_seq_len_through_its_example(
+    tmp_path: Path,
+) -> None:
+    spec = _module(tmp_path)
+    planned = resolve_model(model=spec)
+    assert (planned.name, planned.seq_len, planned.batch_size) == (spec, 12, 32)
+    assert planned.blocks == ("blocks.0", "blocks.1")
+    assert planned.tp_plan == {
+        f"blocks.{i}.{j}": style for i in (0, 1) for j, style in ((0, "colwise"), (2, "rowwise"))
+    }
+    net = _on_meta(planned)
+    out = net.to_empty(device="cpu")(planned.example(2)[0])
+    assert out.shape == (2, 12, 50) and planned.loss(out, planned.example(2)[1]).dim() == 0
+    longer = resolve_model(model=spec, seq_len=20)
+    assert longer.seq_len == 20 and longer.example(3)[0].shape == (3, 20)
+    _refused(r"more than .*seqmodel.py:build takes: its config.max_seq_len is 32",
+             model=spec, seq_len=33)  # fmt: skip
+
+
+def test_a_model_modules_example_without_seq_len_is_refused_with_the_fix(tmp_path: Path) -> None:
+    spec = _module(tmp_path, seq_param="", seq="9")
+    assert resolve_model(model=spec).seq_len == 9
+    err = _refused(r"seq_len=16: .*example\(batch_size\) takes no sequence length.*Fix: give it "
+                   r"one \(def example\(batch_size, seq_len=\.\.\.\)", model=spec, seq_len=16)  # fmt: skip
+    assert err.field == "seq_len"
+
+
+@pytest.mark.parametrize("kwargs", [{"recipe": "convnet"}, {"recipe": "wrn"}])
+def test_seq_len_is_refused_for_a_model_without_a_sequence(kwargs: dict[str, Any]) -> None:
+    err = _refused(r"seq_len=128 only applies to sequence models .*inputs are float32 of shape "
+                   r"\(1, 1, 28, 28\)\. Fix: leave out seq_len\.", seq_len=128, **kwargs)  # fmt: skip
+    assert err.field == "seq_len"
+    use_cli_names()
+    _refused(r"^--seq-len 128 only applies to sequence models.*Fix: leave out --seq-len\.$",
+             seq_len=128, **kwargs)  # fmt: skip
+
+
+def test_a_llama_config_json_builds_on_meta_in_fp32_with_its_declared_plan(
+    tmp_path: Path,
+) -> None:
+    folder = _config(tmp_path, LLAMA)
+    planned = resolve_model(model=str(folder / "config.json"))
+    assert planned.name == f"LlamaForCausalLM ({folder / 'config.json'})"
+    net = _on_meta(planned)
+    assert {p.dtype for p in net.parameters()} == {torch.float32}
+    assert not net.config.use_cache
+    assert (planned.seq_len, planned.batch_size) == (48, 1)  # max_position_embeddings
+    assert planned.blocks == ("model.layers.0", "model.layers.1")
+    declared = net.config.base_model_tp_plan
+    assert planned.tp_plan == {f"model.{k}": v for k, v in declared.items()}
+    inputs, targets = planned.example(2)
+    assert inputs.shape == targets.shape == (2, 48) and inputs.dtype == torch.int64
+    assert int(inputs.max()) < 64 and torch.equal(inputs[:, 1:], targets[:, :-1])
+    real = planned.build()
+    loss = planned.loss(real(inputs), targets)  # a ModelOutput: its logits
+    assert loss.dim() == 0 and 3.0 < loss.item() < 5.5  # about log(64) at random weights
+    assert resolve_model(model=str(folder), seq_len=10).example(1)[0].shape == (1, 10)
+
+
+def test_other_architectures_resolve_from_a_directory_or_architectures_alone(
+    tmp_path: Path,
+) -> None:
+    qwen = {**LLAMA, "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}
+    qwen["max_position_embeddings"] = 32768
+    planned = resolve_model(model=str(_config(tmp_path, qwen)))
+    assert planned.name.startswith("Qwen2ForCausalLM (") and planned.seq_len == 4096
+    assert planned.tp_plan is not None and planned.tp_plan["model.layers.*.mlp.down_proj"] == (
+        "rowwise"
+    )
+    _on_meta(planned)
+    # No model_type: the architecture names it. GPT-2's Conv1D layers give no plan.
+    gpt2 = {"architectures": ["GPT2LMHeadModel"], "vocab_size": 64, "n_embd": 32,
+            "n_layer": 3, "n_head": 4, "n_positions": 40, "bos_token_id": 0, "eos_token_id": 0}  # fmt: skip
+    planned = resolve_model(model=str(_config(tmp_path, gpt2)), seq_len=16)
+    assert planned.name.startswith("GPT2LMHeadModel") and planned.tp_plan is None
+    assert planned.blocks == ("transformer.h.0", "transformer.h.1", "transformer.h.2")
+    assert type(_on_meta(planned)).__name__ == "GPT2LMHeadModel"
+    assert planned.example(4)[0].shape == (4, 16)
+    _refused(r"seq_len=41 is more than GPT2LMHeadModel .* its config.max_position_embeddings "
+             r"is 40", model=str(tmp_path / "hf"), seq_len=41)  # fmt: skip
+
+
+def test_both_a_recipe_and_a_model_are_refused_in_the_callers_words(tmp_path: Path) -> None:
+    err = _refused(r"^recipe='gpt' and model='x.py:build' both name the model\. Fix: give one",
+                   recipe="gpt", model="x.py:build")  # fmt: skip
+    assert err.field == "model"
+    use_cli_names()
+    _refused(r"^--recipe gpt and --model x.py:build both", recipe="gpt", model="x.py:build")
+
+
+def test_an_unknown_recipe_is_refused_with_the_near_name() -> None:
+    err = _refused(r"recipe='lama-8b' is not known; .*Fix: recipe='llama-8b'", recipe="lama-8b")
+    assert err.field == "recipe"
+
+
+@pytest.mark.parametrize("field", ["seq_len", "batch_size"])
+@pytest.mark.parametrize("value", [0, -3])
+def test_sizes_that_are_not_positive_are_refused(field: str, value: int) -> None:
+    err = _refused(rf"^{field}={value}: expected a positive whole number\. Fix: {field}=1",
+                   recipe="llama", **{field: value})  # fmt: skip
+    assert err.field == field
+
+
+def test_a_missing_config_json_is_refused(tmp_path: Path) -> None:
+    missing = tmp_path / "nowhere" / "config.json"
+    err = _refused(rf"model='{missing}': no file {missing}\. Fix: the path of a Hugging Face "
+                   "config.json", model=str(missing))  # fmt: skip
+    assert err.field == "model"
+    (tmp_path / "empty").mkdir()
+    _refused(rf"no file {tmp_path / 'empty' / 'config.json'}", model=str(tmp_path / "empty"))
+
+
+def test_a_config_json_that_is_not_json_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "config.json"
+    path.write_text("{model_type: llama")
+    _refused(rf"model='{path}': {path} is not JSON \(.*\)\. Fix: the config.json", model=str(path))
+
+
+@pytest.mark.parametrize(
+    ("settings", "match"),
+    [
+        (
+            {"model_type": "lama", **TINY},
+            r"its model_type is 'lama' .* does not know \(did it mean llama\b.*\)\.",
+        ),
+        (TINY, r"it names no model_type and its architectures are none, .* does not know\."),
+        (
+            {**TINY, "architectures": ["NoSuchForCausalLM"]},
+            r"architectures are \['NoSuchForCausalLM'\], .* does not know\.",
+        ),
+    ],
+)
+def test_a_config_json_transformers_does_not_know_is_refused(
+    tmp_path: Path, settings: dict[str, Any], match: str
+) -> None:
+    folder = _config(tmp_path, settings)
+    err = _refused(match + r" Fix: a config.json whose model_type", model=str(folder))
+    assert err.field == "model"
+
+
+def test_a_config_json_of_no_causal_language_model_is_refused(tmp_path: Path) -> None:
+    folder = _config(tmp_path, {"model_type": "vit", "hidden_size": 32})
+    _refused(r"builds no causal language model for model_type 'vit'.*Fix: plan it as a model "
+             r"module \(MODULE:NAME\)", model=str(folder))  # fmt: skip
+
+
+def test_a_config_json_whose_settings_transformers_refuses_says_which(tmp_path: Path) -> None:
+    folder = _config(tmp_path, {**LLAMA, "hidden_size": 30})
+    _refused(r"transformers refused .*config.json: .*hidden size \(30\) is not a multiple of "
+             r"the number of attention heads \(4\)\. Fix: that setting in the file\.$",
+             model=str(folder))  # fmt: skip
+
+
+def test_a_config_json_without_transformers_says_to_install_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = _config(tmp_path, LLAMA)
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    use_cli_names()
+    err = _refused(rf"^--model {folder} is a Hugging Face config, .* not installed\. Fix: pip "
+                   r"install transformers\.$", model=str(folder))  # fmt: skip
+    assert err.field == "model"
+
+
+def test_a_config_json_models_blocks_fall_back_to_its_no_split_modules(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import scaletrain.planner.models as models
+
+    monkeypatch.setattr(models, "auto_wrap_targets", lambda net: [])
+    planned = resolve_model(model=str(_config(tmp_path, LLAMA)))
+    assert planned.blocks == ("model.layers.0", "model.layers.1")  # LlamaDecoderLayer
