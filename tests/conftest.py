@@ -49,26 +49,9 @@ def _no_leaked_process_group() -> Iterator[None]:
 
 @pytest.fixture(autouse=True)
 def _tmpdir_for_error_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Failed spawns leave pytorch-errorfile-*.pickle in TMPDIR (NOTES.md): keep them here.
+    # Failed spawns leave pytorch-errorfile-*.pickle in TMPDIR (torch's elastic agent
+    # writes them there): keep them here.
     monkeypatch.setenv("TMPDIR", str(tmp_path))
-
-
-@pytest.fixture(autouse=True)
-def _plans_measure_the_cpu_outside_gpu_tests(
-    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # On a GPU machine `scaletrain plan` measures the GPU and refuses several devices;
-    # the planner's CPU tests (Gloo processes) then measure the CPU there as on CI.
-    if "gpu" in request.keywords:
-        return
-    import torch
-
-    if torch.cuda.is_available():
-        import scaletrain.plan.api
-
-        monkeypatch.setattr(
-            scaletrain.plan.api, "measuring_device", lambda hardware, device=None: None
-        )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -274,8 +274,8 @@ def test_eval_runs_without_checkpointing(monkeypatch: pytest.MonkeyPatch) -> Non
 def test_the_planner_profiles_each_checkpointing_mode() -> None:
     """The plan profiles the model with its blocks checkpointed: activation memory
     falls (most under full), and full's recomputed forward costs compute time."""
-    from scaletrain.plan.layouts import Layout
-    from scaletrain.train.planning import plan
+    from scaletrain.planner.api import plan
+    from scaletrain.planner.layout import Layout
 
     rows = {
         ac: plan("gpt", devices=2, hardware="h100-sxm", ac=ac, layouts=[Layout("fsdp", dp=2)]).rows[
