@@ -1,7 +1,8 @@
 """Real Gloo ranks: a pipeline trains and predicts exactly like one process on the whole batch.
 
 ONE spawned job at world size 2 runs every case (GPT and ConvNet under GPipe, 1F1B
-and Interleaved 1F1B, plus SplitNet for accumulation and errors); the tests below
+and Interleaved 1F1B, a model with its blocks in a nested nn.Sequential, plus SplitNet
+for accumulation and errors); the tests below
 assert on its results. Each case takes 3 SGD (momentum) steps on global batches of
 8, 8 and 4 samples (the smaller last batch makes the stages rebuild for the new
 microbatch shape), then predicts batches of 7 and 3 samples in eval mode (padding,
@@ -18,6 +19,7 @@ from torch import nn
 
 from scaletrain.testing import run_ranks
 from scaletrain.train.models import GPT, ConvNet, GPTConfig, SplitNet
+from tests.trunk import IN_FEATURES, OUT_FEATURES, TrunkNet
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -35,6 +37,8 @@ CASES: list[tuple[str, str, Any, tuple[str, ...]]] = [
     ("gpt", "interleaved-1f1b", None, ("blocks.1", "blocks.2", "blocks.3")),  # 4 over 2 ranks
     ("convnet", "gpipe", ["layer2"], ("layer2",)),  # split by name
     ("convnet", "1f1b", 2, ("fc",)),  # balanced: layer1+layer2 13,344 | fc 15,690 params
+    # Blocks in a nested nn.Sequential (model.trunk): embed+2 blocks 784 | 2 blocks+head 693.
+    ("trunk", "1f1b", None, ("trunk.2",)),
 ]
 
 
@@ -48,6 +52,8 @@ def _model(kind: str) -> nn.Module:
         return GPT(GPT_CONFIG)
     if kind == "convnet":
         return ConvNet()
+    if kind == "trunk":
+        return TrunkNet()
     return SplitNet()
 
 
@@ -58,6 +64,9 @@ def _inputs(kind: str, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.randint(0, v, (n, t), generator=g), torch.randint(0, v, (n, t), generator=g)
     if kind == "convnet":
         return torch.randn(n, 1, 28, 28, generator=g), torch.randint(0, 10, (n,), generator=g)
+    if kind == "trunk":
+        x = torch.randn(n, IN_FEATURES, generator=g)
+        return x, torch.randint(0, OUT_FEATURES, (n,), generator=g)
     return torch.randn(n, 10, generator=g), torch.randint(0, 5, (n,), generator=g)
 
 
@@ -219,10 +228,11 @@ def test_pipeline_matches_one_process_on_the_global_batch(job: Any, case: Any) -
         for name, value in ref["state"].items():
             assert torch.equal(full[name], value), name
     else:
-        # float32, GPT against ONE forward over the whole batch: the pipeline's loss is
-        # the mean of the microbatch means (equal sizes, so the same number) and its
-        # gradients are summed over microbatches, both in another order. Measured after
-        # 3 momentum steps: losses to 1.2e-7 relative, weights to 7.5e-9 absolute.
+        # float32, GPT and TrunkNet against ONE forward over the whole batch: the
+        # pipeline's loss is the mean of the microbatch means (equal sizes, so the same
+        # number) and its gradients are summed over microbatches, both in another order.
+        # Measured on GPT after 3 momentum steps: losses to 1.2e-7 relative, weights to
+        # 7.5e-9 absolute.
         for r in got:
             assert r["losses"] == pytest.approx(ref["losses"], rel=1e-6)
         for name, value in ref["state"].items():
@@ -247,6 +257,14 @@ def test_predict_gives_the_full_models_outputs_on_every_rank(job: Any, case: Any
                 torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
     for a, b in zip(job[0]["cases"][_case_id(case)]["outputs"], job[1]["cases"][_case_id(case)]["outputs"], strict=True):  # fmt: skip
         assert torch.equal(a, b), "every rank gets the last stage's exact outputs"
+
+
+def test_each_stage_trains_blocks_of_a_nested_sequential(job: Any) -> None:
+    # The blocks sit in model.trunk, an nn.Sequential beside embed and head: each stage
+    # gets two of them, where one stage used to get all four.
+    held = [r["cases"]["trunk-1f1b"]["params"] for r in job]
+    blocks = [sorted({n.split(".")[1] for n in names if n.startswith("trunk.")}) for names in held]
+    assert blocks == [["0", "1"], ["2", "3"]]
 
 
 def test_all_stages_of_a_replica_read_the_same_data(job: Any) -> None:

@@ -38,6 +38,7 @@ from scaletrain.strategies.model_parallel import (
     resolve_device_map,
 )
 from scaletrain.train.models import GPT, GPTConfig, SplitNet
+from tests.trunk import IN_FEATURES, TrunkNet
 
 CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="tests the no-GPU behaviour")
 
@@ -185,6 +186,22 @@ def test_auto_descends_into_a_single_wrapper_and_handles_no_parameters() -> None
     assert auto_device_map(nn.Linear(2, 2), ["a", "b"]) == {}
     with pytest.raises(st.ConfigError, match="at least one device"):
         auto_device_map(SplitNet(), [])
+
+
+def test_auto_shares_out_the_blocks_of_a_nested_sequential() -> None:
+    # The blocks sit in model.trunk, an nn.Sequential beside embed and head: they are
+    # split between the devices (not all of them with the head on one).
+    model = TrunkNet()
+    assert auto_device_map(model, ["a", "b"]) == {
+        "embed": "a", "trunk.0": "a", "trunk.1": "a", "trunk.2": "b", "trunk.3": "b", "head": "b",
+    }  # fmt: skip
+    # Placed for real over two devices ("meta" stands in for a second one without GPUs):
+    # each block's tensors go to its device and the activation crosses at trunk.2.
+    placement = place_module(model, "auto", devices=["cpu", "meta"])
+    assert model.trunk[1].fc.weight.device.type == "cpu"
+    assert model.trunk[2].fc.weight.device.type == model.head.weight.device.type == "meta"
+    assert "trunk.2" in placement.hooked
+    assert model(torch.ones(3, IN_FEATURES)).device.type == "meta"
 
 
 def test_auto_counts_a_tied_weight_once() -> None:

@@ -19,6 +19,7 @@ from scaletrain.strategies.pipeline import (
     pipeline_layers,
 )
 from scaletrain.train.models import GPT, ConvNet, GPTConfig, SplitNet
+from tests.trunk import TrunkNet
 
 SMALL_GPT = GPTConfig(n_layer=4, n_embd=32, n_head=4, vocab_size=64, block_size=16)
 
@@ -141,7 +142,7 @@ def test_validate_runs_before_the_process_group() -> None:
 
 
 # -- splitting ------------------------------------------------------------------------
-def test_layers_are_top_level_children_with_modulelist_entries() -> None:
+def test_layers_are_top_level_children_with_container_entries() -> None:
     block = 4 * (32 * 32 + 32) + 2 * 64 + (32 * 128 + 128) + (128 * 32 + 32)
     assert pipeline_layers(GPT(SMALL_GPT)) == [
         ("tok_emb", 64 * 32),
@@ -150,7 +151,11 @@ def test_layers_are_top_level_children_with_modulelist_entries() -> None:
         ("ln_f", 64),
         ("head", 64 * 32),
     ]
-    assert pipeline_layers(ConvNet()) == [("layer1", 448), ("layer2", 12896), ("fc", 15690)]
+    # layer1 and layer2 are nn.Sequential: their entries are layers (BatchNorm's affine
+    # weights make it one; ReLU and pooling join it).
+    assert pipeline_layers(ConvNet()) == [
+        ("layer1.0", 416), ("layer1.1", 32), ("layer2.0", 12832), ("layer2.1", 64), ("fc", 15690),
+    ]  # fmt: skip
     assert [n for n, _ in pipeline_layers(SplitNet())] == ["sub_net1", "sub_net2"]
 
 
@@ -170,8 +175,9 @@ def test_balance_minimises_the_largest_stage() -> None:
         (lambda: GPT(SMALL_GPT), 4, 2, ("blocks.1", "blocks.2", "blocks.3")),
         (lambda: GPT(SMALL_GPT), None, 4, ("blocks.1", "blocks.2", "blocks.3")),
         (ConvNet, 2, 2, ("fc",)),
-        (ConvNet, 3, 3, ("layer2", "fc")),
+        (ConvNet, 3, 3, ("layer2.0", "fc")),
         (SplitNet, None, 2, ("sub_net2",)),
+        (TrunkNet, None, 2, ("trunk.2",)),  # blocks in a nested nn.Sequential, shared out
         (ConvNet, ["layer1.3", "fc"], 3, ("layer1.3", "fc")),  # by name, inside a layer
     ],
 )
@@ -181,10 +187,10 @@ def test_split_points(model: Any, stages: Any, pp: int, split: tuple[str, ...]) 
 
 def test_more_stages_than_layers() -> None:
     with pytest.raises(ConfigError) as info:
-        Pipeline(stages=4, schedule="interleaved-1f1b").split_points(ConvNet(), 2)
+        Pipeline(stages=6, schedule="interleaved-1f1b").split_points(ConvNet(), 3)
     msg = str(info.value)
-    assert msg.startswith("a pipeline with more stages than layers: 4 stages")
-    assert "ConvNet has only 3 layer(s) to share out (layer1, layer2, fc" in msg
+    assert msg.startswith("a pipeline with more stages than layers: 6 stages")
+    assert "ConvNet has only 5 layer(s) to share out (layer1.0, layer1.1, layer2.0, " in msg
     assert "Fix: fewer stages" in msg and "stages=['layer1.2', 'layer2']" in msg
 
 

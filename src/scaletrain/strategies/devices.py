@@ -36,9 +36,10 @@ _LOCAL = re.compile(r"^local:(\d+)$")
 def auto_device_map(model: nn.Module, devices: Sequence[str]) -> dict[str, str]:
     """A contiguous split of the model's layers over `devices`, balanced by parameter count.
 
-    Layers and the balance are scaletrain.strategies.partition's, the same as pipeline stages': the
-    top-level children (a ModuleList's entries counted one by one, a single wrapping
-    child opened) in registration order, cut so that the device holding the most
+    Layers and the balance are scaletrain.strategies.partition's, the same as pipeline
+    stages': the top-level children (ModuleList, ModuleDict and nn.Sequential entries
+    counted one by one at any depth, a single wrapping child opened) in registration
+    order, under their qualified names ("trunk.3"), cut so that the device holding the most
     parameters holds as few as possible, ties going to the most even split. A layer
     never straddles two devices; with more devices than layers the first ones are
     used. Modules without parameters stay with the layer before them (the first

@@ -3,12 +3,16 @@
 One rule for every strategy that cuts a model into consecutive parts: pipeline
 stages (`Pipeline(stages=N)`) and the devices of `device_map="auto"`.
 
-Layers are the model's top-level children in registration order, ModuleList /
-ModuleDict entries counted one by one, and a model that is one child wrapping
-everything is opened (else there would be a single layer). A child without
-parameters (dropout, an activation) joins the layer before it, so no part begins
-with one; those before the first layer join the first. A parameter shared by two
-layers is counted once, in the first.
+Layers are the model's top-level children in registration order, with every
+container among them opened into its entries, at any depth: a ModuleList or
+ModuleDict (never called itself) and an nn.Sequential (which calls its entries in
+order, one's output the next one's input, so a cut between two of them is a valid
+boundary). A subclass of nn.Sequential with its own forward, or any other module,
+is not opened: its forward may do anything between its children. A model that is
+one child wrapping everything is opened too (else there would be a single layer).
+A child without parameters (dropout, an activation) joins the layer before it, so
+no part begins with one; those before the first layer join the first. A parameter
+shared by two layers is counted once, in the first.
 
 The parts are contiguous and the largest is as small as it can be; among cuts
 with that largest part, the most even one (least sum of squared sizes) wins.
@@ -27,6 +31,7 @@ from scaletrain.errors import ConfigError
 __all__ = ["Layer", "balance_stages", "list_layers", "list_units", "split_layers"]
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict)
+"""Containers that are never called: the parent's forward calls their entries."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,24 +49,37 @@ class Layer:
 def list_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The modules a model may be cut between, with or without parameters, in order.
 
-    A ModuleList/ModuleDict is never called itself, so its entries are the units
-    (GPT's `blocks.0`, `blocks.1`, ...). A model that is one child wrapping
-    everything is opened too. A model without children has no units.
+    Containers are opened into their entries at any depth (module docstring): GPT's
+    `blocks.0`, `blocks.1`, ...; `trunk.0`, `trunk.1`, ... for blocks in a nested
+    nn.Sequential. A model that is one child wrapping everything is opened too. A
+    model without children has no units.
     """
     units: list[tuple[str, nn.Module]] = [("", model)]
     while len(units) == 1:
-        prefix, only = units[0]
-        children = list(only.named_children())
-        if not children:
+        entries = _entries(*units[0])
+        if not entries:
             break
-        units = []
-        for name, child in children:
-            qualified = f"{prefix}.{name}" if prefix else name
-            if isinstance(child, _CONTAINERS):
-                units.extend((f"{qualified}.{n}", c) for n, c in child.named_children())
-            else:
-                units.append((qualified, child))
+        units = entries
     return [u for u in units if u[0]]
+
+
+def _opens(module: nn.Module) -> bool:
+    """A container whose entries are the units: never called, or called in order."""
+    if isinstance(module, _CONTAINERS):
+        return True
+    return isinstance(module, nn.Sequential) and type(module).forward is nn.Sequential.forward
+
+
+def _entries(prefix: str, module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """`module`'s children by qualified name, each container among them opened."""
+    entries: list[tuple[str, nn.Module]] = []
+    for name, child in module.named_children():
+        qualified = f"{prefix}.{name}" if prefix else name
+        if _opens(child):
+            entries.extend(_entries(qualified, child))
+        else:
+            entries.append((qualified, child))
+    return entries
 
 
 def list_layers(model: nn.Module) -> list[Layer]:

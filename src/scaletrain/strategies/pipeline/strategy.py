@@ -168,9 +168,9 @@ class Pipeline(Strategy):
                 f"({_describe_stages(self.stages)} over {pp_size} rank(s), schedule="
                 f"{self.schedule!r}), but {type(model).__name__} has only {len(layers)} "
                 f"layer(s) to share out ({names}: its top-level children that hold parameters, "
-                "ModuleList entries counted one by one). Fix: fewer stages (or fewer pipeline "
-                "ranks), or name the split points to cut inside a layer, e.g. "
-                "Pipeline(stages=['layer1.2', 'layer2'])."
+                "ModuleList and nn.Sequential entries counted one by one). Fix: fewer stages "
+                "(or fewer pipeline ranks), or name the split points to cut inside a layer, "
+                "e.g. Pipeline(stages=['layer1.2', 'layer2'])."
             )
         cut = balance_stages([size for _, size in layers], n)
         return tuple(layers[i][0] for i in cut)
