@@ -212,6 +212,50 @@ def test_a_links_time_uses_each_collectives_bus_factor() -> None:
     assert measured.time("all_reduce", 1e9, 2) == pytest.approx(1e-5 + 1)
 
 
+def test_a_calibration_fit_recovers_alpha_and_bandwidth() -> None:
+    from scaletrain.planner.calibrate import fit
+
+    sizes = [4096 * 4**i for i in range(7)]
+    exact = [(b, 50e-6 + 2 * 3 / 4 * b / 2e9) for b in sizes]
+    alpha, bandwidth = fit("all_reduce", 4, exact)
+    assert alpha == pytest.approx(50e-6) and bandwidth == pytest.approx(2e9)
+    # Small messages faster than the line (a protocol switch): alpha stays positive.
+    bent = [(b, t * (0.3 if b < 65536 else 1.0)) for b, t in exact]
+    alpha, bandwidth = fit("all_reduce", 4, bent)
+    assert alpha > 0 and bandwidth > 0
+    # No growth with size at all (noise): still a positive, finite pair.
+    flat = [(b, 1e-4) for b in sizes]
+    alpha, bandwidth = fit("send", 2, flat)
+    assert alpha > 0 and 0 < bandwidth < float("inf")
+
+
+def test_calibrate_refuses_before_it_measures(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import scaletrain.planner.calibrate as calibration
+
+    def no_measuring(*args: object, **kwargs: object) -> None:
+        raise AssertionError("measured before refusing")
+
+    monkeypatch.setattr(calibration, "_matmul_flops", no_measuring)
+    monkeypatch.setattr(calibration, "sweep", no_measuring)
+    saved = tmp_path / "cpu.toml"
+    saved.write_text("# saved\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match="exists already"):
+        calibration.calibrate(saved, device="cpu")
+    assert saved.read_text(encoding="utf-8") == "# saved\n"
+    with pytest.raises(ConfigError, match="processes=0 is not a number of processes"):
+        calibration.calibrate(tmp_path / "new.toml", device="cpu", processes=0)
+    with pytest.raises(ConfigError, match="device='tpu' is not a device to calibrate"):
+        calibration.calibrate(tmp_path / "new.toml", device="tpu")
+    import torch
+
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="no CUDA GPU"):
+            calibration.calibrate(tmp_path / "new.toml", device="cuda")
+    assert not (tmp_path / "new.toml").exists()
+
+
 def test_the_hardware_files_ship_in_the_wheel() -> None:
     pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
     config = tomllib.loads(pyproject.read_text(encoding="utf-8"))
