@@ -48,7 +48,7 @@ def test_cuda_ledger_never_synchronises_and_its_phases_add_up(tmp_path: Path) ->
     mfu = run.summary["mfu"]
     assert mfu["measured"] is not None and mfu["error"] is None
     name = torch.cuda.get_device_name()
-    from scaletrain.observe.flops import datasheet_peak
+    from scaletrain.hardware import datasheet_peak
 
     if datasheet_peak(name, run.summary["peak"]["dtype"]) is not None:
         assert mfu["datasheet"] is not None and 0 < mfu["datasheet"] < 1

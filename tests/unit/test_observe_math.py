@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from scaletrain.observe.flops import compute_mfu, datasheet_peak, measure_peak
+from scaletrain.hardware import datasheet_peak
+from scaletrain.observe.flops import compute_mfu, measure_peak
 from scaletrain.observe.overlap import intersection_length, overlap_stats, union
 from scaletrain.observe.phases import COMM, DATA, FORWARD, PHASES
 from scaletrain.observe.stragglers import StragglerDetector

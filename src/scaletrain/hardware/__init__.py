@@ -6,80 +6,32 @@ their elementwise kernels reach, the time one kernel launch costs, and two links
 (between the devices of a node, and between nodes) as alpha-beta models. The shipped
 profiles are TOML files in this package, each naming its sources; `scaletrain plan
 --calibrate FILE` measures this machine and writes one; `--hardware NAME|FILE`
-reads one. The ledger's MFU takes its datasheet peaks from the same files
-(`datasheet_peak`), so a plan's MFU and a run's are one number.
+reads one (`load`). The datasheet peaks are one table, devices.toml: the profiles
+name their device's entry, and the ledger's MFU reads it too (`datasheet_peak`), so
+a plan's MFU and a run's are one number.
 
 Dtype names are the matmul dtypes: "fp32", "tf32", "bf16", "fp16", "fp8".
+
+This package imports nothing of scaletrain but its errors: everything may read it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from scaletrain.hardware.datasheet import Datasheet, datasheet, datasheet_peak, datasheets
+from scaletrain.hardware.files import load, shipped, write
+from scaletrain.hardware.spec import COLLECTIVES, DTYPES, Hardware, Link, bus_factor
 
-__all__ = ["COLLECTIVES", "DTYPES", "Hardware", "Link"]
-
-DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send")
-
-
-@dataclass(frozen=True, slots=True)
-class Link:
-    """An alpha-beta link: a collective of `nbytes` over n ranks takes
-    alpha + factor(kind, n) * nbytes / bandwidth seconds, `bandwidth` being the bus
-    bandwidth in bytes/s (NCCL's tests' convention, the same at every n): factor is
-    2(n-1)/n for an all-reduce, (n-1)/n for an all-gather or a reduce-scatter (nbytes:
-    the whole tensor), 1 for a broadcast or a send. `collectives` holds a measured
-    (alpha, bandwidth) per collective where a calibration fitted one."""
-
-    alpha: float
-    bandwidth: float
-    collectives: dict[str, tuple[float, float]] = field(default_factory=dict)
-
-    def time(self, kind: str, nbytes: float, n: int) -> float:
-        """Seconds of one `kind` collective of `nbytes` over `n` ranks (0 for n <= 1)."""
-        if n <= 1 or nbytes <= 0:
-            return 0.0
-        alpha, bandwidth = self.collectives.get(kind, (self.alpha, self.bandwidth))
-        factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n,
-                  "reduce_scatter": (n - 1) / n}.get(kind, 1.0)  # fmt: skip
-        return alpha + factor * nbytes / bandwidth
-
-
-@dataclass(frozen=True, slots=True)
-class Hardware:
-    """One node type (module docstring). Sizes in bytes, rates per second."""
-
-    name: str
-    description: str
-    device: str
-    """"cuda" or "cpu": the device type its ranks train on."""
-    memory: int
-    """Bytes of one device training may use (on a GPU its memory less the CUDA
-    context; on a CPU machine the node's memory, shared by its processes)."""
-    devices_per_node: int
-    peak_flops: dict[str, float]
-    """The datasheet's dense peak FLOP/s by dtype (empty where there is none: a CPU)."""
-    flops: dict[str, float]
-    """FLOP/s a training step's matmuls achieve, by dtype: measured by a calibration,
-    or `efficiency` of the peak in a datasheet profile."""
-    memory_bandwidth: float
-    """Bytes/s an elementwise kernel moves (reads plus writes)."""
-    launch: float
-    """Seconds one kernel costs at least (its launch and dispatch): the floor of a
-    small model's step."""
-    intra: Link
-    """Between the devices of one node."""
-    inter: Link
-    """Between nodes, per device (a node's network shared by its devices)."""
-    efficiency: float | None = None
-    """The fraction of the peak `flops` states, where a datasheet profile assumed it."""
-    sources: dict[str, str] = field(default_factory=dict)
-    """Where each figure comes from ("measured by scaletrain plan --calibrate ..." for
-    a calibration)."""
-    path: str | None = None
-    """The file it was read from."""
-
-    def matmul_flops(self, dtype: str) -> float:
-        """Achieved FLOP/s in `dtype`, falling back to fp32's (a CPU without bf16
-        kernels)."""
-        return self.flops.get(dtype) or self.flops["fp32"]
+__all__ = [
+    "COLLECTIVES",
+    "DTYPES",
+    "Datasheet",
+    "Hardware",
+    "Link",
+    "bus_factor",
+    "datasheet",
+    "datasheet_peak",
+    "datasheets",
+    "load",
+    "shipped",
+    "write",
+]

@@ -11,7 +11,8 @@
   while the device was busy: `forget_peak` drops it, and the next run measures again.
   (A CPU entry measured during other work had made every later 2-process run on this
   machine report 128-134% MFU.)
-- Datasheet peak: dense (not the "with sparsity" figure) for the GPUs in DATASHEET,
+- Datasheet peak: dense (not the "with sparsity" figure), from scaletrain.hardware's
+  one table of GPUs (devices.toml, which the planner's hardware profiles name too),
   matched by name. An unknown device has NO datasheet peak: MFU is then given against
   the measured one only. (torchtitan falls back to the A100's figure for unknown
   devices, which is how users have seen 563% MFU.)
@@ -21,9 +22,9 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
-import re
 import sys
 import tempfile
 import time
@@ -32,9 +33,9 @@ from pathlib import Path
 from typing import Any
 
 from scaletrain.cachedir import cache_dir
+from scaletrain.hardware import datasheet_peak
 
 __all__ = [
-    "DATASHEET",
     "FlopCounter",
     "Mfu",
     "attention_flops",
@@ -44,53 +45,6 @@ __all__ = [
     "measure_peak",
     "peak_dtype",
 ]
-
-_T = 1e12
-
-# Dense tensor-core/FP32 peaks in FLOP/s, from the vendors' datasheets (the "*with
-# sparsity" figures halved):
-#   A100: "NVIDIA A100 Tensor Core GPU" datasheet (SXM4 and PCIe: FP32 19.5, TF32 156,
-#     BF16/FP16 312 TFLOPS).
-#   H100: "NVIDIA H100 Tensor Core GPU" datasheet: SXM5 FP32 67, TF32 494.5, BF16/FP16
-#     989.5; PCIe FP32 51, TF32 378, BF16/FP16 756.5; NVL FP32 60, TF32 417.5,
-#     BF16/FP16 835.5 (TFLOPS).
-#   H200: "NVIDIA H200 Tensor Core GPU" datasheet: SXM as H100 SXM5; NVL as H100 NVL.
-#   V100: "NVIDIA Tesla V100 GPU Accelerator" datasheet: SXM2 FP32 15.7, tensor 125;
-#     PCIe FP32 14, tensor 112; V100S FP32 16.4, tensor 130 (no BF16).
-#   A10: "NVIDIA A10 Tensor Core GPU" datasheet: FP32 31.2, TF32 62.5, BF16/FP16 125.
-#   L4: "NVIDIA L4 Tensor Core GPU" datasheet: FP32 30.3, TF32 60, BF16/FP16 121.
-#   L40S: "NVIDIA L40S GPU" datasheet: FP32 91.6, TF32 183, BF16/FP16 362.05.
-#   T4: "NVIDIA T4 Tensor Core GPU" datasheet: FP32 8.1, FP16 65 (no BF16).
-_A100 = {"fp32": 19.5 * _T, "tf32": 156 * _T, "bf16": 312 * _T, "fp16": 312 * _T}
-_H100_SXM = {"fp32": 67 * _T, "tf32": 494.5 * _T, "bf16": 989.5 * _T, "fp16": 989.5 * _T}
-_H100_PCIE = {"fp32": 51 * _T, "tf32": 378 * _T, "bf16": 756.5 * _T, "fp16": 756.5 * _T}
-_H100_NVL = {"fp32": 60 * _T, "tf32": 417.5 * _T, "bf16": 835.5 * _T, "fp16": 835.5 * _T}
-DATASHEET: tuple[tuple[str, dict[str, float]], ...] = (
-    (r"h100.*nvl", _H100_NVL),
-    (r"h100.*pcie", _H100_PCIE),
-    (r"h100", _H100_SXM),
-    (r"h200.*nvl", _H100_NVL),
-    (r"h200", _H100_SXM),
-    (r"a100", _A100),
-    (r"v100s", {"fp32": 16.4 * _T, "fp16": 130 * _T}),
-    (r"v100.*pcie", {"fp32": 14 * _T, "fp16": 112 * _T}),
-    (r"v100", {"fp32": 15.7 * _T, "fp16": 125 * _T}),
-    (r"l40s", {"fp32": 91.6 * _T, "tf32": 183 * _T, "bf16": 362.05 * _T, "fp16": 362.05 * _T}),
-    (r"\bl4\b", {"fp32": 30.3 * _T, "tf32": 60 * _T, "bf16": 121 * _T, "fp16": 121 * _T}),
-    (r"\ba10\b", {"fp32": 31.2 * _T, "tf32": 62.5 * _T, "bf16": 125 * _T, "fp16": 125 * _T}),
-    (r"\bt4\b", {"fp32": 8.1 * _T, "fp16": 65 * _T}),
-)
-"""(regular expression on the lower-cased device name, peaks by dtype), first match wins."""
-
-
-def datasheet_peak(device_name: str, dtype: str) -> float | None:
-    """The datasheet's dense peak FLOP/s for `dtype` on this device; None if the device
-    is not in the table or the table has no such dtype for it (never another device's)."""
-    name = device_name.lower()
-    for pattern, peaks in DATASHEET:
-        if re.search(pattern, name):
-            return peaks.get(dtype)
-    return None
 
 
 def peak_dtype(precision: str, device_type: str) -> str:
@@ -146,12 +100,15 @@ def measure_peak(
     processes: int = 1,
     seconds: float = 0.3,
     cache: bool = True,
+    size: int | None = None,
 ) -> float:
     """FLOP/s of a square matmul in `dtype` on `device`, measured for ~`seconds` (cached).
 
     `processes`: ranks sharing this node, which run it at the same time (on CPU they
-    share the cores, and so they will while training)."""
-    key = _peak_key(device_name, dtype, processes)
+    share the cores, and so they will while training). `size`: the matrices' side
+    (default 4096 on a GPU, 512 on a CPU). "fp8" is torch._scaled_mm's e4m3 matmul
+    with a bf16 output (what float8 training's linears run), on a GPU that has one."""
+    key = _peak_key(device_name, dtype, processes) + (f"|n={size}" if size else "")
     path = _cache_file()
     known: dict[str, float] = {}
     if cache:
@@ -161,22 +118,30 @@ def measure_peak(
             return float(known[key])
     import torch
 
-    cuda = getattr(device, "type", "cpu") == "cuda"
+    cuda = torch.device(device).type == "cuda"
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.float32)
-    n = 4096 if cuda else 512
+    n = size or (4096 if cuda else 512)
     a = torch.randn(n, n, device=device, dtype=torch_dtype)
     b = torch.randn(n, n, device=device, dtype=torch_dtype)
+    mm: Any = torch.mm
+    if dtype == "fp8":
+        # _scaled_mm takes its second operand column-major, and a scale for each.
+        a, b = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t().contiguous().t()
+        one = torch.ones((), device=device, dtype=torch.float32)
+        mm = functools.partial(torch._scaled_mm, scale_a=one, scale_b=one,
+                               out_dtype=torch.bfloat16)  # fmt: skip
+
     previous_tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = dtype == "tf32"
     try:
         for _ in range(2):
-            torch.mm(a, b)
+            mm(a, b)
         if cuda:
             torch.cuda.synchronize(device)
         iters, start = 0, time.perf_counter()
         while True:
             for _ in range(4):
-                torch.mm(a, b)
+                mm(a, b)
             iters += 4
             if cuda:
                 torch.cuda.synchronize(device)

@@ -1,0 +1,448 @@
+"""Hardware files: TOML, read (`load`) and written (`write`).
+
+A file holds one node type; units are bytes, seconds and FLOP/s:
+
+    name = "h100-sxm"              # optional: the file's name without .toml
+    description = "..."
+    device = "cuda"                # or "cpu"
+    memory = 83860000000           # bytes one device may use
+    devices_per_node = 8
+    peaks = "h100-sxm"             # optional: the devices.toml entry of its datasheet
+    efficiency = 0.55              # optional: flops = efficiency x the peaks
+    memory_bandwidth = 2.345e12    # bytes/s an elementwise kernel moves
+    launch = 5e-6                  # seconds one kernel costs at least
+    [flops]                        # achieved FLOP/s by dtype (else efficiency x peaks)
+    [peak_flops]                   # a device devices.toml lacks: its datasheet's peaks
+    [intra]                        # alpha (s) and bandwidth (bus bytes/s) in a node,
+    [intra.collectives.all_reduce] #   and per collective where one was measured
+    [inter]                        # the same between nodes, per device
+    [sources]                      # where each figure comes from
+
+Every field is checked: a file with one missing, mistyped or unknown is refused
+naming the file and the field, before any plan is made from it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+import sys
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from scaletrain.errors import ConfigError, closest, near_fix, spell
+from scaletrain.hardware.datasheet import datasheets
+from scaletrain.hardware.spec import COLLECTIVES, DTYPES, Hardware, Link
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover: Python 3.10 (tomli is tomllib's source)
+    import tomli as tomllib
+
+__all__ = ["PROFILES_DIR", "load", "shipped", "write"]
+
+PROFILES_DIR = Path(__file__).parent
+"""Where the shipped profiles are: every .toml file here but devices.toml."""
+
+_KEYS = (
+    "name", "description", "device", "memory", "devices_per_node", "peaks", "efficiency",
+    "memory_bandwidth", "launch", "flops", "peak_flops", "intra", "inter", "sources",
+)  # fmt: skip
+_DEVICES = ("cuda", "cpu")
+
+
+def shipped() -> list[str]:
+    """The names of the profiles scaletrain ships (`load` takes them), sorted."""
+    return sorted(p.stem for p in PROFILES_DIR.glob("*.toml") if p.name != "devices.toml")
+
+
+def _refuse(where: str, problem: str, fix: str) -> ConfigError:
+    return ConfigError(f"{where}: {problem}. Fix: {fix}.", field="hardware")
+
+
+def load(name_or_path: str | os.PathLike[str]) -> Hardware:
+    """The hardware a shipped profile's name (`shipped()`) or a .toml file names."""
+    value = os.fspath(name_or_path)
+    names = shipped()
+    if value in names:
+        path = PROFILES_DIR / f"{value}.toml"
+    else:
+        path = Path(value).expanduser()
+        looks_like_a_path = os.sep in value or value.endswith(".toml") or path.exists()
+        if not looks_like_a_path:
+            raise ConfigError(
+                f"{spell('hardware', value)} is neither a shipped hardware profile nor a "
+                f"file; expected one of {', '.join(names)}, or the path of a .toml "
+                "hardware file (`scaletrain plan --calibrate FILE` writes one for this "
+                "machine)." + near_fix("hardware", value, names),
+                field="hardware",
+            )
+    where = spell("hardware", value)
+    try:
+        with path.open("rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise _refuse(
+            where,
+            f"there is no file {path}",
+            f"give the path of a hardware file, or one of the shipped profiles "
+            f"({', '.join(names)})",
+        ) from None
+    except IsADirectoryError:
+        raise _refuse(where, f"{path} is a directory", "give a .toml hardware file") from None
+    except OSError as exc:
+        raise _refuse(where, f"cannot read {path}: {exc.strerror or exc}", "check it") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise _refuse(where, f"{path} is not valid TOML ({exc})", "correct that line") from None
+    return _parse(data, path, f"{where} ({path})" if str(path) != value else where)
+
+
+class _Fields:
+    """Reads one table's fields, refusing each wrong one in the file's own terms."""
+
+    def __init__(self, data: Mapping[str, Any], where: str, table: str = "") -> None:
+        self.data, self.where, self.table = data, where, table
+
+    def _name(self, key: str) -> str:
+        return f"{self.table}.{key}" if self.table else key
+
+    def wrong(self, key: str, expected: str, example: str) -> ConfigError:
+        """`example`: a line (`memory = 8e10`), or a phrase that quotes its own (a table)."""
+        name = self._name(key)
+        shown = example if "`" in example else f"`{example}`"
+        if key not in self.data:
+            return _refuse(self.where, f"`{name}` is missing; expected {expected}", f"add {shown}")
+        return _refuse(
+            self.where, f"`{name} = {self.data[key]!r}` is not {expected}", f"write it as {shown}"
+        )
+
+    def number(
+        self,
+        key: str,
+        expected: str,
+        example: str,
+        *,
+        positive: bool = True,
+        most: float = math.inf,
+    ) -> float:
+        value: Any = self.data.get(key)
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        if ok and not (math.isfinite(value) and (value > 0 if positive else value >= 0)):
+            ok = False
+        if not ok or value > most:
+            raise self.wrong(key, expected, example)
+        return float(value)
+
+    def integer(self, key: str, expected: str, example: str) -> int:
+        value: Any = self.data.get(key)
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)  # memory = 80e9
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise self.wrong(key, expected, example)
+        return value
+
+    def text(self, key: str, expected: str, example: str, choices: tuple[str, ...] = ()) -> str:
+        value = self.data.get(key)
+        if not isinstance(value, str) or not value or (choices and value not in choices):
+            raise self.wrong(key, expected, example)
+        return value
+
+    def table_of(self, key: str, expected: str, example: str) -> dict[str, Any]:
+        value = self.data.get(key, {})
+        if not isinstance(value, dict):
+            raise self.wrong(key, expected, example)
+        return value
+
+    def only(self, allowed: tuple[str, ...], what: str) -> None:
+        for key in self.data:
+            if key not in allowed:
+                near = closest(key, allowed)
+                raise _refuse(
+                    self.where,
+                    f"`{self._name(key)}` is not a field of {what}; expected {', '.join(allowed)}",
+                    f"write it as `{self._name(near[0])}`" if near else "remove it",
+                )
+
+
+def _rates(fields: _Fields, key: str, what: str) -> dict[str, float]:
+    """A [flops] or [peak_flops] table: positive FLOP/s by dtype."""
+    table = fields.table_of(
+        key, f"a table of {what} by dtype", f"a `[{key}]` table with lines such as `fp32 = 6.7e13`"
+    )
+    rates = _Fields(table, fields.where, key)
+    rates.only(DTYPES, f"[{key}] (dtypes)")
+    return {d: rates.number(d, f"{what} (a positive number)", f"{d} = 6.7e13") for d in table}
+
+
+def _link(fields: _Fields, key: str) -> Link:
+    if not isinstance(fields.data.get(key), dict):
+        raise fields.wrong(
+            key,
+            "a table with alpha and bandwidth",
+            f"an `[{key}]` table with `alpha = 1e-5` and `bandwidth = 5e10`",
+        )
+    link = _Fields(fields.data[key], fields.where, key)
+    link.only(("alpha", "bandwidth", "collectives"), f"[{key}]")
+    alpha = link.number(
+        "alpha", "seconds per message (a number >= 0)", "alpha = 1e-5", positive=False
+    )
+    bandwidth = link.number("bandwidth", "bus bytes/s (a positive number)", "bandwidth = 5e10")
+    kinds = _Fields(
+        link.table_of(
+            "collectives",
+            "a table of collectives",
+            f"a `[{key}.collectives.all_reduce]` table with `alpha` and `bandwidth`",
+        ),
+        fields.where,
+        f"{key}.collectives",
+    )
+    kinds.only(COLLECTIVES, "the collectives")
+    collectives: dict[str, tuple[float, float]] = {}
+    for kind in kinds.data:
+        table = kinds.table_of(
+            kind,
+            "a table with alpha and bandwidth",
+            f"a `[{key}.collectives.{kind}]` table with `alpha` and `bandwidth`",
+        )
+        one = _Fields(table, fields.where, f"{key}.collectives.{kind}")
+        one.only(("alpha", "bandwidth"), f"[{key}.collectives.{kind}]")
+        collectives[kind] = (
+            one.number("alpha", "seconds (a number >= 0)", "alpha = 1e-5", positive=False),
+            one.number("bandwidth", "bus bytes/s (a positive number)", "bandwidth = 5e10"),
+        )
+    return Link(alpha, bandwidth, collectives)
+
+
+def _entry_fix(entry: object, names: list[str]) -> str:
+    """`peaks = "h100-sxm"` for a near spelling; all that `entry` begins, if several."""
+    starts = [n for n in names if isinstance(entry, str) and entry and n.startswith(entry)]
+    near = starts or closest(entry, names)
+    if not near:
+        return "name one of them, or give the device's peaks in a [peak_flops] table instead"
+    return "write " + " or ".join(f'`peaks = "{n}"`' for n in near)
+
+
+def _parse(data: dict[str, Any], path: Path, where: str) -> Hardware:
+    fields = _Fields(data, where)
+    fields.only(_KEYS, "a hardware file")
+    name = (
+        fields.text("name", "a name (a string)", f'name = "{path.stem}"')
+        if "name" in data
+        else path.stem
+    )
+    description = fields.text(
+        "description",
+        "a line saying what it is (a string)",
+        'description = "8x H100 SXM5 80GB per node"',
+    )
+    device = fields.text("device", '"cuda" or "cpu"', 'device = "cuda"', _DEVICES)
+    memory = fields.integer(
+        "memory", "the bytes one device may use (a positive integer)", "memory = 83860000000"
+    )
+    per_node = fields.integer(
+        "devices_per_node", "the devices of one node (an integer >= 1)", "devices_per_node = 8"
+    )
+    sheets = {s.name: s for s in datasheets()}
+    peak_flops: dict[str, float] = {}
+    if "peaks" in data:
+        entry = data["peaks"]
+        if not isinstance(entry, str) or entry not in sheets:
+            raise _refuse(
+                where,
+                f"`peaks = {entry!r}` is not an entry of scaletrain's devices.toml; expected "
+                f"one of {', '.join(sheets)}",
+                _entry_fix(entry, list(sheets)),
+            )
+        peak_flops = dict(sheets[entry].peaks)
+        if "peak_flops" in data:
+            raise _refuse(
+                where,
+                "both `peaks` and [peak_flops] give the datasheet's peaks",
+                "keep one of them",
+            )
+    elif "peak_flops" in data:
+        peak_flops = _rates(fields, "peak_flops", "the datasheet's dense peak FLOP/s")
+    efficiency = (
+        fields.number(
+            "efficiency",
+            "a fraction of the peak (a number in (0, 1])",
+            "efficiency = 0.5",
+            most=1.0,
+        )
+        if "efficiency" in data
+        else None
+    )
+    if "flops" in data:
+        flops = _rates(fields, "flops", "achieved FLOP/s")
+    elif efficiency is not None and peak_flops:
+        flops = {d: efficiency * peak for d, peak in peak_flops.items()}
+    elif efficiency is not None:
+        raise _refuse(
+            where,
+            "`efficiency` is given but no datasheet peaks to take it of",
+            'add `peaks = "h100-sxm"` (an entry of devices.toml) or [peak_flops]',
+        )
+    else:
+        raise fields.wrong(
+            "flops",
+            "a [flops] table of achieved FLOP/s by dtype, or an "
+            "`efficiency` of the datasheet's peaks",
+            "a `[flops]` table with lines such as `fp32 = 6.7e13`",
+        )
+    if "fp32" not in flops:
+        raise _refuse(
+            where,
+            "no fp32 figure among the achieved FLOP/s (the one every other dtype falls back to)",
+            "add `fp32 = ...` to [flops] (or to the peaks)",
+        )
+    bandwidth = fields.number(
+        "memory_bandwidth",
+        "the bytes/s an elementwise kernel moves (a positive number)",
+        "memory_bandwidth = 2.3e12",
+    )
+    launch = fields.number(
+        "launch",
+        "the seconds one kernel costs at least (a number >= 0)",
+        "launch = 5e-6",
+        positive=False,
+    )
+    intra = _link(fields, "intra")
+    inter = _link(fields, "inter")
+    table = fields.table_of(
+        "sources",
+        "a table of where each figure comes from",
+        'a `[sources]` table with lines such as `memory = "the datasheet"`',
+    )
+    sources = _Fields(table, where, "sources")
+    for key in table:
+        sources.text(key, "a string", f'{key} = "where it comes from"')
+    return Hardware(
+        name=name, description=description, device=device, memory=memory,
+        devices_per_node=per_node, peak_flops=peak_flops, flops=flops,
+        memory_bandwidth=bandwidth, launch=launch, intra=intra, inter=inter,
+        efficiency=efficiency, sources=dict(table), path=str(path),
+    )  # fmt: skip
+
+
+_BARE = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def _key(key: str) -> str:
+    return key if _BARE.match(key) else _string(key)
+
+
+def _string(text: str) -> str:
+    # JSON's string escapes are TOML's basic string's (\" \\ \n \t \uXXXX); DEL is not
+    # allowed raw in TOML, and non-ASCII is written as it is (UTF-8).
+    return json.dumps(text, ensure_ascii=False).replace("\x7f", "\\u007f")
+
+
+def _value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return repr(value)  # shortest exact: 1e-05, 989500000000000.0
+    return _string(str(value))
+
+
+def _link_lines(key: str, link: Link) -> list[str]:
+    lines = [
+        "",
+        f"[{key}]",
+        f"alpha = {_value(float(link.alpha))}",
+        f"bandwidth = {_value(float(link.bandwidth))}",
+    ]
+    for kind, (alpha, bandwidth) in link.collectives.items():
+        lines += [
+            "",
+            f"[{key}.collectives.{_key(kind)}]",
+            f"alpha = {_value(float(alpha))}",
+            f"bandwidth = {_value(float(bandwidth))}",
+        ]
+    return lines
+
+
+def _text(hw: Hardware) -> str:
+    lines = [
+        "# A scaletrain hardware file (scaletrain plan --hardware FILE). Units: bytes,",
+        "# seconds, FLOP/s; [sources] says where each figure comes from.",
+        f"name = {_value(hw.name)}",
+        f"description = {_value(hw.description)}",
+        f"device = {_value(hw.device)}",
+        f"memory = {_value(int(hw.memory))}",
+        f"devices_per_node = {_value(int(hw.devices_per_node))}",
+    ]
+    # The entry with these peaks (H200 SXM's are H100 SXM's: the one its sources name).
+    said = hw.sources.get("peaks", "")
+    same = [s.name for s in datasheets() if hw.peak_flops and s.peaks == hw.peak_flops]
+    entry = next((n for n in same if n in said), same[0] if same else None)
+    if entry is not None:
+        lines.append(f"peaks = {_value(entry)}")
+    if hw.efficiency is not None:
+        lines.append(f"efficiency = {_value(float(hw.efficiency))}")
+    lines += [
+        f"memory_bandwidth = {_value(float(hw.memory_bandwidth))}",
+        f"launch = {_value(float(hw.launch))}",
+        "",
+        "[flops]",
+    ]
+    lines += [f"{_key(d)} = {_value(float(v))}" for d, v in hw.flops.items()]
+    if hw.peak_flops and entry is None:
+        lines += ["", "[peak_flops]"]
+        lines += [f"{_key(d)} = {_value(float(v))}" for d, v in hw.peak_flops.items()]
+    lines += _link_lines("intra", hw.intra) + _link_lines("inter", hw.inter)
+    lines += ["", "[sources]"]
+    lines += [f"{_key(k)} = {_value(v)}" for k, v in hw.sources.items()]
+    return "\n".join(lines) + "\n"
+
+
+def write(hw: Hardware, path: str | os.PathLike[str], *, overwrite: bool = False) -> Path:
+    """Write `hw` as a hardware file at `path` (what `load` reads back equal, but for
+    `path`); an existing file is never replaced unless `overwrite` (a calibration
+    already saved is not lost). Atomic: a temporary file beside it, renamed."""
+    target = Path(path).expanduser()
+    if target.exists() and not overwrite:
+        raise ConfigError(
+            f"{target} exists already; a hardware file is never replaced. Fix: give "
+            "another path, or move that file away first.",
+            field="hardware",
+        )
+    if not target.parent.is_dir():
+        raise ConfigError(
+            f"cannot write {target}: its directory {target.parent} does not exist. Fix: "
+            "create it, or give a path in an existing directory.",
+            field="hardware",
+        )
+    text = _text(hw)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        if overwrite:
+            os.replace(tmp, target)
+        else:
+            # A link, not a rename: it fails if the file appeared meanwhile, so nothing
+            # another process wrote there is replaced either.
+            try:
+                os.link(tmp, target)
+            except FileExistsError:
+                raise ConfigError(
+                    f"{target} exists already; a hardware file is never replaced. Fix: "
+                    "give another path, or move that file away first.",
+                    field="hardware",
+                ) from None
+            except OSError:  # a filesystem without hard links
+                os.replace(tmp, target)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+    return target

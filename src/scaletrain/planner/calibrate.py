@@ -1,0 +1,613 @@
+"""`scaletrain plan --calibrate FILE`: measure this machine once, write its hardware file.
+
+In this process, on one device (on a CPU with one thread: a CPU rank trains with one,
+the launcher sets OMP_NUM_THREADS=1):
+
+- matmul FLOP/s for each dtype the device runs (fp32 and bf16 on a CPU; fp32, tf32,
+  bf16, fp16, and fp8 where the GPU has it), through the ledger's own benchmark
+  (observe.flops.measure_peak), at a few sizes: the best, which a step's large
+  matmuls reach and its small ones do not (the planner counts those by `launch`);
+- the elementwise memory bandwidth: a large add and a large copy, bytes read and
+  written over the time, the best;
+- the launch floor: a one-element add run in batches (synchronized after each batch
+  on a GPU), the median per op.
+
+Over `processes` ranks of this node (NCCL across its GPUs; Gloo on loopback on a CPU,
+each rank one thread), an alpha-beta sweep of each collective from 4 KiB up (to 16
+MiB on a CPU, 256 MiB on GPUs): each size timed in batches, the fastest batch's mean
+kept and the slowest rank's taken; `fit` then finds alpha and the bus bandwidth of
+time = alpha + factor(kind, n) * bytes / bandwidth (hardware.bus_factor). The fits are
+the intra-node link; the inter-node link is given the same figures, and its source
+says that no network between nodes was measured. One process measures no
+collective; its file says so.
+
+This is the only code of the planner that starts processes: the ranks are spawned
+with SIGINT blocked (a Ctrl-C reaches this process alone, which kills them), bound to
+a free port, and killed on any failure or after a timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import math
+import multiprocessing as mp
+import os
+import platform
+import queue
+import signal
+import socket
+import statistics
+import time
+import traceback
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from scaletrain.errors import ConfigError, ScaletrainError, spell
+from scaletrain.hardware import (
+    COLLECTIVES,
+    Hardware,
+    Link,
+    bus_factor,
+    datasheet,
+    load,
+    write,
+)
+
+__all__ = ["SWEEP_TIMEOUT", "CalibrationError", "calibrate", "fit", "sweep"]
+
+KiB, MiB, GiB = 2**10, 2**20, 2**30
+SWEEP_TIMEOUT = 600.0
+"""Seconds the collective sweep may take before its processes are killed."""
+
+
+class CalibrationError(ScaletrainError):
+    """The calibration's processes failed, died or timed out (each rank's story)."""
+
+
+def calibrate(
+    path: str | os.PathLike[str],
+    *,
+    device: str | None = None,
+    processes: int | None = None,
+    quick: bool = False,
+    overwrite: bool = False,
+) -> Hardware:
+    """Measure this machine (module docstring) and write its hardware file at `path`
+    (never over an existing one unless `overwrite`); return what `load` reads back.
+
+    `device`: "cpu", "cuda" or "cuda:N" (default: a GPU if there is one). `processes`:
+    the ranks of the collective sweep (default: the GPUs of this node, or 2 on a CPU).
+    `quick`: fewer sizes and shorter timings."""
+    target = Path(path).expanduser()
+    _check_target(target, overwrite)
+    import torch
+
+    dev = _device(device)
+    cuda = dev.type == "cuda"
+    gpus = torch.cuda.device_count() if cuda else 0
+    n = _processes(processes, cuda, gpus)
+    stamp = (
+        f"measured by scaletrain plan --calibrate on {socket.gethostname()}, "
+        f"{datetime.date.today().isoformat()}, torch {torch.__version__}"
+    )
+    name = torch.cuda.get_device_name(dev) if cuda else _cpu_name()
+    sources: dict[str, str] = {}
+    with _one_thread(not cuda):
+        flops, note = _matmul_flops(dev, name, quick)
+        sources["flops"] = f"{stamp}: {note}"
+        bandwidth = _memory_bandwidth(dev, quick)
+        sources["memory_bandwidth"] = (
+            f"{stamp}: the best of a large add and a large copy, bytes read and written "
+            "over the time"
+        )
+        launch = _launch_floor(dev, quick)
+        sources["launch"] = f"{stamp}: the median time of a one-element add, run in batches"
+    if cuda:
+        torch.cuda.empty_cache()  # the benchmarks' blocks, before the sweep's ranks start
+    if cuda:
+        memory = int(torch.cuda.get_device_properties(dev).total_memory) - GiB
+        sources["memory"] = f"{stamp}: the GPU's total memory less 1 GiB for the CUDA context"
+        per_node = gpus
+        sources["devices_per_node"] = f"{stamp}: the GPUs torch sees on this node"
+    else:
+        memory = _available_memory()
+        sources["memory"] = f"{stamp}: MemAvailable of /proc/meminfo, shared by the processes"
+        per_node = n
+        sources["devices_per_node"] = f"{stamp}: the processes of the sweep"
+    sheet = datasheet(name) if cuda else None
+    if sheet is not None:
+        sources["peaks"] = f"devices.toml's {sheet.name} entry: {sheet.source}"
+    if n >= 2:
+        backend = "nccl" if cuda else "gloo"
+        samples = sweep(n, backend, _message_sizes(cuda, quick), quick=quick)
+        fits = {kind: fit(kind, n, points) for kind, points in samples.items()}
+        headline = fits.get("all_reduce") or next(iter(fits.values()))
+        intra = Link(headline[0], headline[1], fits)
+        inter = intra
+        sizes = sorted({b for points in samples.values() for b, _ in points})
+        over = f"{n} ranks ({backend}{' over loopback' if not cuda else ''})"
+        sources["intra"] = (
+            f"{stamp}: {', '.join(samples)} over {over}, {_size(sizes[0])} to "
+            f"{_size(sizes[-1])}; alpha and bandwidth fitted per collective (least squares "
+            "on relative error); the link's own figures are the all-reduce's"
+        )
+        missing = [k for k in COLLECTIVES if k not in samples]
+        if missing:
+            sources["intra"] += f"; {', '.join(missing)} not measured: {backend} lacks it"
+        sources["inter"] = (
+            "not measured: the figures are this node's (intra); no network between nodes "
+            "was measured. Replace them with your network's for plans over several nodes"
+        )
+    else:
+        ethernet = load("ethernet").inter
+        intra = inter = Link(ethernet.alpha, ethernet.bandwidth)
+        sources["intra"] = sources["inter"] = (
+            f"not measured: {stamp} with one process, so no collective ran (more "
+            "processes measure them); assumed: the shipped ethernet profile's inter-node "
+            f"link (one 100 GbE port per 8 GPUs: alpha {ethernet.alpha * 1e6:.0f} us, "
+            f"{ethernet.bandwidth / 1e9:.4g} GB/s per device)"
+        )
+    if cuda:
+        description = f"{per_node}x {name} per node, measured ({n} ranks, NCCL)"
+    else:
+        description = f"this machine's CPU ({name}), {n} processes of one thread, Gloo"
+    hw = Hardware(
+        name=target.stem, description=description, device="cuda" if cuda else "cpu",
+        memory=memory, devices_per_node=per_node, flops=flops,
+        peak_flops=dict(sheet.peaks) if sheet is not None else {},
+        memory_bandwidth=bandwidth, launch=launch, intra=intra, inter=inter,
+        sources=sources,
+    )  # fmt: skip
+    write(hw, target, overwrite=overwrite)
+    return load(target)
+
+
+def _check_target(target: Path, overwrite: bool) -> None:
+    """Refuse a path `write` would refuse, before minutes of measuring."""
+    if target.exists() and not overwrite:
+        raise ConfigError(
+            f"{target} exists already; a calibration never replaces a file. Fix: give "
+            "another path, or move that file away first.",
+            field="hardware",
+        )
+    if not target.parent.is_dir():
+        raise ConfigError(
+            f"cannot write {target}: its directory {target.parent} does not exist. Fix: "
+            "create it, or give a path in an existing directory.",
+            field="hardware",
+        )
+
+
+def _device(device: str | None) -> Any:
+    import torch
+
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ConfigError(
+            f"{spell('device', device)} is not a device to calibrate; expected cpu, cuda "
+            "or cuda:N.",
+            field="device",
+        )
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                f"{spell('device', device)}: this machine has no CUDA GPU torch can use "
+                f"(torch {torch.__version__}). Fix: calibrate its CPU "
+                f"({spell('device', 'cpu')}), or run on the GPU machine.",
+                field="device",
+            )
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ConfigError(
+                f"{spell('device', device)}: this machine has {torch.cuda.device_count()} "
+                f"GPU(s), cuda:0 to cuda:{torch.cuda.device_count() - 1}.",
+                field="device",
+            )
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def _processes(processes: int | None, cuda: bool, gpus: int) -> int:
+    if processes is None:
+        return gpus if cuda else 2
+    if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
+        raise ConfigError(
+            f"{spell('processes', processes)} is not a number of processes; expected an "
+            "integer >= 1 (1 measures no collective).",
+            field="processes",
+        )
+    if cuda and processes > gpus:
+        raise ConfigError(
+            f"{spell('processes', processes)}: this node has {gpus} GPU(s), one process "
+            f"each. Fix: {spell('processes', gpus)}.",
+            field="processes",
+        )
+    return processes
+
+
+@contextlib.contextmanager
+def _one_thread(on: bool) -> Iterator[None]:
+    import torch
+
+    if not on:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _cpu_name() -> str:
+    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as f:
+        for line in f:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine() or "CPU"
+
+
+def _available_memory() -> int:
+    with contextlib.suppress(OSError, ValueError), open("/proc/meminfo", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def _size(nbytes: float) -> str:
+    return f"{int(nbytes) // MiB} MiB" if nbytes >= MiB else f"{int(nbytes) // KiB} KiB"
+
+
+def _matmul_flops(dev: Any, name: str, quick: bool) -> tuple[dict[str, float], str]:
+    """Achieved FLOP/s by dtype, the best over a few square sizes; and how."""
+    import torch
+
+    from scaletrain.observe.flops import measure_peak
+
+    cuda = dev.type == "cuda"
+    if cuda:
+        sizes, seconds = ((4096, 8192), 0.1) if quick else ((2048, 4096, 8192), 0.2)
+        major_minor = torch.cuda.get_device_capability(dev)
+        dtypes = ["fp32", "fp16"]
+        if major_minor >= (8, 0):
+            dtypes += ["tf32", "bf16"]
+        if major_minor >= (8, 9) and hasattr(torch, "float8_e4m3fn"):
+            dtypes.append("fp8")
+    else:
+        sizes, seconds = ((256, 512), 0.1) if quick else ((256, 512, 1024), 0.25)
+        dtypes = ["fp32", "bf16"]
+    flops: dict[str, float] = {}
+    skipped: list[str] = []
+    for dtype in dtypes:
+        best = 0.0
+        try:
+            for n in sizes:
+                # measure_peak runs at least 6 matmuls: a size that slow (bf16 on a CPU
+                # without bf16 kernels) says nothing the smaller ones did not.
+                if best and 6 * 2 * n**3 / best > max(1.0, 4 * seconds):
+                    break
+                best = max(best, measure_peak(dev, dtype, device_name=name, cache=False,
+                                              seconds=seconds, size=n))  # fmt: skip
+        except (RuntimeError, TypeError, AttributeError, NotImplementedError) as exc:
+            if dtype == "fp32":
+                raise
+            first = (str(exc).splitlines() or [""])[0][:120]
+            skipped.append(f"{dtype} ({type(exc).__name__}: {first})")
+            continue
+        flops[dtype] = best
+    note = (
+        f"square matmuls of side {', '.join(map(str, sizes))} for ~{seconds} s each (a "
+        "size that would take over a second left out), the best size's FLOP/s "
+        f"({'one thread' if not cuda else name})"
+    )
+    if skipped:
+        note += f"; not measured: {'; '.join(skipped)}"
+    return flops, note
+
+
+def _sync(dev: Any) -> None:
+    if dev.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(dev)
+
+
+def _memory_bandwidth(dev: Any, quick: bool) -> float:
+    """Bytes/s of a large add (2 read, 1 written) and a copy (1 and 1), the best."""
+    import torch
+
+    cuda = dev.type == "cuda"
+    nbytes = (256 if quick else 512) * MiB if cuda else (16 if quick else 64) * MiB
+    a = torch.ones(nbytes // 4, device=dev)
+    b = torch.ones_like(a)
+    c = torch.empty_like(a)
+    best = 0.0
+    reps = 5 if quick else 10
+    for moved, op in (
+        (3 * nbytes, lambda: torch.add(a, b, out=c)),
+        (2 * nbytes, lambda: c.copy_(a)),
+    ):
+        op()
+        _sync(dev)
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            op()
+            _sync(dev)
+            best = max(best, moved / max(time.perf_counter() - t0, 1e-9))
+    return best
+
+
+def _launch_floor(dev: Any, quick: bool) -> float:
+    """Seconds per op of a one-element add, batched (a GPU synchronized per batch)."""
+    import torch
+
+    x = torch.zeros(1, device=dev)
+    batch, times = 100, []
+    for _ in range(2):
+        x.add_(1)
+    _sync(dev)
+    for _ in range(10 if quick else 30):
+        t0 = time.perf_counter()
+        for _ in range(batch):
+            x.add_(1)
+        _sync(dev)
+        times.append((time.perf_counter() - t0) / batch)
+    return statistics.median(times)
+
+
+def _message_sizes(cuda: bool, quick: bool) -> list[int]:
+    """4 KiB up by 4x: to 256 MiB on GPUs, 16 MiB on a CPU; `quick`: every other one."""
+    top = 256 * MiB if cuda else 16 * MiB
+    sizes = [4 * KiB * 4**i for i in range(12) if 4 * KiB * 4**i <= top]
+    return sizes[::2] if quick else sizes
+
+
+def fit(kind: str, n: int, samples: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """(alpha seconds, bus bandwidth bytes/s) of time = alpha + factor * bytes /
+    bandwidth over (bytes, seconds) samples of `kind` over n ranks: least squares on the
+    relative error (sizes span three orders; each size counts alike). Where noise makes
+    a coefficient non-positive, the smallest message's time is taken as alpha, and if
+    time still does not grow with size, the best throughput seen is the bandwidth."""
+    factor = bus_factor(kind, n)
+    xs = [factor * b for b, _ in samples]
+    ys = [max(t, 1e-12) for _, t in samples]
+    # Minimise sum((alpha + s x - y) / y)^2: rows (1/y, x/y), target 1.
+    suu = sum(1 / y**2 for y in ys)
+    suv = sum(x / y**2 for x, y in zip(xs, ys, strict=True))
+    svv = sum((x / y) ** 2 for x, y in zip(xs, ys, strict=True))
+    su = sum(1 / y for y in ys)
+    sv = sum(x / y for x, y in zip(xs, ys, strict=True))
+    det = suu * svv - suv**2
+    alpha = slope = 0.0
+    if len(set(xs)) >= 2 and det > 0:
+        alpha = (su * svv - sv * suv) / det
+        slope = (suu * sv - suv * su) / det
+    if alpha <= 0 or slope <= 0:
+        first = min(range(len(xs)), key=lambda i: xs[i])
+        alpha = ys[first]
+        weights = [1 / y**2 for y in ys]
+        den = sum(w * x * x for w, x in zip(weights, xs, strict=True))
+        num = sum(w * x * (y - alpha) for w, x, y in zip(weights, xs, ys, strict=True))
+        slope = num / den if den > 0 else 0.0
+    if slope <= 0 or not math.isfinite(slope):
+        slope = min(y / x for x, y in zip(xs, ys, strict=True) if x > 0)
+    return alpha, 1 / slope
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def _children_environment() -> Iterator[None]:
+    """While ranks start: SIGINT blocked (a child inherits the mask and so never acts
+    on a Ctrl-C, which this process answers by killing it) and OMP_NUM_THREADS=1 (the
+    children's torch reads it at import)."""
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    mask = getattr(signal, "pthread_sigmask", None)
+    old = mask(signal.SIG_BLOCK, {signal.SIGINT}) if mask is not None else None
+    try:
+        yield
+    finally:
+        if mask is not None and old is not None:
+            mask(signal.SIG_SETMASK, old)
+        if saved is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
+
+
+def sweep(
+    n: int,
+    backend: str,
+    sizes: Sequence[int],
+    *,
+    quick: bool = False,
+    timeout: float = SWEEP_TIMEOUT,
+) -> dict[str, list[tuple[float, float]]]:
+    """(bytes, seconds) of each collective at each size over `n` spawned ranks of
+    `backend` ("gloo" or "nccl"); the ranks are killed on failure, timeout or Ctrl-C."""
+    ctx = mp.get_context("spawn")
+    results: Any = ctx.Queue()
+    port = _free_port()
+    budget = (0.01 if quick else 0.02) if backend == "nccl" else (0.02 if quick else 0.05)
+    procs: list[Any] = []
+    finished = False
+    try:
+        with _children_environment():
+            for rank in range(n):
+                p = ctx.Process(
+                    target=_rank_main,
+                    args=(rank, n, port, backend, list(sizes), budget, timeout, results),
+                    daemon=True,
+                )
+                p.start()
+                procs.append(p)
+        done: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout
+        while len(done) < n:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise CalibrationError(
+                    f"the calibration's collective sweep over {n} {backend} processes did "
+                    f"not finish in {timeout:.0f} s; they were stopped. Fix: run it again "
+                    "on an idle machine, or measure fewer processes."
+                )
+            try:
+                rank, ok, payload = results.get(timeout=min(left, 0.5))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in done and p.exitcode]
+                if dead:
+                    raise CalibrationError(
+                        f"the calibration's process {dead[0]} (of {n}, {backend}) died with "
+                        f"exit code {procs[dead[0]].exitcode}; the others were stopped."
+                    ) from None
+                continue
+            if not ok:
+                raise CalibrationError(
+                    f"the calibration's process {rank} (of {n}, {backend}) failed; the "
+                    f"others were stopped. Its error:\n{payload}"
+                )
+            done[rank] = payload
+        finished = True
+        return dict(done[0])
+    finally:
+        for p in procs:
+            # Done: each rank leaves its group and exits; else none is waited for.
+            p.join(timeout=10 if finished else 0)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        results.close()
+        results.cancel_join_thread()
+
+
+def _rank_main(
+    rank: int,
+    n: int,
+    port: int,
+    backend: str,
+    sizes: list[int],
+    budget: float,
+    timeout: float,
+    results: Any,
+) -> None:
+    """One rank of the sweep: its samples (rank 0's) or its traceback go to `results`."""
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)  # *_tensor's new names
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=n,
+            timeout=datetime.timedelta(seconds=timeout),
+            device_id=device if backend == "nccl" else None,
+        )
+        samples = _measure(rank, n, device, sizes, budget)
+        results.put((rank, True, samples if rank == 0 else None))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _measure(
+    rank: int, n: int, device: Any, sizes: list[int], budget: float
+) -> dict[str, list[tuple[float, float]]]:
+    """Each collective at each size on this rank: the slowest rank's time per op."""
+    import torch
+    import torch.distributed as dist
+
+    def agreed(seconds: float) -> float:
+        t = torch.tensor([seconds], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item())
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    out: dict[str, list[tuple[float, float]]] = {}
+    for kind in COLLECTIVES:
+        points: list[tuple[float, float]] = []
+        for size in sizes:
+            numel = max(n, size // 4 // n * n)
+            op = _operation(kind, rank, n, numel, device)
+            t0 = time.perf_counter()
+            try:
+                op()
+            except (RuntimeError, NotImplementedError):
+                # The backend lacks it (an older Gloo's reduce-scatter): refused on every
+                # rank alike, before any message.
+                points = []
+                break
+            sync()
+            first = agreed(time.perf_counter() - t0)
+            count = max(2, min(200, int(budget / max(first, 1e-9))))
+            best = math.inf
+            for _ in range(3):
+                dist.barrier()
+                t0 = time.perf_counter()
+                for _ in range(count):
+                    op()
+                sync()
+                best = min(best, (time.perf_counter() - t0) / count)
+            seconds = agreed(best)
+            points.append((float(numel * 4), seconds / 2 if kind == "send" else seconds))
+        if points:
+            out[kind] = points
+        dist.barrier()
+    return out
+
+
+def _operation(kind: str, rank: int, n: int, numel: int, device: Any) -> Any:
+    """One `kind` of a float32 tensor of `numel` elements (the whole tensor: an
+    all-gather's output, a reduce-scatter's input); "send" is a round trip between
+    ranks 0 and 1 (the others idle): its time is halved."""
+    import torch
+    import torch.distributed as dist
+
+    whole = torch.ones(numel, device=device)
+    shard = torch.ones(numel // n, device=device)
+    if kind == "all_reduce":
+        return lambda: dist.all_reduce(whole)
+    if kind == "all_gather":
+        return lambda: dist.all_gather_into_tensor(whole, shard)
+    if kind == "reduce_scatter":
+        return lambda: dist.reduce_scatter_tensor(shard, whole)
+    if kind == "broadcast":
+        return lambda: dist.broadcast(whole, 0)
+
+    def trip() -> None:
+        if rank == 0:
+            dist.send(whole, 1)
+            dist.recv(whole, 1)
+        elif rank == 1:
+            dist.recv(whole, 0)
+            dist.send(whole, 0)
+
+    return trip
