@@ -8,8 +8,8 @@
 #     OUT=/tmp/gpu bash benchmarks/gpu_session.sh            # the open measurements
 #     OUT=/tmp/gpu bash benchmarks/gpu_session.sh tests      # only the named steps
 #
-# Steps: env, tests, levers, float8 (open: run by default, about 10 minutes together);
-# smoke, hf, plan (measured, in RESULTS.md; by name). A measurement an issue asks for is
+# Steps: env, tests, plan, levers, float8 (open: run by default, about 10 minutes
+# together); smoke, hf (measured, in RESULTS.md; by name). A measurement an issue asks for is
 # added here as a step when the code it measures lands, so the next GPU session only has
 # to run this. float8 needs torchao, which the GPU machine cannot download: first
 # `pip download torchao --no-deps -d benchmarks/.wheels` here, then carry that folder.
@@ -19,7 +19,7 @@ OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-python3}
-STEPS=${*:-env tests levers float8}
+STEPS=${*:-env tests plan levers float8}
 START=$SECONDS
 
 want() { [[ " $STEPS " == *" $1 "* ]]; }
@@ -84,9 +84,10 @@ if want hf; then
 fi
 
 if want plan; then
-	# The planner's one-GPU check (benchmarks/plan_gpu.py): predicted vs measured step
-	# and CUDA peak for the recipes; RESULTS.md "One GPU measured".
-	step plan 200 $PY benchmarks/plan_gpu.py --part 1 --rounds 1 --steps 60
+	# Issue 29: this GPU calibrated into a hardware file (kept in OUT, to check in), and
+	# the recipes' one-GPU runs beside their plans on it (target: 10% in step time and
+	# CUDA peak).
+	step plan 180 $PY benchmarks/plan_accuracy.py --part here --steps 40 --keep "$OUT/gpu.toml"
 fi
 
 if want levers; then

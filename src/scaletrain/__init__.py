@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from scaletrain.launch.function import launch_function as launch  # st.launch: callable
     from scaletrain.observe.ledger import LedgerConfig
     from scaletrain.observe.trackers import MLflowTracker, TensorBoardTracker, Tracker
+    from scaletrain.planner.api import plan
     from scaletrain.runtime import AccumulationStep, Runtime, init, sync_batchnorm
     from scaletrain.strategies import (
         DDP,
@@ -46,7 +47,6 @@ if TYPE_CHECKING:
         Strategy,
         TensorParallel,
     )
-    from scaletrain.planner.api import plan
 
 _WHERE = {
     "CheckpointManager": "scaletrain.checkpoint",

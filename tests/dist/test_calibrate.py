@@ -11,7 +11,7 @@ import torch
 
 from scaletrain.errors import ConfigError
 from scaletrain.hardware import COLLECTIVES, load
-from scaletrain.planner.calibrate import CalibrationError, calibrate, sweep
+from scaletrain.hardware.calibrate import CalibrationError, calibrate, sweep
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 

@@ -73,7 +73,17 @@ def test_plans_take_a_precision_by_the_names_st_init_takes(
     p = st.plan("gpt", devices=8, hardware="h100-sxm", precision="bf16")
     assert "precision bf16-mixed" in p.table()
     code = cli.main(
-        ["plan", "--recipe", "gpt", "--devices", "2", "--hardware", "h100-sxm", "--precision", "bf16x"]
+        [
+            "plan",
+            "--recipe",
+            "gpt",
+            "--devices",
+            "2",
+            "--hardware",
+            "h100-sxm",
+            "--precision",
+            "bf16x",
+        ]
     )
     assert code == 2
     assert "Fix: --precision bf16-mixed." in capsys.readouterr().err

@@ -213,7 +213,7 @@ def test_a_links_time_uses_each_collectives_bus_factor() -> None:
 
 
 def test_a_calibration_fit_recovers_alpha_and_bandwidth() -> None:
-    from scaletrain.planner.calibrate import fit
+    from scaletrain.hardware.calibrate import fit
 
     sizes = [4096 * 4**i for i in range(7)]
     exact = [(b, 50e-6 + 2 * 3 / 4 * b / 2e9) for b in sizes]
@@ -232,7 +232,7 @@ def test_a_calibration_fit_recovers_alpha_and_bandwidth() -> None:
 def test_calibrate_refuses_before_it_measures(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import scaletrain.planner.calibrate as calibration
+    import scaletrain.hardware.calibrate as calibration
 
     def no_measuring(*args: object, **kwargs: object) -> None:
         raise AssertionError("measured before refusing")

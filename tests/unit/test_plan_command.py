@@ -34,15 +34,33 @@ def _cpu_file(path: Path) -> Path:
         (["--devices", "0", "--hardware", "h100-sxm"], "--devices 0 must be a whole number >= 1"),
         (["--devices", "2", "--hardware", "tpu-v9"], "--hardware tpu-v9"),
         (["--devices", "2", "--hardware", "h100"], "--hardware h100-sxm"),
-        (["--devices", "2", "--hardware", "h100-sxm", "--precision", "fp8"], "--precision fp8 is not known"),
-        (["--devices", "2", "--hardware", "h100-sxm", "--batch-size", "0"], "--batch-size 0 must be"),
+        (
+            ["--devices", "2", "--hardware", "h100-sxm", "--precision", "fp8"],
+            "--precision fp8 is not known",
+        ),
+        (
+            ["--devices", "2", "--hardware", "h100-sxm", "--batch-size", "0"],
+            "--batch-size 0 must be",
+        ),
         (["--devices", "2", "--hardware", "h100-sxm", "--recipe", "nope"], "--recipe nope"),
-        (["--devices", "2", "--hardware", "h100-sxm", "--model", "no_such_module_x:build"], "no_such_module_x"),
-        (["--devices", "2", "--hardware", "h100-sxm", "--recipe", "convnet", "--seq-len", "64"], "--seq-len"),
-        (["--devices", "2", "--hardware", "h100-sxm", "--ac-every", "2"], "--ac-every 2 picks every k-th block"),
+        (
+            ["--devices", "2", "--hardware", "h100-sxm", "--model", "no_such_module_x:build"],
+            "no_such_module_x",
+        ),
+        (
+            ["--devices", "2", "--hardware", "h100-sxm", "--recipe", "convnet", "--seq-len", "64"],
+            "--seq-len",
+        ),
+        (
+            ["--devices", "2", "--hardware", "h100-sxm", "--ac-every", "2"],
+            "--ac-every 2 picks every k-th block",
+        ),
         ([], "--devices is missing"),
         (["--check", "RUN", "--devices", "2"], "--check RUN takes the model"),
-        (["--check", "/no/such/run", "--hardware", "h100-sxm"], "is not a finished run with a ledger"),
+        (
+            ["--check", "/no/such/run", "--hardware", "h100-sxm"],
+            "is not a finished run with a ledger",
+        ),
         (["--calibrate", "--devices", "2"], "--calibrate measures this machine and plans nothing"),
     ],
 )
@@ -91,7 +109,7 @@ def test_a_calibrated_file_plans_this_machine(
     mine = calibrated_path()
     mine.parent.mkdir(parents=True)
     _cpu_file(mine)
-    assert cli.main(["plan", "--recipe", "mlp", "--devices", "2"]) == 0
+    assert cli.main(["plan", "--recipe", "split-net", "--devices", "2"]) == 0
     out = capsys.readouterr().out
     assert "test-cpu" in out and "ddp dp=2" in out
 

@@ -79,8 +79,12 @@ class ResidualMLP(nn.Module):
     def __init__(self, width: int = 64, depth: int = 4) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(
-            nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU(),
-                          nn.Linear(4 * width, width))  # fmt: skip
+            nn.Sequential(
+                nn.LayerNorm(width),
+                nn.Linear(width, 4 * width),
+                nn.GELU(),
+                nn.Linear(4 * width, width),
+            )
             for _ in range(depth)
         )
         self.head = nn.Linear(width, 10)
@@ -101,14 +105,22 @@ def _model(precision: str = "32", ac: str = "none", batch: int = 32, **kw: objec
     )  # fmt: skip
     with torch.device("meta"):
         net = build()
-    plan = {f"blocks.{i}.{j}": s for i in range(len(net.blocks)) for j, s in ((1, "colwise"), (3, "rowwise"))}
+    plan = {
+        f"blocks.{i}.{j}": s
+        for i in range(len(net.blocks))
+        for j, s in ((1, "colwise"), (3, "rowwise"))
+    }
     return Model(profile, list_layers(net), auto_wrap_targets(net), plan, precision=precision)
 
 
 def test_the_profile_counts_a_steps_flops_and_adams_state() -> None:
     m = _model()
     p = m.profile
-    linear = sum(2 * 32 * x.in_features * x.out_features for x in ResidualMLP().modules() if isinstance(x, nn.Linear))
+    linear = sum(
+        2 * 32 * x.in_features * x.out_features
+        for x in ResidualMLP().modules()
+        if isinstance(x, nn.Linear)
+    )
     assert p.forward.flops == linear
     assert p.backward.flops == pytest.approx(2 * linear, rel=0.05)
     assert p.optimizer_bytes == 2 * p.param_bytes  # Adam: two moments per parameter
@@ -136,7 +148,9 @@ def test_tensor_parallel_never_makes_memory_negative() -> None:
         assert 0 < row.params < one.params
 
 
-def test_the_plan_of_a_residual_mlp_has_no_negative_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_plan_of_a_residual_mlp_has_no_negative_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     (tmp_path / "resmlp.py").write_text(
         "import torch\nfrom torch import nn\n"
         "class Block(nn.Module):\n"
@@ -198,7 +212,10 @@ def test_a_small_models_step_has_the_launch_floor() -> None:
 
 def test_checkpointing_and_compile_move_memory_and_time_the_right_way() -> None:
     plain, full = _model(ac="none", batch=1024, depth=8), _model(ac="full", batch=1024, depth=8)
-    assert memory(Layout("ddp"), full, 1024).activations < memory(Layout("ddp"), plain, 1024).activations / 2
+    assert (
+        memory(Layout("ddp"), full, 1024).activations
+        < memory(Layout("ddp"), plain, 1024).activations / 2
+    )
     assert full.profile.backward.flops > plain.profile.backward.flops  # the recomputation
     big = _hw(launch=0.0)
     eager = step_time(Layout("ddp"), plain, big, 1024)

@@ -22,12 +22,10 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import os
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -116,41 +114,9 @@ def measure_peak(
             known = json.loads(path.read_text(encoding="utf-8"))
         if key in known:
             return float(known[key])
-    import torch
+    from scaletrain.hardware.measure import matmul_flops
 
-    cuda = torch.device(device).type == "cuda"
-    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.float32)
-    n = size or (4096 if cuda else 512)
-    a = torch.randn(n, n, device=device, dtype=torch_dtype)
-    b = torch.randn(n, n, device=device, dtype=torch_dtype)
-    mm: Any = torch.mm
-    if dtype == "fp8":
-        # _scaled_mm takes its second operand column-major, and a scale for each.
-        a, b = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t().contiguous().t()
-        one = torch.ones((), device=device, dtype=torch.float32)
-        mm = functools.partial(torch._scaled_mm, scale_a=one, scale_b=one,
-                               out_dtype=torch.bfloat16)  # fmt: skip
-
-    previous_tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = dtype == "tf32"
-    try:
-        for _ in range(2):
-            mm(a, b)
-        if cuda:
-            torch.cuda.synchronize(device)
-        iters, start = 0, time.perf_counter()
-        while True:
-            for _ in range(4):
-                mm(a, b)
-            iters += 4
-            if cuda:
-                torch.cuda.synchronize(device)
-            elapsed = time.perf_counter() - start
-            if elapsed >= seconds:
-                break
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = previous_tf32
-    peak = 2.0 * n**3 * iters / elapsed
+    peak = matmul_flops(device, dtype, size=size, seconds=seconds)
     if cache:
         known[key] = peak
         with contextlib.suppress(OSError):

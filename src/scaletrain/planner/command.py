@@ -66,8 +66,8 @@ def run_plan(ns: argparse.Namespace) -> int:
                 "then plan with the file it writes.",
                 field="calibrate",
             )
+        from scaletrain.hardware.calibrate import calibrate
         from scaletrain.planner.api import calibrated_path
-        from scaletrain.planner.calibrate import calibrate
 
         path = ns.calibrate or str(calibrated_path())
         hw = calibrate(path)

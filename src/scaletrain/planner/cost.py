@@ -175,7 +175,10 @@ class Model:
         par[0] += max(0.0, p.param_bytes - sum(par))
         work[-1] += max(0.0, p.flops - sum(work))
         total = (max(1.0, sum(par)), max(1.0, sum(work)), max(1.0, sum(acts)))
-        return [(a / total[0], b / total[1], c / total[2]) for a, b, c in zip(par, work, acts, strict=True)]
+        return [
+            (a / total[0], b / total[1], c / total[2])
+            for a, b, c in zip(par, work, acts, strict=True)
+        ]
 
     def unit_params(self) -> list[float]:
         """Parameters (bytes at training precision) of each FSDP unit and of the root
@@ -259,7 +262,9 @@ def memory(layout: Layout, model: Model, batch: int) -> Memory:
     if layout.pp > 1:
         shares = model.stage_shares(layout.pp)
         m = layout.microbatches or 1
-        inflight = [m if layout.schedule == "gpipe" else min(m, layout.pp - r) for r in range(layout.pp)]
+        inflight = [
+            m if layout.schedule == "gpipe" else min(m, layout.pp - r) for r in range(layout.pp)
+        ]
         held = sum(x.activation_bytes for n, x in p.modules.items() if n and "." not in n)
         held_micro = held * p.per_sample(micro)
         rest = max(0.0, acts - held_micro)  # the loss's and the step's temporaries
@@ -324,7 +329,8 @@ def step_time(layout: Layout, model: Model, hw: Hardware, batch: int) -> StepTim
         units = [u * par * COMPUTE[prec] / MASTER[prec] for u in model.unit_params()]
         gather = sum(dp_link.time("all_gather", u, layout.dp) for u in units)
         scatter = sum(
-            dp_link.time("reduce_scatter", u * MASTER[prec] / COMPUTE[prec], layout.dp) for u in units
+            dp_link.time("reduce_scatter", u * MASTER[prec] / COMPUTE[prec], layout.dp)
+            for u in units
         )
         first = dp_link.time("all_gather", units[0], layout.dp)
         last = dp_link.time("reduce_scatter", units[-1] * MASTER[prec] / COMPUTE[prec], layout.dp)
@@ -348,11 +354,16 @@ def step_time(layout: Layout, model: Model, hw: Hardware, batch: int) -> StepTim
         b = [whole_b * x[1] / virtual for x in shares for _ in range(virtual)]
         edge = max(p.modules[s[-1].members[-1]].output_bytes for s in model.stages(layout.pp)[:-1])
         hop = _link(hw, layout.devices).time("send", edge * p.per_sample(batch / m), 2)
-        tl = simulate(f, b, schedule=layout.schedule or "1f1b", microbatches=m, virtual=virtual, hop=hop)
+        tl = simulate(
+            f, b, schedule=layout.schedule or "1f1b", microbatches=m, virtual=virtual, hop=hop
+        )
         busiest = max(tl.work)
         comm += hop * 2 * m * (layout.pp - 1)
         bubble = tl.makespan - busiest
-        fwd_s, bwd_s = busiest * whole_f / (whole_f + whole_b), busiest * whole_b / (whole_f + whole_b)
+        fwd_s, bwd_s = (
+            busiest * whole_f / (whole_f + whole_b),
+            busiest * whole_b / (whole_f + whole_b),
+        )
     return StepTime(
         compute=fwd_s + bwd_s + opt_s, comm=comm, exposed=exposed, bubble=max(0.0, bubble),
         floor=fwd_floor and bwd_floor,
@@ -366,7 +377,9 @@ def estimate(layout: Layout, model: Model, hw: Hardware, batch: int) -> Estimate
     notes = []
     fits = mem.total <= hw.memory
     if not fits:
-        notes.append(f"does not fit: {(mem.total - hw.memory) / 2**30:.2f} GiB over {hw.memory / 2**30:.1f} GiB")
+        notes.append(
+            f"does not fit: {(mem.total - hw.memory) / 2**30:.2f} GiB over {hw.memory / 2**30:.1f} GiB"
+        )
     if time.floor:
         notes.append("kernel launches, not the arithmetic, set this step's pace")
     return Estimate(layout, mem, time, fits, notes)

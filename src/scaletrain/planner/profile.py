@@ -57,7 +57,9 @@ class Work:
     kernels: int = 0
 
     def __add__(self, other: Work) -> Work:
-        return Work(self.flops + other.flops, self.bytes + other.bytes, self.kernels + other.kernels)
+        return Work(
+            self.flops + other.flops, self.bytes + other.bytes, self.kernels + other.kernels
+        )
 
     def scaled(self, by: float, kernels: float = 1.0) -> Work:
         return Work(self.flops * by, self.bytes * by, round(self.kernels * kernels))
@@ -136,7 +138,9 @@ class _Kernels(TorchDispatchMode):
         written = _nbytes(out)
         if not written or getattr(func, "is_view", False) or func.overloadpacket in _FREE:
             return out  # metadata (prim.device, sizes), views and bare allocations
-        moved = Work(0.0, 0.0 if func.overloadpacket in self._matmuls else _nbytes(args) + written, 1)
+        moved = Work(
+            0.0, 0.0 if func.overloadpacket in self._matmuls else _nbytes(args) + written, 1
+        )
         weights = any(isinstance(a, nn.Parameter) for a in args) or (
             func.overloadpacket is torch.ops.aten._to_copy
             and tuple(getattr(out, "shape", ())) in self._shapes
@@ -181,7 +185,9 @@ def _module_costs(
             pre = stats.snapshots.get(_ModState.PRE_FW, [])
             post = stats.snapshots.get(_ModState.POST_FW, [])
             if pre and post:
-                acts = [sum(s.get(d, {}).get(_MemRefType.ACT, 0) for d in s) for s in (pre[0], post[0])]
+                acts = [
+                    sum(s.get(d, {}).get(_MemRefType.ACT, 0) for d in s) for s in (pre[0], post[0])
+                ]
                 held = max(0, int(acts[1] - acts[0]))
         key = f"{root}.{name}" if name else root
         out[name] = ModuleCost(
@@ -245,9 +251,9 @@ def profile_model(
         counter.start()
         try:
             with tracker:
-                with _Kernels(shapes) as fwd:
-                    with torch.autocast("cpu", dtype=cast) if cast else contextlib.nullcontext():
-                        loss = loss_fn(model(x), y)
+                autocast = torch.autocast("cpu", dtype=cast) if cast else contextlib.nullcontext()
+                with _Kernels(shapes) as fwd, autocast:
+                    loss = loss_fn(model(x), y)
                 flops_fwd = counter.count()
                 with _Kernels(shapes) as bwd:
                     loss.backward()
@@ -270,7 +276,9 @@ def profile_model(
     return ModelProfile(
         model=name or type(model).__name__,
         batch_size=batch,
-        tokens=int(inputs.shape[0] * inputs.shape[1]) if inputs.dim() == 2 and not inputs.is_floating_point() else batch,
+        tokens=int(inputs.shape[0] * inputs.shape[1])
+        if inputs.dim() == 2 and not inputs.is_floating_point()
+        else batch,
         params=params,
         tensors=len(unique),
         param_bytes=param_bytes,

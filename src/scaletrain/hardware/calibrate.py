@@ -5,7 +5,7 @@ the launcher sets OMP_NUM_THREADS=1):
 
 - matmul FLOP/s for each dtype the device runs (fp32 and bf16 on a CPU; fp32, tf32,
   bf16, fp16, and fp8 where the GPU has it), through the ledger's own benchmark
-  (observe.flops.measure_peak), at a few sizes: the best, which a step's large
+  (hardware.measure.matmul_flops), at a few sizes: the best, which a step's large
   matmuls reach and its small ones do not (the planner counts those by `launch`);
 - the elementwise memory bandwidth: a large add and a large copy, bytes read and
   written over the time, the best;
@@ -21,7 +21,8 @@ the intra-node link; the inter-node link is given the same figures, and its sour
 says that no network between nodes was measured. One process measures no
 collective; its file says so.
 
-This is the only code of the planner that starts processes: the ranks are spawned
+It sits with the facts it measures, below the planner, which starts no process: the
+ranks are spawned
 with SIGINT blocked (a Ctrl-C reaches this process alone, which kills them), bound to
 a free port, and killed on any failure or after a timeout.
 """
@@ -271,7 +272,7 @@ def _matmul_flops(dev: Any, name: str, quick: bool) -> tuple[dict[str, float], s
     """Achieved FLOP/s by dtype, the best over a few square sizes; and how."""
     import torch
 
-    from scaletrain.observe.flops import measure_peak
+    from scaletrain.hardware.measure import matmul_flops
 
     cuda = dev.type == "cuda"
     if cuda:
@@ -291,12 +292,11 @@ def _matmul_flops(dev: Any, name: str, quick: bool) -> tuple[dict[str, float], s
         best = 0.0
         try:
             for n in sizes:
-                # measure_peak runs at least 6 matmuls: a size that slow (bf16 on a CPU
+                # matmul_flops runs at least 6 matmuls: a size that slow (bf16 on a CPU
                 # without bf16 kernels) says nothing the smaller ones did not.
                 if best and 6 * 2 * n**3 / best > max(1.0, 4 * seconds):
                     break
-                best = max(best, measure_peak(dev, dtype, device_name=name, cache=False,
-                                              seconds=seconds, size=n))  # fmt: skip
+                best = max(best, matmul_flops(dev, dtype, seconds=seconds, size=n))
         except (RuntimeError, TypeError, AttributeError, NotImplementedError) as exc:
             if dtype == "fp32":
                 raise
