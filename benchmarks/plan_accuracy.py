@@ -19,7 +19,9 @@
    Table 4 (the 2-D row): 70B, FSDP 32 x TP 8 on 256 GPUs, local batch 16, full
    checkpointing, compiled (with float8, which the planner does not model: its row
    is planned in bf16 and said so). The 70B is its Hugging Face config.json (Llama
-   3.1 70B's published sizes), built on the meta device.
+   3.1 70B's published sizes), built on the meta device. `--part what-if` plans
+   table 1's eager row with torchtitan's own selective policy (every second matmul
+   of a block recomputed; scaletrain's keeps them all) in place of scaletrain's.
 3. `--part here`: this machine calibrated (`scaletrain plan --calibrate`), then the
    recipes trained (on a CPU at 1 and 2 processes; on a GPU one process at fp32 and
    bf16-mixed) and each run's `plan --check`: predicted vs measured step time and
@@ -29,6 +31,7 @@
 
     .venv/bin/python benchmarks/plan_accuracy.py --part zero
     .venv/bin/python benchmarks/plan_accuracy.py --part torchtitan   # minutes: fake 70B
+    .venv/bin/python benchmarks/plan_accuracy.py --part what-if      # torchtitan's policy
     .venv/bin/python benchmarks/plan_accuracy.py --part here [--keep FILE]
 """
 
@@ -117,23 +120,72 @@ def torchtitan() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "config.json"
         config.write_text(json.dumps(LLAMA_70B), encoding="utf-8")
-        print(
-            "| table | model | GPUs | layout | batch x seq | AC | compile | "
-            "GiB published | GiB planned | error | tok/s/GPU published | planned | error |"
-        )
+        print("| table | model | GPUs | layout | batch x seq | AC | compile | "
+              "GiB published | GiB planned | error | tok/s/GPU published | planned | error |")
         print("|---|---|---:|---|---|---|---|---:|---:|---:|---:|---:|---:|")
+        plans: dict[tuple[object, ...], object] = {}
         for table, model, gpus, (strategy, dp, tp), batch, seq, ac, compiled, gib, tps in PUBLISHED:
             which = {"recipe": model} if model != "70b" else {"model": str(config)}
-            p = st.plan(
-                **which, devices=gpus, hardware="h100-96gb", batch_size=batch, seq_len=seq,
-                precision="bf16-mixed", ac=ac, compile=compiled,
-                layouts=[Layout(strategy, dp=dp, tp=tp)],
-            )  # fmt: skip
-            row = p.rows[0]
-            mem, rate = row.memory.total / GIB, p.tokens_per_device(row)
+            key = (model, batch, seq, ac, compiled)
+            if key not in plans:  # one profile for every row of the same model and step
+                layouts = [Layout(s, dp=d, tp=t) for _, m, _, (s, d, t), *rest in PUBLISHED
+                           if (m, *rest[:4]) == key]  # fmt: skip
+                plans[key] = st.plan(
+                    **which, devices=max(x.devices for x in layouts), hardware="h100-96gb",
+                    batch_size=batch, seq_len=seq, precision="bf16-mixed", ac=ac,
+                    compile=compiled, layouts=layouts,
+                )  # fmt: skip
+            p = plans[key]
+            row = next(r for r in p.rows if r.layout == Layout(strategy, dp=dp, tp=tp))  # type: ignore[attr-defined]
+            mem, rate = row.memory.total / GIB, p.tokens_per_device(row)  # type: ignore[attr-defined]
             print(f"| {table} | {model} | {gpus} | {row.layout.label} | {batch} x {seq} | {ac} | "
                   f"{'yes' if compiled else 'no'} | {gib} | {mem:.1f} | {mem / gib - 1:+.1%} | "
-                  f"{tps:,} | {rate:,.0f} | {rate / tps - 1:+.1%} |")  # fmt: skip
+                  f"{tps:,} | {rate:,.0f} | {rate / tps - 1:+.1%} |", flush=True)  # fmt: skip
+
+
+def _torchtitans_selective() -> object:
+    """torchtitan's op-level selective policy (its llama3 `_apply_ac`): matmuls,
+    attention and reduce-scatters keep their outputs, except every second matmul of a
+    block, which is recomputed. scaletrain's keeps every matmul's output."""
+    import torch
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    from scaletrain.strategies.levers import selective_keeps
+
+    mm = torch.ops.aten.mm.default
+
+    def context() -> object:
+        counts = {True: 0, False: 0}
+
+        def policy(ctx: object, op: object, *args: object, **kwargs: object) -> object:
+            again = bool(getattr(ctx, "is_recompute", False))
+            if op == mm:
+                counts[again] += 1
+            keep = selective_keeps(op) and not (op == mm and counts[again] % 2 == 0)
+            return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+        return create_selective_checkpoint_contexts(policy)
+
+    return lambda: context
+
+
+def what_if() -> None:
+    """Table 1's eager row again, with torchtitan's own selective policy in place of
+    scaletrain's: how much of the memory error the two policies' difference is."""
+    import scaletrain as st
+    import scaletrain.strategies.levers as levers
+    from scaletrain.planner.layout import Layout
+
+    levers.selective_policy = _torchtitans_selective()  # type: ignore[assignment]
+    p = st.plan("llama-8b", devices=8, hardware="h100-96gb", batch_size=2, seq_len=8192,
+                precision="bf16-mixed", ac="selective", layouts=[Layout("fsdp", dp=8)])  # fmt: skip
+    row = p.rows[0]
+    mem, rate = row.memory.total / GIB, p.tokens_per_device(row)
+    print("| table | model | GPUs | policy | GiB published | GiB planned | error | "
+          "tok/s/GPU published | planned | error |")
+    print("|---|---|---:|---|---:|---:|---:|---:|---:|---:|")
+    print(f"| 1 | llama-8b | 8 | torchtitan's selective | 82.4 | {mem:.1f} | {mem / 82.4 - 1:+.1%} "
+          f"| 5,762 | {rate:,.0f} | {rate / 5762 - 1:+.1%} |")  # fmt: skip
 
 
 def here(steps: int, keep: str | None) -> None:
@@ -184,11 +236,18 @@ def here(steps: int, keep: str | None) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=("zero", "torchtitan", "here"), required=True)
+    parser.add_argument(
+        "--part", choices=("zero", "torchtitan", "what-if", "here"), required=True
+    )
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--keep", metavar="FILE", help="--part here: keep the calibration there")
     args = parser.parse_args()
-    parts = {"zero": zero, "torchtitan": torchtitan, "here": lambda: here(args.steps, args.keep)}
+    parts = {
+        "zero": zero,
+        "torchtitan": torchtitan,
+        "what-if": what_if,
+        "here": lambda: here(args.steps, args.keep),
+    }
     parts[args.part]()
 
 
