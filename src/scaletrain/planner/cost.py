@@ -300,72 +300,102 @@ def _link(hw: Hardware, inner: int) -> Link:
     return hw.intra if inner <= hw.devices_per_node else hw.inter
 
 
+def _ddp(layout: Layout, model: Model, hw: Hardware, bwd_s: float) -> tuple[float, float]:
+    """(communication, exposed) of DDP: the gradients all-reduced in buckets during
+    the backward; the step waits for what outlasts it, and at least the last bucket."""
+    grads = model.profile.params * _local(model, layout)[0] * MASTER[model.precision]
+    buckets = max(1, math.ceil(grads / DDP_BUCKET))
+    each = _link(hw, layout.dp * layout.tp).time("all_reduce", grads / buckets, layout.dp)
+    return each * buckets, max(each, each * buckets - bwd_s)
+
+
+def _fsdp(
+    layout: Layout, model: Model, hw: Hardware, fwd_s: float, bwd_s: float
+) -> tuple[float, float]:
+    """(communication, exposed) of FSDP: each unit all-gathered in the compute dtype
+    (again for the backward at stage 3) while the previous one computes, and its
+    gradients reduce-scattered; the first gather of the forward, the last
+    reduce-scatter and what outlasts the compute are exposed."""
+    prec, link, n = model.precision, _link(hw, layout.dp * layout.tp), layout.dp
+    down = COMPUTE[prec] / MASTER[prec]
+    units = [u * _local(model, layout)[0] for u in model.unit_params()]
+    gather = sum(link.time("all_gather", u * down, n) for u in units)
+    scatter = sum(link.time("reduce_scatter", u, n) for u in units)
+    again = gather if layout.stage == 3 else 0.0
+    first, last = (
+        link.time("all_gather", units[0] * down, n),
+        link.time("reduce_scatter", units[-1], n),
+    )
+    return gather + again + scatter, first + max(0.0, gather - fwd_s) + max(
+        last, again + scatter - bwd_s
+    )
+
+
+def _tensor(layout: Layout, model: Model, hw: Hardware, batch: int, share: float) -> float:
+    """Seconds of tensor parallel's collectives, all exposed: a rowwise layer's output
+    all-reduced in the forward, a colwise layer's input gradient in the backward (the
+    forward's again where full checkpointing recomputes it)."""
+    p = model.profile
+    msgs, nbytes = model.tp_messages()
+    each = nbytes * p.per_sample(batch) * share / max(1, msgs)
+    passes = 3 if p.ac.startswith("full") else 2
+    return _link(hw, layout.tp).time("all_reduce", each, layout.tp) * msgs * passes
+
+
+def _pipeline(
+    layout: Layout, model: Model, hw: Hardware, batch: int, fwd_s: float, bwd_s: float, share: float
+) -> tuple[float, float, float]:
+    """(the busiest rank's work, communication, bubble) of a pipeline: its schedule
+    simulated with each stage's share of the model's forward and backward per
+    microbatch and the sends between stages."""
+    p, m = model.profile, layout.microbatches or 1
+    shares = model.stage_shares(layout.pp)
+    virtual = 2 if layout.schedule == "interleaved-1f1b" else 1
+    per_f, per_b = fwd_s / share / m, bwd_s / share / m  # the whole model, one microbatch
+    f = [per_f * x[1] / virtual for x in shares for _ in range(virtual)]
+    b = [per_b * x[1] / virtual for x in shares for _ in range(virtual)]
+    edge = max(p.modules[s[-1].members[-1]].output_bytes for s in model.stages(layout.pp)[:-1])
+    hop = _link(hw, layout.devices).time("send", edge * p.per_sample(batch / m), 2)
+    tl = simulate(
+        f, b, schedule=layout.schedule or "1f1b", microbatches=m, virtual=virtual, hop=hop
+    )
+    busiest = max(tl.work)
+    return busiest, hop * 2 * m * (layout.pp - 1), max(0.0, tl.makespan - busiest)
+
+
 def step_time(layout: Layout, model: Model, hw: Hardware, batch: int) -> StepTime:
-    """Seconds of one step of `layout` at `batch` samples per replica on `hw`."""
+    """Seconds of one step of `layout` at `batch` samples per replica on `hw`: the
+    device's own work, then each parallelism's communication (the functions above)."""
     p, prec, compiled = model.profile, model.precision, model.compiled
     dtype = DTYPE[prec]
-    par, work_share = _local(model, layout)
-    scale = p.per_sample(batch) * work_share
+    par, share = _local(model, layout)
     # FSDP's mixed precision gathers the weights in the compute dtype: no casts.
     cast = 0.0 if layout.dp > 1 and layout.stage >= 2 and MASTER[prec] > COMPUTE[prec] else 0.5
-    fixed = p.fixed.scaled(work_share * cast, cast)
-    fwd_s, fwd_floor = _seconds(p.forward.scaled(scale, work_share) + fixed, hw, dtype, compiled)
-    bwd_s, bwd_floor = _seconds(p.backward.scaled(scale, work_share) + fixed, hw, dtype, compiled)
+    fixed = p.fixed.scaled(share * cast, cast)
+    scale = p.per_sample(batch) * share
+    fwd_s, fwd_floor = _seconds(p.forward.scaled(scale, share) + fixed, hw, dtype, compiled)
+    bwd_s, bwd_floor = _seconds(p.backward.scaled(scale, share) + fixed, hw, dtype, compiled)
     opt_work = p.optimizer.scaled(par / (layout.dp if layout.stage >= 1 else 1))
     if hw.device == "cuda":  # foreach kernels: one launch per op and chunk of tensors
         per_tensor = p.optimizer.kernels / max(1, p.tensors)
         chunks = math.ceil(p.tensors * par / MULTI_TENSOR)
         opt_work = Work(0.0, opt_work.bytes, math.ceil(per_tensor * chunks))
     opt_s, _ = _seconds(opt_work, hw, "fp32", False)
-    comm, exposed, bubble = 0.0, 0.0, 0.0
-    grad_bytes = p.params * par * MASTER[prec]
-    dp_link = _link(hw, layout.dp * layout.tp)
-    if layout.dp > 1 and layout.stage == 0:
-        buckets = max(1, math.ceil(grad_bytes / DDP_BUCKET))
-        each = dp_link.time("all_reduce", grad_bytes / buckets, layout.dp)
-        comm += each * buckets
-        exposed += max(each, comm - bwd_s)
-    elif layout.dp > 1:
-        units = [u * par * COMPUTE[prec] / MASTER[prec] for u in model.unit_params()]
-        gather = sum(dp_link.time("all_gather", u, layout.dp) for u in units)
-        scatter = sum(
-            dp_link.time("reduce_scatter", u * MASTER[prec] / COMPUTE[prec], layout.dp)
-            for u in units
+    work, comm, exposed, bubble = fwd_s + bwd_s, 0.0, 0.0, 0.0
+    if layout.dp > 1:
+        comm, exposed = (
+            _ddp(layout, model, hw, bwd_s)
+            if layout.stage == 0
+            else _fsdp(layout, model, hw, fwd_s, bwd_s)
         )
-        first = dp_link.time("all_gather", units[0], layout.dp)
-        last = dp_link.time("reduce_scatter", units[-1] * MASTER[prec] / COMPUTE[prec], layout.dp)
-        again = gather if layout.stage == 3 else 0.0  # stage 3 gathers again for the backward
-        comm += gather + again + scatter
-        exposed += first + max(0.0, gather - fwd_s) + max(last, again + scatter - bwd_s)
     if layout.tp > 1:
-        msgs, nbytes = model.tp_messages()
-        each = nbytes * p.per_sample(batch) * work_share / max(1, msgs)
-        one = _link(hw, layout.tp).time("all_reduce", each, layout.tp)
-        passes = 3 if p.ac.startswith("full") else 2
-        comm += one * msgs * passes
-        exposed += one * msgs * passes
+        tp = _tensor(layout, model, hw, batch, share)
+        comm, exposed = comm + tp, exposed + tp
     if layout.pp > 1:
-        m = layout.microbatches or 1
-        shares = model.stage_shares(layout.pp)
-        virtual = 2 if layout.schedule == "interleaved-1f1b" else 1
-        whole_f = fwd_s / work_share / m
-        whole_b = bwd_s / work_share / m
-        f = [whole_f * x[1] / virtual for x in shares for _ in range(virtual)]
-        b = [whole_b * x[1] / virtual for x in shares for _ in range(virtual)]
-        edge = max(p.modules[s[-1].members[-1]].output_bytes for s in model.stages(layout.pp)[:-1])
-        hop = _link(hw, layout.devices).time("send", edge * p.per_sample(batch / m), 2)
-        tl = simulate(
-            f, b, schedule=layout.schedule or "1f1b", microbatches=m, virtual=virtual, hop=hop
-        )
-        busiest = max(tl.work)
-        comm += hop * 2 * m * (layout.pp - 1)
-        bubble = tl.makespan - busiest
-        fwd_s, bwd_s = (
-            busiest * whole_f / (whole_f + whole_b),
-            busiest * whole_b / (whole_f + whole_b),
-        )
+        work, sends, bubble = _pipeline(layout, model, hw, batch, fwd_s, bwd_s, share)
+        comm += sends
     return StepTime(
-        compute=fwd_s + bwd_s + opt_s, comm=comm, exposed=exposed, bubble=max(0.0, bubble),
+        compute=work + opt_s, comm=comm, exposed=exposed, bubble=bubble,
         floor=fwd_floor and bwd_floor,
     )  # fmt: skip
 
