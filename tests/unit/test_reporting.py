@@ -92,8 +92,12 @@ def test_a_failing_reporter_is_dropped_with_one_line_and_others_go_on(
 
 
 def test_the_trainers_reporters_say_what_they_report(tmp_path: Path) -> None:
-    from scaletrain.observe.observer import LedgerObserver
-    from scaletrain.observe.trackers import MLflowTracker, TensorBoardTracker, TrackerObserver
+    from scaletrain.observe.metrics.ledger_observer import LedgerObserver
+    from scaletrain.observe.report.trackers import (
+        MLflowTracker,
+        TensorBoardTracker,
+        TrackerObserver,
+    )
     from scaletrain.train.observers import MetricsLog, ProgressPrinter, WatchdogBeats
 
     log = MetricsLog(tmp_path / "metrics.jsonl")
@@ -112,7 +116,7 @@ def test_tensorboard_opens_its_writer_when_the_run_starts_never_inside_a_step(
     creating its writer read as a quarter of a second of that step's synchronisation: a
     one-process GPU run's table said 62-68% sync and advised reducing less often."""
     from scaletrain.observe.events import RunInfo
-    from scaletrain.observe.trackers import TensorBoardTracker, TrackerObserver
+    from scaletrain.observe.report.trackers import TensorBoardTracker, TrackerObserver
 
     logdir = tmp_path / "tensorboard"
     tracker = TensorBoardTracker()

@@ -12,9 +12,14 @@ import pytest
 
 import scaletrain as st
 from scaletrain.observe.events import EvalEvent, Observers, RunInfo
-from scaletrain.observe.phases import PHASES
-from scaletrain.observe.trackers import TrackerObserver, TrackerStatus, make_trackers, track_names
-from scaletrain.observe.window import RankWindow, WindowStats
+from scaletrain.observe.metrics.phases import PHASES
+from scaletrain.observe.metrics.window import RankWindow, WindowStats
+from scaletrain.observe.report.trackers import (
+    TrackerObserver,
+    TrackerStatus,
+    make_trackers,
+    track_names,
+)
 
 
 class FakeTracker:
@@ -249,7 +254,7 @@ def test_track_names_and_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
     assert track_names("MLflow, tensorboard,mlflow") == ("mlflow", "tensorboard")
     assert track_names("none") == () and make_trackers("none") == []
     assert track_names(None) == ("tensorboard",)  # installed here (a test dependency)
-    monkeypatch.setattr("scaletrain.observe.trackers._installed", lambda module: False)
+    monkeypatch.setattr("scaletrain.observe.report.trackers._installed", lambda module: False)
     assert track_names(None) == ()  # not installed: no tracker, as before
     assert [type(t).__name__ for t in make_trackers("tensorboard,mlflow")] == [
         "TensorBoardTracker",
@@ -284,7 +289,7 @@ def test_a_tracker_not_installed_says_how_to_install_it(monkeypatch: pytest.Monk
     from scaletrain.train import TrainConfig
 
     use_cli_names()
-    monkeypatch.setattr("scaletrain.observe.trackers._installed", lambda module: False)
+    monkeypatch.setattr("scaletrain.observe.report.trackers._installed", lambda module: False)
     with pytest.raises(st.ConfigError) as info:
         TrainConfig(track="mlflow")
     assert str(info.value) == (

@@ -25,8 +25,8 @@ from scaletrain.observe import (
     find_laggards,
     format_hang_message,
 )
-from scaletrain.observe.diagnosis import _ranks_str
-from scaletrain.observe.stacks import _locate
+from scaletrain.observe.hang.diagnosis import _ranks_str
+from scaletrain.observe.hang.stacks import _locate
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -171,14 +171,14 @@ class Trainer:
             observers.add(printer)
             observers.add(MetricsLog(out / "metrics.jsonl"))
         if rt.ledger is not None:
-            from scaletrain.observe.observer import LedgerObserver
+            from scaletrain.observe.metrics.ledger_observer import LedgerObserver
 
             if printer is not None:
                 # Straggler warnings and the end-of-run table above the live progress bar.
                 rt.ledger.printer = printer.print
             observers.add(LedgerObserver(rt.ledger, profile=cfg.profile))
         if rt.is_main:
-            from scaletrain.observe.trackers import TrackerObserver, make_trackers
+            from scaletrain.observe.report.trackers import TrackerObserver, make_trackers
 
             # --track: rank 0 alone writes (its loss and evaluation are already reduced
             # over the ranks; the ledger's windows are gathered from every rank).

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from scaletrain.observe.events import EvalEvent, Observer, RunInfo
-from scaletrain.observe.ledger import StepLedger
+from scaletrain.observe.metrics.ledger import StepLedger
 
 __all__ = ["LedgerObserver"]
 
@@ -31,7 +31,7 @@ class LedgerObserver(Observer):
         ledger.set_out(info.out)
         if self.profile is None:
             return
-        from scaletrain.observe.profiling import arm_profile, parse_steps, window_past_end
+        from scaletrain.observe.metrics.profiling import arm_profile, parse_steps, window_past_end
 
         first, last = parse_steps(self.profile)
         if first > info.total_steps:

@@ -35,9 +35,9 @@ from scaletrain.errors import ConfigError, closest, spell
 from scaletrain.observe.events import EvalEvent, Observer, RunInfo, say_off
 
 if TYPE_CHECKING:
-    from scaletrain.observe.ledger import StepLedger
-    from scaletrain.observe.stragglers import Straggler
-    from scaletrain.observe.window import WindowStats
+    from scaletrain.observe.metrics.ledger import StepLedger
+    from scaletrain.observe.metrics.stragglers import Straggler
+    from scaletrain.observe.metrics.window import WindowStats
 
 __all__ = [
     "MLFLOW_RUN_FILE",
@@ -429,7 +429,7 @@ class TrackerObserver(Observer):
         # once and turns this tracker off; it never reaches the ledger.
         if self._off:
             return
-        from scaletrain.observe.phases import PHASES
+        from scaletrain.observe.metrics.phases import PHASES
 
         scalars: dict[str, float] = {}
         for name in (*PHASES, "step"):

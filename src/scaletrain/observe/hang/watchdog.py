@@ -48,17 +48,17 @@ from typing import Protocol
 import torch.distributed as dist
 
 from scaletrain.errors import ConfigError
-from scaletrain.observe.diagnosis import HangDiagnosis, find_laggards
-from scaletrain.observe.flight_recorder import dump_traces
-from scaletrain.observe.heartbeat import (
+from scaletrain.observe.hang.diagnosis import HangDiagnosis, find_laggards
+from scaletrain.observe.hang.flight_recorder import dump_traces
+from scaletrain.observe.hang.heartbeat import (
     DEFAULT_HANG_TIMEOUT_S,
     EXIT_HANG,
     Heartbeat,
     WatchdogConfig,
 )
-from scaletrain.observe.message import format_hang_message
-from scaletrain.observe.stacks import _locate, _sequence_number, dump_stacks
-from scaletrain.observe.store import (
+from scaletrain.observe.hang.message import format_hang_message
+from scaletrain.observe.hang.stacks import _locate, _sequence_number, dump_stacks
+from scaletrain.observe.hang.store import (
     LEADER_KEY,
     REPORTED_KEY,
     REQUEST_KEY,
