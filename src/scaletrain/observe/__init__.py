@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from scaletrain._lazy import lazy_attributes
 
 if TYPE_CHECKING:
+    from scaletrain.observe.events import EvalEvent, EventBus, LoopObserver, RunInfo, StepEvent
     from scaletrain.observe.hang.diagnosis import HangDiagnosis, find_laggards
     from scaletrain.observe.hang.flight_recorder import (
         FLIGHT_RECORDER_DIR,
@@ -30,13 +31,18 @@ if TYPE_CHECKING:
     )
     from scaletrain.observe.hang.message import format_hang_message
     from scaletrain.observe.hang.stacks import dump_stacks
-    from scaletrain.observe.hang.watchdog import HANG_DIR, HangReport, Watchdog
+    from scaletrain.observe.hang.watchdog import HANG_DIR, HangReport, Watchdog, WatchdogObserver
     from scaletrain.observe.metrics.ledger import LedgerConfig, StepLedger
     from scaletrain.observe.metrics.phases import PHASES
     from scaletrain.observe.metrics.records import peak_memory, phase_medians, read_run
     from scaletrain.observe.report.html import write_report
 
 _WHERE = {
+    "EvalEvent": "scaletrain.observe.events",
+    "EventBus": "scaletrain.observe.events",
+    "LoopObserver": "scaletrain.observe.events",
+    "RunInfo": "scaletrain.observe.events",
+    "StepEvent": "scaletrain.observe.events",
     "HangDiagnosis": "scaletrain.observe.hang.diagnosis",
     "find_laggards": "scaletrain.observe.hang.diagnosis",
     "FLIGHT_RECORDER_DIR": "scaletrain.observe.hang.flight_recorder",
@@ -57,6 +63,7 @@ _WHERE = {
     "HANG_DIR": "scaletrain.observe.hang.watchdog",
     "HangReport": "scaletrain.observe.hang.watchdog",
     "Watchdog": "scaletrain.observe.hang.watchdog",
+    "WatchdogObserver": "scaletrain.observe.hang.watchdog",
 }
 
 __all__ = [
@@ -65,13 +72,19 @@ __all__ = [
     "FLIGHT_RECORDER_DIR",
     "HANG_DIR",
     "PHASES",
+    "EvalEvent",
+    "EventBus",
     "HangDiagnosis",
     "HangReport",
     "Heartbeat",
     "LedgerConfig",
+    "LoopObserver",
+    "RunInfo",
+    "StepEvent",
     "StepLedger",
     "Watchdog",
     "WatchdogConfig",
+    "WatchdogObserver",
     "configure_flight_recorder",
     "dump_stacks",
     "find_laggards",

@@ -6,7 +6,8 @@
 - `flight_recorder`: torch's collective flight recorder, turned on and dumped.
 - `diagnosis`: who did not arrive, from every rank's heartbeat (pure rules).
 - `message`: the one paragraph a hang prints.
-- `watchdog`: the thread per rank that ties them together.
+- `watchdog`: the thread per rank that ties them together, and `WatchdogObserver`, which
+  beats it from the loop's events.
 
 Importing this package imports nothing: the train config reads DEFAULT_HANG_TIMEOUT_S
 from `heartbeat` without torch.

@@ -48,6 +48,7 @@ from typing import Protocol
 import torch.distributed as dist
 
 from scaletrain.errors import ConfigError
+from scaletrain.observe.events import EvalEvent, LoopObserver, RunInfo, StepEvent
 from scaletrain.observe.hang.diagnosis import HangDiagnosis, find_laggards
 from scaletrain.observe.hang.flight_recorder import dump_traces
 from scaletrain.observe.hang.heartbeat import (
@@ -68,7 +69,7 @@ from scaletrain.observe.hang.store import (
     gather_answers,
 )
 
-__all__ = ["HANG_DIR", "HangReport", "Watchdog"]
+__all__ = ["HANG_DIR", "HangReport", "Watchdog", "WatchdogObserver"]
 
 HANG_DIR = "hang"
 """Sub-directory of the run directory for stacks, the report and the heartbeats."""
@@ -468,3 +469,31 @@ class Watchdog:
         # The training thread may be inside a collective that no exception can reach:
         # only ending the process frees it, and torchrun then ends the other ranks.
         os._exit(EXIT_HANG)
+
+
+class WatchdogObserver(LoopObserver):
+    """The watchdog fed by the loop's events: every step and every evaluation batch is
+    progress.
+
+    The watchdog starts when training starts (set-up before it is not watched: loading
+    data and building the model take as long as they take) and stops when the run ends.
+    """
+
+    def __init__(self, watchdog: Watchdog) -> None:
+        self.watchdog = watchdog
+
+    def on_run_start(self, info: RunInfo) -> None:
+        self.watchdog.beat(info.start_step)
+        self.watchdog.start()
+
+    def on_step_end(self, event: StepEvent) -> None:
+        self.watchdog.beat(event.step)
+
+    def on_eval_batch(self, step: int) -> None:
+        self.watchdog.beat(step, "eval")
+
+    def on_eval(self, event: EvalEvent) -> None:
+        self.watchdog.beat(event.step, "step")
+
+    def close(self) -> None:
+        self.watchdog.stop()
