@@ -188,7 +188,7 @@ class Trainer:
         if cfg.hang_timeout > 0 and rt.world_size > 1:
             from scaletrain.observe.hang.watchdog import Watchdog, WatchdogObserver
 
-            watchdog = Watchdog(rt, timeout_s=cfg.hang_timeout, run_dir=out)
+            watchdog = Watchdog(rt.topology, timeout_s=cfg.hang_timeout, run_dir=out)
             observers.add(WatchdogObserver(watchdog))
         for extra in self.extra_observers:
             observers.add(extra)

@@ -43,10 +43,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Protocol
 
 import torch.distributed as dist
 
+from scaletrain.dist.topology import Topology
 from scaletrain.errors import ConfigError
 from scaletrain.observe.events import EvalEvent, LoopObserver, RunInfo, StepEvent
 from scaletrain.observe.hang.diagnosis import HangDiagnosis, find_laggards
@@ -75,16 +75,6 @@ HANG_DIR = "hang"
 """Sub-directory of the run directory for stacks, the report and the heartbeats."""
 
 
-class _RankInfo(Protocol):
-    """What the watchdog reads from a Runtime (duck-typed: observe imports no runtime)."""
-
-    @property
-    def rank(self) -> int: ...
-
-    @property
-    def world_size(self) -> int: ...
-
-
 @dataclass(frozen=True, slots=True)
 class HangReport:
     """What a watchdog found on a hang (kept in `Watchdog.report` when it does not exit)."""
@@ -111,14 +101,15 @@ def _hostname() -> str:
 class Watchdog:
     """Ends a job whose ranks stopped making progress, naming who and where.
 
-        wd = Watchdog(rt, timeout_s=300, run_dir="runs/x").start()
+        wd = Watchdog(rt.topology, timeout_s=300, run_dir="runs/x").start()
         for step, batch in enumerate(loader):
             wd.beat(step)                 # cheap: stores a tuple
             ...
         wd.stop()                         # or: with Watchdog(...) as wd:
 
-    rt: anything with `.rank` and `.world_size` (a scaletrain Runtime); None reads
-        RANK / WORLD_SIZE. `rank` / `world_size` override it.
+    topology: where this process sits (scaletrain.dist.Topology: `rt.topology` of the
+        Runtime st.init returned), the one source of its rank and world size, as for a
+        strategy; the environment's RANK / WORLD_SIZE are never read.
     timeout_s / poll_s / grace_s: see WatchdogConfig.
     run_dir: stacks go to run_dir/hang/, traces to run_dir/flight_recorder/; None: a
         scaletrain-hang-* directory in the temp dir (named in the message).
@@ -133,34 +124,34 @@ class Watchdog:
 
     def __init__(
         self,
-        rt: _RankInfo | None = None,
+        topology: Topology,
         *,
         timeout_s: float = DEFAULT_HANG_TIMEOUT_S,
         run_dir: Path | str | None = None,
         poll_s: float | None = None,
         grace_s: float | None = None,
-        rank: int | None = None,
-        world_size: int | None = None,
         store: dist.Store | None = None,
         exit_on_hang: bool = True,
     ) -> None:
+        if not isinstance(topology, Topology):
+            runtime = isinstance(getattr(topology, "topology", None), Topology)
+            raise ConfigError(
+                f"Watchdog({type(topology).__name__}): expected the job's Topology "
+                "(scaletrain.dist.Topology), where the rank and world size come from. "
+                + (
+                    "Fix: pass rt.topology instead of the Runtime."
+                    if runtime
+                    else "Fix: pass rt.topology (rt = scaletrain.init(...)), or "
+                    "Topology(rank=..., world_size=...) in a job without one."
+                )
+            )
         self.config = WatchdogConfig(timeout_s=timeout_s, poll_s=poll_s, grace_s=grace_s)
         assert self.config.poll_s is not None and self.config.grace_s is not None
         self._poll_s: float = self.config.poll_s  # resolved by WatchdogConfig
         self._grace_s: float = self.config.grace_s
-        env_rank = int(os.environ.get("RANK", "0"))
-        env_world = int(os.environ.get("WORLD_SIZE", "1"))
-        self.rank = rank if rank is not None else (rt.rank if rt is not None else env_rank)
-        self.world_size = (
-            world_size
-            if world_size is not None
-            else (rt.world_size if rt is not None else env_world)
-        )
-        if not 0 <= self.rank < self.world_size:
-            raise ConfigError(
-                f"rank={self.rank} is outside world_size={self.world_size}: expected "
-                "0 <= rank < world_size. Pass the Runtime from scaletrain.init()."
-            )
+        self.topology = topology
+        self.rank = topology.rank
+        self.world_size = topology.world_size
         if run_dir is None:
             job = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SLURM_JOB_ID")
             run_dir = Path(tempfile.gettempdir()) / f"scaletrain-hang-{job or os.getpid()}"
