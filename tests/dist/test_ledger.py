@@ -205,7 +205,7 @@ def test_a_pipelines_stages_are_measured_as_forward_backward_and_waiting(tmp_pat
     --check` measures a pipeline's training work (it leaves h2d out)."""
     run_ranks(_pipeline_loop, 2, str(tmp_path), 12, timeout=200)
     from scaletrain.observe.metrics.records import read_run
-    from scaletrain.train.planning import measured
+    from scaletrain.planner.check import measured
 
     run = read_run(tmp_path)
     for rank, rr in run.ranks.items():
