@@ -88,8 +88,8 @@ def _hook_cost(steps: int, repeats: int) -> tuple[float, float]:
     import torch
     from torch import nn
 
-    from scaletrain.observe.hooks import watch_loader, watch_module, watch_optimizer
-    from scaletrain.observe.ledger import LedgerConfig, StepLedger
+    from scaletrain.observe.metrics.hooks import watch_loader, watch_module, watch_optimizer
+    from scaletrain.observe.metrics.ledger import LedgerConfig, StepLedger
 
     class Batches:
         def __init__(self, n: int) -> None:

@@ -33,8 +33,8 @@ if TYPE_CHECKING:
     )
     from scaletrain.exitcodes import EXIT_PREEMPTED
     from scaletrain.launch.function import launch_function as launch  # st.launch: callable
-    from scaletrain.observe.ledger import LedgerConfig
-    from scaletrain.observe.trackers import MLflowTracker, TensorBoardTracker, Tracker
+    from scaletrain.observe.metrics.ledger import LedgerConfig
+    from scaletrain.observe.report.trackers import MLflowTracker, TensorBoardTracker, Tracker
     from scaletrain.planner.api import plan
     from scaletrain.runtime import AccumulationStep, Runtime, init, sync_batchnorm
     from scaletrain.strategies import (
@@ -60,10 +60,10 @@ _WHERE = {
     "ScaletrainError": "scaletrain.errors",
     "AccumulationStep": "scaletrain.runtime",
     "Runtime": "scaletrain.runtime",
-    "LedgerConfig": "scaletrain.observe.ledger",
-    "MLflowTracker": "scaletrain.observe.trackers",
-    "TensorBoardTracker": "scaletrain.observe.trackers",
-    "Tracker": "scaletrain.observe.trackers",
+    "LedgerConfig": "scaletrain.observe.metrics.ledger",
+    "MLflowTracker": "scaletrain.observe.report.trackers",
+    "TensorBoardTracker": "scaletrain.observe.report.trackers",
+    "Tracker": "scaletrain.observe.report.trackers",
     "init": "scaletrain.runtime",
     "launch": "scaletrain.launch",
     "plan": "scaletrain.planner.api",

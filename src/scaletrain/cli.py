@@ -533,7 +533,7 @@ def _main(argv: Sequence[str] | None) -> int:
 
             return run_job(ns, train_config)
         if ns.command == "report":
-            from scaletrain.observe.report import write_report
+            from scaletrain.observe.report.html import write_report
 
             print(f"wrote {write_report(ns.run, ns.output)}")
             return EXIT_OK

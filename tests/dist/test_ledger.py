@@ -82,7 +82,7 @@ def _plain_loop(out: str, steps: int, every: int, profile: str | None, slow: dic
 
 def test_a_plain_loop_is_measured_and_its_phases_add_up(tmp_path: Path) -> None:
     results = run_ranks(_plain_loop, 2, str(tmp_path), 16, 5, "6-7", {"forward": 0.004})
-    from scaletrain.observe.records import read_run
+    from scaletrain.observe.metrics.records import read_run
 
     run = read_run(tmp_path)
     assert sorted(run.ranks) == [0, 1]
@@ -204,8 +204,8 @@ def test_a_pipelines_stages_are_measured_as_forward_backward_and_waiting(tmp_pat
     the device (h2d), which is what it counted before the stage's own hooks. So `plan
     --check` measures a pipeline's training work (it leaves h2d out)."""
     run_ranks(_pipeline_loop, 2, str(tmp_path), 12, timeout=200)
-    from scaletrain.observe.records import read_run
-    from scaletrain.train.planning import measured
+    from scaletrain.observe.metrics.records import read_run
+    from scaletrain.planner.check import measured
 
     run = read_run(tmp_path)
     for rank, rr in run.ranks.items():

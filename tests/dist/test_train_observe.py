@@ -50,7 +50,7 @@ def test_train_prints_the_phase_table_and_writes_the_ledger(trained: tuple[Path,
     for phase in ("data", "forward", "backward", "comm", "step"):
         assert f"│ {phase}" in out
     assert "MFU:" in out and "peak memory" in out
-    from scaletrain.observe.records import read_run
+    from scaletrain.observe.metrics.records import read_run
 
     records = read_run(run)
     assert sorted(records.ranks) == [0, 1]

@@ -56,7 +56,7 @@ _SCRIPT = textwrap.dedent(
     def main():
         rt = st.init(strategy="ddp", backend=backend)
         x = torch.ones(1, device=rt.device)
-        with Watchdog(rt, timeout_s=timeout_s, run_dir=run_dir) as wd:
+        with Watchdog(rt.topology, timeout_s=timeout_s, run_dir=run_dir) as wd:
             steps = 1000 if mode == "hang" else 40
             for step in range(1, steps + 1):
                 wd.beat(step, "forward")
@@ -225,7 +225,7 @@ def _hang_without_torchrun(run_dir: str) -> None:
 
     rt = st.init(strategy="ddp")
     x = torch.ones(1)
-    with Watchdog(rt, timeout_s=HANG_TIMEOUT_S, run_dir=run_dir) as wd:
+    with Watchdog(rt.topology, timeout_s=HANG_TIMEOUT_S, run_dir=run_dir) as wd:
         for step in range(1, 1000):
             wd.beat(step, "forward")
             if rt.rank == 1 and step == SLEEP_STEP:

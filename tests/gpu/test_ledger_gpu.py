@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 
 def test_cuda_ledger_never_synchronises_and_its_phases_add_up(tmp_path: Path) -> None:
     import scaletrain as st
-    from scaletrain.observe.records import read_run
+    from scaletrain.observe.metrics.records import read_run
 
     rt = st.init(strategy="single", env="local", ledger=st.LedgerConfig(out=tmp_path, every=5))
     assert rt.ledger is not None and rt.ledger._timeline.kind == "cuda"

@@ -19,7 +19,7 @@ def test_grouped_query_attention_is_counted_where_torchs_formula_fails(
 ) -> None:
     import torch.utils.flop_counter as fc
 
-    from scaletrain.observe.flops import FlopCounter, attention_flops
+    from scaletrain.observe.metrics.flops import FlopCounter, attention_flops
 
     # torch before 2.13: the fused ops' formulas refuse fewer key/value heads.
     ops = [torch.ops.aten._scaled_dot_product_flash_attention,
@@ -43,7 +43,7 @@ def test_an_op_whose_formula_fails_counts_nothing_and_is_named(
 ) -> None:
     import torch.utils.flop_counter as fc
 
-    from scaletrain.observe.flops import FlopCounter
+    from scaletrain.observe.metrics.flops import FlopCounter
 
     monkeypatch.setattr(fc, "flop_registry", {**fc.flop_registry, torch.ops.aten.mm: _failing})
     a = torch.randn(8, 8, requires_grad=True)
@@ -60,7 +60,7 @@ def test_attention_on_a_cpu_is_counted() -> None:
     attention counted 0 there, and so did a plan profiled on a CPU."""
     import torch.nn.functional as F
 
-    from scaletrain.observe.flops import FlopCounter, attention_flops
+    from scaletrain.observe.metrics.flops import FlopCounter, attention_flops
 
     q = torch.randn(2, 4, 16, 8, requires_grad=True)
     k = torch.randn(2, 2, 16, 8, requires_grad=True)

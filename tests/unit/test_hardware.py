@@ -68,7 +68,7 @@ def test_the_profiles_figures_are_their_datasheets() -> None:
 def test_the_ledger_reads_the_one_datasheet_table() -> None:
     """One table of GPU peaks: the ledger's MFU imports it from scaletrain.hardware (it
     had its own copy, DATASHEET, beside the planner's)."""
-    import scaletrain.observe.flops as flops
+    import scaletrain.observe.metrics.flops as flops
 
     assert flops.datasheet_peak is hardware.datasheet_peak
     assert not hasattr(flops, "DATASHEET")

@@ -8,10 +8,18 @@ from pathlib import Path
 
 import pytest
 
-from scaletrain.observe.clocks import CudaTimeline, WallTimeline
-from scaletrain.observe.ledger import LedgerConfig, StepLedger
-from scaletrain.observe.phases import BACKWARD, COMM, DATA, FORWARD, OPTIMIZER, OTHER, PHASES
-from scaletrain.observe.records import peak_memory, phase_medians, read_run
+from scaletrain.observe.metrics.clocks import CudaTimeline, WallTimeline
+from scaletrain.observe.metrics.ledger import LedgerConfig, StepLedger
+from scaletrain.observe.metrics.phases import (
+    BACKWARD,
+    COMM,
+    DATA,
+    FORWARD,
+    OPTIMIZER,
+    OTHER,
+    PHASES,
+)
+from scaletrain.observe.metrics.records import peak_memory, phase_medians, read_run
 
 
 class FakeClock:
@@ -213,7 +221,7 @@ def test_a_cached_peak_a_run_beats_is_dropped(
     """A run above 100% MFU proves the cached peak was measured while the device was
     busy: the summary says so and drops it from the cache, so the next run measures it
     again (before, every later run on the machine reported 128-134%). Other entries stay."""
-    from scaletrain.observe.flops import _cache_file, measure_peak
+    from scaletrain.observe.metrics.flops import _cache_file, measure_peak
 
     monkeypatch.setenv("SCALETRAIN_CACHE_DIR", str(tmp_path / "cache"))
     peak = measure_peak("cpu", "fp32", device_name="cpu", seconds=0.02)
@@ -266,8 +274,8 @@ def test_the_flops_peak_measurement_is_not_counted_as_training_memory(
     from torch import nn
 
     import scaletrain as st
-    import scaletrain.observe.flops as flops
-    import scaletrain.observe.memory as memory
+    import scaletrain.observe.metrics.flops as flops
+    import scaletrain.observe.metrics.memory as memory
 
     calls: list[str] = []
     monkeypatch.setattr(flops, "measure_peak", lambda *a, **k: calls.append("peak") or 1e9)
@@ -305,7 +313,7 @@ def test_a_plain_loop_ends_with_one_line_and_the_table_on_request(
     rt.shutdown(); the default is one line now: step time, MFU, the straggler if any,
     where the files are; LedgerConfig(summary="table") gives the table."""
     import scaletrain as st
-    import scaletrain.observe.flops as flops
+    import scaletrain.observe.metrics.flops as flops
 
     monkeypatch.setattr(flops, "measure_peak", lambda *a, **k: 1e9)
     capsys.readouterr()
@@ -318,7 +326,7 @@ def test_a_plain_loop_ends_with_one_line_and_the_table_on_request(
     assert f"ledger in {tmp_path / 'observe'} (scaletrain report {tmp_path})" in line, line
     assert "LedgerConfig(summary='table')" in line
     # A straggler is named in the line; a ledger without files says so.
-    from scaletrain.observe.summary import summary_line
+    from scaletrain.observe.metrics.summary import summary_line
 
     summary = read_run(tmp_path).summary
     assert summary is not None
@@ -353,7 +361,7 @@ def test_a_rank_that_waited_for_a_cpu_is_named_for_its_wait(tmp_path: Path, know
     window); gathered with the rest, it names a rank slow in forward because it waited
     for a CPU by that wait, in windows.jsonl and summary.json. Where the kernel does not
     say, the rank is named by its phase and no CPU wait is claimed."""
-    from scaletrain.observe.window import _SCALARS
+    from scaletrain.observe.metrics.window import _SCALARS
 
     slot = 4 + len(PHASES) + _SCALARS.index("cpu_wait")
 
@@ -383,7 +391,7 @@ def test_a_rank_that_waited_for_a_cpu_is_named_for_its_wait(tmp_path: Path, know
         assert s["cpu_wait_s"] == pytest.approx(1.2)
         advice = summary["advice"]
         assert "rank 0 waited 1200.0 ms/step for a CPU (other processes on its host)" in advice
-        from scaletrain.observe.report import _facts
+        from scaletrain.observe.report.html import _facts
 
         assert "rank 0 waited 1200.0 ms/step for a CPU" in _facts(read_run(tmp_path))
     else:
@@ -458,7 +466,7 @@ def _printed(summary: dict[str, object]) -> str:
 
     from rich.console import Console
 
-    from scaletrain.observe.summary import print_summary
+    from scaletrain.observe.metrics.summary import print_summary
 
     console = Console(file=io.StringIO(), width=250)
     print_summary(summary, console.print)
@@ -474,9 +482,9 @@ def test_a_rank_that_recompiles_is_no_straggler_and_its_steps_no_slow_steps(
     training's (counted, the run's mean step was 7.9 s and its MFU 8.7%), and the
     compile seconds have their own line in the summary, the one-line summary and the
     report."""
-    from scaletrain.observe.report import _facts
-    from scaletrain.observe.summary import summary_line
-    from scaletrain.observe.window import _SCALARS
+    from scaletrain.observe.metrics.summary import summary_line
+    from scaletrain.observe.metrics.window import _SCALARS
+    from scaletrain.observe.report.html import _facts
 
     def gather(values: list[float]) -> list[list[float]]:
         other = list(values)
@@ -547,7 +555,7 @@ def test_a_compiled_model_shows_its_compile_time_as_the_compile_phase(
     from torch import nn
 
     import scaletrain as st
-    import scaletrain.observe.flops as flops
+    import scaletrain.observe.metrics.flops as flops
 
     monkeypatch.setattr(flops, "measure_peak", lambda *a, **k: 1e9)
     torch._dynamo.reset()

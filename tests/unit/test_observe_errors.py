@@ -12,10 +12,10 @@ import torch
 
 import scaletrain as st
 from scaletrain.errors import use_cli_names
-from scaletrain.observe.attach import create_ledger
-from scaletrain.observe.ledger import LedgerConfig, StepLedger
-from scaletrain.observe.memory import MemorySampler
-from scaletrain.observe.profiling import arm_profile, parse_steps
+from scaletrain.observe.metrics.attach import create_ledger
+from scaletrain.observe.metrics.ledger import LedgerConfig, StepLedger
+from scaletrain.observe.metrics.memory import MemorySampler
+from scaletrain.observe.metrics.profiling import arm_profile, parse_steps
 from scaletrain.train.config import TrainConfig
 
 

@@ -9,11 +9,11 @@ import sys
 import pytest
 
 from scaletrain.hardware import datasheet_peak
-from scaletrain.observe.flops import compute_mfu, measure_peak
-from scaletrain.observe.overlap import intersection_length, overlap_stats, union
-from scaletrain.observe.phases import COMM, DATA, FORWARD, PHASES
-from scaletrain.observe.stragglers import StragglerDetector
-from scaletrain.observe.window import RankWindow, WindowStats
+from scaletrain.observe.metrics.flops import compute_mfu, measure_peak
+from scaletrain.observe.metrics.overlap import intersection_length, overlap_stats, union
+from scaletrain.observe.metrics.phases import COMM, DATA, FORWARD, PHASES
+from scaletrain.observe.metrics.stragglers import StragglerDetector
+from scaletrain.observe.metrics.window import RankWindow, WindowStats
 
 
 def _window(rank: int, forward: float = 10e-3, data: float = 1e-3, comm: float = 2e-3,
@@ -163,7 +163,7 @@ def _summary(ranks: list[tuple[int, float, float, float]], overlap: float | None
 def test_advice_names_a_pipelines_waiting_not_the_gradient_all_reduce() -> None:
     """A pipeline stage's comm is its waiting for the other stages: the advice says
     so, and which knob helps (uneven stages, else more microbatches)."""
-    from scaletrain.observe.summary import advice
+    from scaletrain.observe.metrics.summary import advice
 
     ddp = advice(_summary([(0, 0.01, 0.02, 0.02), (0, 0.01, 0.02, 0.02)], overlap=0.3))
     assert ddp is not None and ddp.startswith("Communication-bound: 40%") and "all-reduce" in ddp
@@ -205,7 +205,7 @@ def test_a_rank_slow_because_it_waited_for_a_cpu_is_named_with_its_wait() -> Non
     the advice say that, not "slow in backward" (2 ranks on 2 cores named one "slow in
     forward 1.27-1.33x" in 2 of 6 balanced runs). So when its peers waited as long
     (a crowded host: whichever rank the kernel runs last in a phase looks slow there)."""
-    from scaletrain.observe.summary import _lines, advice
+    from scaletrain.observe.metrics.summary import _lines, advice
 
     for waits, peers in (([0.3e-3, 12.3e-3, 0.2e-3], 0.25e-3), ([11e-3, 12.3e-3, 12e-3], 11.5e-3)):
         detector, named_at = _run(_crowded(waits))
@@ -238,7 +238,7 @@ def test_a_rank_slow_on_its_own_keeps_the_phase_it_is_slow_in() -> None:
     """The same slow rank with a run-queue wait that cannot account for its 9 ms/step
     (0.4 ms; 5 ms, its peers as much or less), or where the kernel does not say (NaN:
     no /proc), is named with its phase, as before."""
-    from scaletrain.observe.summary import advice
+    from scaletrain.observe.metrics.summary import advice
 
     for waits in ([0.3e-3, 0.4e-3, 0.2e-3], [0.3e-3, 5e-3, 0.3e-3], [5e-3] * 3, [math.nan] * 3):
         detector, named_at = _run(_crowded(waits))
@@ -256,7 +256,7 @@ def test_the_kernel_gives_this_threads_run_queue_wait_on_linux() -> None:
     up to its total. Without /proc (macOS) there is no number, and nothing fails."""
     import time
 
-    from scaletrain.observe.runqueue import RunQueueClock, schedstat
+    from scaletrain.observe.metrics.runqueue import RunQueueClock, schedstat
 
     if not sys.platform.startswith("linux"):
         assert schedstat() is None and RunQueueClock().lap() is None

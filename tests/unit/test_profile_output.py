@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from scaletrain.observe.profiling import ProfileWindow
+from scaletrain.observe.metrics.profiling import ProfileWindow
 
 
 class _Ledger(SimpleNamespace):

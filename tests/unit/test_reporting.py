@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from scaletrain.observe.events import Observer, Observers
+from scaletrain.observe.events import EventBus, LoopObserver
 from scaletrain.observe.output import LossyStream
 
 
@@ -51,7 +51,7 @@ def test_the_progress_printer_never_raises_into_the_ledger(
     assert err.count("the progress display failed (RuntimeError: cannot render)") == 1
 
 
-class _Reporter(Observer):
+class _Reporter(LoopObserver):
     reports = "the test display"
 
     def __init__(self) -> None:
@@ -67,7 +67,7 @@ class _Reporter(Observer):
         self.closed = True
 
 
-class _Participant(Observer):
+class _Participant(LoopObserver):
     def on_log(self, record: Mapping[str, Any]) -> None:
         if record["step"] == 3:
             raise RuntimeError("a collective failed")
@@ -77,7 +77,7 @@ def test_a_failing_reporter_is_dropped_with_one_line_and_others_go_on(
     capfd: pytest.CaptureFixture[str],
 ) -> None:
     reporter, participant = _Reporter(), _Participant()
-    observers = Observers([reporter, participant])
+    observers = EventBus([reporter, participant])
     observers.on_log({"step": 1})
     observers.on_log({"step": 2})  # the reporter fails: said, dropped, no error
     err = capfd.readouterr().err
@@ -92,9 +92,14 @@ def test_a_failing_reporter_is_dropped_with_one_line_and_others_go_on(
 
 
 def test_the_trainers_reporters_say_what_they_report(tmp_path: Path) -> None:
-    from scaletrain.observe.observer import LedgerObserver
-    from scaletrain.observe.trackers import MLflowTracker, TensorBoardTracker, TrackerObserver
-    from scaletrain.train.observers import MetricsLog, ProgressPrinter, WatchdogBeats
+    from scaletrain.observe.hang.watchdog import WatchdogObserver
+    from scaletrain.observe.metrics.ledger_observer import LedgerObserver
+    from scaletrain.observe.report.trackers import (
+        MLflowTracker,
+        TensorBoardTracker,
+        TrackerObserver,
+    )
+    from scaletrain.train.observers import MetricsLog, ProgressPrinter
 
     log = MetricsLog(tmp_path / "metrics.jsonl")
     log.close()
@@ -102,7 +107,7 @@ def test_the_trainers_reporters_say_what_they_report(tmp_path: Path) -> None:
     assert TrackerObserver(TensorBoardTracker()).reports == "the TensorBoard tracker"
     assert TrackerObserver(MLflowTracker()).reports == "the MLflow tracker"
     # The watchdog and the ledger take part in the run: their errors stop it.
-    assert not WatchdogBeats.reports and not LedgerObserver.reports
+    assert not WatchdogObserver.reports and not LedgerObserver.reports
 
 
 def test_tensorboard_opens_its_writer_when_the_run_starts_never_inside_a_step(
@@ -112,7 +117,7 @@ def test_tensorboard_opens_its_writer_when_the_run_starts_never_inside_a_step(
     creating its writer read as a quarter of a second of that step's synchronisation: a
     one-process GPU run's table said 62-68% sync and advised reducing less often."""
     from scaletrain.observe.events import RunInfo
-    from scaletrain.observe.trackers import TensorBoardTracker, TrackerObserver
+    from scaletrain.observe.report.trackers import TensorBoardTracker, TrackerObserver
 
     logdir = tmp_path / "tensorboard"
     tracker = TensorBoardTracker()

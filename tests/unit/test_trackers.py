@@ -11,10 +11,15 @@ from typing import Any
 import pytest
 
 import scaletrain as st
-from scaletrain.observe.events import EvalEvent, Observers, RunInfo
-from scaletrain.observe.phases import PHASES
-from scaletrain.observe.trackers import TrackerObserver, TrackerStatus, make_trackers, track_names
-from scaletrain.observe.window import RankWindow, WindowStats
+from scaletrain.observe.events import EvalEvent, EventBus, RunInfo
+from scaletrain.observe.metrics.phases import PHASES
+from scaletrain.observe.metrics.window import RankWindow, WindowStats
+from scaletrain.observe.report.trackers import (
+    TrackerObserver,
+    TrackerStatus,
+    make_trackers,
+    track_names,
+)
 
 
 class FakeTracker:
@@ -72,7 +77,7 @@ def test_the_loop_feeds_a_tracker_of_the_users_own(tmp_path: Path) -> None:
     and settings at the start, named scalars at their steps, and how the run ended."""
     tracker, ledger = FakeTracker(), FakeLedger()
     assert isinstance(tracker, st.Tracker)
-    observers = Observers([TrackerObserver(tracker, ledger)])  # type: ignore[arg-type]
+    observers = EventBus([TrackerObserver(tracker, ledger)])  # type: ignore[arg-type]
     observers.on_run_start(_info(tmp_path))
     observers.on_log(_record(5))
     ledger.window(5)
@@ -112,7 +117,7 @@ def test_a_failing_tracker_is_said_once_and_dropped(
     tmp_path: Path, capfd: pytest.CaptureFixture[str], fail_at: str
 ) -> None:
     tracker, ledger = FakeTracker(fail_at), FakeLedger()
-    observers = Observers([TrackerObserver(tracker, ledger)])  # type: ignore[arg-type]
+    observers = EventBus([TrackerObserver(tracker, ledger)])  # type: ignore[arg-type]
     observers.on_run_start(_info(tmp_path))
     for step in (5, 10):
         observers.on_log(_record(step))
@@ -137,7 +142,7 @@ def test_a_tracker_failing_in_a_ledger_window_never_reaches_the_ledger(
     """The ledger calls its listeners between its collectives, outside the observers'
     guard: the failure is said once there, and the tracker is off for the loop too."""
     tracker, ledger = FakeTracker(), FakeLedger()
-    observers = Observers([TrackerObserver(tracker, ledger)])  # type: ignore[arg-type]
+    observers = EventBus([TrackerObserver(tracker, ledger)])  # type: ignore[arg-type]
     observers.on_run_start(_info(tmp_path))
     tracker.fail_at = "log"
     ledger.window(5)  # raises inside the tracker; not here
@@ -249,7 +254,7 @@ def test_track_names_and_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
     assert track_names("MLflow, tensorboard,mlflow") == ("mlflow", "tensorboard")
     assert track_names("none") == () and make_trackers("none") == []
     assert track_names(None) == ("tensorboard",)  # installed here (a test dependency)
-    monkeypatch.setattr("scaletrain.observe.trackers._installed", lambda module: False)
+    monkeypatch.setattr("scaletrain.observe.report.trackers._installed", lambda module: False)
     assert track_names(None) == ()  # not installed: no tracker, as before
     assert [type(t).__name__ for t in make_trackers("tensorboard,mlflow")] == [
         "TensorBoardTracker",
@@ -284,7 +289,7 @@ def test_a_tracker_not_installed_says_how_to_install_it(monkeypatch: pytest.Monk
     from scaletrain.train import TrainConfig
 
     use_cli_names()
-    monkeypatch.setattr("scaletrain.observe.trackers._installed", lambda module: False)
+    monkeypatch.setattr("scaletrain.observe.report.trackers._installed", lambda module: False)
     with pytest.raises(st.ConfigError) as info:
         TrainConfig(track="mlflow")
     assert str(info.value) == (

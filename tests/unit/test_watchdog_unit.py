@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from scaletrain.dist import Topology
 from scaletrain.errors import ConfigError
 from scaletrain.observe import (
     EXIT_HANG,
@@ -25,8 +26,8 @@ from scaletrain.observe import (
     find_laggards,
     format_hang_message,
 )
-from scaletrain.observe.diagnosis import _ranks_str
-from scaletrain.observe.stacks import _locate
+from scaletrain.observe.hang.diagnosis import _ranks_str
+from scaletrain.observe.hang.stacks import _locate
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -39,7 +40,7 @@ def hb(rank: int, step: int, **kw: object) -> Heartbeat:
 
 
 def test_beat_costs_microseconds_even_with_the_thread_running() -> None:
-    wd = Watchdog(timeout_s=60, run_dir="/nonexistent", rank=0, world_size=1).start()
+    wd = Watchdog(Topology(), timeout_s=60, run_dir="/nonexistent").start()
     try:
         t0 = time.perf_counter()
         for i in range(100_000):
@@ -284,19 +285,44 @@ def test_config_defaults_scale_with_the_timeout() -> None:
     assert WatchdogConfig(timeout_s=0.2).poll_s == 0.05
 
 
-def test_watchdog_rejects_a_rank_outside_the_world() -> None:
-    with pytest.raises(ConfigError, match="rank=2 is outside world_size=2"):
-        Watchdog(rank=2, world_size=2)
-
-
-def test_watchdog_reads_rank_from_a_runtime_like_object(tmp_path: Path) -> None:
-    class Rt:
-        rank = 3
-        world_size = 4
-
-    wd = Watchdog(Rt(), run_dir=tmp_path)
-    assert (wd.rank, wd.world_size) == (3, 4)
+def test_the_watchdog_takes_its_rank_from_the_topology_not_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 30: without a Runtime the watchdog read RANK / WORLD_SIZE from the
+    environment. Now the Topology (rank 1 of 2 here, where the environment says rank 0
+    of 1) is its one source: its heartbeat is published as rank 1's, and a watchdog
+    with no Topology is not built at all (the environment would have made it rank 3)."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=5))
+    wd = Watchdog(
+        topology=Topology(rank=1, world_size=2),
+        timeout_s=5,
+        run_dir=tmp_path,
+        store=store,
+        exit_on_hang=False,
+    )
+    assert (wd.rank, wd.world_size) == (1, 2)
     assert wd.hang_dir == tmp_path / "hang"
+    with wd:
+        wd.beat(4, "forward")
+        time.sleep(3 * (wd.config.poll_s or 0.5))  # the thread publishes at least once
+    final = Heartbeat.from_json(store.get("scaletrain/watchdog/attempt0/hb/1"))
+    assert final.rank == 1 and final.step == 4 and final.stopped
+    assert not store.check(["scaletrain/watchdog/attempt0/hb/0"])
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(TypeError, match="topology"):
+        Watchdog(run_dir=tmp_path)  # type: ignore[call-arg]
+
+
+def test_a_runtime_given_for_the_topology_is_refused_with_the_fix() -> None:
+    class Runtime:  # what st.init returns: it has .rank, and its Topology
+        rank, world_size, topology = 1, 2, Topology(rank=1, world_size=2)
+
+    with pytest.raises(ConfigError, match=r"Watchdog\(Runtime\).*pass rt.topology instead"):
+        Watchdog(Runtime())  # type: ignore[arg-type]
 
 
 def test_configure_flight_recorder_sets_env_once_and_respects_the_user(tmp_path: Path) -> None:
@@ -330,7 +356,7 @@ def test_healthy_loop_never_fires_and_the_thread_stops(tmp_path: Path) -> None:
     store = dist.HashStore()
     store.set_timeout(timedelta(seconds=5))  # a missing key fails the test, not hangs it
     with Watchdog(
-        timeout_s=0.3, run_dir=tmp_path, rank=0, world_size=1, store=store, exit_on_hang=False
+        Topology(), timeout_s=0.3, run_dir=tmp_path, store=store, exit_on_hang=False
     ) as wd:
         assert wd.running
         for step in range(40):  # 0.8 s: more than twice the timeout
@@ -345,7 +371,7 @@ def test_healthy_loop_never_fires_and_the_thread_stops(tmp_path: Path) -> None:
 
 
 def test_world_size_one_without_store_dumps_and_reports(tmp_path: Path) -> None:
-    wd = Watchdog(timeout_s=0.3, run_dir=tmp_path, rank=0, world_size=1, exit_on_hang=False)
+    wd = Watchdog(Topology(), timeout_s=0.3, run_dir=tmp_path, exit_on_hang=False)
     wd.start()
     wd.beat(3, "data")
     deadline = time.monotonic() + 10
@@ -366,11 +392,10 @@ def test_two_watchdogs_sharing_a_store_name_the_rank_behind(tmp_path: Path) -> N
     store.set_timeout(timedelta(seconds=5))
     dogs = [
         Watchdog(
+            Topology(rank=r, world_size=2),
             timeout_s=0.5,
             poll_s=0.05,
             run_dir=tmp_path,
-            rank=r,
-            world_size=2,
             store=store,
             exit_on_hang=False,
         ).start()
@@ -405,11 +430,10 @@ def test_a_rank_still_beating_dumps_when_asked(tmp_path: Path) -> None:
     store.set_timeout(timedelta(seconds=5))
     dogs = [
         Watchdog(
+            Topology(rank=r, world_size=2),
             timeout_s=0.4,
             poll_s=0.05,
             run_dir=tmp_path,
-            rank=r,
-            world_size=2,
             store=store,
             exit_on_hang=False,
         ).start()
@@ -437,12 +461,11 @@ def test_a_rank_that_never_answers_is_named_unresponsive(tmp_path: Path) -> None
     peer = dist.PrefixStore("scaletrain/watchdog/attempt0", store)
     peer.set("hb/1", hb(1, 4, phase="forward", host="h1", pid=7).to_json())
     wd = Watchdog(
+        Topology(rank=0, world_size=2),
         timeout_s=0.3,
         poll_s=0.05,
         grace_s=0.2,
         run_dir=tmp_path,
-        rank=0,
-        world_size=2,
         store=store,
         exit_on_hang=False,
     ).start()
@@ -460,7 +483,7 @@ def test_a_rank_that_never_answers_is_named_unresponsive(tmp_path: Path) -> None
 def test_leaving_the_block_with_an_exception_is_published(tmp_path: Path) -> None:
     store = dist.HashStore()
     store.set_timeout(timedelta(seconds=5))
-    wd = Watchdog(timeout_s=5, run_dir=tmp_path, rank=0, world_size=1, store=store)
+    wd = Watchdog(Topology(), timeout_s=5, run_dir=tmp_path, store=store)
     with pytest.raises(RuntimeError), wd:
         wd.beat(12, "forward")
         time.sleep(3 * (wd.config.poll_s or 0.5))  # the thread publishes at least once

@@ -1,10 +1,18 @@
 """What a training loop tells the things that watch it: run, step, evaluation, save, stop.
 
-The loop (scaletrain.train) stays small and emits these events; everything around
-it is an `Observer`: the progress bar, the metrics log, the hang watchdog's
-heartbeat, the step ledger and the profiler. An observer overrides the methods it
-cares about; the others do nothing. Events are plain data: an observer needs no
-Runtime, strategy or model to read them.
+The loop (scaletrain.train) stays small and emits these events; everything that hears
+them is a `LoopObserver`, the one interface for them, and an `EventBus` hands each event
+to every observer on it. Each room of observe has its observer:
+
+- hang: `WatchdogObserver` (hang/watchdog.py): every step is a heartbeat;
+- metrics: `LedgerObserver` (metrics/ledger_observer.py): the run directory, the
+  evaluation's end and the run's end, which the ledger's hooks cannot see;
+- report: `TrackerObserver` (report/trackers.py): scalars to an experiment tracker.
+
+`scaletrain train` adds its progress bar and metrics.jsonl (scaletrain.train.observers),
+and a `Trainer` takes a user's own. An observer overrides
+the methods it cares about; the others do nothing. Events are plain data: an observer
+needs no Runtime, strategy or model to read them.
 
 Observers run on the training thread between steps, so they must be cheap: a
 step's loss is a tensor on the device (reading it syncs a GPU), and `on_log`
@@ -19,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["EvalEvent", "Observer", "Observers", "RunInfo", "StepEvent", "say_off"]
+__all__ = ["EvalEvent", "EventBus", "LoopObserver", "RunInfo", "StepEvent", "say_off"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,9 +91,10 @@ class EvalEvent:
     metric: str = "val_acc"
 
 
-class Observer:
-    """Base class: override the events you need. Every method runs on every rank that
-    has the observer (the trainer gives rank-0-only observers to rank 0 alone)."""
+class LoopObserver:
+    """What hears the loop's events: subclass it and override the events you need. Every
+    method runs on every rank that has the observer (the trainer gives rank-0-only
+    observers to rank 0 alone)."""
 
     reports: str = ""
     """What this observer only reports ("the progress display", "metrics.jsonl"), for the
@@ -143,15 +152,15 @@ def say_off(reports: str, exc: BaseException) -> None:
     )
 
 
-class Observers(Observer):
-    """Several observers as one: each event goes to each, in order. An observer that only
-    reports (`Observer.reports`) and fails is dropped with one line on stderr; the
-    others' errors propagate."""
+class EventBus(LoopObserver):
+    """The loop's observers as one: each event goes to each, in order. An observer that
+    only reports (`LoopObserver.reports`) and fails is dropped with one line on stderr;
+    the others' errors propagate."""
 
-    def __init__(self, observers: Iterable[Observer] = ()) -> None:
-        self.members: list[Observer] = list(observers)
+    def __init__(self, observers: Iterable[LoopObserver] = ()) -> None:
+        self.members: list[LoopObserver] = list(observers)
 
-    def add(self, observer: Observer) -> None:
+    def add(self, observer: LoopObserver) -> None:
         self.members.append(observer)
 
     def _each(self, event: str, *args: Any) -> None:
@@ -164,7 +173,7 @@ class Observers(Observer):
             except Exception as exc:
                 self._drop(o, exc)
 
-    def _drop(self, observer: Observer, exc: Exception) -> None:
+    def _drop(self, observer: LoopObserver, exc: Exception) -> None:
         self.members.remove(observer)
         with contextlib.suppress(Exception):
             observer.close()

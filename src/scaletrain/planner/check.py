@@ -83,7 +83,7 @@ def measured(run: str | Path) -> tuple[float, int | None, bool]:
     """(median seconds of training work per step on the slowest rank, memory on the
     busiest rank, whether that is a GPU's) from RUN/observe/. Training work is the
     step's wall time less the phases a plan does not predict."""
-    from scaletrain.observe.records import read_run
+    from scaletrain.observe.metrics.records import read_run
 
     work: list[float] = []
     allocated: list[int] = []

@@ -6,7 +6,7 @@ at the real batch shape with the levers applied as training applies them
 (activation checkpointing recomputes in the backward, so its FLOPs and its smaller
 activations are measured, not modelled). Under the fake mode:
 
-- FLOPs: the ledger's own counter (scaletrain.observe.flops.FlopCounter), so a plan's
+- FLOPs: the ledger's own counter (scaletrain.observe.metrics.flops.FlopCounter), so a plan's
   MFU and a run's count the same arithmetic; per module for tensor-parallel and
   pipeline splits. These are the matrix products (mm, convolutions, attention).
 - Everything else is memory-bound: the bytes each other kernel reads and writes, and
@@ -243,7 +243,7 @@ def _profile(
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
-    from scaletrain.observe.flops import FlopCounter
+    from scaletrain.observe.metrics.flops import FlopCounter
     from scaletrain.strategies.levers import apply_levers
 
     weights = torch.bfloat16 if precision == "bf16-true" else None

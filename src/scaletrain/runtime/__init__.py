@@ -7,7 +7,7 @@ how a run stops on a signal (a stop request, then every rank's agreement on the 
 
 from scaletrain.accumulation import AccumulationStep
 from scaletrain.dist.topology import MESH_DIMS, parse_mesh
-from scaletrain.observe.ledger import LedgerConfig
+from scaletrain.observe.metrics.ledger import LedgerConfig
 from scaletrain.runtime.core import Runtime, current
 from scaletrain.runtime.start import init, sync_batchnorm
 

@@ -19,8 +19,8 @@ from scaletrain.dist.mesh import device_mesh, full_mesh
 from scaletrain.dist.topology import Topology
 from scaletrain.env.base import ClusterEnv
 from scaletrain.errors import ConfigError
-from scaletrain.observe import phases as _phases
-from scaletrain.observe.ledger import StepLedger, in_phase
+from scaletrain.observe.metrics import phases as _phases
+from scaletrain.observe.metrics.ledger import StepLedger, in_phase
 from scaletrain.precision import Precision
 from scaletrain.runtime.signals import StopRequest
 from scaletrain.runtime.stopping import StopAgreement
@@ -67,7 +67,7 @@ class Runtime:
         self.strategy = strategy
         self._closed = False
         self.ledger: StepLedger | None = None
-        """Where this rank's time goes, step by step (scaletrain.observe.ledger); made by
+        """Where this rank's time goes, step by step (scaletrain.observe.metrics.ledger); made by
         st.init, driven by hooks rt.setup and rt.loader install. None when turned off."""
         self._stopping: StopAgreement | None = None
         self._stop_reason: str | None = None
@@ -170,7 +170,7 @@ class Runtime:
             else self.strategy.setup_optimizer(optimizer, wrapped, self.topology)
         )
         if self.ledger is not None:
-            from scaletrain.observe.attach import attach_model
+            from scaletrain.observe.metrics.attach import attach_model
 
             attach_model(self.ledger, wrapped, opt)
         return wrapped if opt is None else (wrapped, opt)
@@ -340,7 +340,7 @@ class Runtime:
             collate_fn=collate_fn,
         )
         if self.ledger is not None:
-            from scaletrain.observe.hooks import watch_loader
+            from scaletrain.observe.metrics.hooks import watch_loader
 
             watch_loader(self.ledger, loader)
         self._loaders.add(loader)
@@ -539,8 +539,8 @@ class Runtime:
         """Record a torch.profiler window over `steps` ("10-15") on every rank into
         OUT/traces/ (OUT: the ledger's run directory, or `out`): one trace per rank,
         merged into one after the run, and the overlap of communication with compute
-        (scaletrain.observe.profiling)."""
-        from scaletrain.observe.profiling import arm_profile
+        (scaletrain.observe.metrics.profiling)."""
+        from scaletrain.observe.metrics.profiling import arm_profile
 
         arm_profile(self.ledger, steps, out, rank=self.rank, world_size=self.world_size)
 
@@ -580,7 +580,7 @@ class Runtime:
         # An asynchronous save still writing needs the process group to finish.
         wait_pending()
         if self.ledger is not None and not failed:
-            from scaletrain.observe.hooks import settle_callbacks
+            from scaletrain.observe.metrics.hooks import settle_callbacks
 
             # The default group's threads free the ledger's bucket callbacks; that group
             # outlives this call while the loop holds its DDP model: freed before exit.

@@ -16,7 +16,7 @@ from scaletrain import dist as _dist
 from scaletrain.dist.topology import Topology, parse_mesh
 from scaletrain.env import detect
 from scaletrain.env.base import ClusterEnv
-from scaletrain.observe.ledger import LedgerConfig
+from scaletrain.observe.metrics.ledger import LedgerConfig
 from scaletrain.precision import Precision
 from scaletrain.runtime.core import Runtime, current, set_current
 from scaletrain.strategies import Strategy, resolve_strategy
@@ -76,7 +76,7 @@ def init(
     rt = Runtime(env=cluster, strategy=strat, precision=prec, topology=topo)
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     _dist.init_process_group(cluster, backend=chosen, device=rt.device, timeout_s=timeout)
-    from scaletrain.observe.attach import create_ledger
+    from scaletrain.observe.metrics.attach import create_ledger
 
     rt.ledger = create_ledger(
         ledger,

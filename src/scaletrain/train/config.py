@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from scaletrain.errors import ConfigError, several, spell
-from scaletrain.observe.heartbeat import DEFAULT_HANG_TIMEOUT_S
+from scaletrain.observe.hang.heartbeat import DEFAULT_HANG_TIMEOUT_S
 
 if TYPE_CHECKING:
     from scaletrain.strategies import Strategy
@@ -292,7 +292,7 @@ class TrainConfig:
                 )
             )
         if self.profile is not None:
-            from scaletrain.observe.profiling import parse_steps
+            from scaletrain.observe.metrics.profiling import parse_steps
 
             try:
                 parse_steps(self.profile)
@@ -308,7 +308,7 @@ class TrainConfig:
                     )
                 )
         if self.track is not None:
-            from scaletrain.observe.trackers import track_problems
+            from scaletrain.observe.report.trackers import track_problems
 
             problems += track_problems(self.track)
         if self.ac_every is not None and self.ac != "selective":

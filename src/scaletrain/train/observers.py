@@ -1,4 +1,8 @@
-"""The observers `scaletrain train` runs: progress on the terminal, metrics.jsonl, heartbeats."""
+"""`scaletrain train`'s own LoopObservers: progress on the terminal and metrics.jsonl.
+
+(The hang watchdog's, the step ledger's and the trackers' are observe's: see
+scaletrain.observe.events.)
+"""
 
 from __future__ import annotations
 
@@ -8,17 +12,17 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
 
-from scaletrain.observe.events import EvalEvent, Observer, RunInfo
+from scaletrain.observe.events import EvalEvent, LoopObserver, RunInfo, say_off
 from scaletrain.train.progress import StepProgress
 
-__all__ = ["MetricsLog", "ProgressPrinter", "WatchdogBeats"]
+__all__ = ["MetricsLog", "ProgressPrinter"]
 
 
 def _plural(n: int, one: str, many: str | None = None) -> str:
     return f"{n} {one if n == 1 else (many or one + 's')}"
 
 
-class ProgressPrinter(Observer):
+class ProgressPrinter(LoopObserver):
     """Rank 0's terminal: the run header, a live bar per epoch (plain lines in a log
     file), each evaluation, and the last line."""
 
@@ -38,13 +42,8 @@ class ProgressPrinter(Observer):
         try:
             self.progress.print(message)
         except Exception as exc:
-            from scaletrain.observe.output import tell
-
             self.progress.enabled = False
-            tell(
-                f"scaletrain: {self.reports} failed ({type(exc).__name__}: {exc}) and is off "
-                "for the rest of the run; training goes on."
-            )
+            say_off(self.reports, exc)
 
     def on_run_start(self, info: RunInfo) -> None:
         for line in info.header:
@@ -121,7 +120,7 @@ def _size(n: int) -> str:
     return f"{value:,.1f} {unit}"
 
 
-class MetricsLog(Observer):
+class MetricsLog(LoopObserver):
     """RUN/metrics.jsonl: one JSON object per line (`train`, `eval`, `summary`), each
     with `time`, the Unix time it was written."""
 
@@ -165,30 +164,3 @@ class MetricsLog(Observer):
         if self._file is not None:
             self._file.close()
             self._file = None
-
-
-class WatchdogBeats(Observer):
-    """Every step and every evaluation batch is progress for the hang watchdog.
-
-    The watchdog starts when training starts (set-up before it is not watched: loading
-    data and building the model take as long as they take) and stops when the run ends.
-    """
-
-    def __init__(self, watchdog: Any) -> None:
-        self.watchdog = watchdog
-
-    def on_run_start(self, info: RunInfo) -> None:
-        self.watchdog.beat(info.start_step)
-        self.watchdog.start()
-
-    def on_step_end(self, event: Any) -> None:
-        self.watchdog.beat(event.step)
-
-    def on_eval_batch(self, step: int) -> None:
-        self.watchdog.beat(step, "eval")
-
-    def on_eval(self, event: EvalEvent) -> None:
-        self.watchdog.beat(event.step, "step")
-
-    def close(self) -> None:
-        self.watchdog.stop()

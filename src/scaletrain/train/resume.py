@@ -321,7 +321,7 @@ def check_start(config: TrainConfig, *, recipe: Any, dp_size: int) -> None:
             )
             refuse_length(config, source, path, step, total)
     if config.profile is not None:
-        from scaletrain.observe.profiling import parse_steps, window_past_end
+        from scaletrain.observe.metrics.profiling import parse_steps, window_past_end
 
         first, _ = parse_steps(config.profile)
         if total is None and path is None and config.max_steps is not None:

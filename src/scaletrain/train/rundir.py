@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from scaletrain.errors import ConfigError, spell
-from scaletrain.observe.trackers import MLFLOW_RUN_FILE
+from scaletrain.observe.report.trackers import MLFLOW_RUN_FILE
 
 __all__ = [
     "PIDS_DIR",

@@ -18,7 +18,7 @@ import torch
 from scaletrain.checkpoint import CheckpointManager, Resumed
 from scaletrain.checkpoint.full import save_file
 from scaletrain.errors import ConfigError, spell
-from scaletrain.observe.events import EvalEvent, Observers, RunInfo, StepEvent
+from scaletrain.observe.events import EvalEvent, EventBus, RunInfo, StepEvent
 from scaletrain.runtime import Runtime, sync_batchnorm
 from scaletrain.runtime.signals import StopRequest
 from scaletrain.runtime.stopping import StopAgreement
@@ -81,7 +81,7 @@ class Session:
         rt: Runtime,
         stop: StopRequest,
         out: Path,
-        observers: Observers,
+        observers: EventBus,
         notes: list[str] | None = None,
     ) -> None:
         self.cfg = cfg = config

@@ -2,9 +2,9 @@
 
 It uses only what a user's own script would (st.init, rt.setup, rt.loader,
 rt.reduce, rt.save/rt.load) plus the loop's two plain functions (`train_step`,
-`evaluate`), and tells observers what happens (scaletrain.observe.events): the
-progress bar, metrics.jsonl and the watchdog's heartbeat are observers, and so
-is anything a caller passes in (a profiler, a ledger).
+`evaluate`), and tells what happens to LoopObservers (scaletrain.observe.events): the
+progress bar, metrics.jsonl, the hang watchdog, the step ledger and the trackers are
+observers, and so is anything a caller passes in.
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ import torch
 from scaletrain.dist import from_rank_zero
 from scaletrain.errors import spell
 from scaletrain.exitcodes import EXIT_PREEMPTED
-from scaletrain.observe.events import Observer, Observers
+from scaletrain.observe.events import EventBus, LoopObserver
 from scaletrain.runtime import LedgerConfig, Runtime, init
 from scaletrain.runtime.signals import StopRequest
 from scaletrain.train.config import TrainConfig
-from scaletrain.train.observers import MetricsLog, ProgressPrinter, WatchdogBeats
+from scaletrain.train.observers import MetricsLog, ProgressPrinter
 from scaletrain.train.recipes import Recipe, recipe_for
 from scaletrain.train.rundir import (
     PIDS_DIR,
@@ -45,11 +45,12 @@ class Trainer:
     With an `out` directory that holds checkpoints, it resumes from the newest valid
     one: weights, optimizer, loader position (mid-epoch too), every rank's RNG and the
     step counter, so a resumed run ends bitwise equal to an uninterrupted one.
-    `observers` are told about the run, every step, evaluation, save and stop.
+    `observers` (LoopObservers) are told about the run, every step, evaluation, save
+    and stop.
     """
 
     def __init__(
-        self, config: TrainConfig, observers: Iterable[Observer] = (), *, worker: bool = False
+        self, config: TrainConfig, observers: Iterable[LoopObserver] = (), *, worker: bool = False
     ) -> None:
         self.config = config
         self.worker = worker
@@ -164,30 +165,31 @@ class Trainer:
     def _run(self, rt: Runtime, stop: StopRequest) -> dict[str, Any]:
         cfg = self.config
         out, notes = self._prepare_out(rt)
-        observers = Observers()
+        observers = EventBus()
         printer: ProgressPrinter | None = None
         if rt.is_main:
             printer = ProgressPrinter()
             observers.add(printer)
             observers.add(MetricsLog(out / "metrics.jsonl"))
         if rt.ledger is not None:
-            from scaletrain.observe.observer import LedgerObserver
+            from scaletrain.observe.metrics.ledger_observer import LedgerObserver
 
             if printer is not None:
                 # Straggler warnings and the end-of-run table above the live progress bar.
                 rt.ledger.printer = printer.print
             observers.add(LedgerObserver(rt.ledger, profile=cfg.profile))
         if rt.is_main:
-            from scaletrain.observe.trackers import TrackerObserver, make_trackers
+            from scaletrain.observe.report.trackers import TrackerObserver, make_trackers
 
             # --track: rank 0 alone writes (its loss and evaluation are already reduced
             # over the ranks; the ledger's windows are gathered from every rank).
             for tracker in make_trackers(cfg.track):
                 observers.add(TrackerObserver(tracker, rt.ledger))
         if cfg.hang_timeout > 0 and rt.world_size > 1:
-            from scaletrain.observe import Watchdog
+            from scaletrain.observe.hang.watchdog import Watchdog, WatchdogObserver
 
-            observers.add(WatchdogBeats(Watchdog(rt, timeout_s=cfg.hang_timeout, run_dir=out)))
+            watchdog = Watchdog(rt.topology, timeout_s=cfg.hang_timeout, run_dir=out)
+            observers.add(WatchdogObserver(watchdog))
         for extra in self.extra_observers:
             observers.add(extra)
         try:

@@ -158,7 +158,7 @@ class PipelineModule(nn.Module):
     ) -> None:
         """Call `stage(submodule)` on every stage this rank runs (now for those built,
         at their build for the rest) and `schedule()` as each training step's schedule
-        starts: the step ledger's hooks (scaletrain.observe.hooks.watch_stages), since
+        starts: the step ledger's hooks (scaletrain.observe.metrics.hooks.watch_stages), since
         the schedule never calls this module's forward."""
         self._watchers.append((stage, schedule))
         for built in self._built.values():

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from scaletrain.observe.clocks import StepTimes
-from scaletrain.observe.phases import PHASES
+from scaletrain.observe.metrics.clocks import StepTimes
+from scaletrain.observe.metrics.phases import PHASES
 
 __all__ = ["CompileTally", "Reduced", "Series", "Totals", "mean", "median", "union_length"]
 

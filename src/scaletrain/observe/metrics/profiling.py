@@ -8,7 +8,7 @@
   one "run" of it, each rank a worker); rank, host and pid in the name mean no two ranks
   or nodes ever write the same file (Lightning's ranks overwrite each other's);
 - at the window's end every rank computes its overlap of communication with compute
-  from its own trace (scaletrain.observe.overlap, HTA's definitions), and rank 0 writes
+  from its own trace (scaletrain.observe.metrics.overlap, HTA's definitions), and rank 0 writes
   all of them to RUN/traces/overlap.json;
 - after the run rank 0 merges the traces into RUN/traces/merged.json.gz, each rank a
   process track of its own ("rank r"), on one time axis (traces carry wall-clock
@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from scaletrain.errors import ConfigError, say, spell
-from scaletrain.observe.overlap import analyze_trace, load_trace
+from scaletrain.observe.metrics.overlap import analyze_trace, load_trace
 
 __all__ = [
     "MAX_PROFILE_STEPS",

@@ -14,7 +14,7 @@ import time
 
 import torch.distributed as dist
 
-from scaletrain.observe.heartbeat import Heartbeat
+from scaletrain.observe.hang.heartbeat import Heartbeat
 
 __all__ = [
     "LEADER_KEY",

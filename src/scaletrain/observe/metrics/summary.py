@@ -8,7 +8,7 @@ straggler must be slow typically, not once).
 
 torch.compile's time is reported on its own line ("compile 41.2 s in steps 1-2"), the
 slowest rank's, and only when something compiled. The step time and MFU leave out the
-steps that compiled, whole (the ledger's rule, scaletrain.observe.ledger): they describe
+steps that compiled, whole (the ledger's rule, scaletrain.observe.metrics.ledger): they describe
 training at its pace, not the compiler; the compile line says what it cost on top.
 """
 
@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from scaletrain.errors import say, spell
-from scaletrain.observe.flops import compute_mfu, forget_peak
-from scaletrain.observe.phases import PHASES
-from scaletrain.observe.stragglers import what_slowed
-from scaletrain.observe.window import WindowStats
+from scaletrain.observe.metrics.flops import compute_mfu, forget_peak
+from scaletrain.observe.metrics.phases import PHASES
+from scaletrain.observe.metrics.stragglers import what_slowed
+from scaletrain.observe.metrics.window import WindowStats
 
 __all__ = [
     "advice",

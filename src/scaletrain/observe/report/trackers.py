@@ -32,12 +32,12 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 from urllib.parse import urlparse
 
 from scaletrain.errors import ConfigError, closest, spell
-from scaletrain.observe.events import EvalEvent, Observer, RunInfo, say_off
+from scaletrain.observe.events import EvalEvent, LoopObserver, RunInfo, say_off
 
 if TYPE_CHECKING:
-    from scaletrain.observe.ledger import StepLedger
-    from scaletrain.observe.stragglers import Straggler
-    from scaletrain.observe.window import WindowStats
+    from scaletrain.observe.metrics.ledger import StepLedger
+    from scaletrain.observe.metrics.stragglers import Straggler
+    from scaletrain.observe.metrics.window import WindowStats
 
 __all__ = [
     "MLFLOW_RUN_FILE",
@@ -372,13 +372,13 @@ def make_trackers(track: str | None) -> list[Tracker]:
     return [TRACKERS[name][0]() for name in track_names(track)]
 
 
-class TrackerObserver(Observer):
+class TrackerObserver(LoopObserver):
     """Feeds a tracker from the training loop's events (rank 0): the settings at the
     start, loss, lr and samples/s every logging window, each evaluation, and (with the
     step ledger) every ledger window's phase medians and maxima, in milliseconds.
 
     A tracker only reports: one that fails is said once and is off for the rest of the
-    run; training goes on (`Observer.reports`)."""
+    run; training goes on (`LoopObserver.reports`)."""
 
     def __init__(self, tracker: Tracker, ledger: StepLedger | None = None) -> None:
         self.tracker = tracker
@@ -429,7 +429,7 @@ class TrackerObserver(Observer):
         # once and turns this tracker off; it never reaches the ledger.
         if self._off:
             return
-        from scaletrain.observe.phases import PHASES
+        from scaletrain.observe.metrics.phases import PHASES
 
         scalars: dict[str, float] = {}
         for name in (*PHASES, "step"):

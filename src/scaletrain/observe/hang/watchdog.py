@@ -43,22 +43,23 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Protocol
 
 import torch.distributed as dist
 
+from scaletrain.dist.topology import Topology
 from scaletrain.errors import ConfigError
-from scaletrain.observe.diagnosis import HangDiagnosis, find_laggards
-from scaletrain.observe.flight_recorder import dump_traces
-from scaletrain.observe.heartbeat import (
+from scaletrain.observe.events import EvalEvent, LoopObserver, RunInfo, StepEvent
+from scaletrain.observe.hang.diagnosis import HangDiagnosis, find_laggards
+from scaletrain.observe.hang.flight_recorder import dump_traces
+from scaletrain.observe.hang.heartbeat import (
     DEFAULT_HANG_TIMEOUT_S,
     EXIT_HANG,
     Heartbeat,
     WatchdogConfig,
 )
-from scaletrain.observe.message import format_hang_message
-from scaletrain.observe.stacks import _locate, _sequence_number, dump_stacks
-from scaletrain.observe.store import (
+from scaletrain.observe.hang.message import format_hang_message
+from scaletrain.observe.hang.stacks import _locate, _sequence_number, dump_stacks
+from scaletrain.observe.hang.store import (
     LEADER_KEY,
     REPORTED_KEY,
     REQUEST_KEY,
@@ -68,20 +69,10 @@ from scaletrain.observe.store import (
     gather_answers,
 )
 
-__all__ = ["HANG_DIR", "HangReport", "Watchdog"]
+__all__ = ["HANG_DIR", "HangReport", "Watchdog", "WatchdogObserver"]
 
 HANG_DIR = "hang"
 """Sub-directory of the run directory for stacks, the report and the heartbeats."""
-
-
-class _RankInfo(Protocol):
-    """What the watchdog reads from a Runtime (duck-typed: observe imports no runtime)."""
-
-    @property
-    def rank(self) -> int: ...
-
-    @property
-    def world_size(self) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,14 +101,15 @@ def _hostname() -> str:
 class Watchdog:
     """Ends a job whose ranks stopped making progress, naming who and where.
 
-        wd = Watchdog(rt, timeout_s=300, run_dir="runs/x").start()
+        wd = Watchdog(rt.topology, timeout_s=300, run_dir="runs/x").start()
         for step, batch in enumerate(loader):
             wd.beat(step)                 # cheap: stores a tuple
             ...
         wd.stop()                         # or: with Watchdog(...) as wd:
 
-    rt: anything with `.rank` and `.world_size` (a scaletrain Runtime); None reads
-        RANK / WORLD_SIZE. `rank` / `world_size` override it.
+    topology: where this process sits (scaletrain.dist.Topology: `rt.topology` of the
+        Runtime st.init returned), the one source of its rank and world size, as for a
+        strategy; the environment's RANK / WORLD_SIZE are never read.
     timeout_s / poll_s / grace_s: see WatchdogConfig.
     run_dir: stacks go to run_dir/hang/, traces to run_dir/flight_recorder/; None: a
         scaletrain-hang-* directory in the temp dir (named in the message).
@@ -132,34 +124,34 @@ class Watchdog:
 
     def __init__(
         self,
-        rt: _RankInfo | None = None,
+        topology: Topology,
         *,
         timeout_s: float = DEFAULT_HANG_TIMEOUT_S,
         run_dir: Path | str | None = None,
         poll_s: float | None = None,
         grace_s: float | None = None,
-        rank: int | None = None,
-        world_size: int | None = None,
         store: dist.Store | None = None,
         exit_on_hang: bool = True,
     ) -> None:
+        if not isinstance(topology, Topology):
+            runtime = isinstance(getattr(topology, "topology", None), Topology)
+            raise ConfigError(
+                f"Watchdog({type(topology).__name__}): expected the job's Topology "
+                "(scaletrain.dist.Topology), where the rank and world size come from. "
+                + (
+                    "Fix: pass rt.topology instead of the Runtime."
+                    if runtime
+                    else "Fix: pass rt.topology (rt = scaletrain.init(...)), or "
+                    "Topology(rank=..., world_size=...) in a job without one."
+                )
+            )
         self.config = WatchdogConfig(timeout_s=timeout_s, poll_s=poll_s, grace_s=grace_s)
         assert self.config.poll_s is not None and self.config.grace_s is not None
         self._poll_s: float = self.config.poll_s  # resolved by WatchdogConfig
         self._grace_s: float = self.config.grace_s
-        env_rank = int(os.environ.get("RANK", "0"))
-        env_world = int(os.environ.get("WORLD_SIZE", "1"))
-        self.rank = rank if rank is not None else (rt.rank if rt is not None else env_rank)
-        self.world_size = (
-            world_size
-            if world_size is not None
-            else (rt.world_size if rt is not None else env_world)
-        )
-        if not 0 <= self.rank < self.world_size:
-            raise ConfigError(
-                f"rank={self.rank} is outside world_size={self.world_size}: expected "
-                "0 <= rank < world_size. Pass the Runtime from scaletrain.init()."
-            )
+        self.topology = topology
+        self.rank = topology.rank
+        self.world_size = topology.world_size
         if run_dir is None:
             job = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SLURM_JOB_ID")
             run_dir = Path(tempfile.gettempdir()) / f"scaletrain-hang-{job or os.getpid()}"
@@ -468,3 +460,31 @@ class Watchdog:
         # The training thread may be inside a collective that no exception can reach:
         # only ending the process frees it, and torchrun then ends the other ranks.
         os._exit(EXIT_HANG)
+
+
+class WatchdogObserver(LoopObserver):
+    """The watchdog fed by the loop's events: every step and every evaluation batch is
+    progress.
+
+    The watchdog starts when training starts (set-up before it is not watched: loading
+    data and building the model take as long as they take) and stops when the run ends.
+    """
+
+    def __init__(self, watchdog: Watchdog) -> None:
+        self.watchdog = watchdog
+
+    def on_run_start(self, info: RunInfo) -> None:
+        self.watchdog.beat(info.start_step)
+        self.watchdog.start()
+
+    def on_step_end(self, event: StepEvent) -> None:
+        self.watchdog.beat(event.step)
+
+    def on_eval_batch(self, step: int) -> None:
+        self.watchdog.beat(step, "eval")
+
+    def on_eval(self, event: EvalEvent) -> None:
+        self.watchdog.beat(event.step, "step")
+
+    def close(self) -> None:
+        self.watchdog.stop()

@@ -9,7 +9,7 @@ from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 from scaletrain.errors import ConfigError
-from scaletrain.observe.heartbeat import Heartbeat
+from scaletrain.observe.hang.heartbeat import Heartbeat
 
 __all__ = ["HangDiagnosis", "find_laggards"]
 

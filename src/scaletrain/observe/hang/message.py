@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from pathlib import Path
 
-from scaletrain.observe.diagnosis import HangDiagnosis, _ranks_str
-from scaletrain.observe.heartbeat import EXIT_HANG, Heartbeat
+from scaletrain.observe.hang.diagnosis import HangDiagnosis, _ranks_str
+from scaletrain.observe.hang.heartbeat import EXIT_HANG, Heartbeat
 
 __all__ = ["format_hang_message"]
 

@@ -26,7 +26,7 @@ Ranks are only compared with peers that do the same work (the same pipeline stag
 A rank can be slow without anything wrong with its device: the kernel ran other
 processes on its core while it was ready to run (a crowded host, more ranks than cores).
 Each window carries the training thread's run-queue wait per step (Linux schedstat,
-observe/runqueue.py, read once per window). When the slow rank waited for a CPU at
+observe/metrics/runqueue.py, read once per window). When the slow rank waited for a CPU at
 least as long as it is slower than its typical peer (and for at least 5% of the step),
 the wait accounts for its slowness, and it is named with it ("rank 1 waited 8.0 ms/step
 for a CPU") instead of with the phase the wait happened to fall in. Its peers may have
@@ -45,8 +45,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from scaletrain.observe.phases import COMPUTE_PHASES, PHASES, STRAGGLER_PHASES
-from scaletrain.observe.window import RankWindow, WindowStats
+from scaletrain.observe.metrics.phases import COMPUTE_PHASES, PHASES, STRAGGLER_PHASES
+from scaletrain.observe.metrics.window import RankWindow, WindowStats
 
 __all__ = ["Straggler", "StragglerDetector", "StragglerOptions", "what_slowed"]
 

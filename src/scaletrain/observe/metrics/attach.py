@@ -10,7 +10,7 @@ import os
 from typing import Any
 
 from scaletrain.errors import ConfigError
-from scaletrain.observe.ledger import Gather, LedgerConfig, StepLedger
+from scaletrain.observe.metrics.ledger import Gather, LedgerConfig, StepLedger
 
 __all__ = ["LEDGER_ENV", "RUN_DIR_ENV", "attach_model", "create_ledger"]
 
@@ -70,7 +70,7 @@ def create_ledger(
             summary=config.summary,
             stragglers=config.stragglers,
         )
-    from scaletrain.observe.memory import MemorySampler
+    from scaletrain.observe.metrics.memory import MemorySampler
 
     if getattr(device, "type", str(device)) == "cuda":
         import torch
@@ -101,14 +101,14 @@ def attach_model(ledger: StepLedger, model: Any, optimizer: Any | None) -> None:
     and the peak measurement for MFU when the config asks for them."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from scaletrain.observe.hooks import (
+    from scaletrain.observe.metrics.hooks import (
         watch_compile,
         watch_ddp,
         watch_module,
         watch_optimizer,
         watch_stages,
     )
-    from scaletrain.observe.memory import current_rss_bytes, reset_rss_peak
+    from scaletrain.observe.metrics.memory import current_rss_bytes, reset_rss_peak
 
     if not watch_stages(ledger, model):
         watch_module(ledger, model)
@@ -118,7 +118,7 @@ def attach_model(ledger: StepLedger, model: Any, optimizer: Any | None) -> None:
         watch_optimizer(ledger, optimizer)
     watch_compile(ledger)  # now if a compiled model loaded dynamo, else at a forward
     if ledger.config.flops and ledger.flops is None:
-        from scaletrain.observe.flops import (
+        from scaletrain.observe.metrics.flops import (
             FlopCounter,
             datasheet_peak,
             measure_peak,

@@ -1,4 +1,4 @@
-"""The step ledger as an observer of `scaletrain train`.
+"""The step ledger as a LoopObserver of `scaletrain train` (scaletrain.observe.events).
 
 The ledger measures through its hooks (the trainer's loop is a plain loop on rt.setup
 and rt.loader); this observer tells it what hooks cannot see: the run directory and the
@@ -12,13 +12,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from scaletrain.observe.events import EvalEvent, Observer, RunInfo
-from scaletrain.observe.ledger import StepLedger
+from scaletrain.observe.events import EvalEvent, LoopObserver, RunInfo
+from scaletrain.observe.metrics.ledger import StepLedger
 
 __all__ = ["LedgerObserver"]
 
 
-class LedgerObserver(Observer):
+class LedgerObserver(LoopObserver):
     """On every rank. `profile`: a window of steps ("10-15") to record with torch.profiler."""
 
     def __init__(self, ledger: StepLedger, *, profile: str | None = None) -> None:
@@ -31,7 +31,7 @@ class LedgerObserver(Observer):
         ledger.set_out(info.out)
         if self.profile is None:
             return
-        from scaletrain.observe.profiling import arm_profile, parse_steps, window_past_end
+        from scaletrain.observe.metrics.profiling import arm_profile, parse_steps, window_past_end
 
         first, last = parse_steps(self.profile)
         if first > info.total_steps:

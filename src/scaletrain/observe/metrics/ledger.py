@@ -1,7 +1,7 @@
 """The step ledger: where every rank's time goes, step by step, always on and cheap.
 
 The ledger is a small state machine. Hooks on the model, the loader's iterator, the
-optimizer and DDP's gradient buckets (scaletrain.observe.hooks, installed by rt.setup
+optimizer and DDP's gradient buckets (scaletrain.observe.metrics.hooks, installed by rt.setup
 and rt.loader) tell it when a phase starts; the time between two switches belongs to
 the phase that was running, so the phases of a step add up to its wall time (the time
 from the previous optimizer step's end to this one's). A switch costs one clock read
@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from scaletrain.observe.clocks import CudaTimeline, StepTimes, Timeline, WallTimeline
-from scaletrain.observe.phases import (
+from scaletrain.observe.metrics.clocks import CudaTimeline, StepTimes, Timeline, WallTimeline
+from scaletrain.observe.metrics.phases import (
     BACKWARD,
     CHECKPOINT,
     COMM,
@@ -51,17 +51,17 @@ from scaletrain.observe.phases import (
     PHASES,
     SYNC,
 )
-from scaletrain.observe.records import (
+from scaletrain.observe.metrics.records import (
     FORMAT_VERSION,
     RankLog,
     append_window,
     clean_json,
     rank_file,
 )
-from scaletrain.observe.runqueue import RunQueueClock
-from scaletrain.observe.series import CompileTally, Reduced, Series, Totals, union_length
-from scaletrain.observe.stragglers import Straggler, StragglerDetector, StragglerOptions
-from scaletrain.observe.window import RankWindow, WindowStats, pack, summarize, unpack
+from scaletrain.observe.metrics.runqueue import RunQueueClock
+from scaletrain.observe.metrics.series import CompileTally, Reduced, Series, Totals, union_length
+from scaletrain.observe.metrics.stragglers import Straggler, StragglerDetector, StragglerOptions
+from scaletrain.observe.metrics.window import RankWindow, WindowStats, pack, summarize, unpack
 
 __all__ = ["EARLY_WINDOWS", "Gather", "LedgerConfig", "StepLedger", "in_phase"]
 
@@ -156,7 +156,7 @@ class StepLedger:
         self._compiling = 0
         """Compilations under way (dynamo's callbacks; nested ones counted once)."""
         self.compile_watched = False
-        """Dynamo's compile callbacks reach this ledger (scaletrain.observe.hooks)."""
+        """Dynamo's compile callbacks reach this ledger (scaletrain.observe.metrics.hooks)."""
         self._compiled_window = CompileTally()
         self.compiled = CompileTally()
         """torch.compile's seconds over the run's steps that compiled."""
@@ -189,7 +189,7 @@ class StepLedger:
         """RSS (bytes) when rt.setup attached the ledger and restarted the peak RSS;
         None where the peak could not be restarted (not Linux)."""
         self.profile: Any = None
-        """A ProfileWindow (scaletrain.observe.profiling) armed by rt.profile()."""
+        """A ProfileWindow (scaletrain.observe.metrics.profiling) armed by rt.profile()."""
         self.summary: dict[str, Any] | None = None
         if config.out is not None:
             self.set_out(config.out)
@@ -562,7 +562,7 @@ class StepLedger:
         if not collective or self.closed == 0:
             self.close()
             return None
-        from scaletrain.observe.summary import build_summary, print_line, print_summary
+        from scaletrain.observe.metrics.summary import build_summary, print_line, print_summary
 
         ranks = self.gather(
             self._rank_window(self.run.reduce(), self._run_cpu_wait(), self.compiled)

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from scaletrain.observe.phases import PHASES
+from scaletrain.observe.metrics.phases import PHASES
 
 __all__ = [
     "FORMAT_VERSION",

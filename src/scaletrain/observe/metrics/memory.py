@@ -1,7 +1,8 @@
 """Peak memory per rank and GPU utilisation, read without synchronising anything.
 
 CUDA: torch's allocator counters (`max_memory_allocated`, `max_memory_reserved`: host
-side, no GPU sync), restarted when rt.setup attaches the ledger (observe/attach.py). Every device: the process's peak resident set size (getrusage).
+side, no GPU sync), restarted when rt.setup attaches the ledger (observe/metrics/attach.py).
+Every device: the process's peak resident set size (getrusage).
 GPU utilisation: NVML (`pip install nvidia-ml-py`), where it is installed and a GPU is
 there; the device is matched by UUID, so CUDA_VISIBLE_DEVICES remappings are followed.
 """

@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from scaletrain.errors import ScaletrainError
-from scaletrain.observe.phases import PHASE_DOCS, PHASES
-from scaletrain.observe.records import OBSERVE_DIR, RunRecords, peak_memory, read_run
-from scaletrain.observe.stragglers import what_slowed
-from scaletrain.observe.summary import compile_line
+from scaletrain.observe.metrics.phases import PHASE_DOCS, PHASES
+from scaletrain.observe.metrics.records import OBSERVE_DIR, RunRecords, peak_memory, read_run
+from scaletrain.observe.metrics.stragglers import what_slowed
+from scaletrain.observe.metrics.summary import compile_line
 
 __all__ = ["ReportError", "write_report"]
 

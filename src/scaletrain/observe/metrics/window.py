@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from scaletrain.observe.phases import COMM, PHASES, SYNC
-from scaletrain.observe.series import CompileTally, Reduced
+from scaletrain.observe.metrics.phases import COMM, PHASES, SYNC
+from scaletrain.observe.metrics.series import CompileTally, Reduced
 
 __all__ = ["PhaseSpread", "RankWindow", "WindowStats", "pack", "summarize", "unpack"]
 

@@ -39,8 +39,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from scaletrain.observe.ledger import StepLedger
-from scaletrain.observe.phases import BACKWARD, COMM, DATA
+from scaletrain.observe.metrics.ledger import StepLedger
+from scaletrain.observe.metrics.phases import BACKWARD, COMM, DATA
 
 __all__ = [
     "settle_callbacks",
