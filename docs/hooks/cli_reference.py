@@ -20,7 +20,7 @@ __all__ = ["MARKER", "on_page_markdown", "render", "usage"]
 
 MARKER = "<!-- scaletrain-cli -->"
 ROOT = Path(__file__).resolve().parents[2]
-WIDTH = "100"
+WIDTH = "80"
 
 # Walks the parser `scaletrain` builds, depth first: every command and subcommand with
 # its --help text. Building the parser imports no torch.
