@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.cluster.conftest import Procs
-from tests.cluster.readme import commands
+from tests.docblocks import commands
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -37,7 +37,7 @@ def world_size(run: Path) -> int:
 
 
 def test_two_mpirun_jobs_on_one_host(procs: Procs, tmp_path: Path) -> None:
-    # The README's mpirun example, twice at once. Issue 10 (6): both jobs took torch's
+    # The docs' mpirun example, twice at once. Issue 10 (6): both jobs took torch's
     # port 29500; each now takes one derived from its mpirun's job id. Issue 26 (21):
     # mpirun gives each rank a pseudo-terminal, and the live bar's escape codes filled
     # the output that mpirun wrote to a pipe.
@@ -52,7 +52,7 @@ def test_two_mpirun_jobs_on_one_host(procs: Procs, tmp_path: Path) -> None:
 
 
 def test_mpich_ranks_train_as_one_job(procs: Procs, tmp_path: Path) -> None:
-    # The README's MPICH example.
+    # The docs' MPICH example.
     _, mpich = commands("mpi")
     _need(mpich[0], "HYDRA")
     code, out = procs.wait(procs.start(None, mpich), timeout=180)

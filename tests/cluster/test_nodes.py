@@ -20,7 +20,7 @@ import pytest
 
 from tests.cluster.conftest import ALLREDUCE, SCALETRAIN, Procs, results
 from tests.cluster.netns import Host
-from tests.cluster.readme import example
+from tests.docblocks import example
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -63,7 +63,7 @@ def test_launch_two_nodes_across_hosts(
 def test_torchrun_style_train_on_two_hosts(
     hosts_named: Callable[..., list[Host]], procs: Procs, tmp_path: Path
 ) -> None:
-    # The README's torchrun-style example, each command on the host its comment names.
+    # The docs' torchrun-style example, each command on the host its comment names.
     lines = example("torchrun-style").splitlines()
     on = {line.split()[-1]: shlex.split(lines[i + 1]) for i, line in enumerate(lines)
           if line.startswith("# on ")}  # fmt: skip

@@ -19,7 +19,7 @@ import yaml
 from tests.cluster.conftest import SCALETRAIN, Procs, job_env
 from tests.cluster.netns import Host
 from tests.cluster.platforms import kubeflow_pods, sagemaker_hosts
-from tests.cluster.readme import commands
+from tests.docblocks import commands
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -56,7 +56,7 @@ def test_elastic_pytorchjob_pods_form_one_job(
 def test_master_worker_pytorchjob_pods_form_one_job(
     hosts_named: Callable[..., list[Host]], procs: Procs, tmp_path: Path
 ) -> None:
-    # The README's Kubeflow example (kubectl apply replaced by what the operator does).
+    # The docs' Kubeflow example (kubectl apply replaced by what the operator does).
     write, _ = commands("kubeflow")
     got = subprocess.run(write, cwd=tmp_path, capture_output=True, text=True, timeout=60,
                          env=job_env())  # fmt: skip
@@ -76,7 +76,7 @@ def test_master_worker_pytorchjob_pods_form_one_job(
 def test_sagemaker_hosts_form_one_job_and_write_the_model_dir(
     hosts_named: Callable[..., list[Host]], procs: Procs, tmp_path: Path
 ) -> None:
-    # The README's SageMaker example (the upload and create-training-job replaced by what
+    # The docs' SageMaker example (the upload and create-training-job replaced by what
     # SageMaker and its toolkit do). Issue 10 (4): SM_MODEL_DIR, what SageMaker
     # uploads, was ignored.
     write = commands("sagemaker")[0]

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from tests.cluster.conftest import ALLREDUCE, SCALETRAIN, job_env, results
-from tests.cluster.readme import commands, example, python_block
 from tests.cluster.slurm import SlurmCluster
+from tests.docblocks import commands, example
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -34,7 +34,7 @@ def _run_dir(cwd: Path) -> Path:
 
 
 def test_srun_ranks_on_two_hosts_train_as_one_job(slurm: SlurmCluster, tmp_path: Path) -> None:
-    # The README's srun example. Issue 10 (5): each host's name resolves to 127.0.1.1
+    # The docs' srun example. Issue 10 (5): each host's name resolves to 127.0.1.1
     # there; Gloo bound that address and the job hung in connectFullMesh. The interface
     # that routes to the peer is used.
     (srun,) = commands("slurm-srun")
@@ -76,9 +76,9 @@ def test_several_launchers_per_node_are_refused(slurm: SlurmCluster, tmp_path: P
 
 
 def test_launch_in_a_batch_script(slurm: SlurmCluster, tmp_path: Path) -> None:
-    # The README's batch script, then what the test checks. Issue 10 (2): launch (even
+    # The docs' batch script, then what the test checks. Issue 10 (2): launch (even
     # --dry-run) refused to run in a batch script, and its advice could not be followed.
-    (tmp_path / "train_ddp.py").write_text(python_block("# train_ddp.py"))
+    (tmp_path / "train_ddp.py").write_text(example("train-ddp"))
     (tmp_path / "allreduce.py").write_text(ALLREDUCE)
     script = tmp_path / "job.sh"
     script.write_text(
@@ -143,7 +143,7 @@ def test_unresolvable_first_node_fails_in_seconds(slurm: SlurmCluster, tmp_path:
 def test_generated_sbatch_is_preempted_requeued_and_resumes(
     slurm: SlurmCluster, tmp_path: Path
 ) -> None:
-    # The README's sbatch example: the file `scaletrain job sbatch` writes, submitted as
+    # The docs' sbatch example: the file `scaletrain job sbatch` writes, submitted as
     # is (two nodes, one task per rank). USR1 (what --signal=USR1@90 sends before the
     # time limit) makes every rank save and exit 75, the script requeues the job, and
     # the requeued job resumes and runs to completion.

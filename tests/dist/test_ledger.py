@@ -65,7 +65,7 @@ def _plain_loop(out: str, steps: int, every: int, profile: str | None, slow: dic
     if profile:
         rt.profile(profile)
     ends = []
-    for x, y in loader:  # the README's loop: nothing but rt.setup and rt.loader
+    for x, y in loader:  # the docs' loop: nothing but rt.setup and rt.loader
         x, y = x.to(rt.device), y.to(rt.device)
         loss = nn.functional.cross_entropy(model(x), y)
         opt.zero_grad()
@@ -177,7 +177,7 @@ def _plain_loop_no_ledger(out: str) -> Any:
 
 
 def _pipeline_loop(out: str, steps: int) -> dict[str, Any]:
-    """The README's pipeline loop (rt.loader, rt.forward_backward, opt.step) on 2 stages."""
+    """The docs' pipeline loop (rt.loader, rt.forward_backward, opt.step) on 2 stages."""
     import scaletrain as st
 
     rt = st.init(strategy=st.Pipeline(microbatches=4), ledger=st.LedgerConfig(out=out, every=5))

@@ -142,14 +142,14 @@ def test_checkpointing_is_bitwise_and_compile_within_tolerance(
     _check(run_ranks(_train, 2, strategy, mesh, cache, timeout=400))
 
 
-def test_the_readme_commands_train_with_checkpointing_and_compile(tmp_path: Path) -> None:
-    """The README's two commands. The first (2 FSDP processes, op-level selective
+def test_the_docs_commands_train_with_checkpointing_and_compile(tmp_path: Path) -> None:
+    """The two commands of the docs' large-models section. The first (2 FSDP processes, op-level selective
     checkpointing) shortened to 3 steps. The second (full checkpointing and inductor
     compile, 20 steps) in one process (2 processes cost a minute of C++ compilation
     each here) beside the same command without --compile: every step's loss within
     COMPILE_TOLERANCE; the compile time is the ledger's own phase, not step time, and
     the run's samples/s leaves it out."""
-    from tests.cluster.readme import commands
+    from tests.docblocks import commands
 
     first, second = commands("levers")
     assert first[:2] == ["scaletrain", "train"] and "--ac" in first and "--compile" in second

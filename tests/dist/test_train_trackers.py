@@ -125,7 +125,7 @@ def test_a_failing_tracker_is_said_once_and_the_run_finishes(tmp_path: Path) -> 
 
 
 def _own_loop(run_dir: str) -> int:
-    """The README's loop of your own: every rank calls the trackers; rank 0 writes."""
+    """The docs' loop of your own: every rank calls the trackers; rank 0 writes."""
     import torch
 
     import scaletrain as st

@@ -1,6 +1,6 @@
-"""A loop of one's own stops as `scaletrain train` does (README "Your own loop").
+"""A loop of one's own stops as `scaletrain train` does (docs: "Your own loop").
 
-examples/own_loop.py, the README's example, under `scaletrain launch` at 2 Gloo ranks:
+examples/own_loop.py, the docs' example, under `scaletrain launch` at 2 Gloo ranks:
 a SIGTERM to every worker (what SLURM sends before a preemption) or a Ctrl-C to the
 launcher makes every rank save at the same step (rt.should_stop) and the job exit 75;
 the same command then resumes and ends with the weights of an uninterrupted run,
@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from scaletrain.testing import launcher_free_env
-from tests.cluster.readme import python_block
+from tests.docblocks import example
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -86,8 +86,8 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def test_the_readme_shows_the_example_whole() -> None:
-    assert python_block("# own_loop.py") == EXAMPLE.read_text()
+def test_the_docs_show_the_example_whole() -> None:
+    assert example("own-loop") == EXAMPLE.read_text()
 
 
 @pytest.mark.parametrize("to", ["workers", "launcher"])

@@ -203,8 +203,8 @@ def test_a_model_module_that_breaks_the_protocol_is_refused_before_any_process(
         assert not (tmp_path / spec.replace(":", "-")).exists()
 
 
-def test_the_readmes_own_model_runs_as_written(tmp_path: Path) -> None:
-    from tests.cluster.readme import commands, example
+def test_the_docs_own_model_runs_as_written(tmp_path: Path) -> None:
+    from tests.docblocks import commands, example
 
     (tmp_path / "mymodel.py").write_text(example("own-model-module"))
     logs = []

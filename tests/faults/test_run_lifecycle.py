@@ -80,7 +80,7 @@ def test_extending_20_to_40_equals_a_straight_40(
 
 
 def test_cosine_decay_depends_on_the_length(data: Path, tmp_path: Path) -> None:
-    """What the README says: past the warm-up, cosine's first 20 steps differ between a
+    """What the docs say: past the warm-up, cosine's first 20 steps differ between a
     20- and a 40-step run, so an extended run is not a straight one (and is allowed)."""
     lr = ["--warmup", "5", "--save-every", "10"]
     run, straight = tmp_path / "run", tmp_path / "straight"

@@ -259,7 +259,7 @@ def test_cli_bad_flag_value_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
 def test_cli_missing_script_exits_2(
     capsys: pytest.CaptureFixture[str], tmp_path: pytest.TempPathFactory
 ) -> None:
-    # Bad input is exit code 2, as the README's table says (it was 1).
+    # Bad input is exit code 2, as the docs' table of exit codes says (it was 1).
     ns = lead_style_parser().parse_args(["launch", "--nproc-per-node", "1", "no_such.py"])
     assert run(ns) == 2
     assert "no_such.py" in capsys.readouterr().err

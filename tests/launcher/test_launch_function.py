@@ -92,10 +92,10 @@ def test_every_ranks_result_comes_back_in_rank_order(nproc: int, init: bool) -> 
     )
 
 
-def test_the_readme_example_runs(tmp_path: Path) -> None:
-    from tests.cluster.readme import python_block
+def test_the_docs_example_runs(tmp_path: Path) -> None:
+    from tests.docblocks import example
 
-    (tmp_path / "launch_fn.py").write_text(python_block("# launch_fn.py"))
+    (tmp_path / "launch_fn.py").write_text(example("launch-fn"))
     env = launcher_free_env()
     env["PYTHONPATH"] = os.pathsep.join(p for p in (SRC, env.get("PYTHONPATH")) if p)
     done = subprocess.run(

@@ -259,7 +259,7 @@ def test_a_refused_resume_counts_and_names_each_checkpoint_once(
 ) -> None:
     """Issue 26 item 16: "holds 3 checkpoint(s)" listed 4 (an unfinished save too), each
     path printed twice (the listing, then again inside its reason), and every reason
-    carried advice naming latest_checkpoint(), a function the README never teaches."""
+    carried advice naming latest_checkpoint(), a function the docs never teach."""
     from scaletrain.checkpoint import CheckpointManager
 
     _run_with_checkpoints(rt, tmp_path, (1, 2, 3))

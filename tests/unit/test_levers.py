@@ -141,7 +141,7 @@ def test_compiled_blocks_share_one_graph_and_keep_their_names() -> None:
     """Selective checkpointing inside the compiled blocks (the order the strategies
     apply them in), traced by dynamo and AOT autograd ("aot_eager": inductor's capture
     without its code generation; inductor itself runs in tests/dist/test_levers.py's
-    README test): close to eager over 20 steps, one graph for every block (compile
+    docs test): close to eager over 20 steps, one graph for every block (compile
     time does not grow with depth), and the names unchanged."""
     import torch._dynamo
     from torch._dynamo.utils import counters

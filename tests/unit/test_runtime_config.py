@@ -129,8 +129,8 @@ def test_cli_flags_are_frozen() -> None:
 def test_library_mistakes_are_refused_in_the_apis_words(monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 26 item 20: rt.reduce(3.0) raised AttributeError ('float' object has no
     attribute 'items'), rt.save(path, model) a TypeError about positional arguments, and
-    rt.load on a wrong path named save_checkpoint and latest_checkpoint, which the README
-    never teaches."""
+    rt.load on a wrong path named save_checkpoint and latest_checkpoint, which the docs
+    never teach."""
     from scaletrain.testing import launcher_variables
 
     for var in launcher_variables():

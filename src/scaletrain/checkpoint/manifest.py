@@ -66,7 +66,7 @@ class RejectedCheckpointError(CheckpointError):
 
 def load_earlier() -> str:
     """The advice after a rejected checkpoint, in the words of the interface in use (the
-    README teaches CheckpointManager.resume and `scaletrain checkpoint latest`)."""
+    docs teach CheckpointManager.resume and `scaletrain checkpoint latest`)."""
     return say(
         api="load an earlier one (CheckpointManager(rt, RUN).resume(...) falls back to the "
         "newest undamaged one)",
