@@ -159,6 +159,10 @@ _FREE = {torch.ops.aten.detach, torch.ops.aten.lift_fresh, torch.ops.aten.empty,
 """Ops that allocate or relabel without a kernel that moves data."""
 
 
+def _collect(*_: Any) -> None:
+    gc.collect()
+
+
 def _built(build: Callable[[], nn.Module], dtype: torch.dtype | None) -> nn.Module:
     """build() with its floating parameters in `dtype` (built under that default
     dtype: module.to cannot swap a fake tensor's parameters)."""
@@ -216,10 +220,11 @@ def profile_model(
     `precision` ("32", "bf16-mixed", "fp16-mixed", "bf16-true") with activation
     checkpointing `ac`/`ac_every` as training applies it. Allocates no tensor memory.
 
-    Python's cycle collector is paused meanwhile: tensors that reference cycles keep
-    alive (activation checkpointing's frames hold some) then count until the step
-    ends, as they may in a run, where the collector frees them at times of its own;
-    with it running, the same step's peak moved by a fifth from one call to the next."""
+    Python's cycle collector runs at each block's forward and backward and nowhere
+    else: what reference cycles hold (activation checkpointing's recomputations leave
+    some) is freed block by block, as a run's collector frees it, at the same points
+    every call. Left to run at times of its own, the same step's peak moved by a fifth
+    between calls; paused, the cycles' garbage piled up to more than the activations."""
     paused = gc.isenabled()
     gc.collect()
     gc.disable()
@@ -244,6 +249,7 @@ def _profile(
     from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
     from scaletrain.observe.metrics.flops import FlopCounter
+    from scaletrain.strategies.blocks import auto_wrap_targets
     from scaletrain.strategies.levers import apply_levers
 
     weights = torch.bfloat16 if precision == "bf16-true" else None
@@ -268,6 +274,10 @@ def _profile(
         ]
         if ac != "none":
             apply_levers(model, ac=ac, ac_every=ac_every, owner="plan(...)")
+        for block in auto_wrap_targets(model):
+            module = model.get_submodule(block)
+            hooks.append(module.register_forward_hook(_collect))
+            hooks.append(module.register_full_backward_pre_hook(_collect))
         opt = optimizer(model.parameters())
         x, y = mode.from_tensor(inputs), mode.from_tensor(targets)
         shapes = {tuple(p.shape) for p in model.parameters()}
