@@ -120,8 +120,10 @@ def torchtitan() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "config.json"
         config.write_text(json.dumps(LLAMA_70B), encoding="utf-8")
-        print("| table | model | GPUs | layout | batch x seq | AC | compile | "
-              "GiB published | GiB planned | error | tok/s/GPU published | planned | error |")
+        print(
+            "| table | model | GPUs | layout | batch x seq | AC | compile | "
+            "GiB published | GiB planned | error | tok/s/GPU published | planned | error |"
+        )
         print("|---|---|---:|---|---|---|---|---:|---:|---:|---:|---:|---:|")
         plans: dict[tuple[object, ...], object] = {}
         for table, model, gpus, (strategy, dp, tp), batch, seq, ac, compiled, gib, tps in PUBLISHED:
@@ -181,8 +183,10 @@ def what_if() -> None:
                 precision="bf16-mixed", ac="selective", layouts=[Layout("fsdp", dp=8)])  # fmt: skip
     row = p.rows[0]
     mem, rate = row.memory.total / GIB, p.tokens_per_device(row)
-    print("| table | model | GPUs | policy | GiB published | GiB planned | error | "
-          "tok/s/GPU published | planned | error |")
+    print(
+        "| table | model | GPUs | policy | GiB published | GiB planned | error | "
+        "tok/s/GPU published | planned | error |"
+    )
     print("|---|---|---:|---|---:|---:|---:|---:|---:|---:|")
     print(f"| 1 | llama-8b | 8 | torchtitan's selective | 82.4 | {mem:.1f} | {mem / 82.4 - 1:+.1%} "
           f"| 5,762 | {rate:,.0f} | {rate / 5762 - 1:+.1%} |")  # fmt: skip
@@ -236,9 +240,7 @@ def here(steps: int, keep: str | None) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--part", choices=("zero", "torchtitan", "what-if", "here"), required=True
-    )
+    parser.add_argument("--part", choices=("zero", "torchtitan", "what-if", "here"), required=True)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--keep", metavar="FILE", help="--part here: keep the calibration there")
     args = parser.parse_args()

@@ -270,7 +270,7 @@ def test_a_profile_is_the_same_at_every_call() -> None:
             partial(r.optimizer, lr=r.lr),
             precision="bf16-mixed",
             ac="selective",
-        ).activation_bytes  # fmt: skip
+        ).activation_bytes
         for _ in range(4)
     }
     assert len(peaks) == 1

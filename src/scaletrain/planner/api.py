@@ -1,10 +1,6 @@
-"""`st.plan`: every layout of N devices for one model, as data and as a table.
-
-The model is profiled once (planner.profile: sizes, FLOPs, activation memory, with
-the levers applied), each layout priced by the analytic core (planner.cost) on a
-hardware file (scaletrain.hardware), and the fastest layout that fits recommended.
-Nothing here runs a process or a device: a plan of 512 GPUs takes the seconds of
-one fake forward and backward.
+"""`st.plan`: every layout of N devices for one model, as data and as a table, and the
+fastest that fits recommended. Nothing here runs a process or a device: a plan of 512
+GPUs takes the seconds of one fake forward and backward (the model's profile).
 """
 
 from __future__ import annotations
@@ -16,28 +12,29 @@ from typing import Any
 
 import torch
 
+from scaletrain.cachedir import cache_dir
 from scaletrain.errors import ConfigError, spell, unknown
-from scaletrain.hardware import Hardware
+from scaletrain.hardware import Hardware, load
 from scaletrain.planner.cost import DTYPE, Estimate, Model, estimate
 from scaletrain.planner.layout import Layout, layouts_for
+from scaletrain.planner.models import resolve_model
 from scaletrain.planner.profile import ModelProfile, profile_model
+from scaletrain.precision import PRECISIONS, canonical
+from scaletrain.strategies.blocks import auto_wrap_targets
+from scaletrain.strategies.levers import check_levers
+from scaletrain.strategies.partition import list_layers
+from scaletrain.strategies.tensor_plan import check_tp_plan
 
 __all__ = ["PRECISIONS", "Plan", "calibrated_path", "load_hardware", "plan"]
-
-PRECISIONS = ("32", "bf16-mixed", "fp16-mixed", "bf16-true")
 
 
 def calibrated_path() -> Path:
     """Where `scaletrain plan --calibrate` keeps this machine's file by default."""
-    from scaletrain.cachedir import cache_dir
-
     return cache_dir() / "hardware" / f"{socket.gethostname()}.toml"
 
 
 def load_hardware(hardware: str | None) -> Hardware:
     """A shipped profile or a file; None: this machine's calibration, if it has one."""
-    from scaletrain.hardware import load
-
     if hardware is not None:
         return load(hardware)
     mine = calibrated_path()
@@ -51,13 +48,11 @@ def load_hardware(hardware: str | None) -> Hardware:
     return load(str(mine))
 
 
-def _whole(key: str, value: Any, low: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+def _whole(key: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(
-            f"{spell(key, value)} must be a whole number >= {low}, e.g. {spell(key, 4)}.",
-            field=key,
+            f"{spell(key, value)} must be a whole number >= 1, e.g. {spell(key, 4)}.", field=key
         )
-    return value
 
 
 @dataclass(slots=True)
@@ -103,11 +98,9 @@ class Plan:
         big = max((r.memory.total for r in self.rows), default=0) > 16 * 2**30
         unit, scale = ("GiB", 2**30) if big else ("MiB", 2**20)
         rate = "tok/s/dev" if self.profile.tokens != self.profile.batch_size else "samples/s"
-        head = (
-            f"{'layout':<30} {'fits':<4} {'params':>7} {'grads':>7} {'optim':>7} {'acts':>7} "
-            f"{'buffers':>7} {'peak':>7} | {'compute':>8} {'comm':>8} {'bubble':>8} "
-            f"{'step':>8} {rate:>10} {'mfu':>5}"
-        )
+        sizes = " ".join(f"{c:>7}" for c in ("params", "grads", "optim", "acts", "buffers", "peak"))
+        times = " ".join(f"{c:>8}" for c in ("compute", "comm", "bubble", "step"))
+        head = f"{'layout':<30} {'fits':<4} {sizes} | {times} {rate:>10} {'mfu':>5}"
         lines = [
             f"{self.model} on {self.devices} device(s), {self.nodes} node(s) of "
             f"{self.hardware.name} ({self.hardware.description}); precision {self.precision}, "
@@ -117,18 +110,15 @@ class Plan:
             "-" * len(head),
         ]
         for r in self.rows:
-            m, t = r.memory, r.time
-            mark = "*" if r is self.recommended else ""
-            mfu = self.mfu(r)
+            m, t, mfu = r.memory, r.time, self.mfu(r)
+            parts = (m.params, m.grads, m.optimizer, m.activations, m.buffers, m.total)
+            sizes = " ".join(f"{v / scale:7.1f}" for v in parts)
+            times = " ".join(f"{v * 1e3:8.1f}" for v in (t.compute, t.exposed, t.bubble, t.total))
             thr = self.tokens_per_device(r) if rate == "tok/s/dev" else self.throughput(r)
             lines.append(
-                f"{(r.layout.label + mark):<30} {('yes' if r.fits else 'NO'):<4} "
-                + " ".join(
-                    f"{v / scale:7.1f}"
-                    for v in (m.params, m.grads, m.optimizer, m.activations, m.buffers, m.total)
-                )
-                + f" | {t.compute * 1e3:8.1f} {t.exposed * 1e3:8.1f} {t.bubble * 1e3:8.1f} "
-                f"{t.total * 1e3:8.1f} {thr:10,.0f} {'' if mfu is None else f'{mfu:5.0%}'}"
+                f"{r.layout.label + ('*' if r is self.recommended else ''):<30} "
+                f"{'yes' if r.fits else 'NO':<4} {sizes} | {times} {thr:10,.0f} "
+                f"{'' if mfu is None else f'{mfu:5.0%}'}"
             )
             lines.extend(f"    {n}" for n in r.notes)
         lines.append(f"recommended: {self.reason}")
@@ -164,17 +154,9 @@ def plan(
 ) -> Plan:
     """Memory per device and step time of every layout of `devices` for a recipe, a
     model ("module:factory") or a Hugging Face config.json, on `hardware` (a shipped
-    profile such as "h100-sxm", a hardware file, or None: this machine's
-    calibration). `ac`/`ac_every`/`compile` as training takes them; `layouts` picks
-    the rows. Returns data (`Plan.rows`, `Plan.recommended`); `Plan.table()` is what
-    `scaletrain plan` prints."""
-    from scaletrain.planner.models import resolve_model
-    from scaletrain.precision import canonical
-    from scaletrain.strategies.blocks import auto_wrap_targets
-    from scaletrain.strategies.levers import check_levers
-    from scaletrain.strategies.partition import list_layers
-    from scaletrain.strategies.tensor_plan import check_tp_plan
-
+    profile such as "h100-sxm", a hardware file, or None: this machine's calibration).
+    `ac`/`ac_every`/`compile` as training takes them; `layouts` picks the rows.
+    `Plan.table()` is what `scaletrain plan` prints."""
     _whole("devices", devices)
     if batch_size is not None:
         _whole("batch_size", batch_size)
@@ -220,7 +202,6 @@ def plan(
         f"{hw.inter.bandwidth / 1e9:,.1f} GB/s per device between nodes",
     ]
     if compile:
-        result.assumptions.append(
-            "compiled: elementwise kernels fused (planner.cost.COMPILED_BYTES, COMPILED_KERNELS)"
-        )
+        fused = "planner.cost.COMPILED_BYTES, COMPILED_KERNELS"
+        result.assumptions.append(f"compiled: elementwise kernels fused ({fused})")
     return result

@@ -1,12 +1,11 @@
-"""`scaletrain plan --check RUN`: a finished run's measurements beside the plan's
-prediction for its own layout.
+"""`scaletrain plan --check RUN`: a finished run's measurements beside `plan`'s
+prediction for its own layout (RUN/config.json) on a hardware file (the one given,
+else this machine's calibration).
 
-A run describes its layout in RUN/config.json and what it measured in RUN/observe/
-(the step ledger): the median training work per step on the slowest rank, and its
-memory (on a GPU the CUDA peak allocated, which the plan's peak predicts; on a CPU
-the RSS growth after setup, the peak less the parameters that existed before).
-The prediction is `plan` for that layout on a hardware file: the one given, else
-this machine's calibration.
+From the run's step ledger (RUN/observe/): the median training work per step on the
+slowest rank (its wall time less the phases a plan does not predict), and memory on
+the busiest rank: on a GPU the CUDA peak allocated, which the plan's peak predicts;
+on a CPU the RSS growth after setup (the peak less the parameters that existed before).
 """
 
 from __future__ import annotations
@@ -17,14 +16,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from scaletrain.errors import ConfigError, spell
+from scaletrain.observe.metrics.records import read_run
+from scaletrain.planner.api import plan
 from scaletrain.planner.cost import Estimate
 from scaletrain.planner.layout import Layout
 
 __all__ = ["Check", "check_run", "layout_of", "measured"]
 
 NOT_PLANNED = ("data", "h2d", "checkpoint", "eval", "compile")
-"""Ledger phases a plan does not predict: the input pipeline, saving, evaluating,
-compiling."""
+"""Ledger phases a plan does not predict (input pipeline, saving, evaluating, compiling)."""
 
 
 def layout_of(strategy: str, mesh: str | None, world: int) -> Layout:
@@ -52,7 +52,6 @@ class Check:
     predicted: Estimate
     step_s: float
     memory: int | None
-    """The run's CUDA peak allocated, or its RSS growth after setup (busiest rank)."""
     on_gpu: bool
 
     @property
@@ -61,41 +60,32 @@ class Check:
         return m.total if self.on_gpu else m.total - m.params - m.buffers
 
     def table(self) -> str:
-        p = self.predicted.time.total
+        p, mem = self.predicted.time.total, self.predicted_memory
         what = "CUDA peak allocated" if self.on_gpu else "RSS growth after setup"
-        mem = f"{self.predicted_memory / 2**20:.1f} MiB predicted, " + (
-            f"{self.memory / 2**20:.1f} MiB measured "
-            f"({(self.predicted_memory - self.memory) / self.memory:+.1%}) ({what}, busiest rank)"
+        got = (
+            f"{self.memory / 2**20:.1f} MiB measured ({(mem - self.memory) / self.memory:+.1%}) "
+            f"({what}, busiest rank)"
             if self.memory
             else "not measured by the run"
         )
-        return "\n".join(
-            [
-                f"check: {self.layout.label}",
-                f"  step time   {p * 1e3:.1f} ms predicted, {self.step_s * 1e3:.1f} ms measured "
-                f"({(p - self.step_s) / self.step_s:+.1%})",
-                f"  memory      {mem}",
-            ]
+        return (
+            f"check: {self.layout.label}\n"
+            f"  step time   {p * 1e3:.1f} ms predicted, {self.step_s * 1e3:.1f} ms measured "
+            f"({(p - self.step_s) / self.step_s:+.1%})\n"
+            f"  memory      {mem / 2**20:.1f} MiB predicted, {got}"
         )
 
 
 def measured(run: str | Path) -> tuple[float, int | None, bool]:
-    """(median seconds of training work per step on the slowest rank, memory on the
-    busiest rank, whether that is a GPU's) from RUN/observe/. Training work is the
-    step's wall time less the phases a plan does not predict."""
-    from scaletrain.observe.metrics.records import read_run
-
+    """(seconds of training work per step, memory, whether that is a GPU's) from
+    RUN/observe/, as the module docstring says."""
     work: list[float] = []
     allocated: list[int] = []
     growths: list[int] = []
     for rr in read_run(run).ranks.values():
-        steps = [s for s in rr.steps if s.counted] or rr.steps
-        if steps:
-            work.append(
-                statistics.median(
-                    s.wall - sum(s.phases.get(p, 0.0) for p in NOT_PLANNED) for s in steps
-                )
-            )
+        if steps := [s for s in rr.steps if s.counted] or rr.steps:
+            planned = (s.wall - sum(s.phases.get(p, 0.0) for p in NOT_PLANNED) for s in steps)
+            work.append(statistics.median(planned))
         for m in rr.memory:
             if m.get("allocated_peak"):
                 allocated.append(int(m["allocated_peak"]))
@@ -109,13 +99,11 @@ def measured(run: str | Path) -> tuple[float, int | None, bool]:
         )
     if allocated:
         return max(work), max(allocated), True
-    return max(work), (max(growths) if growths else None), False
+    return max(work), max(growths, default=None), False
 
 
 def check_run(run: str | Path, hardware: str | None = None) -> Check:
     """Predict the run's own layout (its config.json) and compare with its ledger."""
-    from scaletrain.planner.api import plan
-
     base = Path(run)
     config = base / "config.json"
     if not config.is_file() or not (base / "observe").is_dir():

@@ -58,8 +58,7 @@ def add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 def run_plan(ns: argparse.Namespace) -> int:
     model_flags = ("recipe", "model", "devices", "batch_size", "seq_len", "compile")
     if ns.calibrate is not None:
-        given = [f for f in (*model_flags, "hardware", "check") if getattr(ns, f)]
-        if given:
+        if given := [f for f in (*model_flags, "hardware", "check") if getattr(ns, f)]:
             raise ConfigError(
                 f"{spell('calibrate')} measures this machine and plans nothing, but "
                 f"{spell(given[0], getattr(ns, given[0]))} was given too. Fix: calibrate first, "
@@ -74,8 +73,7 @@ def run_plan(ns: argparse.Namespace) -> int:
         print(f"wrote {path}: {hw.description}")
         return EXIT_OK
     if ns.check is not None:
-        given = [f for f in model_flags if getattr(ns, f)]
-        if given:
+        if given := [f for f in model_flags if getattr(ns, f)]:
             raise ConfigError(
                 f"{spell('check', ns.check)} takes the model, devices and batch from the run's "
                 f"config.json, but {spell(given[0], getattr(ns, given[0]))} was given too. Fix: "

@@ -1,35 +1,33 @@
 """The analytic core: `memory(...)` and `step_time(...)` of one layout, from the
 model's profile and a hardware file.
 
-Memory per device, in four parts:
+Memory per device:
 
-- Model states: each state is some bytes per parameter that data parallelism shards
-  from a ZeRO stage on (`States`): the optimizer's state (and any fp32 master copy)
-  from stage 1, gradients from 2, parameters from 3. DDP is stage 0, FSDP stage 3,
-  FSDP keeping a unit's gathered parameters from forward to backward stage 2.
+- Model states: bytes per parameter that data parallelism shards from a ZeRO stage
+  on (`States`): the optimizer's state (and any fp32 master copy) from stage 1,
+  gradients from 2, parameters from 3 (each strategy's stage: layout.STRATEGIES).
   Tensor parallel divides the parameters its plan shards, a pipeline stage holds
   its own layers'.
-- Activations: the profile's peak at the per-device batch (divided where tensor
+- Activations: the profile's peak at the per-device batch, divided where tensor
   parallel shards them; a pipeline stage holds its share for every microbatch in
-  flight: at most pp on the first stage with 1F1B, all of them with GPipe).
+  flight (at most pp on the first stage with 1F1B, all of them with GPipe).
 - Buffers: FSDP's gathered units (two at a time with prefetch; every unit at once
   for stage 2) in the compute dtype, a pipeline's send and receive buffers.
 - The peak is the larger of the backward's (activations and the gradients alive
   then) and the optimizer step's (every gradient and its temporaries).
 
 Step time: a device's compute is its matmul FLOPs at the hardware's achieved
-FLOP/s plus the bytes its other kernels move at its memory bandwidth; a step can
-be no faster than its kernels' launches (`Hardware.launch` each; launches overlap
-with a GPU's work, so a GPU step takes the larger of the two, a CPU's their sum).
-torch.compile fuses elementwise chains: a compiled step moves COMPILED_BYTES of the
-eager bytes in COMPILED_KERNELS of the kernels. Communication is alpha-beta over
-the link each group spans (hardware.Link); what overlaps with compute:
+FLOP/s plus the bytes its other kernels move at its memory bandwidth, and no less
+than its kernels' launches (`Hardware.launch` each: a GPU overlaps them with its
+work, so it takes the larger of the two, a CPU their sum; compiled, see
+COMPILED_BYTES). Communication is alpha-beta over the link each group spans
+(hardware.Link); what overlaps with compute:
 
 - DDP: gradient buckets all-reduce during the backward; the step waits for what
   outlasts the backward, and at least for the last bucket.
 - FSDP: the next unit's all-gather runs during this unit's compute (prefetch); the
-  first gather of each pass and what outlasts the compute are exposed, and the
-  last reduce-scatter.
+  first gather of each pass, what outlasts the compute and the last reduce-scatter
+  are exposed.
 - Tensor parallel: its collectives sit between a block's matmuls and are exposed
   (twice in the forward where full checkpointing recomputes it).
 - A pipeline's step is its schedule simulated (planner.schedule) with the sends
@@ -67,10 +65,10 @@ __all__ = [
 DDP_BUCKET = 25 * 2**20
 """PyTorch DDP's default bucket_cap_mb (25 MiB)."""
 COMPILED_BYTES = 1 / 3
-"""Inductor fuses a chain of pointwise and reduction ops into one kernel that reads
-its inputs and writes its outputs once: the intermediate tensors (about two thirds
-of an eager block's elementwise traffic: each op reads and writes a tensor the next
-reads again) never reach memory."""
+"""The bytes a compiled step moves against eager's: Inductor fuses a chain of
+pointwise and reduction ops into one kernel that reads its inputs and writes its
+outputs once, and the intermediates (about two thirds of an eager block's
+elementwise traffic: each op writes a tensor the next reads again) never reach memory."""
 COMPILED_KERNELS = 1 / 4
 """The kernels of a compiled step against eager's: a block's ~30 elementwise
 kernels become a few fused ones."""
@@ -138,6 +136,12 @@ class Model:
         mods = self.profile.modules
         return float(sum(getattr(mods[n], attr) for n in names if n in mods))
 
+    def held_activations(self) -> int:
+        """What the root's children leave alive for the backward, at the profile's batch."""
+        return sum(
+            m.activation_bytes for n, m in self.profile.modules.items() if n and "." not in n
+        )
+
     def tp_shares(self) -> tuple[float, float, float]:
         """Fractions of the parameters, FLOPs and activations tensor parallel divides:
         its planned layers' parameters, and the FLOPs and activations of the modules
@@ -148,8 +152,7 @@ class Model:
         parents = sorted({n.rpartition(".")[0] for n in self.tp_plan})
         params = self._sum(list(self.tp_plan), "param_bytes") / max(1, p.param_bytes)
         flops = self._sum(parents, "flops") / max(1.0, p.flops)
-        held = sum(m.activation_bytes for n, m in p.modules.items() if n and "." not in n)
-        acts = self._sum(parents, "activation_bytes") / max(1, held)
+        acts = self._sum(parents, "activation_bytes") / max(1, self.held_activations())
         return min(params, 1.0), min(flops, 1.0), min(acts, 1.0)
 
     def tp_messages(self) -> tuple[int, float]:
@@ -167,13 +170,13 @@ class Model:
         """Each stage's shares of (parameters, work, held activations); what sits
         outside the layers goes to the first stage's parameters and the last stage's
         work (the loss)."""
-        stages = self.stages(pp)
-        p = self.profile
-        par = [self._sum([m for x in s for m in x.members], "param_bytes") for s in stages]
-        work = [self._sum([m for x in s for m in x.members], "flops") for s in stages]
-        acts = [self._sum([m for x in s for m in x.members], "activation_bytes") for s in stages]
-        par[0] += max(0.0, p.param_bytes - sum(par))
-        work[-1] += max(0.0, p.flops - sum(work))
+        members = [[m for x in s for m in x.members] for s in self.stages(pp)]
+        par, work, acts = (
+            [self._sum(ms, attr) for ms in members]
+            for attr in ("param_bytes", "flops", "activation_bytes")
+        )
+        par[0] += max(0.0, self.profile.param_bytes - sum(par))
+        work[-1] += max(0.0, self.profile.flops - sum(work))
         total = (max(1.0, sum(par)), max(1.0, sum(work)), max(1.0, sum(acts)))
         return [
             (a / total[0], b / total[1], c / total[2])
@@ -200,7 +203,6 @@ class Memory:
 
     @property
     def total(self) -> float:
-        """The step's peak: the backward's or the optimizer step's, whichever is higher."""
         states = self.params + self.optimizer + self.buffers
         return states + max(self.grads_at_peak + self.activations, self.grads + self.optimizer_temp)
 
@@ -244,41 +246,34 @@ def _local(model: Model, layout: Layout) -> tuple[float, float]:
 
 def memory(layout: Layout, model: Model, batch: int) -> Memory:
     """Bytes per device of `layout` at `batch` samples per data-parallel replica."""
-    p, prec = model.profile, model.precision
+    p, prec, pp, m = model.profile, model.precision, layout.pp, layout.microbatches or 1
     par, _ = _local(model, layout)
-    opt_per = p.optimizer_bytes / max(1, p.params)
     psi = p.params * par
     largest = max(model.unit_params() or [0.0]) / max(1e-9, p.param_bytes / max(1, p.params))
-    s = model_states(psi, layout.dp, layout.stage, states_for(prec, opt_per), largest * par)
+    states = states_for(prec, p.optimizer_bytes / max(1, p.params))
+    s = model_states(psi, layout.dp, layout.stage, states, largest * par)
     buffers = 0.0
     if layout.dp > 1 and layout.stage == 3:
         buffers = 2 * largest * par * COMPUTE[prec]
     elif layout.dp > 1 and layout.stage == 2:
         buffers = psi * COMPUTE[prec]
-    micro = batch / (layout.microbatches or 1)
-    acts = p.activation_bytes * p.per_sample(micro)
+    acts = p.activation_bytes * p.per_sample(batch / m)
     if layout.tp > 1:
         acts *= 1 - model.tp_shares()[2] * (1 - 1 / layout.tp)
-    if layout.pp > 1:
-        shares = model.stage_shares(layout.pp)
-        m = layout.microbatches or 1
-        inflight = [
-            m if layout.schedule == "gpipe" else min(m, layout.pp - r) for r in range(layout.pp)
-        ]
-        held = sum(x.activation_bytes for n, x in p.modules.items() if n and "." not in n)
-        held_micro = held * p.per_sample(micro)
-        rest = max(0.0, acts - held_micro)  # the loss's and the step's temporaries
+    if pp > 1:
+        shares = model.stage_shares(pp)
+        inflight = [m if layout.schedule == "gpipe" else min(m, pp - r) for r in range(pp)]
+        held = model.held_activations() * p.per_sample(batch / m)
+        rest = max(0.0, acts - held)  # the loss's and the step's temporaries
         acts = max(
-            shares[r][2] * held_micro * inflight[r] + (rest if r == layout.pp - 1 else 0.0)
-            for r in range(layout.pp)
+            shares[r][2] * held * inflight[r] + (rest if r == pp - 1 else 0.0) for r in range(pp)
         )
-        edge = max(p.modules[s[-1].members[-1]].output_bytes for s in model.stages(layout.pp)[:-1])
-        buffers += 2 * edge * p.per_sample(micro)
-    grads = s["grads"]
+        edge = max(p.modules[s[-1].members[-1]].output_bytes for s in model.stages(pp)[:-1])
+        buffers += 2 * edge * p.per_sample(batch / m)
     alive = p.peak_grad_bytes / max(1, p.param_bytes)
-    at_peak = grads if (layout.dp > 1 and layout.stage == 0) else grads * min(1.0, alive)
+    at_peak = s["grads"] if (layout.dp > 1 and layout.stage == 0) else s["grads"] * min(1.0, alive)
     return Memory(
-        params=s["params"], grads=grads, optimizer=s["optimizer"], activations=max(0.0, acts),
+        params=s["params"], grads=s["grads"], optimizer=s["optimizer"], activations=max(0.0, acts),
         buffers=buffers, grads_at_peak=at_peak, optimizer_temp=p.optimizer_temp_bytes * par,
     )  # fmt: skip
 
@@ -402,14 +397,10 @@ def step_time(layout: Layout, model: Model, hw: Hardware, batch: int) -> StepTim
 
 def estimate(layout: Layout, model: Model, hw: Hardware, batch: int) -> Estimate:
     """One row of a plan: `layout`'s memory and step time, and whether it fits."""
-    mem = memory(layout, model, batch)
-    time = step_time(layout, model, hw, batch)
-    notes = []
+    mem, time = memory(layout, model, batch), step_time(layout, model, hw, batch)
     fits = mem.total <= hw.memory
-    if not fits:
-        notes.append(
-            f"does not fit: {(mem.total - hw.memory) / 2**30:.2f} GiB over {hw.memory / 2**30:.1f} GiB"
-        )
+    over = (mem.total - hw.memory) / 2**30
+    notes = [] if fits else [f"does not fit: {over:.2f} GiB over {hw.memory / 2**30:.1f} GiB"]
     if time.floor:
         notes.append("kernel launches, not the arithmetic, set this step's pace")
     return Estimate(layout, mem, time, fits, notes)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from scaletrain.planner.schedule import SCHEDULES
+
 __all__ = ["SCHEDULES", "STRATEGIES", "Layout", "layouts_for"]
 
 STRATEGIES = {
@@ -20,7 +22,6 @@ STRATEGIES = {
 everything (0); FSDP shards parameters, gradients and optimizer state (3); FSDP with
 reshard_after_forward=False ("fsdp-keep") keeps a unit's gathered parameters from its
 forward to its backward, which is ZeRO-2's memory with one all-gather per unit."""
-SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b")
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,19 +52,16 @@ class Layout:
 
     @property
     def label(self) -> str:
-        text = f"{self.strategy} {self.mesh}"
-        if self.schedule is not None:
-            text += f" {self.schedule} m={self.microbatches}"
-        return text
+        pipeline = "" if self.schedule is None else f" {self.schedule} m={self.microbatches}"
+        return f"{self.strategy} {self.mesh}{pipeline}"
 
 
-def _pairs(n: int) -> list[tuple[int, int]]:
-    return [(a, n // a) for a in range(2, n // 2 + 1) if n % a == 0 and n // a >= 2]
-
-
-def _microbatches(pp: int, batch: int) -> int | None:
+def _microbatches(pp: int, batch: int, layers: int) -> int | None:
     """The Pipeline strategy's default (4) where it divides the batch and gives every
-    stage one, else the smallest multiple of pp that divides it."""
+    stage one, else the smallest multiple of pp that divides it (None: fewer layers
+    than stages, or no count divides it)."""
+    if layers < pp:
+        return None
     for m in (4, *range(pp, 4 * pp + 1, pp)):
         if m >= pp and batch % m == 0:
             return m
@@ -76,16 +74,15 @@ def layouts_for(devices: int, *, batch: int, layers: int, tensor: bool) -> list[
     count that divides `batch`."""
     if devices == 1:
         return [Layout("ddp")]
-    rows = [Layout("ddp", dp=devices), Layout("fsdp-keep", dp=devices), Layout("fsdp", dp=devices)]
+    rows = [Layout(s, dp=devices) for s in ("ddp", "fsdp-keep", "fsdp")]
     if tensor:
         rows.append(Layout("tensor", tp=devices))
-    m = _microbatches(devices, batch) if layers >= devices else None
-    if m is not None:
+    if m := _microbatches(devices, batch, layers):
         rows += [Layout("pipeline", pp=devices, schedule=s, microbatches=m) for s in SCHEDULES[:2]]
-    for dp, other in _pairs(devices):
+    for dp in (d for d in range(2, devices // 2 + 1) if devices % d == 0):
+        other = devices // dp
         if tensor:
             rows.append(Layout("fsdp x tp", dp=dp, tp=other))
-        m = _microbatches(other, batch) if layers >= other else None
-        if m is not None:
+        if m := _microbatches(other, batch, layers):
             rows.append(Layout("ddp x pp", dp=dp, pp=other, schedule="1f1b", microbatches=m))
     return rows

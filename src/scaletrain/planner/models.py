@@ -1,8 +1,6 @@
 """The models people plan: a recipe, a model module, or a Hugging Face `config.json`.
 
-`resolve_model` turns each into a `PlannedModel`: how to build it on the meta device,
-an example batch, its loss and optimizer, and what the strategies would do with it
-(the tensor-parallel plan, the repeated blocks). A `config.json` is built through
+`resolve_model` turns each into a `PlannedModel`. A `config.json` is built through
 transformers from the file alone (no weights, no download) as the causal language
 model it describes, in fp32 (the layout's precision decides what a step computes in).
 """
@@ -47,16 +45,13 @@ class PlannedModel:
     example: Callable[[int], tuple[Any, Any]]
     """batch size -> (inputs, targets): small CPU tensors of the right shape and dtype."""
     loss: Callable[[Any, Any], torch.Tensor]
-    """(model output, targets) -> scalar."""
     optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
-    """parameters -> the model's optimizer."""
     batch_size: int
     """Samples per replica per step, by default."""
     seq_len: int | None
     """Tokens per sample of a sequence model; None for others."""
     tp_plan: dict[str, str] | None
-    """How TensorParallel would cut it (its declared plan, else the default one); None
-    where it has nothing to cut."""
+    """How TensorParallel would cut it (`_tp_plan`); None where it has nothing to cut."""
     blocks: tuple[str, ...]
     """Qualified names of the repeated blocks (what FSDP wraps and checkpointing acts on)."""
 
@@ -86,9 +81,8 @@ def resolve_model(
                 f"{spell(field, 1)} or more, or leave it out for the model's default.",
                 field=field,
             )
-    config = _config_file(model) if model is not None else None
-    if config is not None:
-        return _hugging_face(model or "", config, seq_len, batch_size)
+    if model is not None and (config := _config_file(model)) is not None:
+        return _hugging_face(model, config, seq_len, batch_size)
     from scaletrain.train.recipes import check_recipe, get_recipe, load_recipe
 
     if model is None:
@@ -102,11 +96,9 @@ def resolve_model(
     inputs, _ = r.example(1)
     seq = isinstance(inputs, torch.Tensor) and inputs.dtype == torch.int64 and inputs.dim() == 2
     if seq_len is not None and not seq:
-        shown = (
-            f"{str(inputs.dtype).removeprefix('torch.')} of shape {tuple(inputs.shape)}"
-            if isinstance(inputs, torch.Tensor)
-            else f"a {type(inputs).__name__}"
-        )
+        shown = f"a {type(inputs).__name__}"
+        if isinstance(inputs, torch.Tensor):
+            shown = f"{str(inputs.dtype).removeprefix('torch.')} of shape {tuple(inputs.shape)}"
         raise ConfigError(
             f"{spell('seq_len', seq_len)} only applies to sequence models (inputs of "
             f"token ids shaped (batch, tokens)); {name}'s inputs are {shown}. Fix: leave "
@@ -156,9 +148,8 @@ def _with_seq(name: str, example: Callable[..., Any], seq_len: int) -> Callable[
             return partial(example, **{keyword: seq_len})
     raise ConfigError(
         f"{spell('seq_len', seq_len)}: {name}'s example(batch_size) takes no sequence "
-        "length, so its batches cannot be made that long. Fix: give it one (def "
-        "example(batch_size, seq_len=...) returning inputs of shape (batch_size, seq_len)), "
-        f"or leave out {spell('seq_len')}.",
+        "length. Fix: give it one (def example(batch_size, seq_len=...) returning inputs of "
+        f"shape (batch_size, seq_len)), or leave out {spell('seq_len')}.",
         field="seq_len",
     )
 
@@ -169,9 +160,6 @@ def _tp_plan(net: nn.Module) -> dict[str, str] | None:
         return declared_tp_plan(net) or default_tp_plan(net)
     except ConfigError:
         return None
-
-
-# -- Hugging Face config.json ----------------------------------------------------------
 
 
 def _config_file(model: str) -> Path | None:

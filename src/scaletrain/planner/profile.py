@@ -4,13 +4,13 @@
 again under a FakeTensorMode, where it runs one forward, backward and optimizer step
 at the real batch shape with the levers applied as training applies them
 (activation checkpointing recomputes in the backward, so its FLOPs and its smaller
-activations are measured, not modelled). Under the fake mode:
+activations are measured, not modelled):
 
-- FLOPs: the ledger's own counter (scaletrain.observe.metrics.flops.FlopCounter), so a plan's
-  MFU and a run's count the same arithmetic; per module for tensor-parallel and
-  pipeline splits. These are the matrix products (mm, convolutions, attention).
-- Everything else is memory-bound: the bytes each other kernel reads and writes, and
-  the number of kernels (views move nothing and launch nothing).
+- FLOPs of the matrix products (mm, convolutions, attention): the ledger's own
+  counter (observe.metrics.flops.FlopCounter), so a plan's MFU and a run's count the same
+  arithmetic; per module for tensor-parallel and pipeline splits.
+- Every other kernel is memory-bound: the bytes it reads and writes. Each kernel is
+  one launch (views and bare allocations none).
 - Memory: PyTorch's MemTracker: the forward/backward's peak split into gradients
   and activations (saved tensors and temporaries), per module what its forward
   leaves alive, and the optimizer step's temporaries and state.
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,9 +31,9 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["ModelProfile", "ModuleCost", "Work", "profile_model"]
+from scaletrain.precision import AUTOCAST_DTYPES
 
-AUTOCAST = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
+__all__ = ["ModelProfile", "ModuleCost", "Work", "profile_model"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,10 +57,8 @@ class Work:
     bytes: float = 0.0
     kernels: int = 0
 
-    def __add__(self, other: Work) -> Work:
-        return Work(
-            self.flops + other.flops, self.bytes + other.bytes, self.kernels + other.kernels
-        )
+    def __add__(self, o: Work) -> Work:
+        return Work(self.flops + o.flops, self.bytes + o.bytes, self.kernels + o.kernels)
 
     def scaled(self, by: float, kernels: float = 1.0) -> Work:
         return Work(self.flops * by, self.bytes * by, round(self.kernels * kernels))
@@ -120,12 +118,12 @@ def _nbytes(value: Any) -> int:
 
 
 class _Kernels(TorchDispatchMode):
-    """Counts the kernels that are not matrix products and the bytes they move; those
+    """Counts kernels, and the bytes moved by those that are not matrix products; those
     on whole weights (a parameter's cast for autocast, its gradient's cast back: an
     op with a parameter among its inputs, or a copy shaped as one) apart, in `fixed`:
     they cost the same at any batch."""
 
-    def __init__(self, shapes: set[tuple[int, ...]] = frozenset()) -> None:  # type: ignore[assignment]
+    def __init__(self, shapes: Collection[tuple[int, ...]] = ()) -> None:
         super().__init__()
         from torch.utils.flop_counter import flop_registry
 
@@ -136,20 +134,16 @@ class _Kernels(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        written = _nbytes(out)
-        if not written or getattr(func, "is_view", False) or func.overloadpacket in _FREE:
+        written, op = _nbytes(out), func.overloadpacket
+        if not written or getattr(func, "is_view", False) or op in _FREE:
             return out  # metadata (prim.device, sizes), views and bare allocations
-        moved = Work(
-            0.0, 0.0 if func.overloadpacket in self._matmuls else _nbytes(args) + written, 1
-        )
-        weights = any(isinstance(a, nn.Parameter) for a in args) or (
-            func.overloadpacket is torch.ops.aten._to_copy
-            and tuple(getattr(out, "shape", ())) in self._shapes
-        )
-        if weights:
-            self.fixed = self.fixed + moved
+        moved = Work(0.0, 0.0 if op in self._matmuls else _nbytes(args) + written, 1)
+        if any(isinstance(a, nn.Parameter) for a in args) or (
+            op is torch.ops.aten._to_copy and tuple(getattr(out, "shape", ())) in self._shapes
+        ):
+            self.fixed += moved
         else:
-            self.work = self.work + moved
+            self.work += moved
         return out
 
 
@@ -166,10 +160,8 @@ def _collect(*_: Any) -> None:
 def _built(build: Callable[[], nn.Module], dtype: torch.dtype | None) -> nn.Module:
     """build() with its floating parameters in `dtype` (built under that default
     dtype: module.to cannot swap a fake tensor's parameters)."""
-    if dtype is None:
-        return build()
     old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
+    torch.set_default_dtype(dtype or old)
     try:
         return build()
     finally:
@@ -181,24 +173,19 @@ def _module_costs(
 ) -> dict[str, ModuleCost]:
     from torch.distributed._tools.mem_tracker import _MemRefType, _ModState
 
-    root = type(model).__name__
+    root, forward = type(model).__name__, (_ModState.PRE_FW, _ModState.POST_FW)
     out: dict[str, ModuleCost] = {}
     for name, module in model.named_modules():
         held = 0
         stats = tracker.memory_tracking.get(module)
-        if stats is not None:
-            pre = stats.snapshots.get(_ModState.PRE_FW, [])
-            post = stats.snapshots.get(_ModState.POST_FW, [])
-            if pre and post:
-                acts = [
-                    sum(s.get(d, {}).get(_MemRefType.ACT, 0) for d in s) for s in (pre[0], post[0])
-                ]
-                held = max(0, int(acts[1] - acts[0]))
-        key = f"{root}.{name}" if name else root
+        pre, post = (stats.snapshots.get(k) if stats else None for k in forward)
+        if pre and post:  # activations alive after its forward less those before it
+            acts = [sum(s.get(d, {}).get(_MemRefType.ACT, 0) for d in s) for s in (pre[0], post[0])]
+            held = max(0, int(acts[1] - acts[0]))
         out[name] = ModuleCost(
             name=name,
             param_bytes=sum(_nbytes(p) for p in module.parameters()),
-            flops=int(sum(counts.get(key, {}).values())),
+            flops=int(sum(counts.get(f"{root}.{name}" if name else root, {}).values())),
             activation_bytes=held,
             output_bytes=io.get(name, 0),
         )
@@ -264,7 +251,7 @@ def _profile(
     buffer_bytes = sum(_nbytes(b) for b in meta.buffers())
     del meta
     io: dict[str, int] = {}
-    cast = AUTOCAST.get(precision)
+    cast = AUTOCAST_DTYPES.get(precision)
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         model = _built(build, weights)
         names = {id(m): n for n, m in model.named_modules()}
@@ -309,12 +296,11 @@ def _profile(
     kinds = next(iter(peak.values())) if peak else {}
     step_kinds = next(iter(step_peak.values())) if step_peak else {}
     batch = int(inputs.shape[0])
+    sequence = inputs.dim() == 2 and not inputs.is_floating_point()
     return ModelProfile(
         model=name or type(model).__name__,
         batch_size=batch,
-        tokens=int(inputs.shape[0] * inputs.shape[1])
-        if inputs.dim() == 2 and not inputs.is_floating_point()
-        else batch,
+        tokens=int(inputs.shape[0] * inputs.shape[1]) if sequence else batch,
         params=params,
         tensors=len(unique),
         param_bytes=param_bytes,

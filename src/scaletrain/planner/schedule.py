@@ -32,18 +32,12 @@ def actions(schedule: str, rank: int, pp: int, microbatches: int, virtual: int =
     if schedule == "gpipe":
         return [("F", rank, i) for i in range(m)] + [("B", rank, i) for i in range(m)]
     if schedule == "1f1b":
-        # Schedule1F1B: the last stage warms up with 1 forward, the first with pp.
         warmup = min(m, pp - rank)
         out: list[Action] = [("F", rank, i) for i in range(warmup)]
-        f, b = warmup, 0
-        while True:
-            out.append(("B", rank, b))
-            b += 1
-            if f == m:
-                break
-            out.append(("F", rank, f))
-            f += 1
-        out += [("B", rank, i) for i in range(b, m)]
+        for i in range(m):
+            out.append(("B", rank, i))
+            if warmup + i < m:
+                out.append(("F", rank, warmup + i))
         return out
     if schedule == "interleaved-1f1b":
         rounds = max(1, m // pp)
@@ -53,30 +47,23 @@ def actions(schedule: str, rank: int, pp: int, microbatches: int, virtual: int =
                 f"{pp}: they must be divisible by the number of rounds ({rounds})"
             )
         per_round = m // rounds
-        warmup = min((virtual - 1) * per_round + 2 * (pp - 1 - rank), m * virtual)
         total = m * virtual
+        warmup = min((virtual - 1) * per_round + 2 * (pp - 1 - rank), total)
 
-        def fwd_stage(step: int) -> int:
-            return ((step // per_round) % virtual) * pp + rank
-
-        def bwd_stage(step: int) -> int:
-            return (virtual - 1 - ((step - warmup) // per_round) % virtual) * pp + rank
-
-        next_f: dict[int, int] = {}
-        next_b: dict[int, int] = {}
-
-        def take(counter: dict[int, int], stage: int) -> int:
-            counter[stage] = counter.get(stage, 0) + 1
-            return counter[stage] - 1
+        def nth(step: int) -> tuple[int, int]:
+            """(chunk, microbatch) of this rank's step-th forward (or backward): chunks
+            take turns in blocks of per_round microbatches."""
+            block, i = divmod(step, per_round)
+            return block % virtual, block // virtual * per_round + i
 
         out = []
         for op in range(total + warmup):
             if op < total:
-                s = fwd_stage(op)
-                out.append(("F", s, take(next_f, s)))
+                chunk, i = nth(op)
+                out.append(("F", chunk * pp + rank, i))
             if op >= warmup:
-                s = bwd_stage(op)
-                out.append(("B", s, take(next_b, s)))
+                chunk, i = nth(op - warmup)
+                out.append(("B", (virtual - 1 - chunk) * pp + rank, i))
         return out
     raise ValueError(
         f"unknown pipeline schedule {schedule!r}; expected one of {', '.join(SCHEDULES)}"
