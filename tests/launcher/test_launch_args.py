@@ -362,3 +362,24 @@ def test_the_agent_gets_what_the_dry_run_command_says(
             k: str(v) for k, v in theirs_conf.items()
         }
         assert ours.rdzv_configs.get("is_host") == theirs.rdzv_configs.get("is_host")
+
+
+def test_every_setting_is_one_flag_declared_once() -> None:
+    # The flags are made from LaunchConfig's fields: its docstrings are their help, and a
+    # new field is a new flag (torchrun's --a_b spelling too), with no list to keep.
+    from scaletrain.settings import field_docs
+
+    parser = lead_style_parser()
+    launch = parser._subparsers._group_actions[0].choices["launch"]  # type: ignore[union-attr]
+    by_dest = {a.dest: a for a in launch._actions}
+    assert by_dest["extra_env"].option_strings == ["--env"]  # NAME=VALUE, or the cluster
+    for f in dataclasses.fields(LaunchConfig):
+        if f.name in ("extra_env", "cluster"):
+            continue
+        action = by_dest[f.name]
+        assert field_docs(LaunchConfig)[f.name] in (action.help or "").replace("%%", "%")
+        if "_" in f.name and f.name != "run_as_module":
+            assert f"--{f.name}" in action.option_strings
+    assert by_dest["run_as_module"].option_strings == ["-m", "--module"]
+    ns = parser.parse_args(["launch", "--monitor_interval", "2", "--redirects", "3", "t.py"])
+    assert config_from_args(ns) == LaunchConfig(monitor_interval=2.0, redirects="3")
