@@ -78,3 +78,29 @@ def test_workers_are_watched_for_one_launch_only() -> None:
     finally:
         LocalElasticAgent._start_workers = original  # type: ignore[method-assign]
     assert seen == [([1], "the workers")] and held == ["in", "out"]
+
+
+def test_the_declared_torch_range_is_what_is_tested_and_checked() -> None:
+    # pyproject's torch range admits only releases the tests run on (the Makefile's
+    # torch) and compat.py was checked against: a wider range needs a CI job on its
+    # lowest release and a record in compat.CHECKED first.
+    import re
+    from pathlib import Path
+
+    from packaging.requirements import Requirement
+
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib  # type: ignore[no-redef]
+
+    root = Path(__file__).resolve().parents[2]
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    (torch_req,) = (r for d in project["dependencies"] if (r := Requirement(d)).name == "torch")
+    made = re.search(r"^TORCH_VERSION := (\S+)$", (root / "Makefile").read_text(), re.M)
+    assert made is not None
+    assert torch_req.specifier.contains(made[1]), (torch_req, made[1])
+    assert torch_req.specifier.contains(torch.__version__), (torch_req, torch.__version__)
+    checked = {v.rsplit(".", 1)[0] for v in compat.CHECKED}
+    admitted = {f"2.{minor}" for minor in range(40) if torch_req.specifier.contains(f"2.{minor}.0")}
+    assert admitted <= checked, f"{torch_req} admits torch {sorted(admitted - checked)}, untested"
