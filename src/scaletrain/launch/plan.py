@@ -59,6 +59,9 @@ class Plan:
     gloo_ifname: str | None = None
     """The interface for Gloo where the user set none (GLOO_SOCKET_IFNAME)."""
     gloo_why: str = ""
+    rdzv_backend: str = ""
+    """torch's rendezvous backend where a platform names one other than c10d (a
+    Kubeflow elasticPolicy's PET_RDZV_BACKEND); "": the mode's."""
     rdzv_endpoint: str = ""
     """HOST:PORT of the c10d rendezvous (torchrun's --rdzv-endpoint), as given."""
     rdzv_id: str = ""
@@ -77,7 +80,7 @@ def _rendezvous_argv(plan: Plan) -> list[str]:
     conf = ",".join(f"{k}={v}" for k, v in plan.rdzv_conf.items())
     if plan.mode == "standalone":
         return ["--standalone", "--nnodes", "1", "--rdzv-conf", conf]
-    head = ["--nnodes", plan.nnodes, "--rdzv-backend", plan.mode]
+    head = ["--nnodes", plan.nnodes, "--rdzv-backend", plan.rdzv_backend or plan.mode]
     if plan.mode == "static":
         head += ["--node-rank", str(plan.node_rank), "--master-addr", str(plan.host)]
         head += ["--master-port", str(plan.port)]
@@ -238,7 +241,8 @@ def make_plan(
         conf = {"join_timeout": str(cfg.rdzv_timeout), **_conf(rendezvous.conf)}
         return plan(
             mode="c10d", nnodes=rendezvous.nnodes, host=host, port=port,
-            rdzv_endpoint=rendezvous.endpoint, rdzv_id=rdzv_id, rdzv_conf=conf,
+            rdzv_backend=rendezvous.backend, rdzv_endpoint=rendezvous.endpoint, rdzv_id=rdzv_id,
+            rdzv_conf=conf,
             endpoint_source=f"the {node.kind if node else 'cluster'} environment's PET_RDZV_ENDPOINT",
             local_addr=local, gloo_ifname=ifname, gloo_why=why,
         )  # fmt: skip

@@ -263,9 +263,13 @@ def agent_rendezvous(plan: Plan) -> dict[str, Any]:
         settings.update(rdzv_backend=_C10D, rdzv_endpoint=f"{LOOPBACK}:0",
                         run_id=str(uuid.uuid4()), local_addr=plan.local_addr or LOOPBACK)  # fmt: skip
     elif plan.mode == "c10d":
-        if plan.node_rank is not None:
-            configs[_NODE_RANK] = plan.node_rank
-        settings.update(rdzv_backend=_C10D, rdzv_endpoint=plan.rdzv_endpoint,
+        backend = plan.rdzv_backend or "c10d"
+        if backend == "c10d":
+            backend = _C10D
+            if plan.node_rank is not None:
+                configs[_NODE_RANK] = plan.node_rank
+        # Another backend a platform names (etcd) is torch's own, as it is.
+        settings.update(rdzv_backend=backend, rdzv_endpoint=plan.rdzv_endpoint,
                         run_id=plan.rdzv_id, local_addr=plan.local_addr)  # fmt: skip
     elif plan.mode == "static":
         configs["rank"] = plan.node_rank
