@@ -318,6 +318,8 @@ KUBEFLOW_ELASTIC = dataclasses.replace(
         (LaunchConfig(nproc_per_node=1, nnodes="1:4", rdzv_endpoint="[fd00::1]:29400"), LOCAL),
         (LaunchConfig(log_dir="LOGS", rdzv_timeout=30), SAGEMAKER),
         (LaunchConfig(), KUBEFLOW_ELASTIC),
+        (LaunchConfig(), dataclasses.replace(KUBEFLOW_ELASTIC, rendezvous=Rendezvous(
+            nnodes="2", backend="etcd-v2", endpoint="etcd:2379", run_id="job"))),
     ],
 )  # fmt: skip
 def test_the_agent_gets_what_the_dry_run_command_says(
@@ -349,7 +351,8 @@ def test_the_agent_gets_what_the_dry_run_command_says(
         assert (ours.rdzv_backend, ours.rdzv_endpoint) == ("scaletrain-c10d", f"{LOOPBACK}:0")
         assert ours.local_addr == LOOPBACK and ours.rdzv_configs["is_host"] == "true"
     else:
-        assert ours.rdzv_backend == f"scaletrain-{theirs.rdzv_backend}"
+        wrapped = theirs.rdzv_backend in ("c10d", "static")  # another is torch's, as it is
+        assert ours.rdzv_backend == ("scaletrain-" if wrapped else "") + theirs.rdzv_backend
         assert ours.run_id == theirs.run_id and ours.local_addr == theirs.local_addr
         if plan.mode == "static":
             # torchrun fills the endpoint in from --master-addr/--master-port at run time.
