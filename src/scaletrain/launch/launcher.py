@@ -3,10 +3,11 @@
 `launch` gives torch's public launcher (`torch.distributed.launcher.api`: a
 `LaunchConfig` and `elastic_launch`) what a LaunchConfig of scaletrain's amounts to,
 in this process; `build_torchrun_args` says the same as a torchrun command line
-(`--dry-run`). What is added on top is what torchrun leaves to the user: defaults taken from the cluster (SageMaker/Kubeflow start
-one process per node and expect it to start the rest), checks that turn the usual
-setup mistakes into one clear paragraph before anything is spawned, and a short summary
-of a failed worker instead of torchrun's page-long traceback.
+(`--dry-run`). What is added on top is what torchrun leaves to the user: defaults
+taken from the cluster (SageMaker/Kubeflow start one process per node and expect it
+to start the rest), checks that turn the usual setup mistakes into one clear paragraph
+before anything is spawned, and a short summary of a failed worker instead of
+torchrun's page-long traceback.
 """
 
 from __future__ import annotations
@@ -421,7 +422,7 @@ def _run_agent(
     from torch.distributed.launcher.api import elastic_launch
 
     config = agent_config(plan, cfg)
-    # Each worker starts through the orphan guard (guard.py): it gets SIGTERM if this
+    # Each worker starts through the orphan guard (guard.py): it is killed if this
     # agent dies; it exec()s `python -u [-m] SCRIPT ARGS` once the guard is set.
     entry, args = guarded_command(os.getpid(), plan.script, plan.script_args, module=plan.module)
     try:
