@@ -6,7 +6,8 @@ attribute docstrings). From that single declaration:
 
 - `add_flags(parser, Config)` adds one `--field-name` flag per field, its help the
   docstring, its type and choices the annotation (`int`, `float`, `str`, `bool`,
-  `Literal[...]`, optionally `| None`), its default shown from the dataclass;
+  `Literal[...]`, optionally `| None`), its default shown from the dataclass (a field
+  of another type has no flag: it is excluded, and given one by hand if at all);
 - `read_config_file(path, Config)` reads a YAML (or JSON: YAML is a superset) file
   holding the same field names and checks every value's type;
 - `typed_flags(namespace)` returns only the flags the user actually typed, so flags
@@ -66,7 +67,8 @@ class FieldSpec:
 
     name: str
     base: type
-    """int, float, str or bool (the Literal's value type for Literal fields)."""
+    """int, float, str or bool (the Literal's value type for Literal fields); object
+    for an annotation no flag or config-file value can have (a mapping, say)."""
     optional: bool
     """The annotation allows None."""
     choices: tuple[Any, ...] | None
@@ -111,7 +113,7 @@ def _unpack(annotation: Any) -> tuple[type, bool, tuple[Any, ...] | None]:
         return type(choices[0]), optional, tuple(choices)
     if annotation in (int, float, str, bool):
         return annotation, optional, None
-    raise TypeError(f"unsupported config annotation {annotation!r}")
+    return object, optional, None
 
 
 @functools.cache
@@ -145,22 +147,27 @@ def add_flags(
     exclude: Collection[str] = (),
     groups: Sequence[tuple[str, Sequence[str]]] = (),
     switches: Collection[str] = (),
-) -> None:
+    names: Mapping[str, Sequence[str]] = {},
+) -> dict[str, Any]:
     """One flag per field of `cls` (a parser or an argument group), except the fields
     named in `exclude`. Defaults are not stored in the namespace: `typed_flags` tells
-    what the user typed.
+    what the user typed. Returns the sections made for `groups`, by title, for flags
+    added by hand.
 
     `groups` are (title, field names) pairs: each becomes a section of --help, its
     fields in the order given (fields in no group follow, on `parser` itself).
     `switches` are bool fields that ask for something once, for this start
     (`--overwrite`): they are off unless given, so they get only the flag that turns
-    them on; a `--no-` form would do nothing.
+    them on; a `--no-` form would do nothing. `names` gives a field option strings of
+    its own instead of `--field-name` (other spellings a user brings: `-m`, torchrun's
+    `--nproc_per_node`), the first long one shown as its flag.
     """
     placed: dict[str, Any] = {}
-    for title, names in groups:
-        shown = [n for n in names if n not in exclude]
+    sections: dict[str, Any] = {}
+    for title, fields in groups:
+        shown = [n for n in fields if n not in exclude]
         if shown:
-            section = parser.add_argument_group(title)
+            section = sections[title] = parser.add_argument_group(title)
             placed.update(dict.fromkeys(shown, section))
     specs = {s.name: s for s in field_specs(cls)}
     unknown = [n for n in placed if n not in specs]
@@ -171,6 +178,10 @@ def add_flags(
         spec = specs[name]
         if spec.name in exclude:
             continue
+        if spec.base is object:
+            raise TypeError(f"{cls.__name__}.{spec.name} can have no flag: exclude it")
+        options = list(names.get(spec.name, (spec.flag,)))
+        flag = next(o for o in options if o.startswith("--"))
         target = placed.get(spec.name, parser)
         kwargs: dict[str, Any] = {"dest": spec.name, "default": _SUPPRESS, "help": _help(spec)}
         if spec.base is bool:
@@ -189,13 +200,14 @@ def add_flags(
             if spec.choices is not None:
                 kwargs["choices"] = spec.choices
                 kwargs["metavar"] = "{" + ",".join(map(str, spec.choices)) + "}"
-        target.add_argument(spec.flag, **kwargs)
+        target.add_argument(*options, **kwargs)
         if spec.base is bool and spec.name in switches and isinstance(parser, Parser):
-            off = "--no-" + spec.flag[2:]
+            off = "--no-" + flag[2:]
             parser.elsewhere = {
                 **parser.elsewhere,
-                off: f"leave out {off}: {spec.flag} is off unless given",
+                off: f"leave out {off}: {flag} is off unless given",
             }
+    return sections
 
 
 def _spelled(name: str, base: type, text: str) -> Any:
@@ -306,7 +318,7 @@ def read_config_file(
             f"config file {file} holds a {type(data).__name__}; expected a mapping of "
             "setting: value, e.g. `recipe: gpt` and `max_steps: 100` on separate lines."
         )
-    specs = {s.name: s for s in field_specs(cls)}
+    specs = {s.name: s for s in field_specs(cls) if s.base is not object}
     values: dict[str, Any] = {}
     unknown = []
     found: list[ConfigError] = []

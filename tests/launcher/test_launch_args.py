@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from typing import Any
 
 import pytest
 
 import scaletrain.env
-from scaletrain.env.base import ClusterEnv
+from scaletrain.env.base import ClusterEnv, Rendezvous
 from scaletrain.errors import ConfigError
 from scaletrain.launch import LaunchConfig, add_arguments, build_torchrun_args, run
 from scaletrain.launch import plan as plan_mod
@@ -286,3 +287,102 @@ def test_cli_without_a_script_asks_for_the_script_only(
     err = capsys.readouterr().err
     # The script's own arguments are optional: only SCRIPT is named as missing.
     assert err.strip().endswith("the following arguments are required: SCRIPT")
+
+
+# --- what runs is what --dry-run shows ---------------------------------------------------
+
+
+def _as_torchrun_runs(argv: list[str]) -> object:
+    """torch's own LaunchConfig for a torchrun command line (what `torchrun ARGV` runs)."""
+    run_mod = pytest.importorskip("torch.distributed.run")
+    config, _, _ = run_mod.config_from_args(run_mod.parse_args(argv))
+    return config
+
+
+KUBEFLOW_ELASTIC = dataclasses.replace(
+    SAGEMAKER,
+    kind="kubeflow",
+    rendezvous=Rendezvous(
+        nnodes="1:3", endpoint="job-worker-0:29400", run_id="job", conf="read_timeout=30",
+        max_restarts=2,
+    ),
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("cfg", "env"),
+    [
+        (LaunchConfig(nproc_per_node=2, log_dir="LOGS", redirects="3"), LOCAL),
+        (LaunchConfig(nproc_per_node=1, nnodes="2", node_rank=1, rdzv_endpoint="h:29400",
+                      rdzv_id="job7", max_restarts=2, monitor_interval=0.5), LOCAL),
+        (LaunchConfig(nproc_per_node=1, nnodes="1:4", rdzv_endpoint="[fd00::1]:29400"), LOCAL),
+        (LaunchConfig(log_dir="LOGS", rdzv_timeout=30), SAGEMAKER),
+        (LaunchConfig(), KUBEFLOW_ELASTIC),
+        (LaunchConfig(), dataclasses.replace(KUBEFLOW_ELASTIC, rendezvous=Rendezvous(
+            nnodes="2", backend="etcd-v2", endpoint="etcd:2379", run_id="job"))),
+    ],
+)  # fmt: skip
+def test_the_agent_gets_what_the_dry_run_command_says(
+    cfg: LaunchConfig, env: ClusterEnv, tmp_path: pytest.TempPathFactory,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    # The launcher builds torch's LaunchConfig itself; torchrun, given the command that
+    # --dry-run prints, builds the same, but for scaletrain's rendezvous backends in
+    # place of torch's (and, on one node, 127.0.0.1 in place of every interface).
+    from scaletrain.launch.launcher import agent_config
+    from scaletrain.launch.plan import make_plan
+    from scaletrain.launch.rendezvous import LOOPBACK
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # torchrun would set it in this process
+    if cfg.log_dir is not None:
+        cfg = dataclasses.replace(cfg, log_dir=str(tmp_path))
+    plan = make_plan(cfg, "train.py", ["--lr", "3"], env=env, environ={})
+    ours: Any = agent_config(plan, cfg)
+    theirs: Any = _as_torchrun_runs(plan.argv)
+    for name in ("min_nodes", "max_nodes", "nproc_per_node", "role", "max_restarts",
+                 "monitor_interval", "start_method"):  # fmt: skip
+        assert getattr(ours, name) == getattr(theirs, name), name
+    assert ours.signals_to_handle == "SIGTERM,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2"
+    if cfg.log_dir is not None:
+        assert ours.logs_specs.root_log_dir == theirs.logs_specs.root_log_dir == str(tmp_path)
+    extra = {"is_host", "scaletrain_node_rank"}
+    if plan.mode == "standalone":
+        # torchrun's --standalone: c10d at localhost:0 under a fresh id.
+        assert (ours.rdzv_backend, ours.rdzv_endpoint) == ("scaletrain-c10d", f"{LOOPBACK}:0")
+        assert ours.local_addr == LOOPBACK and ours.rdzv_configs["is_host"] == "true"
+    else:
+        wrapped = theirs.rdzv_backend in ("c10d", "static")  # another is torch's, as it is
+        assert ours.rdzv_backend == ("scaletrain-" if wrapped else "") + theirs.rdzv_backend
+        assert ours.run_id == theirs.run_id and ours.local_addr == theirs.local_addr
+        if plan.mode == "static":
+            # torchrun fills the endpoint in from --master-addr/--master-port at run time.
+            assert ours.rdzv_endpoint == f"{plan.host}:{plan.port}"
+        else:
+            assert ours.rdzv_endpoint == theirs.rdzv_endpoint
+        theirs_conf = {k: v for k, v in theirs.rdzv_configs.items() if k not in extra}
+        ours_conf = {k: v for k, v in ours.rdzv_configs.items() if k not in extra}
+        assert {k: str(v) for k, v in ours_conf.items()} == {
+            k: str(v) for k, v in theirs_conf.items()
+        }
+        assert ours.rdzv_configs.get("is_host") == theirs.rdzv_configs.get("is_host")
+
+
+def test_every_setting_is_one_flag_declared_once() -> None:
+    # The flags are made from LaunchConfig's fields: its docstrings are their help, and a
+    # new field is a new flag (torchrun's --a_b spelling too), with no list to keep.
+    from scaletrain.settings import field_docs
+
+    parser = lead_style_parser()
+    launch = parser._subparsers._group_actions[0].choices["launch"]  # type: ignore[union-attr]
+    by_dest = {a.dest: a for a in launch._actions}
+    assert by_dest["extra_env"].option_strings == ["--env"]  # NAME=VALUE, or the cluster
+    for f in dataclasses.fields(LaunchConfig):
+        if f.name in ("extra_env", "cluster"):
+            continue
+        action = by_dest[f.name]
+        assert field_docs(LaunchConfig)[f.name] in (action.help or "").replace("%%", "%")
+        if "_" in f.name and f.name != "run_as_module":
+            assert f"--{f.name}" in action.option_strings
+    assert by_dest["run_as_module"].option_strings == ["-m", "--module"]
+    ns = parser.parse_args(["launch", "--monitor_interval", "2", "--redirects", "3", "t.py"])
+    assert config_from_args(ns) == LaunchConfig(monitor_interval=2.0, redirects="3")

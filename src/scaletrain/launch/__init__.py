@@ -1,5 +1,6 @@
-"""Launching: `scaletrain launch`, a thin layer over PyTorch's torch.distributed.run, and
-`st.launch(fn, nproc=N, args=...)`, which runs a Python function on N processes.
+"""Launching: `scaletrain launch`, a thin layer over PyTorch's elastic launcher
+(torch.distributed.launcher, what torchrun runs), and `st.launch(fn, nproc=N,
+args=...)`, which runs a Python function on N processes.
 
 `st.launch(...)` is this package, called: importing `scaletrain.launch` binds the name
 `launch` on `scaletrain` to this module (Python sets a subpackage as an attribute of its

@@ -27,17 +27,11 @@ in the API) runs the command here instead, as one node on its own.
 
 from __future__ import annotations
 
-import shlex
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
 
 from scaletrain.errors import ConfigError
-from scaletrain.launch.config import LaunchConfig
 
-if TYPE_CHECKING:
-    from scaletrain.launch.plan import Plan
-
-__all__ = ["batch_plan", "in_batch_script", "srun_command"]
+__all__ = ["in_batch_script", "job_nodes", "srun_command"]
 
 _MPI_MARKERS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "MPI_LOCALRANKID")
 _NODES_VARS = ("SLURM_JOB_NUM_NODES", "SLURM_NNODES")
@@ -50,7 +44,8 @@ def in_batch_script(environ: Mapping[str, str]) -> bool:
     return is_batch_script(environ) and not any(m in environ for m in _MPI_MARKERS)
 
 
-def _job_nodes(environ: Mapping[str, str]) -> int:
+def job_nodes(environ: Mapping[str, str]) -> int:
+    """The batch script's node count (SLURM_JOB_NUM_NODES); ConfigError where Slurm set none."""
     for name in _NODES_VARS:
         raw = environ.get(name, "").strip()
         if raw.isdigit() and int(raw) > 0:
@@ -73,33 +68,3 @@ def srun_command(nodes: int, command: Sequence[str]) -> list[str]:
         "--whole",
         *command,
     ]
-
-
-def batch_plan(
-    cfg: LaunchConfig, environ: Mapping[str, str], relaunch: Sequence[str] | None
-) -> Plan:
-    from scaletrain.launch.plan import Plan
-
-    nodes = _job_nodes(environ)
-    if relaunch is None:
-        raise ConfigError(
-            f"This process is a Slurm batch script (job {environ.get('SLURM_JOB_ID')}, "
-            f"{nodes} node(s)), not a task started by srun, and a launch from Python cannot "
-            f"restart itself under srun. Expected one launcher per node. Fix: run your script "
-            f"with `srun --ntasks-per-node=1 --whole python YOUR_SCRIPT.py`, or pass "
-            f'env="local" to run on this node alone.'
-        )
-    argv = srun_command(nodes, relaunch)
-    return Plan(
-        argv=argv,
-        mode="srun",
-        nproc_per_node=cfg.nproc_per_node or 0,
-        nnodes=str(nodes),
-        endpoint_source="the Slurm allocation",
-        max_restarts=cfg.max_restarts or 0,
-    )
-
-
-def describe(plan: Plan) -> str:
-    """The command a batch plan runs, as a shell would show it."""
-    return shlex.join(plan.argv)

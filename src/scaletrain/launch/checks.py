@@ -22,7 +22,7 @@ from scaletrain.errors import LaunchError
 
 if TYPE_CHECKING:
     from scaletrain.launch.config import LaunchConfig
-    from scaletrain.launch.launcher import Plan
+    from scaletrain.launch.plan import Plan
 
 __all__ = ["check_network", "check_target", "is_rendezvous_store"]
 

@@ -17,15 +17,24 @@ from typing import Any
 
 from scaletrain.errors import ScaletrainError
 from scaletrain.exitcodes import EXIT_OK, EXIT_USAGE
-from scaletrain.launch.config import DEFAULT_RDZV_TIMEOUT_S, LaunchConfig
+from scaletrain.launch.config import LaunchConfig
 from scaletrain.launch.launcher import dry_run_command, launch
 
-__all__ = ["DESCRIPTION", "HELP", "add_arguments", "config_from_args", "relaunch_command", "run"]
+__all__ = [
+    "DESCRIPTION",
+    "FLAG_GROUPS",
+    "HELP",
+    "METAVARS",
+    "add_arguments",
+    "config_from_args",
+    "relaunch_command",
+    "run",
+]
 
 HELP = "start SCRIPT on every process of this node with torchrun (one call per node)"
 DESCRIPTION = (
     "Start SCRIPT on --nproc-per-node worker processes of this node through PyTorch's "
-    "elastic launcher (torch.distributed.run), with RANK, LOCAL_RANK, WORLD_SIZE, "
+    "elastic launcher (torch.distributed.launcher, what torchrun runs), with RANK, LOCAL_RANK, WORLD_SIZE, "
     "MASTER_ADDR and MASTER_PORT set for each. On one node no rendezvous flags are "
     "needed. On several nodes, run the same command on each with the same "
     "--nnodes/--rdzv-endpoint/--rdzv-id and --node-rank 0 on the node at the endpoint. "
@@ -68,9 +77,36 @@ _ELSEWHERE["--master-port"] = _ELSEWHERE["--master-addr"]
 """torchrun's flags that scaletrain launch says otherwise (see Parser.elsewhere)."""
 
 
+FLAG_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("processes and nodes", ("nproc_per_node", "nnodes", "node_rank")),
+    ("rendezvous", ("rdzv_endpoint", "rdzv_id", "local_addr", "rdzv_timeout")),
+    ("workers", ("max_restarts", "monitor_interval", "log_dir", "redirects", "run_as_module")),
+)
+"""The sections of --help, each with its LaunchConfig fields in order."""
+
+METAVARS = {
+    "nproc_per_node": "N", "nnodes": "N|MIN:MAX", "node_rank": "R", "rdzv_endpoint": "HOST:PORT",
+    "rdzv_id": "ID", "local_addr": "ADDR", "rdzv_timeout": "S", "max_restarts": "K",
+    "monitor_interval": "S", "log_dir": "DIR", "redirects": "0-3",
+}  # fmt: skip
+"""The placeholder each flag shows in --help."""
+
+_BY_HAND = ("extra_env", "cluster")
+"""Fields that share one flag, --env NAME=VALUE|KIND (_EnvAction), added by hand."""
+
+
+def _option_strings(name: str) -> tuple[str, ...]:
+    """A field's flag and torchrun's spelling of it (`--nproc_per_node`); `-m` for the module."""
+    if name == "run_as_module":
+        return ("-m", "--module")
+    flag = "--" + name.replace("_", "-")
+    return (flag, "--" + name) if "_" in name else (flag,)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the `launch` flags and the SCRIPT [ARGS...] positionals to `parser`."""
-    from scaletrain.settings import Parser
+    """Add the `launch` flags (one per LaunchConfig field) and the SCRIPT [ARGS...]
+    positionals to `parser`."""
+    from scaletrain.settings import Parser, add_flags, field_specs
 
     if isinstance(parser, Parser):
         parser.elsewhere = _ELSEWHERE
@@ -78,93 +114,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # takes its share, and errors on a script flag that abbreviates two of ours
     # (`--nproc`). With abbreviations off, such words are left for the script.
     parser.allow_abbrev = False
-    g = parser.add_argument_group("processes and nodes")
-    g.add_argument(
-        "--nproc-per-node",
-        "--nproc_per_node",
-        type=int,
-        default=None,
-        metavar="N",
-        help="worker processes on this node (default: one per GPU, 2 on CPU)",
+    sections = add_flags(
+        parser,
+        LaunchConfig,
+        metavars=METAVARS,
+        exclude=_BY_HAND,
+        groups=FLAG_GROUPS,
+        switches=("run_as_module",),
+        names={spec.name: _option_strings(spec.name) for spec in field_specs(LaunchConfig)},
     )
-    g.add_argument(
-        "--nnodes",
-        default=None,
-        metavar="N|MIN:MAX",
-        help='number of nodes, or an elastic range such as "1:4" (default: 1)',
-    )
-    g.add_argument(
-        "--node-rank",
-        "--node_rank",
-        type=int,
-        default=None,
-        metavar="R",
-        help="this node's index; node 0 hosts the rendezvous store at --rdzv-endpoint",
-    )
-    r = parser.add_argument_group("rendezvous")
-    r.add_argument(
-        "--rdzv-endpoint",
-        "--rdzv_endpoint",
-        default=None,
-        metavar="HOST:PORT",
-        help="where the nodes meet: node 0's address and a free port (multi-node only)",
-    )
-    r.add_argument(
-        "--rdzv-id",
-        "--rdzv_id",
-        default=None,
-        metavar="ID",
-        help="job id, the same on every node (default: $SCALETRAIN_RDZV_ID, $SLURM_JOB_ID "
-        "or 'scaletrain')",
-    )
-    r.add_argument(
-        "--local-addr",
-        "--local_addr",
-        default=None,
-        metavar="ADDR",
-        help="this node's address as the other nodes reach it (default: the address of the "
-        "interface that routes to them)",
-    )
-    r.add_argument(
-        "--rdzv-timeout",
-        "--rdzv_timeout",
-        type=int,
-        default=DEFAULT_RDZV_TIMEOUT_S,
-        metavar="S",
-        help=f"seconds to wait for the store and the other nodes (default: {DEFAULT_RDZV_TIMEOUT_S})",
-    )
-    w = parser.add_argument_group("workers")
-    w.add_argument(
-        "--max-restarts",
-        "--max_restarts",
-        type=int,
-        default=None,
-        metavar="K",
-        help="restart the worker group up to K times after a failure (default: the "
-        "platform's, e.g. a Kubeflow elasticPolicy's, else 0)",
-    )
-    w.add_argument(
-        "--monitor-interval",
-        "--monitor_interval",
-        type=float,
-        default=0.1,
-        metavar="S",
-        help="seconds between worker health checks (default: 0.1)",
-    )
-    w.add_argument(
-        "--log-dir",
-        "--log_dir",
-        default=None,
-        metavar="DIR",
-        help="directory for worker logs and error files (default: a temporary directory)",
-    )
-    w.add_argument(
-        "--redirects",
-        default="0",
-        metavar="0-3",
-        help="write worker output to files in --log-dir: 1 stdout, 2 stderr, 3 both (default: 0)",
-    )
-    w.add_argument(
+    sections["workers"].add_argument(
         "--env",
         dest="extra_env",
         action=_EnvAction,
@@ -173,13 +132,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="NAME=VALUE: set a variable for the workers (repeatable); KIND: the cluster "
         "environment to read instead of detecting it (local, slurm, mpi, sagemaker, "
         "kubeflow, torchelastic); --env local runs here as one node, even in a batch script",
-    )
-    w.add_argument(
-        "-m",
-        "--module",
-        dest="run_as_module",
-        action="store_true",
-        help="run SCRIPT as a module, like python -m",
     )
     parser.add_argument(
         "--dry-run",
@@ -201,22 +153,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(ns: argparse.Namespace) -> LaunchConfig:
     """Build the LaunchConfig the parsed flags describe (raises ConfigError)."""
-    return LaunchConfig(
-        nproc_per_node=ns.nproc_per_node,
-        nnodes=ns.nnodes,
-        node_rank=ns.node_rank,
-        rdzv_endpoint=ns.rdzv_endpoint,
-        rdzv_id=ns.rdzv_id,
-        max_restarts=ns.max_restarts,
-        rdzv_timeout=ns.rdzv_timeout,
-        monitor_interval=ns.monitor_interval,
-        run_as_module=ns.run_as_module,
-        log_dir=ns.log_dir,
-        redirects=ns.redirects,
-        extra_env=dict(ns.extra_env),
-        local_addr=ns.local_addr,
-        cluster=getattr(ns, "cluster", None),
-    )
+    from scaletrain.settings import typed_flags
+
+    flags = typed_flags(ns, LaunchConfig)
+    flags["extra_env"] = dict(flags.get("extra_env") or ())
+    return LaunchConfig(**flags)
 
 
 def relaunch_command(argv: Sequence[str], prog: Sequence[str]) -> list[str]:

@@ -59,36 +59,35 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
 
 @dataclass(kw_only=True, slots=True)
 class LaunchConfig:
-    """Options of `scaletrain launch`; each maps onto one torchrun flag (see launcher.py)."""
+    """Options of `scaletrain launch`: each field is one flag (launch/cli.py makes them
+    from these declarations, the docstrings their help) and one torchrun option."""
 
     nproc_per_node: int | None = None
-    """Worker processes per node; None: the scheduler's hint, else the CUDA device count, else 2."""
+    """Worker processes on this node (default: the scheduler's hint, else one per GPU, 2 on CPU)"""
     nnodes: str | None = None
-    """Node count "N" or elastic range "MIN:MAX"; None: 1, or the per-node scheduler's count."""
+    """Number of nodes, or an elastic range MIN:MAX such as 1:4 (default: 1, or the per-node scheduler's count)"""
     node_rank: int | None = None
-    """This node's index; 0 hosts the rendezvous store. None: let torch's rendezvous decide."""
+    """This node's index; node 0 hosts the rendezvous store at --rdzv-endpoint (default: torch's rendezvous numbers the nodes)"""
     rdzv_endpoint: str | None = None
-    """HOST:PORT of the rendezvous store on node 0; None on one node: a free local port."""
+    """HOST:PORT where the nodes meet, node 0's address and a free port, the same on every node (default on one node: a free local port)"""
     rdzv_id: str | None = None
-    """Job id shared by all nodes; None: $SCALETRAIN_RDZV_ID, else $SLURM_JOB_ID, else "scaletrain"."""
-    max_restarts: int | None = None
-    """How many times the worker group is restarted after a worker fails before giving up;
-    None: the platform's (a Kubeflow elasticPolicy's maxRestarts), else 0."""
+    """Job id, the same on every node (default: $SCALETRAIN_RDZV_ID, the scheduler's job id, else 'scaletrain')"""
+    local_addr: str | None = None
+    """This node's address as the other nodes reach it (default: the address of the interface that routes to them, never what the host name resolves to)"""
     rdzv_timeout: int = DEFAULT_RDZV_TIMEOUT_S
-    """Seconds to wait for the rendezvous store to be reachable and for all nodes to join."""
+    """Seconds to wait for the rendezvous store to be reachable and for every node to join"""
+    max_restarts: int | None = None
+    """Restart the worker group up to this many times after a worker fails (default: the platform's, e.g. a Kubeflow elasticPolicy's, else 0)"""
     monitor_interval: float = 0.1
-    """Seconds between the agent's checks of its workers' health."""
-    run_as_module: bool = False
-    """Run SCRIPT as a module, like `python -m SCRIPT`."""
+    """Seconds between the agent's checks of its workers' health"""
     log_dir: str | None = None
-    """Directory for the workers' log and error files; None: a temporary directory."""
+    """Directory for the workers' log and error files (default: a temporary directory)"""
     redirects: str = "0"
-    """Send worker output to files in log_dir: 0 none, 1 stdout, 2 stderr, 3 both, or "0:3,1:0"."""
+    """Write worker output to files in --log-dir: 0 none, 1 stdout, 2 stderr, 3 both, or per local rank as 0:3,1:0"""
+    run_as_module: bool = False
+    """Run SCRIPT as a module, like python -m"""
     extra_env: Mapping[str, str] = field(default_factory=dict)
     """Environment variables set for every worker process, on top of the launcher's own."""
-    local_addr: str | None = None
-    """This node's address as the other nodes reach it; None: the address of the
-    interface that routes to them (never the one the host name resolves to)."""
     cluster: str | None = None
     """Which cluster environment to read, by name ("local", "slurm", ...); None or
     "auto": detect it. "local" runs here as one node, even inside a Slurm batch script."""

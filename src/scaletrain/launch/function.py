@@ -31,7 +31,6 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -45,14 +44,21 @@ from scaletrain.launch.failures import (
     is_consequence,
     record_failure,
 )
-from scaletrain.launch.launcher import _child_pids, _Interrupts, _launch_environ, _quiet_agent
+from scaletrain.launch.launcher import (
+    AGENT_SIGNALS,
+    _child_pids,
+    _Interrupts,
+    _launch_environ,
+    _quiet_agent,
+    agent_config,
+)
 from scaletrain.launch.plan import Plan, _default_nproc_per_node
-from scaletrain.launch.rendezvous import _C10D, LOOPBACK, register
+from scaletrain.launch.rendezvous import LOOPBACK
 
 __all__ = ["launch_function"]
 
 _PROG = "st.launch"
-_SIGNALS = ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
+_SIGNALS = tuple(AGENT_SIGNALS.split(","))
 """What torch's agent handles by forwarding it to the ranks (as `scaletrain launch`);
 Ctrl-C is handled here instead (_Interrupts: once asks the ranks, twice kills them)."""
 _SPAWNED = b"--multiprocessing-fork"
@@ -282,32 +288,6 @@ def _signals_restored() -> Iterator[None]:
                 signal.signal(sig, handler)
 
 
-def _torch_config(nproc: int, run_id: str, log_dir: str) -> Any:
-    import dataclasses
-
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
-    from torch.distributed.launcher.api import LaunchConfig as TorchLaunchConfig
-
-    fields: dict[str, Any] = {
-        "min_nodes": 1,
-        "max_nodes": 1,
-        "nproc_per_node": nproc,
-        "run_id": run_id,
-        "role": "default",  # as torchrun
-        "rdzv_backend": _C10D,
-        # What `scaletrain launch` makes of torchrun's --standalone (rendezvous.adopt).
-        "rdzv_endpoint": f"{LOOPBACK}:0",
-        "rdzv_configs": {"is_host": "true", "join_timeout": DEFAULT_RDZV_TIMEOUT_S},
-        "max_restarts": 0,
-        "start_method": "spawn",
-        "local_addr": LOOPBACK,
-        "logs_specs": DefaultLogsSpecs(log_dir=log_dir),
-        "signals_to_handle": ",".join(_SIGNALS),
-    }
-    known = {f.name for f in dataclasses.fields(TorchLaunchConfig)}
-    return TorchLaunchConfig(**{k: v for k, v in fields.items() if k in known})
-
-
 def _load(data: bytes) -> Any:
     import torch
 
@@ -401,25 +381,27 @@ def launch_function(
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import elastic_launch
 
-    register()
-    plan = Plan(argv=[], mode="standalone", nproc_per_node=nproc, nnodes="1", node_rank=0)
+    # What `scaletrain launch` runs on one node (--standalone): scaletrain's rendezvous
+    # at 127.0.0.1 on a free port.
+    plan = Plan(
+        argv=[], mode="standalone", nproc_per_node=nproc, nnodes="1", node_rank=0,
+        rdzv_conf={"join_timeout": str(DEFAULT_RDZV_TIMEOUT_S)},
+    )  # fmt: skip
     before = _spawned_children()
 
     def ours() -> list[int]:
         return sorted(_spawned_children() - before)
 
     interrupts = _Interrupts(quiet=False, prog=_PROG, workers=ours)
-    run_id = f"st-launch-{uuid.uuid4().hex[:12]}"
     stopped_by: signal.Signals | None = None
     ended = False  # every rank has ended, as the agent saw it
     with contextlib.ExitStack() as stack:
         log_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="scaletrain-launch-"))
         stack.enter_context(_signals_restored())
-        stack.enter_context(_launch_environ(LaunchConfig(nproc_per_node=nproc), plan))
+        cfg = LaunchConfig(nproc_per_node=nproc, log_dir=log_dir)
+        stack.enter_context(_launch_environ(cfg, plan))
         os.environ.setdefault("PYTHONUNBUFFERED", "1")  # as `python -u` for a script
-        # torch versions whose LaunchConfig has no signals_to_handle read it from here.
-        os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = ",".join(_SIGNALS)
-        config = _torch_config(nproc, run_id, log_dir)
+        config = agent_config(plan, cfg)
         try:
             # The agent's log lines and torch.multiprocessing's ("Terminating process
             # ... via signal SIGTERM" for each rank a failure stops) say nothing the

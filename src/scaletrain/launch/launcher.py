@@ -1,11 +1,13 @@
 """Start the worker processes of one node by calling PyTorch's own elastic launcher.
 
-`build_torchrun_args` turns a LaunchConfig into torchrun's command line, and `launch`
-runs `torch.distributed.run` in this process with it. What is added on top is what
-torchrun leaves to the user: defaults taken from the cluster (SageMaker/Kubeflow start
-one process per node and expect it to start the rest), checks that turn the usual
-setup mistakes into one clear paragraph before anything is spawned, and a short summary
-of a failed worker instead of torchrun's page-long traceback.
+`launch` gives torch's public launcher (`torch.distributed.launcher.api`: a
+`LaunchConfig` and `elastic_launch`) what a LaunchConfig of scaletrain's amounts to,
+in this process; `build_torchrun_args` says the same as a torchrun command line
+(`--dry-run`). What is added on top is what torchrun leaves to the user: defaults
+taken from the cluster (SageMaker/Kubeflow start one process per node and expect it
+to start the rest), checks that turn the usual setup mistakes into one clear paragraph
+before anything is spawned, and a short summary of a failed worker instead of
+torchrun's page-long traceback.
 """
 
 from __future__ import annotations
@@ -23,12 +25,12 @@ from typing import TYPE_CHECKING, Any
 from scaletrain.errors import LaunchError
 from scaletrain.exitcodes import EXIT_ABORTED, EXIT_ERROR, EXIT_PREEMPTED
 from scaletrain.launch.checks import check_network, check_target
+from scaletrain.launch.compat import exit_codes, watch_workers
 from scaletrain.launch.config import LaunchConfig
 from scaletrain.launch.failures import preempted_note, summarize_failure
-from scaletrain.launch.fastjoin import fast_rendezvous
 from scaletrain.launch.guard import guarded_command, sigint_held
 from scaletrain.launch.plan import Plan, make_plan
-from scaletrain.launch.rendezvous import adopt
+from scaletrain.launch.rendezvous import Rounds, agent_rendezvous, counted
 
 if TYPE_CHECKING:
     from scaletrain.env.base import ClusterEnv
@@ -37,8 +39,10 @@ if TYPE_CHECKING:
 _plan = make_plan
 
 __all__ = [
+    "AGENT_SIGNALS",
     "LaunchReport",
     "Plan",
+    "agent_config",
     "build_torchrun_args",
     "dry_run_command",
     "format_torchrun_command",
@@ -48,7 +52,13 @@ __all__ = [
 
 _PROG = "scaletrain launch"
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
-_POLL_INTERVAL_S = 0.25
+AGENT_SIGNALS = "SIGTERM,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2"
+"""What torch's agent forwards to the workers, waiting for them to end. Ctrl-C is not
+among them: it is the launcher's to handle (see _Interrupts); with torch's handler a
+second Ctrl-C waits out the agent's shutdown timeout again. SIGUSR1 and SIGUSR2 are
+what schedulers send before a preemption (Slurm's --signal=USR1@90 reaches every
+process of the step): the agent forwards them and waits for the workers to save,
+instead of dying of them at once."""
 
 
 def build_torchrun_args(
@@ -150,12 +160,6 @@ def _launch_environ(cfg: LaunchConfig, plan: Plan) -> Iterator[None]:
     saved = dict(os.environ)
     try:
         os.environ.update(launch_environment(cfg, plan))
-        # Ctrl-C is ours to handle (see _Interrupts), not torch's agent's: with torch's
-        # handler a second Ctrl-C waits out the agent's shutdown timeout again. SIGUSR1
-        # and SIGUSR2 are what schedulers send before a preemption (Slurm's
-        # --signal=USR1@90 reaches every process of the step): the agent forwards them
-        # and waits for the workers to save, instead of dying of them at once.
-        os.environ["PET_SIGNALS_TO_HANDLE"] = "SIGTERM,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2"
         yield
     finally:
         os.environ.clear()
@@ -278,27 +282,25 @@ def _quiet_agent(
             logger.setLevel(level)
 
 
-def _parse_torchrun_args(torchrun: Any, plan: Plan) -> Any:
-    """torchrun's parsed arguments, without letting its parser see the script's flags.
+def agent_config(plan: Plan, cfg: LaunchConfig) -> Any:
+    """torch's LaunchConfig for `plan`: what torchrun makes of the arguments --dry-run
+    shows (`torchrun_argv`), with scaletrain's rendezvous (rendezvous.py) in place of
+    torch's and the signals the agent forwards (AGENT_SIGNALS)."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.launcher.api import LaunchConfig as TorchLaunchConfig
 
-    torchrun's argparse classifies every word before it hands the rest to the script,
-    so a script flag that abbreviates two torchrun options (`--nproc` for
-    `--nproc-per-node`/`--nproc_per_node`) aborts with "ambiguous option". The script
-    and its arguments are therefore set after parsing only the launcher's part.
-    """
-    split = len(plan.argv) - plan.num_script_args
-    args = torchrun.parse_args(plan.argv[:split])
-    script_args = list(plan.argv[split:])
-    # Each worker starts through the orphan guard (guard.py): it gets SIGTERM if this
-    # agent dies. torchrun runs it as a plain command (--no-python), which exec()s
-    # `python -u [-m] SCRIPT ARGS` once the guard is set.
-    entry, guarded = guarded_command(
-        os.getpid(), args.training_script, script_args, module=bool(args.module)
+    return TorchLaunchConfig(
+        **agent_rendezvous(plan),
+        nproc_per_node=plan.nproc_per_node,
+        role="default",  # torchrun's
+        max_restarts=plan.max_restarts,
+        monitor_interval=cfg.monitor_interval,
+        start_method="spawn",
+        # torchrun's variable for a prefix on each worker's lines, honoured as it does.
+        log_line_prefix_template=os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"),
+        logs_specs=DefaultLogsSpecs(log_dir=cfg.log_dir, redirects=Std.from_str(cfg.redirects)),
+        signals_to_handle=AGENT_SIGNALS,
     )
-    args.no_python, args.module = True, False
-    args.training_script, args.training_script_args = entry, guarded
-    adopt(args, plan)  # torch's rendezvous, with node ranks, a kept store, loopback
-    return args
 
 
 def _hosts_store(plan: Plan) -> bool:
@@ -315,23 +317,25 @@ def _hosts_store(plan: Plan) -> bool:
 
 
 class _AgentWatch:
-    """What the agent did, for the message when it stops: how many rendezvous rounds
-    it entered (a second one follows a worker failure or a node leaving)."""
+    """What the agent did, for the message when it stops: the rendezvous rounds it
+    entered and formed (a second one follows a worker failure or a node leaving), and
+    the workers it started."""
 
     def __init__(self) -> None:
-        self.rounds = 0
-        self.started = 0
-        """Times the workers were started (0: still in the first rendezvous)."""
+        self.rounds = Rounds()
         self.pids: list[int] = []
         """Every worker it started, in every round."""
         self.workers: Any = None
-        """The agent's processes of the latest round (torch's PContext)."""
+        """The agent's processes of the latest round (torch's process context)."""
+
+    def started(self, pids: list[int], workers: Any) -> None:
+        self.pids.extend(pids)
+        self.workers = workers
 
     def exit_codes(self) -> list[int | None]:
         """How the latest round's workers ended (None: still running), once the agent
         has stopped them."""
-        handlers = getattr(self.workers, "subprocess_handlers", None) or {}
-        return [handler.proc.returncode for handler in handlers.values()]
+        return exit_codes(self.workers)
 
 
 @dataclasses.dataclass(slots=True)
@@ -344,42 +348,6 @@ class LaunchReport:
     workers: list[int] = dataclasses.field(default_factory=list)
     """The pids of the workers it started on this node, in every round (all gone by the
     time launch() returns)."""
-
-
-@contextlib.contextmanager
-def _agent_hooks(plan: Plan, watch: _AgentWatch) -> Iterator[_AgentWatch]:
-    """Count the agent's rendezvous rounds and note its workers' pids, for this launch
-    only, so that a rendezvous that fails after a failure is not reported as one that
-    never formed, a second Ctrl-C knows whose pid files to remove, and a launcher told to
-    stop knows how its workers ended (all 75: they saved). (The store's host
-    waits for the other nodes at the end: rendezvous.py.)"""
-    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
-    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-
-    rendezvous = SimpleElasticAgent._rendezvous
-    start_workers = LocalElasticAgent._start_workers
-
-    def counted(self: Any, worker_group: Any) -> None:
-        watch.rounds += 1
-        rendezvous(self, worker_group)
-
-    def started(self: Any, worker_group: Any) -> Any:
-        watch.started += 1
-        # Each worker starts with Ctrl-C held (guard.py); a Ctrl-C pressed meanwhile
-        # reaches this process when the block ends, after the pids are known.
-        with sigint_held():
-            pids = start_workers(self, worker_group)
-            watch.pids.extend(pids.values())
-            watch.workers = getattr(self, "_pcontext", None)
-        return pids
-
-    SimpleElasticAgent._rendezvous = counted  # type: ignore[method-assign]
-    LocalElasticAgent._start_workers = started  # type: ignore[method-assign]
-    try:
-        yield watch
-    finally:
-        SimpleElasticAgent._rendezvous = rendezvous  # type: ignore[method-assign]
-        LocalElasticAgent._start_workers = start_workers  # type: ignore[method-assign]
 
 
 def _rendezvous_failure(exc: Exception, plan: Plan, cfg: LaunchConfig, watch: _AgentWatch) -> int:
@@ -397,7 +365,8 @@ def _rendezvous_failure(exc: Exception, plan: Plan, cfg: LaunchConfig, watch: _A
             flush=True,
         )
         return EXIT_ERROR
-    if watch.rounds == 1 and watch.started and not _hosts_store(plan):
+    rounds = watch.rounds
+    if rounds.entered == 1 and rounds.formed and not _hosts_store(plan):
         # The agent polls the store while its workers run: the store's node went away.
         print(
             f"{_PROG}: node 0 (it hosts the rendezvous store at {where}) went away while "
@@ -408,11 +377,11 @@ def _rendezvous_failure(exc: Exception, plan: Plan, cfg: LaunchConfig, watch: _A
             flush=True,
         )
         return EXIT_ERROR
-    if watch.rounds > 1:
+    if rounds.entered > 1:
         print(
             f"{_PROG}: after the workers stopped (a worker failed, or a node left), the "
             f"nodes did not come back within --rdzv-timeout {cfg.rdzv_timeout}s for round "
-            f"{watch.rounds} of the rendezvous at {where} ({detail}). The job ran before: a node "
+            f"{rounds.entered} of the rendezvous at {where} ({detail}). The job ran before: a node "
             f"was killed or its launcher exited, and fewer than the minimum of --nnodes "
             f"{plan.nnodes} are left. Its output says why; to go on with fewer nodes, give "
             f"--nnodes a range such as 1:{plan.nnodes.split(':')[-1]}.",
@@ -445,20 +414,27 @@ def _run_torchrun(
 def _run_agent(
     plan: Plan, cfg: LaunchConfig, quiet: bool, interrupts: _Interrupts, watch: _AgentWatch
 ) -> int:
-    from torch.distributed import run as torchrun
+    # The agent's modules, imported before _quiet_agent looks for their loggers.
+    import torch.distributed.elastic.rendezvous.dynamic_rendezvous  # noqa: F401
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
+    from torch.distributed.launcher.api import elastic_launch
 
+    config = agent_config(plan, cfg)
+    # Each worker starts through the orphan guard (guard.py): it is killed if this
+    # agent dies; it exec()s `python -u [-m] SCRIPT ARGS` once the guard is set.
+    entry, args = guarded_command(os.getpid(), plan.script, plan.script_args, module=plan.module)
     try:
-        # The agent's modules are imported by now, so _quiet_agent sees their loggers.
         with (
             interrupts,
             _quiet_agent(quiet),
-            fast_rendezvous(single_node=plan.mode == "standalone"),
-            _agent_hooks(plan, watch),
+            counted(config.run_id) as watch.rounds,
+            # Each worker starts with Ctrl-C held (guard.py); a Ctrl-C pressed meanwhile
+            # reaches this process when the block ends, after the pids are known.
+            watch_workers(watch.started, hold=sigint_held),
         ):
-            torchrun.run(_parse_torchrun_args(torchrun, plan))
+            elastic_launch(config, entry)(*args)
     except ChildFailedError as exc:
         if interrupts.count > 1:
             return EXIT_ABORTED
@@ -481,7 +457,7 @@ def _run_agent(
                 print(preempted_note(_PROG), file=sys.stderr, flush=True)
             return EXIT_PREEMPTED
         if not quiet and exc.sigval != signal.SIGINT:
-            waiting = watch.rounds > watch.started
+            waiting = watch.rounds.entered > watch.rounds.formed
             state = f"waiting for --nnodes {plan.nnodes} node(s) to join" if waiting else ""
             print(
                 f"{_PROG}: stopped by {signal.Signals(exc.sigval).name}"

@@ -22,21 +22,24 @@ from __future__ import annotations
 import importlib
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from scaletrain.errors import ConfigError
+from scaletrain.launch.batch import in_batch_script, job_nodes, srun_command
 from scaletrain.launch.config import DEFAULT_RDZV_ID, LaunchConfig, parse_endpoint, parse_nnodes
 
 if TYPE_CHECKING:
     from scaletrain.env.base import ClusterEnv
 
-__all__ = ["Plan", "make_plan", "node_environment"]
+__all__ = ["Plan", "make_plan", "node_environment", "torchrun_argv"]
 
 
 @dataclass(frozen=True, slots=True)
 class Plan:
-    """torchrun's argv plus what the precondition checks need to know about it."""
+    """What this node's launcher runs: torch's agent with a rendezvous (the fields below),
+    or srun. `argv` is the same as a command line: torchrun's arguments (what --dry-run
+    shows), or srun's."""
 
     argv: list[str]
     mode: Literal["standalone", "c10d", "static", "srun"]
@@ -50,14 +53,56 @@ class Plan:
     """True: this node must open the store's port; False: it connects to it;
     None: torch decides at run time (it hosts if the host name is this machine's)."""
     node_rank: int | None = None
-    num_script_args: int = 0
-    """How many words at the end of argv belong to the script, not to torchrun."""
     max_restarts: int = 0
     local_addr: str | None = None
     """This node's address for the other nodes (torchrun's --local-addr)."""
     gloo_ifname: str | None = None
     """The interface for Gloo where the user set none (GLOO_SOCKET_IFNAME)."""
     gloo_why: str = ""
+    rdzv_backend: str = ""
+    """torch's rendezvous backend where a platform names one other than c10d (a
+    Kubeflow elasticPolicy's PET_RDZV_BACKEND); "": the mode's."""
+    rdzv_endpoint: str = ""
+    """HOST:PORT of the c10d rendezvous (torchrun's --rdzv-endpoint), as given."""
+    rdzv_id: str = ""
+    """The job id every node gives (torchrun's --rdzv-id); standalone: none, a fresh one
+    per launch."""
+    rdzv_conf: Mapping[str, str] = field(default_factory=dict)
+    """torch's rendezvous options (torchrun's --rdzv-conf)."""
+    script: str = ""
+    script_args: tuple[str, ...] = ()
+    module: bool = False
+    """Run `script` as a module (python -m)."""
+
+
+def _rendezvous_argv(plan: Plan) -> list[str]:
+    """torchrun's flags for the rendezvous of `plan` (not srun)."""
+    conf = ",".join(f"{k}={v}" for k, v in plan.rdzv_conf.items())
+    if plan.mode == "standalone":
+        return ["--standalone", "--nnodes", "1", "--rdzv-conf", conf]
+    head = ["--nnodes", plan.nnodes, "--rdzv-backend", plan.rdzv_backend or plan.mode]
+    if plan.mode == "static":
+        head += ["--node-rank", str(plan.node_rank), "--master-addr", str(plan.host)]
+        head += ["--master-port", str(plan.port)]
+    else:
+        head += ["--rdzv-endpoint", plan.rdzv_endpoint]
+    head += ["--rdzv-id", plan.rdzv_id, "--rdzv-conf", conf]
+    if plan.local_addr is not None:
+        head += ["--local-addr", plan.local_addr]
+    return head
+
+
+def torchrun_argv(plan: Plan, cfg: LaunchConfig) -> list[str]:
+    """The torchrun arguments (without the program name) that say what `plan` runs."""
+    tail = ["--nproc-per-node", str(plan.nproc_per_node), "--max-restarts", str(plan.max_restarts)]
+    tail += ["--monitor-interval", str(cfg.monitor_interval)]
+    if cfg.log_dir is not None:
+        tail += ["--log-dir", cfg.log_dir]
+    if cfg.redirects != "0":
+        tail += ["--redirects", cfg.redirects]
+    if plan.module:
+        tail.append("--module")
+    return [*_rendezvous_argv(plan), *tail, plan.script, *plan.script_args]
 
 
 def _default_nproc_per_node() -> int:
@@ -132,20 +177,6 @@ def _interface(
     return choice.address, choice.name, f"{choice.address}: {choice.why}"
 
 
-def _tail(
-    cfg: LaunchConfig, nproc: int, restarts: int, script: str, args: Sequence[str]
-) -> list[str]:
-    tail = ["--nproc-per-node", str(nproc), "--max-restarts", str(restarts)]
-    tail += ["--monitor-interval", str(cfg.monitor_interval)]
-    if cfg.log_dir is not None:
-        tail += ["--log-dir", cfg.log_dir]
-    if cfg.redirects != "0":
-        tail += ["--redirects", cfg.redirects]
-    if cfg.run_as_module:
-        tail.append("--module")
-    return [*tail, script, *args]
-
-
 def make_plan(
     cfg: LaunchConfig,
     script: str,
@@ -163,11 +194,8 @@ def make_plan(
         cfg.nnodes is not None or cfg.node_rank is not None or cfg.rdzv_endpoint is not None
     )
     auto = cfg.cluster in (None, "auto")
-    if env is None and auto and not user_topology:
-        from scaletrain.launch.batch import batch_plan, in_batch_script
-
-        if in_batch_script(environ):
-            return batch_plan(cfg, environ, relaunch)
+    if env is None and auto and not user_topology and in_batch_script(environ):
+        return _batch_plan(cfg, environ, relaunch)
     cluster = env
     if cluster is None and (not user_topology or cfg.nproc_per_node is None or not auto):
         cluster = _detect_cluster(environ, cfg.cluster)
@@ -192,32 +220,29 @@ def make_plan(
         or environ.get("SLURM_JOB_ID")
         or DEFAULT_RDZV_ID
     )
-    tail = _tail(cfg, nproc, restarts, script, script_args)
 
-    def plan(argv: list[str], **fields: Any) -> Plan:
-        return Plan(
-            argv=argv,
-            num_script_args=len(script_args),
+    def plan(**fields: Any) -> Plan:
+        made = Plan(
+            argv=[],
             nproc_per_node=nproc,
             max_restarts=restarts,
+            script=script,
+            script_args=tuple(script_args),
+            module=cfg.run_as_module,
             **fields,
         )
+        return replace(made, argv=torchrun_argv(made, cfg))
 
     if not user_topology and rendezvous is not None:
         # An elastic platform (Kubeflow elasticPolicy): torch's rendezvous places the
         # node; the store is hosted by the pod whose name is the endpoint's host.
         host, port = parse_endpoint(rendezvous.endpoint)
         local, ifname, why = _interface(cfg, host, ())
-        conf = f"join_timeout={cfg.rdzv_timeout}" + (
-            f",{rendezvous.conf}" if rendezvous.conf else ""
-        )
-        head = ["--nnodes", rendezvous.nnodes, "--rdzv-backend", rendezvous.backend]
-        head += ["--rdzv-endpoint", rendezvous.endpoint, "--rdzv-id", rdzv_id]
-        head += ["--rdzv-conf", conf]
-        if local is not None:
-            head += ["--local-addr", local]
+        conf = {"join_timeout": str(cfg.rdzv_timeout), **_conf(rendezvous.conf)}
         return plan(
-            head + tail, mode="c10d", nnodes=rendezvous.nnodes, host=host, port=port,
+            mode="c10d", nnodes=rendezvous.nnodes, host=host, port=port,
+            rdzv_backend=rendezvous.backend, rdzv_endpoint=rendezvous.endpoint, rdzv_id=rdzv_id,
+            rdzv_conf=conf,
             endpoint_source=f"the {node.kind if node else 'cluster'} environment's PET_RDZV_ENDPOINT",
             local_addr=local, gloo_ifname=ifname, gloo_why=why,
         )  # fmt: skip
@@ -226,16 +251,11 @@ def make_plan(
         # One launcher per node, told its rank and where node 0 is: a static rendezvous
         # is exactly that, and needs no flags from the user.
         local, ifname, why = _interface(cfg, node.master_addr, node.hosts)
-        head = ["--nnodes", str(node.num_nodes), "--rdzv-backend", "static"]
-        head += ["--node-rank", str(node.node_rank), "--master-addr", node.master_addr]
-        head += ["--master-port", str(node.master_port), "--rdzv-id", rdzv_id]
-        head += ["--rdzv-conf", f"timeout={cfg.rdzv_timeout}"]
-        if local is not None:
-            head += ["--local-addr", local]
         return plan(
-            head + tail, mode="static", nnodes=str(node.num_nodes), host=node.master_addr,
+            mode="static", nnodes=str(node.num_nodes), host=node.master_addr,
             port=node.master_port, endpoint_source=f"the {node.kind} environment's master address",
-            hosts_store=node.node_rank == 0, node_rank=node.node_rank,
+            hosts_store=node.node_rank == 0, node_rank=node.node_rank, rdzv_id=rdzv_id,
+            rdzv_conf={"timeout": str(cfg.rdzv_timeout)},
             local_addr=local, gloo_ifname=ifname, gloo_why=why,
         )  # fmt: skip
 
@@ -244,8 +264,8 @@ def make_plan(
     if max_nodes == 1 and cfg.rdzv_endpoint is None:
         # --standalone: a c10d store on a free local port, so two single-node jobs
         # on one machine never collide on 29500.
-        head = ["--standalone", "--nnodes", "1", "--rdzv-conf", f"join_timeout={cfg.rdzv_timeout}"]
-        return plan(head + tail, mode="standalone", nnodes="1", node_rank=0)
+        conf = {"join_timeout": str(cfg.rdzv_timeout)}
+        return plan(mode="standalone", nnodes="1", node_rank=0, rdzv_conf=conf)
 
     if cfg.rdzv_endpoint is None:
         raise ConfigError(
@@ -268,16 +288,42 @@ def make_plan(
         hosts_store = True  # the only node must host
     else:
         hosts_store = None
-    conf = f"join_timeout={cfg.rdzv_timeout}"
+    conf = {"join_timeout": str(cfg.rdzv_timeout)}
     if hosts_store is not None:
-        conf += f",is_host={str(hosts_store).lower()}"
-    head = ["--nnodes", nnodes, "--rdzv-backend", "c10d", "--rdzv-endpoint", cfg.rdzv_endpoint]
-    head += ["--rdzv-id", rdzv_id, "--rdzv-conf", conf]
+        conf["is_host"] = str(hosts_store).lower()
     local, ifname, why = (None, None, "") if max_nodes == 1 else _interface(cfg, host, ())
-    if local is not None:
-        head += ["--local-addr", local]
     return plan(
-        head + tail, mode="c10d", nnodes=nnodes, host=host, port=port,
-        hosts_store=hosts_store, node_rank=cfg.node_rank,
+        mode="c10d", nnodes=nnodes, host=host, port=port, rdzv_endpoint=cfg.rdzv_endpoint,
+        rdzv_id=rdzv_id, rdzv_conf=conf, hosts_store=hosts_store, node_rank=cfg.node_rank,
         local_addr=local, gloo_ifname=ifname, gloo_why=why,
     )  # fmt: skip
+
+
+def _conf(text: str | None) -> dict[str, str]:
+    """torchrun's --rdzv-conf "k1=v1,k2=v2" as a mapping."""
+    pairs = (item.split("=", 1) for item in (text or "").split(",") if item.strip())
+    return {k.strip(): v.strip() for k, v in (p if len(p) == 2 else (p[0], "") for p in pairs)}
+
+
+def _batch_plan(
+    cfg: LaunchConfig, environ: Mapping[str, str], relaunch: Sequence[str] | None
+) -> Plan:
+    """In a Slurm batch script: `relaunch` again under srun, one launcher per node (see
+    scaletrain.launch.batch)."""
+    nodes = job_nodes(environ)
+    if relaunch is None:
+        raise ConfigError(
+            f"This process is a Slurm batch script (job {environ.get('SLURM_JOB_ID')}, "
+            f"{nodes} node(s)), not a task started by srun, and a launch from Python cannot "
+            f"restart itself under srun. Expected one launcher per node. Fix: run your script "
+            f"with `srun --ntasks-per-node=1 --whole python YOUR_SCRIPT.py`, or pass "
+            f'env="local" to run on this node alone.'
+        )
+    return Plan(
+        argv=srun_command(nodes, relaunch),
+        mode="srun",
+        nproc_per_node=cfg.nproc_per_node or 0,
+        nnodes=str(nodes),
+        endpoint_source="the Slurm allocation",
+        max_restarts=cfg.max_restarts or 0,
+    )

@@ -2,8 +2,8 @@
 
 torch's c10d and static rendezvous are used as they are, each wrapped in a handler
 registered through torch's public registry of rendezvous backends. The torchrun
-command a plan shows (`--dry-run`) names torch's backend; `adopt` swaps in the
-wrapped one when the launcher runs it. What the wrapper adds:
+command a plan shows (`--dry-run`) names torch's backend; `agent_rendezvous` names
+the wrapped one in the settings the launcher gives torch's agent. What the wrapper adds:
 
 - **Node ranks.** torch's c10d rendezvous numbers the nodes by sorting their
   addresses (then process ids) and ignores `--node-rank`, so the node started with
@@ -23,14 +23,19 @@ wrapped one when the launcher runs it. What the wrapper adds:
   with the workers listen on loopback only (see scaletrain.dist.reach.serve_store).
   Across nodes they must be reachable from the other nodes and stay on every
   interface: the README says what that exposes.
+- **Rounds.** Each handler counts the rounds its agent entered and the ones that
+  formed (`Rounds`), so that the launcher tells a rendezvous that never formed from
+  one that failed after the workers ran.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import time
 import uuid
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -42,7 +47,7 @@ if TYPE_CHECKING:
 
     from scaletrain.launch.plan import Plan
 
-__all__ = ["ENDED_WAIT_S", "LOOPBACK", "adopt", "register"]
+__all__ = ["ENDED_WAIT_S", "LOOPBACK", "Rounds", "agent_rendezvous", "counted", "register"]
 
 ENDED_WAIT_S = 15.0
 """How long the node that hosts the store waits for the others to end. Nodes whose
@@ -60,6 +65,30 @@ _STORE_TIMEOUT_S = 300.0
 """TCPStore's own default timeout, for the store shared with the workers."""
 
 
+@dataclasses.dataclass(slots=True)
+class Rounds:
+    """The rendezvous rounds of one launch, as its handler saw them."""
+
+    entered: int = 0
+    """Rounds the agent asked to join (a second one follows a worker failure or a node
+    leaving)."""
+    formed: int = 0
+    """Rounds that formed, after each of which the agent started its workers."""
+
+
+_ROUNDS: dict[str, Rounds] = {}
+
+
+@contextlib.contextmanager
+def counted(run_id: str) -> Iterator[Rounds]:
+    """Count the rounds of the rendezvous `run_id` (the launch's --rdzv-id) while it runs."""
+    rounds = _ROUNDS[run_id] = Rounds()
+    try:
+        yield rounds
+    finally:
+        _ROUNDS.pop(run_id, None)
+
+
 @functools.cache
 def _handler_class() -> type:
     from torch.distributed.elastic.rendezvous import RendezvousHandler
@@ -69,6 +98,7 @@ def _handler_class() -> type:
 
         def __init__(self, backend: str, inner: RendezvousHandler, node_rank: int | None,
                      order: bool, hosts: bool | None) -> None:  # fmt: skip
+            self._rounds = _ROUNDS.get(inner.get_run_id(), Rounds())
             self._backend = backend
             self._inner = inner
             self._node_rank = node_rank
@@ -84,10 +114,12 @@ def _handler_class() -> type:
             return bool(self._inner.use_agent_store)
 
         def next_rendezvous(self) -> RendezvousInfo:
+            self._rounds.entered += 1
             info = self._inner.next_rendezvous()
             if self._order and info.world_size > 1:
                 info = _by_node_rank(info, self._node_rank)
             self._last = info
+            self._rounds.formed += 1
             return info
 
         def is_closed(self) -> bool:
@@ -177,14 +209,16 @@ def _create_c10d(params: RendezvousParameters) -> RendezvousHandler:
         backend = C10dRendezvousBackend(store, params.run_id)
     inner: Any = create_handler(store, backend, params)
     shared_at = loopback_address(params.local_addr) if params.local_addr else None
-    if shared_at is not None and hasattr(inner, "_create_tcp_store_server"):
+    if shared_at is not None:
+        from scaletrain.launch.compat import serve_shared_store
+
         # The store torch shares with the workers (rank 0's node opens it): torch binds
         # every interface; this one listens where the workers are told to connect.
         def shared_store(master_addr: str, master_port: int) -> Any:
             return serve_store(shared_at, master_port, timeout_s=_STORE_TIMEOUT_S,
                                multi_tenant=True)  # fmt: skip
 
-        inner._create_tcp_store_server = shared_store
+        serve_shared_store(inner, shared_store)
     node_rank = params.get_as_int(_NODE_RANK)
     handler: RendezvousHandler = _handler_class()(_C10D, inner, node_rank, True, hosts)
     return handler
@@ -209,33 +243,40 @@ def register() -> None:
     rendezvous_handler_registry.register(_STATIC, _create_static)
 
 
-def _add_conf(args: Any, **values: object) -> None:
-    extra = ",".join(f"{k}={v}" for k, v in values.items())
-    args.rdzv_conf = f"{args.rdzv_conf},{extra}" if args.rdzv_conf else extra
+def agent_rendezvous(plan: Plan) -> dict[str, Any]:
+    """The rendezvous part of torch's LaunchConfig for `plan`: its nodes, the wrapped
+    backend, endpoint, job id and options (see the module doc).
 
-
-def adopt(args: Any, plan: Plan) -> None:
-    """Point torchrun's parsed arguments at the wrapped backends (see the module doc).
-
-    `--standalone` becomes what torch makes of it (a c10d rendezvous on a free port,
-    a fresh id), at 127.0.0.1 rather than on every interface. The static backend's
-    node rank and endpoint, which torchrun fills in only for a backend named
-    "static", are filled in here.
+    One node (`standalone`) is what torchrun makes of --standalone (a c10d rendezvous
+    on a free port, a fresh id), at 127.0.0.1 rather than on every interface. The
+    static backend's node rank and endpoint, which torchrun fills in only for a
+    backend named "static", are filled in here.
     """
+    from scaletrain.launch.config import parse_nnodes
+
     register()
-    if args.standalone:
-        args.standalone = False
-        args.rdzv_backend, args.rdzv_endpoint = _C10D, f"{LOOPBACK}:0"
-        args.rdzv_id = str(uuid.uuid4())
-        args.local_addr = args.local_addr or LOOPBACK
-        _add_conf(args, is_host="true")
-    elif args.rdzv_backend == "c10d":
-        args.rdzv_backend = _C10D
-        if plan.node_rank is not None:
-            _add_conf(args, **{_NODE_RANK: plan.node_rank})
-    elif args.rdzv_backend == "static":
-        args.rdzv_backend = _STATIC
-        if not args.rdzv_endpoint:
-            args.rdzv_endpoint = f"{args.master_addr}:{args.master_port}"
-        _add_conf(args, rank=args.node_rank)
-        args.node_rank = 0  # torchrun warns about a node rank given to another backend
+    min_nodes, max_nodes = parse_nnodes(plan.nnodes)
+    configs: dict[str, Any] = dict(plan.rdzv_conf)
+    settings: dict[str, Any] = {"min_nodes": min_nodes, "max_nodes": max_nodes}
+    if plan.mode == "standalone":
+        configs["is_host"] = "true"
+        settings.update(rdzv_backend=_C10D, rdzv_endpoint=f"{LOOPBACK}:0",
+                        run_id=str(uuid.uuid4()), local_addr=plan.local_addr or LOOPBACK)  # fmt: skip
+    elif plan.mode == "c10d":
+        backend = plan.rdzv_backend or "c10d"
+        if backend == "c10d":
+            backend = _C10D
+            if plan.node_rank is not None:
+                configs[_NODE_RANK] = plan.node_rank
+        # Another backend a platform names (etcd) is torch's own, as it is.
+        settings.update(rdzv_backend=backend, rdzv_endpoint=plan.rdzv_endpoint,
+                        run_id=plan.rdzv_id, local_addr=plan.local_addr)  # fmt: skip
+    elif plan.mode == "static":
+        configs["rank"] = plan.node_rank
+        host = f"[{plan.host}]" if plan.host and ":" in plan.host else plan.host
+        settings.update(rdzv_backend=_STATIC, rdzv_endpoint=f"{host}:{plan.port}",
+                        run_id=plan.rdzv_id, local_addr=plan.local_addr)  # fmt: skip
+    else:
+        raise ValueError(f"a {plan.mode} plan has no rendezvous of its own")
+    settings["rdzv_configs"] = configs
+    return settings

@@ -61,7 +61,7 @@ def _user_topology(config: TrainConfig) -> bool:
 def place(config: TrainConfig, environ: Mapping[str, str] | None = None) -> Placement:
     """Decide, from the settings and the environment, where this process trains."""
     from scaletrain.env import detect
-    from scaletrain.launch.batch import _job_nodes, in_batch_script
+    from scaletrain.launch.batch import in_batch_script, job_nodes
 
     environ = os.environ if environ is None else environ
     if _user_topology(config):
@@ -72,7 +72,7 @@ def place(config: TrainConfig, environ: Mapping[str, str] | None = None) -> Plac
         hint = env.procs_per_node_hint if env is not None and env.per_node else None
         return Placement("launcher", nodes, env, hint)
     if config.env == "auto" and in_batch_script(environ):
-        return Placement("srun", _job_nodes(environ), None)
+        return Placement("srun", job_nodes(environ), None)
     env = detect(environ, kind=config.env)
     if env.per_node:
         nodes = env.num_nodes
