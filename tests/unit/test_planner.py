@@ -274,3 +274,15 @@ def test_a_profile_is_the_same_at_every_call() -> None:
         for _ in range(4)
     }
     assert len(peaks) == 1
+
+
+def test_tensor_parallel_ranks_launch_every_kernel() -> None:
+    """Tensor parallel divides a block's arithmetic, not its kernels: each rank
+    launches all of them, so a launch-bound step is no shorter (a plan once gave
+    such a step a quarter of its launches at tp=4)."""
+    m = _model(width=16, depth=2, batch=4)
+    hw = _hw()
+    one = step_time(Layout("ddp"), m, hw, 4)
+    tp = step_time(Layout("tensor", tp=4), m, hw, 4)
+    assert one.floor and tp.floor
+    assert tp.compute == pytest.approx(one.compute, rel=0.01)

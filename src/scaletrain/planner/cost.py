@@ -364,12 +364,15 @@ def step_time(layout: Layout, model: Model, hw: Hardware, batch: int) -> StepTim
     p, prec, compiled = model.profile, model.precision, model.compiled
     dtype = DTYPE[prec]
     par, share = _local(model, layout)
+    # Every tensor-parallel rank launches every kernel of its stage: only a pipeline
+    # stage has fewer of them.
+    launches = max(x[1] for x in model.stage_shares(layout.pp)) if layout.pp > 1 else 1.0
     # FSDP's mixed precision gathers the weights in the compute dtype: no casts.
     cast = 0.0 if layout.dp > 1 and layout.stage >= 2 and MASTER[prec] > COMPUTE[prec] else 0.5
-    fixed = p.fixed.scaled(share * cast, cast)
+    fixed = p.fixed.scaled(share * cast, launches * cast)
     scale = p.per_sample(batch) * share
-    fwd_s, fwd_floor = _seconds(p.forward.scaled(scale, share) + fixed, hw, dtype, compiled)
-    bwd_s, bwd_floor = _seconds(p.backward.scaled(scale, share) + fixed, hw, dtype, compiled)
+    fwd_s, fwd_floor = _seconds(p.forward.scaled(scale, launches) + fixed, hw, dtype, compiled)
+    bwd_s, bwd_floor = _seconds(p.backward.scaled(scale, launches) + fixed, hw, dtype, compiled)
     opt_work = p.optimizer.scaled(par / (layout.dp if layout.stage >= 1 else 1))
     if hw.device == "cuda":  # foreach kernels: one launch per op and chunk of tensors
         per_tensor = p.optimizer.kernels / max(1, p.tensors)
