@@ -285,3 +285,19 @@ def test_a_config_json_models_blocks_fall_back_to_its_no_split_modules(
     monkeypatch.setattr(models, "auto_wrap_targets", lambda net: [])
     planned = resolve_model(model=str(_config(tmp_path, LLAMA)))
     assert planned.blocks == ("model.layers.0", "model.layers.1")  # LlamaDecoderLayer
+
+
+def test_a_declared_plans_patterns_divide_the_tensor_parallel_rows(tmp_path: Path) -> None:
+    """A Hugging Face plan names its modules by pattern ("layers.*.self_attn.q_proj");
+    the formulas priced modules by exact name, so tensor parallel divided nothing and a
+    70B's 2-D row held every weight on each rank."""
+    import scaletrain as st
+    from scaletrain.planner.layout import Layout
+
+    path = _config(tmp_path, {"model_type": "llama", **TINY, "num_attention_heads": 4,
+                              "num_key_value_heads": 2})  # fmt: skip
+    p = st.plan(model=str(path), devices=2, hardware="h100-sxm", seq_len=16,
+                layouts=[Layout("ddp", dp=2), Layout("tensor", tp=2)])  # fmt: skip
+    ddp, tp = p.rows
+    assert tp.memory.params < 0.8 * ddp.memory.params
+    assert tp.time.comm > 0

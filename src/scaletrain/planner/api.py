@@ -23,7 +23,7 @@ from scaletrain.precision import PRECISIONS, canonical
 from scaletrain.strategies.blocks import auto_wrap_targets
 from scaletrain.strategies.levers import check_levers
 from scaletrain.strategies.partition import list_layers
-from scaletrain.strategies.tensor_plan import check_tp_plan
+from scaletrain.strategies.tensor_plan import check_tp_plan, matching_modules
 
 __all__ = ["PRECISIONS", "Plan", "calibrated_path", "load_hardware", "plan"]
 
@@ -170,7 +170,13 @@ def plan(
     with torch.device("meta"):
         net = planned.build()
     layers, units = list_layers(net), auto_wrap_targets(net)
-    tp_plan = planned.tp_plan
+    # A declared plan names modules by pattern ("layers.*.self_attn.q_proj"), as
+    # parallelize_module matches them; the formulas price modules by name.
+    tp_plan = {
+        name: style
+        for key, style in (planned.tp_plan or {}).items()
+        for name in matching_modules(net, key)
+    } or None
 
     def accepts(degree: int) -> bool:
         try:
