@@ -8,8 +8,8 @@ The ranks are forked from multiprocessing's forkserver, a clean process (no thre
 nothing run) that has imported torch once: a rank then starts in a fraction of a
 second instead of the seconds each import of torch costs, which in a suite of
 multi-process tests is most of their time. Each rank is still a process of its own,
-with the caller's environment as it is at the call. Where there is no forkserver
-(Windows), they are spawned.
+with the caller's environment as it is at the call, writing to the caller's standard
+output and error. Where there is no forkserver (Windows), they are spawned.
 """
 
 from __future__ import annotations
@@ -62,6 +62,24 @@ _PRELOAD = ["torch", "torch._dynamo"]
 that the first optimizer (or DDP, or FSDP) imports on its first use."""
 
 
+class _CallerOutput:
+    """The caller's standard output and error (file descriptors 1 and 2, wherever they
+    point at the call: a terminal, a file, pytest's capture), handed to a rank as it
+    starts. A spawned rank inherits them; a forked one has the forkserver's, which are
+    its first caller's."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled while the rank's process starts: the start method passes the two
+        # descriptors along, and the rank receives its own copies of them.
+        from multiprocessing import reduction
+
+        return (_received_output, (reduction.DupFd(1), reduction.DupFd(2)))
+
+
+def _received_output(out: Any, err: Any) -> tuple[int, int]:
+    return out.detach(), err.detach()
+
+
 def _start_method() -> Any:
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
@@ -85,7 +103,13 @@ def _child(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     results: Any,
+    output: tuple[int, int] | None,
 ) -> None:
+    if output is not None:
+        for fd, standard in zip(output, (1, 2), strict=True):
+            if fd != standard:
+                os.dup2(fd, standard)
+                os.close(fd)
     # The caller's whole environment, as a spawned process would inherit it: a forked
     # one inherits the forkserver's, which is the environment of its first caller.
     os.environ.clear()
@@ -129,6 +153,7 @@ def run_ranks(
     per_node = nproc_per_node or world_size
     port = free_port()
     ctx = _start_method()
+    output = _CallerOutput() if ctx.get_start_method() == "forkserver" else None
     results = ctx.Queue()
     procs = []
     for rank in range(world_size):
@@ -150,7 +175,7 @@ def run_ranks(
             **(env or {}),
         }
         p = ctx.Process(
-            target=_child, args=(fn, rank, rank_env, args, kwargs, results), daemon=True
+            target=_child, args=(fn, rank, rank_env, args, kwargs, results, output), daemon=True
         )
         p.start()
         procs.append(p)
