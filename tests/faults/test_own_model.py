@@ -187,8 +187,8 @@ def test_a_model_module_that_breaks_the_protocol_is_refused_before_any_process(
         "badmod:not_a_model": "the factory returned a int; expected a torch.nn.Module",
         "nosuchmod:build": "no module 'nosuchmod' on the Python path",
     }
-    # That a file path works as well as a module name, the README's own commands show
-    # (test_the_readmes_own_model_runs_as_written: mymodel.py:build at 2 processes).
+    # That a file path works as well as a module name, the docs' own commands show
+    # (test_the_docs_own_model_runs_as_written: mymodel.py:build at 2 processes).
     for spec, said in cases.items():
         proc = subprocess.run(
             [sys.executable, "-m", "scaletrain", "train", "--model", spec, "--nproc", "2",
