@@ -24,7 +24,9 @@ from torch import nn
 from scaletrain.testing import run_ranks
 from scaletrain.train.models import GPT, GPTConfig
 
-pytest.importorskip("torchao", reason="float8 is an optional extra: pip install 'scaletrain[float8]'")
+pytest.importorskip(
+    "torchao", reason="float8 is an optional extra: pip install 'scaletrain[float8]'"
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -45,7 +47,9 @@ def _loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def _batches(dp_size: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(11)
     return [
-        torch.randint(0, SMALL.vocab_size, (dp_size, PER_REPLICA, SMALL.block_size + 1), generator=g)
+        torch.randint(
+            0, SMALL.vocab_size, (dp_size, PER_REPLICA, SMALL.block_size + 1), generator=g
+        )
         for _ in range(STEPS)
     ]
 
@@ -94,7 +98,9 @@ def _train(strategy: str, ckpt: str) -> dict[str, Any]:
         losses = []
         for tokens in _batches(rt.dp_size):
             opt.zero_grad()
-            loss = rt.forward_backward(model, tokens[rt.dp_rank, :, :-1], tokens[rt.dp_rank, :, 1:], _loss)
+            loss = rt.forward_backward(
+                model, tokens[rt.dp_rank, :, :-1], tokens[rt.dp_rank, :, 1:], _loss
+            )
             opt.step()
             losses.append(float(loss))
         full = rt.full_state_dict(model)

@@ -52,7 +52,9 @@ def _collate(batch: Any) -> Any:
     return batch
 
 
-def _plain_loop(out: str, steps: int, every: int, profile: str | None, slow: dict[str, Any]) -> dict[str, Any]:
+def _plain_loop(
+    out: str, steps: int, every: int, profile: str | None, slow: dict[str, Any]
+) -> dict[str, Any]:
     import scaletrain as st
 
     rt = st.init(strategy="ddp", ledger=st.LedgerConfig(out=out, every=every))
@@ -129,7 +131,9 @@ def test_a_plain_loop_is_measured_and_its_phases_add_up(tmp_path: Path) -> None:
         merged = json.load(f)["traceEvents"]
     names = {e["args"]["name"] for e in merged if e.get("name") == "process_name"}
     assert {n.split(" (")[0] for n in names} == {"rank 0", "rank 1"}
-    starts = {r: min(e["ts"] for e in merged if e.get("ph") == "X" and e["pid"] == r) for r in (0, 1)}
+    starts = {
+        r: min(e["ts"] for e in merged if e.get("ph") == "X" and e["pid"] == r) for r in (0, 1)
+    }
     # Aligned: both ranks' windows start within a step of each other (ms, not hours).
     assert abs(starts[0] - starts[1]) < 200_000
 
@@ -160,9 +164,7 @@ def test_ten_clean_windows_raise_no_alarm(tmp_path: Path) -> None:
 
 
 def test_ledger_off_by_environment_writes_nothing(tmp_path: Path) -> None:
-    results = run_ranks(
-        _plain_loop_no_ledger, 1, str(tmp_path), env={"SCALETRAIN_LEDGER": "0"}
-    )
+    results = run_ranks(_plain_loop_no_ledger, 1, str(tmp_path), env={"SCALETRAIN_LEDGER": "0"})
     assert results == [None]
     assert not (tmp_path / "observe").exists()
 

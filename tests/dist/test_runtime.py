@@ -6,7 +6,6 @@ costs seconds on 2 cores); the tests below assert on its results.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 

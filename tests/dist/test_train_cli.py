@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-
-from scaletrain.testing import launcher_free_env
 import torch
 
-from scaletrain.testing import write_fake_mnist
+from scaletrain.testing import launcher_free_env, write_fake_mnist
 from scaletrain.train import ConvNet
 
 pytestmark = pytest.mark.timeout(240)

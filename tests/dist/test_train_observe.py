@@ -4,6 +4,7 @@ a real headless Chromium. One training run (module fixture) serves every check."
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
 import subprocess
 import sys
@@ -29,7 +30,9 @@ def _scaletrain(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
+def trained(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[Path, subprocess.CompletedProcess[str]]:
     tmp = tmp_path_factory.mktemp("observe")
     data = write_fake_mnist(tmp / "data", n_train=480, n_test=60, seed=3)
     run = tmp / "run"
@@ -43,7 +46,9 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.
     return run, done
 
 
-def test_train_prints_the_phase_table_and_writes_the_ledger(trained: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
+def test_train_prints_the_phase_table_and_writes_the_ledger(
+    trained: tuple[Path, subprocess.CompletedProcess[str]],
+) -> None:
     run, done = trained
     out = done.stdout
     assert "where the time goes" in out
@@ -57,7 +62,7 @@ def test_train_prints_the_phase_table_and_writes_the_ledger(trained: tuple[Path,
     for rr in records.ranks.values():
         steps = rr.steps
         assert [s.step for s in steps] == list(range(1, 13))
-        for prev, s in zip(steps, steps[1:], strict=False):
+        for prev, s in itertools.pairwise(steps):
             # Phases tile the step; the step is the time between two optimizer steps
             # (the records' own end times, another clock).
             assert sum(s.phases.values()) == pytest.approx(s.wall, rel=1e-3, abs=1e-5)
@@ -91,7 +96,9 @@ def test_the_profile_is_told_in_one_line_without_kinetos_lines(
     assert "communication overlapped with compute in the traces: median " in lines[0]
 
 
-def test_tensorboard_scalars_are_written(trained: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
+def test_tensorboard_scalars_are_written(
+    trained: tuple[Path, subprocess.CompletedProcess[str]],
+) -> None:
     run, _ = trained
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -111,7 +118,7 @@ def test_report_opens_offline_in_chromium_with_every_plot_drawn(
     assert done.returncode == 0, done.stderr
     page = run / "report.html"
     text = page.read_text()
-    assert "<script src=" not in text.replace("<script src=\"data:", "")  # nothing fetched
+    assert "<script src=" not in text.replace('<script src="data:', "")  # nothing fetched
     from scaletrain.testing.browser import find_chromium, open_page
 
     assert find_chromium(), "Debian's chromium is missing: run `make setup`"

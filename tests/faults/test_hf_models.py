@@ -12,6 +12,7 @@ matrix products, microbatches).
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -62,23 +63,42 @@ def one_process(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """RUNS["fsdp"] stopped after 3 steps and resumed to its end, and a copy of it as it
+    was when stopped (a sharded checkpoint, no model.pt): each process imports
+    transformers, so the strategy's run and the export's are one."""
+    root = tmp_path_factory.mktemp("hf-fsdp")
+    run, stopped = root / "run", root / "stopped"
+    _train(run, *RUNS["fsdp"][0], "--stop-after", "3")
+    shutil.copytree(run, stopped, symlinks=True)
+    assert "resumed from" in _train(run, *RUNS["fsdp"][0])
+    return stopped, run
+
+
 @pytest.mark.parametrize("name", list(RUNS))
 def test_a_hugging_face_llama_under_each_strategy_equals_one_process(
-    name: str, one_process: Path, tmp_path: Path
+    name: str, one_process: Path, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     flags, whole_batch = RUNS[name]
-    _train(tmp_path / "run", *flags)
+    if name == "fsdp":
+        run = request.getfixturevalue("fsdp_run")[1]  # stopped at step 3 and resumed
+    else:
+        run = tmp_path / "run"
+        _train(run, *flags)
     ref = torch.load(one_process / "model.pt", weights_only=True)
-    got = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
+    got = torch.load(run / "model.pt", weights_only=True)
     assert ref.keys() == got.keys()
     for key in ref:
         torch.testing.assert_close(got[key], ref[key], rtol=0, atol=2e-6, msg=key)
     if whole_batch:
-        for a, b in zip(_losses(tmp_path / "run"), _losses(one_process), strict=True):
+        for a, b in zip(_losses(run), _losses(one_process), strict=True):
             assert abs(a - b) <= 1e-5, (a, b)
 
 
-def test_export_writes_a_directory_from_pretrained_loads(tmp_path: Path) -> None:
+def test_export_writes_a_directory_from_pretrained_loads(
+    tmp_path: Path, fsdp_run: tuple[Path, Path]
+) -> None:
     """`scaletrain checkpoint export RUN DIR`: a run stopped under FSDP (a sharded
     checkpoint, no model.pt) and the same run finished (its model.pt) each give a
     Hugging Face directory whose model computes the run's logits."""
@@ -86,12 +106,11 @@ def test_export_writes_a_directory_from_pretrained_loads(tmp_path: Path) -> None
 
     from scaletrain.checkpoint import consolidate, latest_checkpoint
 
-    run = tmp_path / "run"
-    flags = ["--nproc", "2", "--batch-size", "8", "--strategy", "fsdp"]
-    _train(run, *flags, "--stop-after", "3")
+    stopped, finished = fsdp_run
+    assert not (stopped / "model.pt").exists()
     tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
 
-    def export(name: str) -> tuple[str, torch.Tensor]:
+    def export(run: Path, name: str) -> tuple[str, torch.Tensor]:
         done = subprocess.run(
             [sys.executable, "-m", "scaletrain", "checkpoint", "export", str(run),
              str(tmp_path / name)],
@@ -113,20 +132,19 @@ def test_export_writes_a_directory_from_pretrained_loads(tmp_path: Path) -> None
         with torch.no_grad():
             return model(tokens).logits
 
-    said, got = export("stopped")
-    checkpoint = latest_checkpoint(run)
+    said, got = export(stopped, "stopped")
+    checkpoint = latest_checkpoint(stopped)
     assert checkpoint is not None and f"from {checkpoint}" in said, said
     whole = torch.load(consolidate(checkpoint, tmp_path / "c.pt"), weights_only=True)
     torch.testing.assert_close(got, logits_of(whole), rtol=0, atol=0)
-    _train(run, *flags)
-    said, got = export("finished")
-    assert f"from {run / 'model.pt'}" in said, said
+    said, got = export(finished, "finished")
+    assert f"from {finished / 'model.pt'}" in said, said
     torch.testing.assert_close(
-        got, logits_of(torch.load(run / "model.pt", weights_only=True)), rtol=0, atol=0
+        got, logits_of(torch.load(finished / "model.pt", weights_only=True)), rtol=0, atol=0
     )
     # Nothing is written over, and a model that is not a Hugging Face one is refused.
     again = subprocess.run(
-        [sys.executable, "-m", "scaletrain", "checkpoint", "export", str(run),
+        [sys.executable, "-m", "scaletrain", "checkpoint", "export", str(finished),
          str(tmp_path / "finished")],
         cwd=ROOT, env=launcher_free_env(), capture_output=True, text=True, timeout=300,
     )  # fmt: skip

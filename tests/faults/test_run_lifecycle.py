@@ -2,12 +2,15 @@
 
 Real `scaletrain train` commands in one process each (--nproc 1: no launcher, a few
 seconds a run) on a tiny IDX dataset: 400 samples, batch 10, so an epoch is 40 steps.
-Every refusal is checked to leave the run directory exactly as it was.
+Every refusal is checked to leave the run directory exactly as it was. A run that
+several tests start from is trained once (a module fixture) and copied into each test
+that changes it: a process start costs more than the run it starts.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -50,9 +53,59 @@ def _records(out: Path) -> list[dict[str, object]]:
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def _copy(run: Path, to: Path) -> Path:
+    """A copy of a run directory that a test may change (the module's runs are shared)."""
+    shutil.copytree(run, to, symlinks=True)
+    return to
+
+
 @pytest.fixture(scope="module")
 def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_fake_mnist(tmp_path_factory.mktemp("data"), n_train=400, n_test=20, seed=5)
+
+
+@pytest.fixture(scope="module")
+def ten_steps(data: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """A run trained with the defaults for 10 steps (it keeps its last checkpoint), and
+    its output."""
+    run = tmp_path_factory.mktemp("ten") / "run"
+    code, log = _train(run, data, "--max-steps", "10")
+    assert code == 0, log
+    return run, log
+
+
+@pytest.fixture(scope="module")
+def ten_steps_bare(data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished 10-step run without checkpoints (--no-save-last): only model.pt."""
+    run = tmp_path_factory.mktemp("bare") / "run"
+    code, log = _train(run, data, "--max-steps", "10", "--no-save-last")
+    assert code == 0, log
+    return run
+
+
+@pytest.fixture(scope="module")
+def thirty_steps(data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 30-step run with checkpoints at steps 10, 20 and 30."""
+    run = tmp_path_factory.mktemp("thirty") / "run"
+    code, log = _train(run, data, "--max-steps", "30", "--save-every", "10", "--stop-after", "30")
+    assert code == 0, log
+    return run
+
+
+@pytest.fixture(scope="module")
+def cosine_extended(data: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str]:
+    """Cosine past its 5-step warm-up: a 20-step run extended to 40 (and the extension's
+    output), and a straight 40-step run."""
+    lr = ["--warmup", "5", "--lr", "0.05", "--save-every", "10"]
+    root = tmp_path_factory.mktemp("cosine")
+    run, straight = root / "run", root / "straight"
+    code, log = _train(run, data, "--max-steps", "20", *lr)
+    assert code == 0, log
+    code, extended = _train(run, data, "--max-steps", "40", *lr)
+    assert code == 0 and "extending to 40" in extended, extended
+    code, log = _train(straight, data, "--max-steps", "40", *lr)
+    assert code == 0, log
+    return run, straight, extended
 
 
 @pytest.mark.parametrize(
@@ -72,6 +125,9 @@ def test_extending_20_to_40_equals_a_straight_40(
     code, log = _train(run, data, "--max-steps", "40", *lr)
     assert code == 0, log
     assert "resumed at step 20, extending to 40" in log
+    # Inside the warm-up, or constant, the rate does not depend on the length: nothing
+    # to say about it.
+    assert "learning rate at step" not in log, log
     code, log = _train(straight, data, "--max-steps", "40", *lr)
     assert code == 0, log
     assert _same_weights(run, straight)
@@ -79,15 +135,10 @@ def test_extending_20_to_40_equals_a_straight_40(
     assert steps == [20, 40]
 
 
-def test_cosine_decay_depends_on_the_length(data: Path, tmp_path: Path) -> None:
+def test_cosine_decay_depends_on_the_length(cosine_extended: tuple[Path, Path, str]) -> None:
     """What the docs say: past the warm-up, cosine's first 20 steps differ between a
     20- and a 40-step run, so an extended run is not a straight one (and is allowed)."""
-    lr = ["--warmup", "5", "--save-every", "10"]
-    run, straight = tmp_path / "run", tmp_path / "straight"
-    assert _train(run, data, "--max-steps", "20", *lr)[0] == 0
-    code, log = _train(run, data, "--max-steps", "40", *lr)
-    assert code == 0 and "extending to 40" in log, log
-    assert _train(straight, data, "--max-steps", "40", *lr)[0] == 0
+    run, straight, _ = cosine_extended
     assert not _same_weights(run, straight)
 
 
@@ -124,9 +175,10 @@ def test_a_change_of_meaning_is_refused_with_a_table(data: Path, tmp_path: Path)
     assert code == 0 and "checkpoints/step-000005 at step 5/10" in log, log
 
 
-def test_fork_starts_a_new_run_from_the_weights(data: Path, tmp_path: Path) -> None:
-    run, fork = tmp_path / "run", tmp_path / "fork"
-    assert _train(run, data, "--max-steps", "10", "--save-every", "10")[0] == 0
+def test_fork_starts_a_new_run_from_the_weights(
+    data: Path, tmp_path: Path, ten_steps: tuple[Path, str]
+) -> None:
+    run, fork = _copy(ten_steps[0], tmp_path / "run"), tmp_path / "fork"
     before = _snapshot(run)
     code, log = _train(run, data, "--max-steps", "6", "--batch-size", "20", "--fork", str(fork))
     assert code == 0, log
@@ -151,12 +203,11 @@ def test_fork_starts_a_new_run_from_the_weights(data: Path, tmp_path: Path) -> N
     assert not (tmp_path / "other").exists()
 
 
-def test_every_checkpoint_corrupt_stops_and_deletes_nothing(data: Path, tmp_path: Path) -> None:
+def test_every_checkpoint_corrupt_stops_and_deletes_nothing(
+    data: Path, tmp_path: Path, thirty_steps: Path
+) -> None:
     """Point 3: it used to start from step 0 and prune the old checkpoints."""
-    run = tmp_path / "run"
-    assert (
-        _train(run, data, "--max-steps", "30", "--save-every", "10", "--stop-after", "30")[0] == 0
-    )
+    run = _copy(thirty_steps, tmp_path / "run")
     for ckpt in (run / "checkpoints").iterdir():
         optimizer = ckpt / "optimizer.pt"
         optimizer.write_bytes(optimizer.read_bytes()[:100])
@@ -170,11 +221,10 @@ def test_every_checkpoint_corrupt_stops_and_deletes_nothing(data: Path, tmp_path
     assert _snapshot(run) == before
 
 
-def test_a_corrupt_newest_checkpoint_falls_back_saying_why(data: Path, tmp_path: Path) -> None:
-    run = tmp_path / "run"
-    assert (
-        _train(run, data, "--max-steps", "30", "--save-every", "10", "--stop-after", "30")[0] == 0
-    )
+def test_a_corrupt_newest_checkpoint_falls_back_saying_why(
+    data: Path, tmp_path: Path, thirty_steps: Path
+) -> None:
+    run = _copy(thirty_steps, tmp_path / "run")
     newest = run / "checkpoints" / "step-000030" / "model.pt"
     newest.write_bytes(newest.read_bytes()[:-10])
     code, log = _train(run, data, "--max-steps", "40", "--save-every", "10", "--keep", "2")
@@ -188,14 +238,15 @@ def test_a_corrupt_newest_checkpoint_falls_back_saying_why(data: Path, tmp_path:
     ]
 
 
-def test_a_finished_run_is_not_trained_over(data: Path, tmp_path: Path) -> None:
+def test_a_finished_run_is_not_trained_over(
+    data: Path, tmp_path: Path, ten_steps_bare: Path
+) -> None:
     """Point 4: without checkpoints, the same command replaced model.pt and added a
     second summary; pids/ stayed behind."""
-    run = tmp_path / "run"
-    assert _train(run, data, "--max-steps", "5", "--no-save-last")[0] == 0
+    run = _copy(ten_steps_bare, tmp_path / "run")
     assert not (run / "pids").exists()
     before = _snapshot(run)
-    code, log = _train(run, data, "--max-steps", "5")
+    code, log = _train(run, data, "--max-steps", "10")
     assert code == 2, log
     assert "holds a finished run" in log and "--overwrite" in log
     assert _snapshot(run) == before
@@ -286,23 +337,17 @@ def test_a_resumed_run_keeps_its_records_mfu_and_step_range(data: Path, tmp_path
     assert summary["mfu"] is not None and "MFU:" in log
 
 
-def test_an_extended_run_says_its_learning_rate_changed(data: Path, tmp_path: Path) -> None:
+def test_an_extended_run_says_its_learning_rate_changed(
+    cosine_extended: tuple[Path, Path, str],
+) -> None:
     """Point 9: past the warm-up, extending 20 -> 40 changes the learning rate in effect
-    at the resumed step; the header says both values."""
-    run = tmp_path / "run"
-    lr = ["--warmup", "5", "--lr", "0.05"]
-    assert _train(run, data, "--max-steps", "20", *lr)[0] == 0
-    code, log = _train(run, data, "--max-steps", "40", *lr)
-    assert code == 0, log
+    at the resumed step; the header says both values. (Inside the warm-up, and for a
+    constant rate, it says nothing: test_extending_20_to_40_equals_a_straight_40.)"""
+    log = cosine_extended[2]
     line = next(x for x in log.splitlines() if "learning rate at step 21" in x)
     # Cosine reaches 0 at the end of a 20-step run; a 40-step one is 15 of its 35 decay
     # steps down: 0.05 * (1 + cos(pi * 15/35)) / 2.
     assert "0 -> 0.0306" in line and "now spans 40 steps, not 20" in line, line
-    # Inside the warm-up the rate does not depend on the length: nothing to say.
-    other = tmp_path / "other"
-    assert _train(other, data, "--max-steps", "4", "--warmup", "10")[0] == 0
-    code, log = _train(other, data, "--max-steps", "8", "--warmup", "10")
-    assert code == 0 and "learning rate at step" not in log, log
 
 
 def test_refusals_that_a_run_directory_decides_come_before_any_process(
@@ -333,19 +378,16 @@ def test_refusals_that_a_run_directory_decides_come_before_any_process(
 
 
 def test_a_finished_run_keeps_its_last_checkpoint_to_extend_or_fork(
-    data: Path, tmp_path: Path
+    data: Path, tmp_path: Path, ten_steps: tuple[Path, str], ten_steps_bare: Path
 ) -> None:
     """Point 11: a run trained with the defaults could be neither extended nor forked."""
-    run = tmp_path / "run"
-    code, log = _train(run, data, "--max-steps", "10")
-    assert code == 0, log
+    run, log = _copy(ten_steps[0], tmp_path / "run"), ten_steps[1]
     assert (run / "checkpoints" / "step-000010" / "manifest.json").is_file()
     assert "kept the last checkpoint" in log and "--no-save-last" in log
     code, log = _train(run, data, "--max-steps", "15")
     assert code == 0 and "resumed at step 10, extending to 15" in log, log
     # Without it (--no-save-last), a fork takes the finished run's weights (model.pt).
-    bare, fork = tmp_path / "bare", tmp_path / "fork"
-    assert _train(bare, data, "--max-steps", "10", "--no-save-last")[0] == 0
+    bare, fork = _copy(ten_steps_bare, tmp_path / "bare"), tmp_path / "fork"
     assert not (bare / "checkpoints").exists()
     code, log = _train(bare, data, "--max-steps", "5", "--fork", str(fork), "--fork-optimizer")
     assert code == 2 and "no optimizer state to take" in log, log

@@ -6,6 +6,7 @@ import gzip
 import os
 import pickle
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -446,3 +447,40 @@ def test_gzip_helper_matches_stdlib(tmp_path: Path) -> None:
     path = write_idx(tmp_path / "a.gz", arr)
     plain = write_idx(tmp_path / "a", arr)
     assert gzip.decompress(path.read_bytes()) == plain.read_bytes()
+
+
+def test_the_python_corpus_reads_every_py_file_and_never_walks_site_packages(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The corpus root is the standard library by default, whose site-packages holds the
+    interpreter's installed packages, often most of its tree: they are not the corpus,
+    and walking them only to drop their files afterwards slowed the start of every
+    process of a gpt, llama or Hugging Face run."""
+    from scaletrain.data.text import load_python_corpus
+
+    for name, text in {
+        "a.py": "a = 1\n",
+        "pkg/b.py": "b = 2\n",
+        "pkg/readme.txt": "not python\n",
+        "site-packages/c.py": "c = 3\n",
+        "pkg/site-packages/deep/d.py": "d = 4\n",
+    }.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    scanned: list[str] = []
+    scandir = os.scandir
+
+    def recording(path: Any = ".") -> Any:
+        scanned.append(os.fspath(path))
+        return scandir(path)
+
+    monkeypatch.setattr(os, "scandir", recording)
+    train = load_python_corpus("train", block_size=2, root=tmp_path, test_fraction=0.5)
+    test = load_python_corpus("test", block_size=2, root=tmp_path, test_fraction=0.5)
+    monkeypatch.undo()
+    # Two files, a.py and pkg/b.py (sorted; every second one tests): nothing else.
+    assert bytes(train.tokens.tolist()) == b"a = 1\n"
+    assert bytes(test.tokens.tolist()) == b"b = 2\n"
+    assert scanned and not [p for p in scanned if "site-packages" in Path(p).parts]
+    with pytest.raises(DatasetError, match="no .py files under"):
+        load_python_corpus("train", root=tmp_path / "site-packages", block_size=1)

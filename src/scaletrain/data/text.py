@@ -7,8 +7,9 @@ language model can learn.
 
 from __future__ import annotations
 
+import os
 import sysconfig
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -63,8 +64,16 @@ def read_corpus(files: Sequence[Path], max_bytes: int) -> torch.Tensor:
     return torch.frombuffer(bytearray(blob), dtype=torch.uint8).clone()
 
 
-def _python_files(base: Path) -> list[Path]:
-    return [p for p in base.rglob("*.py") if "site-packages" not in p.parts]
+def _python_files(base: Path) -> Iterator[Path]:
+    """Every .py file under `base` but those inside a site-packages directory (installed
+    packages, not the library's sources). Such a directory is not walked at all: under
+    the standard library it holds the interpreter's installed packages, which can be
+    most of the tree."""
+    if "site-packages" in base.parts:
+        return
+    for folder, dirs, files in os.walk(base):
+        dirs[:] = [d for d in dirs if d != "site-packages"]
+        yield from (Path(folder, name) for name in files if name.endswith(".py"))
 
 
 def python_corpus_root(root: str | Path | None = None) -> Path:
@@ -80,7 +89,7 @@ def python_corpus_root(root: str | Path | None = None) -> Path:
             f"point {spell('data_dir')} at a directory of .py files, or leave it out to "
             "read this Python's standard library."
         )
-    if next((p for p in base.rglob("*.py") if "site-packages" not in p.parts), None) is None:
+    if next(_python_files(base), None) is None:
         raise DatasetError(
             f"no .py files under {base}: the gpt and llama recipes read Python sources as "
             f"their text corpus. Fix: point {spell('data_dir')} at a directory with .py "
@@ -106,7 +115,7 @@ def load_python_corpus(
     if split not in ("train", "test"):
         raise ConfigError(f"split={split!r}: expected 'train' or 'test'.")
     base = python_corpus_root(root)
-    files = _python_files(base)
+    files = list(_python_files(base))
     if not 0 < test_fraction < 1:
         raise ConfigError(f"test_fraction={test_fraction} must be between 0 and 1.")
     every = max(2, round(1 / test_fraction))

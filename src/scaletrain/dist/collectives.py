@@ -26,18 +26,18 @@ from scaletrain.errors import ConfigError, PeerFailure
 
 __all__ = [
     "REDUCE_OPS",
-    "control_group",
-    "release_control_group",
     "PendingFlag",
     "all_gather_floats",
     "any_rank",
     "any_rank_async",
     "barrier",
     "broadcast_object",
+    "control_group",
     "from_rank_zero",
     "gather_rows",
     "rank_first",
     "reduce_values",
+    "release_control_group",
 ]
 
 REDUCE_OPS = ("sum", "mean", "max", "min")

@@ -36,9 +36,7 @@ def replica_group(topology: Topology) -> Any | None:
     return dist.group.WORLD
 
 
-def first_replica_values(
-    tensors: Sequence[torch.Tensor], topology: Topology
-) -> list[torch.Tensor]:
+def first_replica_values(tensors: Sequence[torch.Tensor], topology: Topology) -> list[torch.Tensor]:
     """Data-parallel rank 0's values of `tensors`, as new tensors on each one's device.
 
     Every peer passes its own copies of the same tensors (names, shapes and dtypes
