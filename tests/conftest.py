@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +20,18 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # exec, so with Python's own handler here each child starts as from a terminal.
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+# The suite's own cache directory, empty at its start and removed at its end: what a test
+# finds in the cache (a calibration of this machine above all) is what a fresh clone's
+# CI finds, never what the developer's ~/.cache holds. Processes the tests start inherit
+# it. Set at import, before any test or fixture reads the cache.
+_CACHE = tempfile.mkdtemp(prefix="scaletrain-test-cache-")
+os.environ["SCALETRAIN_CACHE_DIR"] = _CACHE
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shutil.rmtree(_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

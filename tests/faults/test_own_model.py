@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from scaletrain.testing import launcher_free_env
+from tests.cpu_hardware import cpu_hardware_file
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
@@ -157,7 +158,8 @@ def test_your_model_extends_forks_and_is_reported_and_checked(project: Path) -> 
     assert report.returncode == 0, report.stdout + report.stderr
     assert (run / "report.html").is_file()
     check = subprocess.run(
-        [sys.executable, "-m", "scaletrain", "plan", "--check", str(run)],
+        [sys.executable, "-m", "scaletrain", "plan", "--check", str(run),
+         "--hardware", str(cpu_hardware_file(project / "cpu.toml"))],
         cwd=project, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert check.returncode == 0, check.stdout + check.stderr

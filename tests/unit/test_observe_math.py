@@ -137,7 +137,7 @@ def test_mfu_over_100_percent_is_a_measurement_error() -> None:
 
 
 def test_measured_peak_is_cached(tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("SCALETRAIN_CACHE_DIR", str(tmp_path))
     first = measure_peak("cpu", "fp32", device_name="cpu (test)", seconds=0.05)
     assert first > 1e8  # any CPU does more than 0.1 GFLOP/s
     # The second call reads the cache: the same number, no benchmark.

@@ -8,24 +8,12 @@ from pathlib import Path
 import pytest
 
 from scaletrain import cli
-from scaletrain.hardware import Hardware, Link, write
+from tests.cpu_hardware import cpu_hardware_file
 
 
 def _plan(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
     code = cli.main(["plan", *args])
     return code, capsys.readouterr().err
-
-
-def _cpu_file(path: Path) -> Path:
-    """A hardware file of a CPU machine, as --calibrate writes one (made up here: no
-    unit test starts the processes a calibration does)."""
-    hw = Hardware(
-        name="test-cpu", description="a made-up CPU machine", device="cpu", memory=8 * 2**30,
-        devices_per_node=2, peak_flops={}, flops={"fp32": 50e9}, memory_bandwidth=5e9,
-        launch=5e-6, intra=Link(50e-6, 2e9), inter=Link(50e-6, 2e9),
-    )  # fmt: skip
-    write(hw, path)
-    return path
 
 
 @pytest.mark.parametrize(
@@ -108,7 +96,7 @@ def test_a_calibrated_file_plans_this_machine(
     monkeypatch.setenv("SCALETRAIN_CACHE_DIR", str(tmp_path))
     mine = calibrated_path()
     mine.parent.mkdir(parents=True)
-    _cpu_file(mine)
+    cpu_hardware_file(mine)
     assert cli.main(["plan", "--recipe", "split-net", "--devices", "2"]) == 0
     out = capsys.readouterr().out
     assert "test-cpu" in out and "ddp dp=2" in out
@@ -125,7 +113,7 @@ def test_check_puts_a_tiny_run_beside_its_prediction(
     )  # fmt: skip
     assert code == 0
     capsys.readouterr()
-    hw = _cpu_file(tmp_path / "cpu.toml")
+    hw = cpu_hardware_file(tmp_path / "cpu.toml")
     assert cli.main(["plan", "--check", str(run), "--hardware", str(hw)]) == 0
     out = capsys.readouterr().out
     assert "check: ddp dp=1" in out
