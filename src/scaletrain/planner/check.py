@@ -104,6 +104,9 @@ def measured(run: str | Path) -> tuple[float, int | None, bool]:
 
 def check_run(run: str | Path, hardware: str | None = None) -> Check:
     """Predict the run's own layout (its config.json) and compare with its ledger."""
+    from scaletrain.train.hf_config import config_file
+    from scaletrain.train.recipes import load_recipe
+
     base = Path(run)
     config = base / "config.json"
     if not config.is_file() or not (base / "observe").is_dir():
@@ -118,9 +121,15 @@ def check_run(run: str | Path, hardware: str | None = None) -> Check:
     step, memory, on_gpu = measured(base)
     layout = layout_of(cfg.get("strategy", "ddp"), cfg.get("mesh"), world)
     model = cfg.get("model")
+    seq_len = None
+    if model and config_file(model) is not None:
+        # A config.json run trained at its recipe's sequence (or its data's), not at the
+        # longer one a plan of a config.json assumes.
+        seq_len = int(load_recipe(model, data=cfg.get("data")).example(1)[0].shape[1])
     result = plan(
         None if model else cfg.get("recipe"), model=model, devices=world, hardware=hardware,
-        batch_size=int(cfg["batch_size"]), precision=str(cfg.get("precision", "32")),
+        batch_size=int(cfg["batch_size"]), seq_len=seq_len,
+        precision=str(cfg.get("precision", "32")),
         ac=str(cfg.get("ac", "none")), ac_every=cfg.get("ac_every"),
         compile=bool(cfg.get("compile", False)), layouts=[layout],
     )  # fmt: skip

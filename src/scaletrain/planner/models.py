@@ -1,27 +1,24 @@
 """The models people plan: a recipe, a model module, or a Hugging Face `config.json`.
 
-`resolve_model` turns each into a `PlannedModel`. A `config.json` is built through
-transformers from the file alone (no weights, no download) as the causal language
-model it describes, in fp32 (the layout's precision decides what a step computes in).
+`resolve_model` turns each into a `PlannedModel` through its Recipe (`load_recipe`:
+a `config.json` is the causal language model it describes, built through transformers
+from the file alone, in fp32: the layout's precision decides what a step computes in).
 """
 
 from __future__ import annotations
 
 import inspect
-import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from scaletrain.errors import ConfigError, closest, spell
+from scaletrain.errors import ConfigError, spell
 from scaletrain.strategies.blocks import auto_wrap_targets
 from scaletrain.strategies.tensor_plan import declared_tp_plan, default_tp_plan
-from scaletrain.train.loop import logits_of
 
 __all__ = ["HF_SEQ_LEN", "PlannedModel", "resolve_model"]
 
@@ -81,8 +78,7 @@ def resolve_model(
                 f"{spell(field, 1)} or more, or leave it out for the model's default.",
                 field=field,
             )
-    if model is not None and (config := _config_file(model)) is not None:
-        return _hugging_face(model, config, seq_len, batch_size)
+    from scaletrain.train.hf_config import config_file
     from scaletrain.train.recipes import check_recipe, get_recipe, load_recipe
 
     if model is None:
@@ -105,22 +101,34 @@ def resolve_model(
             f"out {spell('seq_len')}.",
             field="seq_len",
         )
-    tokens = _tokens_of(name, net, seq_len, int(inputs.shape[1])) if seq else None
+    default, per_replica = (int(inputs.shape[1]) if seq else 0), r.batch_size
+    if model is not None and (hf := config_file(model)) is not None:
+        # A config.json is planned as such models are trained at scale: one sequence per
+        # replica, as long as the model takes (HF_SEQ_LEN at most), not at its recipe's
+        # short default.
+        name = f"{type(net).__name__} ({hf})"
+        most = getattr(getattr(net, "config", None), "max_position_embeddings", None)
+        default, per_replica = min(HF_SEQ_LEN, most or HF_SEQ_LEN), 1
+    tokens = _tokens_of(name, net, seq_len, default) if seq else None
     example = r.example
-    if seq_len is not None:
+    if tokens is not None and (seq_len is not None or tokens != int(inputs.shape[1])):
         # A model module's own example(batch_size, seq_len=...), which its recipe wraps.
-        own = r.example.args[0] if r.spec and isinstance(r.example, partial) else None
-        example = _with_seq(name, own if callable(own) else r.example, seq_len)
+        own = next(iter(r.example.args), None) if isinstance(r.example, partial) else None
+        example = _with_seq(name, own if callable(own) else r.example, tokens)
+    blocks = auto_wrap_targets(net)
+    if not blocks:  # a Hugging Face model names its blocks' classes
+        kinds = set(getattr(net, "_no_split_modules", None) or ())
+        blocks = [n for n, m in net.named_modules() if type(m).__name__ in kinds]
     return PlannedModel(
         name=name,
         build=r.build,
         example=example,
         loss=r.loss,
         optimizer=partial(r.optimizer, lr=r.lr),
-        batch_size=batch_size or r.batch_size,
+        batch_size=batch_size or per_replica,
         seq_len=tokens,
         tp_plan=_tp_plan(net),
-        blocks=tuple(auto_wrap_targets(net)),
+        blocks=tuple(blocks),
     )
 
 
@@ -160,115 +168,3 @@ def _tp_plan(net: nn.Module) -> dict[str, str] | None:
         return declared_tp_plan(net) or default_tp_plan(net)
     except ConfigError:
         return None
-
-
-def _config_file(model: str) -> Path | None:
-    """The config.json `model` names (a .json path or a directory holding config.json),
-    None for a model module."""
-    path = Path(model)
-    if path.is_dir() and not (path / "__init__.py").is_file():
-        path = path / "config.json"
-    elif not model.endswith(".json"):
-        return None
-    if not path.is_file():
-        raise ConfigError(
-            f"{spell('model', model)}: no file {path}. Fix: the path of a Hugging Face "
-            "config.json (or the directory holding it), or a model module (MODULE:NAME).",
-            field="model",
-        )
-    return path
-
-
-def _hugging_face(
-    given: str, path: Path, seq_len: int | None, batch_size: int | None
-) -> PlannedModel:
-    try:
-        settings = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(
-            f"{spell('model', given)}: {path} is not JSON ({exc}). Fix: the config.json of a "
-            "Hugging Face model.",
-            field="model",
-        ) from None
-    settings = settings if isinstance(settings, dict) else {}
-    try:
-        import transformers
-        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-    except ImportError:
-        raise ConfigError(
-            f"{spell('model', given)} is a Hugging Face config, which is built through "
-            "transformers, and it is not installed. Fix: pip install transformers.",
-            field="model",
-        ) from None
-    archs = [a for a in settings.get("architectures") or [] if isinstance(a, str)]
-    known = [getattr(transformers, a, None) for a in archs]
-    model_type = settings.pop("model_type", None)
-    if model_type is None and known and known[0] is not None:
-        model_type = getattr(getattr(known[0], "config_class", None), "model_type", None)
-    if model_type not in CONFIG_MAPPING:
-        near = closest(model_type, list(CONFIG_MAPPING.keys())) if model_type else []
-        said = f"its model_type is {model_type!r}" if model_type else "it names no model_type"
-        raise ConfigError(
-            f"{spell('model', given)}: {said} and its architectures are {archs or 'none'}, "
-            f"which transformers {transformers.__version__} does not know"
-            + (f" (did it mean {' or '.join(near)}?)" if near else "")
-            + ". Fix: a config.json whose model_type transformers knows (upgrading "
-            "transformers adds newer ones), or a model module (MODULE:NAME).",
-            field="model",
-        )
-    settings["use_cache"] = False
-    try:
-        config = CONFIG_MAPPING[model_type](**settings)
-    except Exception as exc:  # its validators raise their own kinds
-        said = " ".join(str(exc).split()).rstrip(".")
-        raise ConfigError(
-            f"{spell('model', given)}: transformers refused {path}: {said}. Fix: that setting "
-            "in the file.",
-            field="model",
-        ) from None
-    named = known[0] if archs and archs[0].endswith(("ForCausalLM", "LMHeadModel")) else None
-    lm: Any = named or MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
-    if lm is None:
-        raise ConfigError(
-            f"{spell('model', given)}: transformers builds no causal language model for "
-            f"model_type {model_type!r}, which is what a config.json is planned as. Fix: "
-            "plan it as a model module (MODULE:NAME) with its own example and loss.",
-            field="model",
-        )
-    # fp32 whatever dtype the file states: the layout's precision decides.
-    build = partial(lm._from_config, config, dtype=torch.float32)
-    with torch.device("meta"):
-        net = build()
-    name = f"{type(net).__name__} ({path})"
-    most = getattr(config, "max_position_embeddings", None) or HF_SEQ_LEN
-    tokens = _tokens_of(name, net, seq_len, min(HF_SEQ_LEN, most))
-    vocab = int(config.get_text_config().vocab_size)
-    blocks = auto_wrap_targets(net)
-    if not blocks:
-        kinds = set(getattr(net, "_no_split_modules", None) or ())
-        blocks = [n for n, m in net.named_modules() if type(m).__name__ in kinds]
-    return PlannedModel(
-        name=name,
-        build=build,
-        example=partial(_tokens, vocab=vocab, seq_len=tokens),
-        loss=_next_token_loss,
-        optimizer=partial(torch.optim.AdamW, lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1),
-        batch_size=batch_size or 1,
-        seq_len=tokens,
-        tp_plan=_tp_plan(net),
-        blocks=tuple(blocks),
-    )
-
-
-def _tokens(batch: int, *, vocab: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random token ids; the targets are each position's next token."""
-    tokens = torch.randint(0, vocab, (batch, seq_len + 1))
-    return tokens[:, :-1], tokens[:, 1:]
-
-
-def _next_token_loss(outputs: Any, targets: torch.Tensor) -> torch.Tensor:
-    logits = logits_of(outputs)
-    return nn.functional.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100
-    )

@@ -90,7 +90,7 @@ class TrainConfig:
     recipe: Recipe | None = None
     """Model, data and optimizer settings to train (default: convnet; gpt for tensor parallel)."""
     model: str | None = None
-    """Your own model instead of a recipe: MODULE:NAME, a module (or .py file) and its factory; its module's datasets(), loss(), optimizer() are used where it defines them."""
+    """Your own model instead of a recipe: MODULE:NAME, a module (or .py file) and its factory; its module's datasets(), loss(), optimizer() are used where it defines them. Or a Hugging Face config.json (or its directory): its causal LM from random weights, on byte-level Python sources."""
     data: str | None = None
     """Your own data for --model: MODULE:NAME of a function of the split (and the --data-dir) returning a Dataset of (inputs, targets) (default: the model module's datasets)."""
     strategy: StrategyName = "ddp"
@@ -424,12 +424,18 @@ class TrainConfig:
 
     def run_name(self) -> str:
         """What the run is called in default run directories and job names: the recipe,
-        or the name of a --model's factory (its module's name for MODULE:build)."""
+        or the name of a --model's factory (its module's name for MODULE:build, its
+        directory's for a config.json)."""
         if self.model is None:
             return self.resolved_recipe()
         where, _, name = self.model.rpartition(":") if ":" in self.model else (self.model, "", "")
         if not name or name == "build":
-            name = Path(where).stem if where.endswith(".py") else where.rsplit(".", 1)[-1]
+            path = Path(where)
+            if where.endswith(".json") or path.is_dir():
+                # A Hugging Face config.json: the directory that holds it names the model.
+                name = (path.resolve().parent if where.endswith(".json") else path.resolve()).name
+            else:
+                name = path.stem if where.endswith(".py") else where.rsplit(".", 1)[-1]
         return "".join(c if c.isalnum() or c in "-_." else "-" for c in name) or "model"
 
     def resolved_recipe(self) -> str:

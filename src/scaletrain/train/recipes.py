@@ -6,6 +6,9 @@ through `load_recipe`, which reads the small protocol below from the user's modu
 The run (Session) knows Recipes only, so everything it does (resume, extend, fork,
 preemption, the ledger, plans) works for either.
 
+A Hugging Face config.json (`--model path/config.json`) becomes one too: its causal
+language model, pretrained from random initialisation (`scaletrain.train.hf_config`).
+
 The protocol, for `--model MODULE:NAME` (MODULE a dotted module importable from the
 working directory, or a path to a .py file):
 
@@ -45,7 +48,7 @@ import inspect
 import os
 import sys
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from types import ModuleType
@@ -381,10 +384,28 @@ def load_recipe(spec: str, *, data: str | None = None, field: str = "model") -> 
     """The Recipe of a model module, `spec` being MODULE:NAME (or MODULE, whose
     module-level build() is the factory); `data` a MODULE:NAME of datasets(split).
 
+    `spec` may also be a Hugging Face config.json, or the directory holding it
+    (`scaletrain.train.hf_config`): its causal language model, on the byte corpus unless
+    `data` gives other data.
+
     Raises ConfigError, in the words of the setting `field`, when the module cannot be
     imported or does not follow the protocol (the module's docstring). Nothing is built
     here: a CLI calls this before any process starts.
     """
+    from scaletrain.train.hf_config import config_file, config_recipe
+
+    if (path := config_file(spec, field=field)) is not None:
+        recipe = config_recipe(spec, path, field=field)
+        if data is None:
+            return recipe
+        own = _resolve_data(data)
+        return replace(
+            recipe,
+            dataset=data,
+            data=partial(_user_data, own, spec, field),
+            locate_data=_given_dir,
+            example=partial(_user_example, None, own, spec, field),
+        )
     module, name, target = _resolve(spec, field=field)
     if target is None:
         shown = ", ".join(_callables(module)) or "none"
@@ -472,7 +493,11 @@ def check_recipe(recipe: Recipe, *, field: str = "model", training: bool = True)
     if recipe.spec is None:
         return
     no_data = isinstance(recipe.data, partial) and recipe.data.func is _no_data
-    no_example = isinstance(recipe.example, partial) and recipe.example.args[0] is None
+    no_example = (
+        isinstance(recipe.example, partial)
+        and recipe.example.func is _user_example
+        and recipe.example.args[0] is None
+    )
     if no_data and (training or no_example):
         if training:
             recipe.data(None, "train")  # raises the error that says what is missing
