@@ -22,6 +22,8 @@ def test_a_calibrated_gpu_plans_one_gpu_and_checks_a_run(
     assert cli.main(["plan", "--calibrate", str(path)]) == 0
     hw = load(str(path))
     assert hw.device == "cuda" and hw.flops["bf16"] > hw.flops["fp32"] > 0
+    # Its host, for offload's rows: a pinned copy beats 1 GB/s on any PCIe link.
+    assert hw.host is not None and hw.host.bandwidth > 1e9 and hw.host.memory > 2**30
     p = st.plan("convnet", devices=1, batch_size=64, hardware=str(path))
     row = p.rows[0]
     assert row.fits and row.memory.total > p.profile.param_bytes

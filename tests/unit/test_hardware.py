@@ -19,7 +19,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 FIGURES = ("peaks", "efficiency", "memory", "memory_bandwidth", "launch", "devices_per_node",
-           "intra", "inter")  # fmt: skip
+           "intra", "inter", "host")  # fmt: skip
 
 
 def test_every_shipped_profile_loads_and_names_the_source_of_each_figure() -> None:
@@ -41,6 +41,10 @@ def test_every_shipped_profile_loads_and_names_the_source_of_each_figure() -> No
         assert hw.launch == 5e-6 and "assumption" in hw.sources["launch"]
         assert "assumption" in hw.sources["efficiency"]
         assert "x 0.7" in hw.sources["memory_bandwidth"]
+        # Every GPU's host is stated, for CPU offload's rows, with what was assumed.
+        assert hw.host is not None and 100e9 <= hw.host.memory <= 300e9
+        assert hw.host.bandwidth in (25.6e9, 51.2e9) and "PCIe Gen" in hw.sources["host"]
+        assert "x 0.8, an assumption" in hw.sources["host"]
 
 
 def test_the_profiles_figures_are_their_datasheets() -> None:
@@ -113,6 +117,10 @@ def _profile(tmp_path: Path, edit: str, old: str | None = None) -> Path:
         (r"^memory = ", "memroy = ", "`memroy` is not a field of a hardware file"),
         (r"^\[inter\]$", "[inter]\nlatency = 1", "`inter.latency` is not a field of [inter]"),
         (r"^efficiency = .*$", "", "`flops` is missing; expected a [flops] table"),
+        (r"^\[host\]$", "[host]\npcie = 1", "`host.pcie` is not a field of [host]"),
+        (r"^memory_bandwidth = 3.84e\+10$", "", "`host.memory_bandwidth` is missing"),
+        (r"^bandwidth = 5.12e\+10$", "bandwidth = 0", "`host.bandwidth = 0` is not bytes/s"),
+        (r"^device = .*$", 'device = "cpu"', '[host] is given for a device = "cpu" machine'),
     ],
 )
 def test_a_wrong_field_is_refused_naming_the_file_and_the_field(

@@ -13,7 +13,7 @@ from torch import nn
 
 import scaletrain as st
 from scaletrain.errors import ConfigError
-from scaletrain.hardware import Hardware, Link
+from scaletrain.hardware import Hardware, Host, Link
 from scaletrain.planner.cost import (
     DDP_BUCKET,
     Model,
@@ -27,6 +27,7 @@ from scaletrain.planner.layout import Layout
 from scaletrain.planner.profile import profile_model
 from scaletrain.strategies.blocks import auto_wrap_targets
 from scaletrain.strategies.partition import list_layers
+from tests.cpu_hardware import cpu_hardware_file
 
 GB = 1e9
 
@@ -286,3 +287,47 @@ def test_tensor_parallel_ranks_launch_every_kernel() -> None:
     tp = step_time(Layout("tensor", tp=4), m, hw, 4)
     assert one.floor and tp.floor
     assert tp.compute == pytest.approx(one.compute, rel=0.01)
+
+
+def test_cpu_offload_moves_the_states_to_the_host_and_pays_for_it() -> None:
+    m = _model()
+    host = Host(memory=64 * 2**30, bandwidth=50 * GB, memory_bandwidth=40 * GB)
+    hw = _hw(host=host)
+    fsdp, off = Layout("fsdp", dp=4), Layout("fsdp", dp=4, offload=True)
+    on_device, offloaded = memory(fsdp, m, 32), memory(off, m, 32)
+    # The device keeps its units in flight and its activations; every sharded state
+    # (parameters, gradients, Adam's moments) is the host's.
+    assert offloaded.params == offloaded.grads == offloaded.optimizer == 0
+    assert offloaded.host == pytest.approx(on_device.params + on_device.grads + on_device.optimizer)
+    assert offloaded.activations == on_device.activations
+    assert offloaded.total < on_device.total
+    # Each unit's shard crosses the host's link twice a step, and the optimizer steps
+    # on the host: slower, and slower still over a slower link.
+    fast, slow = (
+        step_time(off, m, hw, 32),
+        step_time(off, m, _hw(host=replace(host, bandwidth=GB)), 32),
+    )
+    assert step_time(fsdp, m, hw, 32).total < fast.total < slow.total
+    row = estimate(off, m, hw, 32)
+    assert row.fits and "of states in host memory" in row.notes[0]
+    full = estimate(off, m, _hw(host=replace(host, memory=int(offloaded.host / 2))), 32)
+    assert not full.fits and "over its" in full.notes[0]
+
+
+def test_offload_is_a_row_where_the_hardware_has_a_host(tmp_path: Path) -> None:
+    with_host = st.plan("gpt", devices=1, hardware="h100-sxm")
+    assert [r.layout.label for r in with_host.rows] == ["ddp dp=1", "fsdp dp=1 offload"]
+    assert with_host.recommended is with_host.row("ddp dp=1")  # it fits: offload only costs
+    # A model one device cannot hold fits it with offload.
+    ddp, off = (with_host.row(x).memory.total for x in ("ddp dp=1", "fsdp dp=1 offload"))
+    hw = replace(with_host.hardware, memory=int((ddp + off) / 2))
+    rows = [estimate(r.layout, Model(with_host.profile, [], []), hw, 32) for r in with_host.rows]
+    assert [r.fits for r in rows] == [False, True]
+    cpu_file = cpu_hardware_file(tmp_path / "cpu.toml")  # a CPU's memory is its host's
+    without = st.plan("gpt", devices=2, hardware=str(cpu_file))
+    assert not any(r.layout.offload for r in without.rows)
+    cpu = _hw(device="cpu", host=None)
+    with pytest.raises(
+        ConfigError, match=r"offloads to the host, and test-gpu's hardware file has no \[host\]"
+    ):
+        estimate(Layout("fsdp", dp=2, offload=True), _model(), cpu, 32)

@@ -2,8 +2,9 @@
 
 A `Hardware` is a node type: its devices' memory, their matmul FLOP/s by dtype (the
 datasheet's dense peak, and what a training step's matmuls achieve), the bandwidth
-their elementwise kernels reach, the time one kernel launch costs, and two links
-(between the devices of a node, and between nodes) as alpha-beta models. The shipped
+their elementwise kernels reach, the time one kernel launch costs, two links
+(between the devices of a node, and between nodes) as alpha-beta models, and a GPU's
+share of its host (where CPU offload keeps its state). The shipped
 profiles are TOML files in this package, each naming its sources; `scaletrain plan
 --calibrate FILE` measures this machine and writes one; `--hardware NAME|FILE`
 reads one (`load`). The datasheet peaks are one table, devices.toml: the profiles
@@ -19,13 +20,14 @@ from __future__ import annotations
 
 from scaletrain.hardware.datasheet import Datasheet, datasheet, datasheet_peak, datasheets
 from scaletrain.hardware.files import load, shipped, write
-from scaletrain.hardware.spec import COLLECTIVES, DTYPES, Hardware, Link, bus_factor
+from scaletrain.hardware.spec import COLLECTIVES, DTYPES, Hardware, Host, Link, bus_factor
 
 __all__ = [
     "COLLECTIVES",
     "DTYPES",
     "Datasheet",
     "Hardware",
+    "Host",
     "Link",
     "bus_factor",
     "datasheet",

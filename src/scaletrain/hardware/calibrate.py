@@ -49,6 +49,7 @@ from scaletrain.errors import ConfigError, ScaletrainError, spell
 from scaletrain.hardware import (
     COLLECTIVES,
     Hardware,
+    Host,
     Link,
     bus_factor,
     datasheet,
@@ -105,7 +106,14 @@ def calibrate(
         )
         launch = _launch_floor(dev, quick)
         sources["launch"] = f"{stamp}: the median time of a one-element add, run in batches"
+    host = None
     if cuda:
+        host = _host(dev, gpus, quick)
+        sources["host"] = (
+            f"{stamp}: memory: MemAvailable of /proc/meminfo over the GPUs; bandwidth: the "
+            "slower way of a pinned copy to and from the GPU; memory_bandwidth: the CPU's "
+            "large add and copy on a GPU's share of its cores"
+        )
         torch.cuda.empty_cache()  # the benchmarks' blocks, before the sweep's ranks start
     if cuda:
         memory = int(torch.cuda.get_device_properties(dev).total_memory) - GiB
@@ -158,7 +166,7 @@ def calibrate(
         name=target.stem, description=description, device="cuda" if cuda else "cpu",
         memory=memory, devices_per_node=per_node, flops=flops,
         peak_flops=dict(sheet.peaks) if sheet is not None else {},
-        memory_bandwidth=bandwidth, launch=launch, intra=intra, inter=inter,
+        memory_bandwidth=bandwidth, launch=launch, intra=intra, inter=inter, host=host,
         sources=sources,
     )  # fmt: skip
     write(hw, target, overwrite=overwrite)
@@ -344,6 +352,35 @@ def _memory_bandwidth(dev: Any, quick: bool) -> float:
             _sync(dev)
             best = max(best, moved / max(time.perf_counter() - t0, 1e-9))
     return best
+
+
+def _host(dev: Any, gpus: int, quick: bool) -> Host:
+    """A GPU's share of its host (hardware.Host): pinned copies each way, the slower
+    kept; MemAvailable over the GPUs; the CPU's elementwise bandwidth at a GPU's share
+    of its cores (the threads an offloaded optimizer step has)."""
+    import torch
+
+    nbytes = (256 if quick else 1024) * MiB
+    pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    on_gpu = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    ways = []
+    for dst, src in ((on_gpu, pinned), (pinned, on_gpu)):
+        times = []
+        for _ in range(4 if quick else 8):
+            t0 = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            _sync(dev)
+            times.append(time.perf_counter() - t0)
+        ways.append(nbytes / min(times[1:]))
+    del pinned, on_gpu
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, gpus)))
+    try:
+        cpu = _memory_bandwidth(torch.device("cpu"), quick)
+    finally:
+        torch.set_num_threads(threads)
+    share = _available_memory() // max(1, gpus)
+    return Host(memory=share, bandwidth=min(ways), memory_bandwidth=cpu)
 
 
 def _launch_floor(dev: Any, quick: bool) -> float:

@@ -16,6 +16,9 @@ A file holds one node type; units are bytes, seconds and FLOP/s:
     [intra]                        # alpha (s) and bandwidth (bus bytes/s) in a node,
     [intra.collectives.all_reduce] #   and per collective where one was measured
     [inter]                        # the same between nodes, per device
+    [host]                         # optional, a GPU's: memory (bytes), bandwidth (bytes/s
+                                   #   to or from pinned host memory, each way) and
+                                   #   memory_bandwidth (the host's elementwise bytes/s)
     [sources]                      # where each figure comes from
 
 Every field is checked: a file with one missing, mistyped or unknown is refused
@@ -37,7 +40,7 @@ from typing import Any
 
 from scaletrain.errors import ConfigError, closest, near_fix, spell
 from scaletrain.hardware.datasheet import datasheets
-from scaletrain.hardware.spec import COLLECTIVES, DTYPES, Hardware, Link
+from scaletrain.hardware.spec import COLLECTIVES, DTYPES, Hardware, Host, Link
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -51,7 +54,7 @@ PROFILES_DIR = Path(__file__).parent
 
 _KEYS = (
     "name", "description", "device", "memory", "devices_per_node", "peaks", "efficiency",
-    "memory_bandwidth", "launch", "flops", "peak_flops", "intra", "inter", "sources",
+    "memory_bandwidth", "launch", "flops", "peak_flops", "intra", "inter", "host", "sources",
 )  # fmt: skip
 _DEVICES = ("cuda", "cpu")
 
@@ -218,6 +221,35 @@ def _link(fields: _Fields, key: str) -> Link:
     return Link(alpha, bandwidth, collectives)
 
 
+def _host(fields: _Fields, device: str) -> Host | None:
+    if "host" not in fields.data:
+        return None
+    example = (
+        "a `[host]` table with `memory = 2.7e11`, `bandwidth = 5e10` and `memory_bandwidth = 4e10`"
+    )
+    if device != "cuda":
+        raise _refuse(
+            fields.where,
+            '[host] is given for a device = "cpu" machine, whose memory is the host\'s already',
+            "remove the [host] table",
+        )
+    host = _Fields(fields.table_of("host", "a table", example), fields.where, "host")
+    host.only(("memory", "bandwidth", "memory_bandwidth"), "[host]")
+    return Host(
+        memory=host.integer(
+            "memory", "the host bytes one device may use (a positive integer)", "memory = 2.7e11"
+        ),
+        bandwidth=host.number(
+            "bandwidth", "bytes/s to or from the host (a positive number)", "bandwidth = 5e10"
+        ),
+        memory_bandwidth=host.number(
+            "memory_bandwidth",
+            "the bytes/s the host's elementwise kernels move (a positive number)",
+            "memory_bandwidth = 4e10",
+        ),
+    )
+
+
 def _entry_fix(entry: object, names: list[str]) -> str:
     """`peaks = "h100-sxm"` for a near spelling; all that `entry` begins, if several."""
     starts = [n for n in names if isinstance(entry, str) and entry and n.startswith(entry)]
@@ -313,6 +345,7 @@ def _parse(data: dict[str, Any], path: Path, where: str) -> Hardware:
     )
     intra = _link(fields, "intra")
     inter = _link(fields, "inter")
+    host = _host(fields, device)
     table = fields.table_of(
         "sources",
         "a table of where each figure comes from",
@@ -324,7 +357,7 @@ def _parse(data: dict[str, Any], path: Path, where: str) -> Hardware:
     return Hardware(
         name=name, description=description, device=device, memory=memory,
         devices_per_node=per_node, peak_flops=peak_flops, flops=flops,
-        memory_bandwidth=bandwidth, launch=launch, intra=intra, inter=inter,
+        memory_bandwidth=bandwidth, launch=launch, intra=intra, inter=inter, host=host,
         efficiency=efficiency, sources=dict(table), path=str(path),
     )  # fmt: skip
 
@@ -398,6 +431,14 @@ def _text(hw: Hardware) -> str:
         lines += ["", "[peak_flops]"]
         lines += [f"{_key(d)} = {_value(float(v))}" for d, v in hw.peak_flops.items()]
     lines += _link_lines("intra", hw.intra) + _link_lines("inter", hw.inter)
+    if hw.host is not None:
+        lines += [
+            "",
+            "[host]",
+            f"memory = {_value(int(hw.host.memory))}",
+            f"bandwidth = {_value(float(hw.host.bandwidth))}",
+            f"memory_bandwidth = {_value(float(hw.host.memory_bandwidth))}",
+        ]
     lines += ["", "[sources]"]
     lines += [f"{_key(k)} = {_value(v)}" for k, v in hw.sources.items()]
     return "\n".join(lines) + "\n"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["COLLECTIVES", "DTYPES", "Hardware", "Link", "bus_factor"]
+__all__ = ["COLLECTIVES", "DTYPES", "Hardware", "Host", "Link", "bus_factor"]
 
 DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send")
@@ -44,6 +44,21 @@ class Link:
 
 
 @dataclass(frozen=True, slots=True)
+class Host:
+    """A GPU's share of its host, where CPU offload keeps what the GPU does not: its
+    memory, the copies between them, and the host's own elementwise pace (the
+    optimizer step runs there)."""
+
+    memory: int
+    """Bytes of host memory one device's offloaded state may use (the node's, shared)."""
+    bandwidth: float
+    """Bytes/s one device copies to or from pinned host memory, each way (its PCIe link)."""
+    memory_bandwidth: float
+    """Bytes/s an elementwise kernel on the host moves for one device (the CPU's memory
+    bandwidth shared by the node's devices)."""
+
+
+@dataclass(frozen=True, slots=True)
 class Hardware:
     """One node type (the package's docstring). Sizes in bytes, rates per second."""
 
@@ -69,6 +84,9 @@ class Hardware:
     """Between the devices of one node."""
     inter: Link
     """Between nodes, per device (a node's network shared by its devices)."""
+    host: Host | None = None
+    """Where CPU offload goes; None: no plan offloads (a CPU machine, or a file without
+    a [host] table)."""
     efficiency: float | None = None
     """The fraction of the peak `flops` states, where a datasheet profile assumed it."""
     sources: dict[str, str] = field(default_factory=dict)

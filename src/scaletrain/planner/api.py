@@ -186,7 +186,10 @@ def plan(
         return True
 
     if layouts is None:
-        rows = layouts_for(devices, batch=batch, layers=len(layers), tensor=bool(tp_plan))
+        rows = layouts_for(
+            devices, batch=batch, layers=len(layers), tensor=bool(tp_plan),
+            offload=hw.host is not None,
+        )  # fmt: skip
         layouts = [x for x in rows if x.tp == 1 or accepts(x.tp)]
     profile = profile_model(
         planned.build, planned.example(batch), planned.loss, planned.optimizer,

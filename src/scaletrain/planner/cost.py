@@ -15,6 +15,8 @@ Memory per device:
   for stage 2) in the compute dtype, a pipeline's send and receive buffers.
 - The peak is the larger of the backward's (activations and the gradients alive
   then) and the optimizer step's (every gradient and its temporaries).
+- CPU offload (FSDP's): the shards of every state live in host memory (`Memory.host`,
+  against `Host.memory`); the device holds the units in flight and activations.
 
 Step time: a device's compute is its matmul FLOPs at the hardware's achieved
 FLOP/s plus the bytes its other kernels move at its memory bandwidth, and no less
@@ -28,6 +30,9 @@ COMPILED_BYTES). Communication is alpha-beta over the link each group spans
 - FSDP: the next unit's all-gather runs during this unit's compute (prefetch); the
   first gather of each pass, what outlasts the compute and the last reduce-scatter
   are exposed.
+  With CPU offload each unit's shard is copied in before its gather and its
+  gradients' shard out after their reduce-scatter (`Host.bandwidth`), in the same
+  stream, and the optimizer steps on the host (`Host.memory_bandwidth`), exposed.
 - Tensor parallel: its collectives sit between a block's matmuls and are exposed
   (twice in the forward where full checkpointing recomputes it).
 - A pipeline's step is its schedule simulated (planner.schedule) with the sends
@@ -40,7 +45,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from scaletrain.hardware import Hardware, Link
+from scaletrain.errors import ConfigError
+from scaletrain.hardware import Hardware, Host, Link
 from scaletrain.planner.layout import Layout
 from scaletrain.planner.profile import ModelProfile, Work
 from scaletrain.planner.schedule import simulate
@@ -200,6 +206,8 @@ class Memory:
     buffers: float
     grads_at_peak: float
     optimizer_temp: float
+    host: float = 0.0
+    """Bytes in host memory (CPU offload's shards)."""
 
     @property
     def total(self) -> float:
@@ -272,9 +280,13 @@ def memory(layout: Layout, model: Model, batch: int) -> Memory:
         buffers += 2 * edge * p.per_sample(batch / m)
     alive = p.peak_grad_bytes / max(1, p.param_bytes)
     at_peak = s["grads"] if (layout.dp > 1 and layout.stage == 0) else s["grads"] * min(1.0, alive)
+    temp, host = p.optimizer_temp_bytes * par, 0.0
+    if layout.offload:  # the states and the optimizer step move to the host
+        host, temp, at_peak = sum(s.values()), 0.0, 0.0
+        s = dict.fromkeys(s, 0.0)
     return Memory(
         params=s["params"], grads=s["grads"], optimizer=s["optimizer"], activations=max(0.0, acts),
-        buffers=buffers, grads_at_peak=at_peak, optimizer_temp=p.optimizer_temp_bytes * par,
+        buffers=buffers, grads_at_peak=at_peak, optimizer_temp=temp, host=host,
     )  # fmt: skip
 
 
@@ -314,16 +326,35 @@ def _fsdp(
     prec, link, n = model.precision, _link(hw, layout.dp * layout.tp), layout.dp
     down = COMPUTE[prec] / MASTER[prec]
     units = [u * _local(model, layout)[0] for u in model.unit_params()]
-    gather = sum(link.time("all_gather", u * down, n) for u in units)
-    scatter = sum(link.time("reduce_scatter", u, n) for u in units)
+    host = _host(layout, hw)
+
+    def copy(u: float) -> float:  # a unit's shard to or from the host
+        return u / n / host.bandwidth if host else 0.0
+
+    def gather_s(u: float) -> float:
+        return link.time("all_gather", u * down, n) + copy(u)
+
+    def scatter_s(u: float) -> float:
+        return link.time("reduce_scatter", u, n) + copy(u)
+
+    gather, scatter = sum(map(gather_s, units)), sum(map(scatter_s, units))
     again = gather if layout.stage == 3 else 0.0
-    first, last = (
-        link.time("all_gather", units[0] * down, n),
-        link.time("reduce_scatter", units[-1], n),
-    )
+    first, last = gather_s(units[0]), scatter_s(units[-1])
     return gather + again + scatter, first + max(0.0, gather - fwd_s) + max(
         last, again + scatter - bwd_s
     )
+
+
+def _host(layout: Layout, hw: Hardware) -> Host | None:
+    """The host `layout` offloads to (None: it does not offload)."""
+    if layout.offload and hw.host is None:
+        raise ConfigError(
+            f"the layout {layout.label} offloads to the host, and {hw.name}'s hardware file "
+            "has no [host] table. Fix: add one (memory, bandwidth, memory_bandwidth), or "
+            "plan the layout without offload.",
+            field="hardware",
+        )
+    return hw.host if layout.offload else None
 
 
 def _tensor(layout: Layout, model: Model, hw: Hardware, batch: int, share: float) -> float:
@@ -379,8 +410,10 @@ def step_time(layout: Layout, model: Model, hw: Hardware, batch: int) -> StepTim
         chunks = math.ceil(p.tensors * par / MULTI_TENSOR)
         opt_work = Work(0.0, opt_work.bytes, math.ceil(per_tensor * chunks))
     opt_s, _ = _seconds(opt_work, hw, "fp32", False)
+    if host := _host(layout, hw):  # the host's kernels: bound by its memory, no launches
+        opt_s = p.optimizer.bytes * par / layout.dp / host.memory_bandwidth
     work, comm, exposed, bubble = fwd_s + bwd_s, 0.0, 0.0, 0.0
-    if layout.dp > 1:
+    if layout.dp > 1 or layout.offload:
         comm, exposed = (
             _ddp(layout, model, hw, bwd_s)
             if layout.stage == 0
@@ -401,9 +434,15 @@ def step_time(layout: Layout, model: Model, hw: Hardware, batch: int) -> StepTim
 def estimate(layout: Layout, model: Model, hw: Hardware, batch: int) -> Estimate:
     """One row of a plan: `layout`'s memory and step time, and whether it fits."""
     mem, time = memory(layout, model, batch), step_time(layout, model, hw, batch)
-    fits = mem.total <= hw.memory
-    over = (mem.total - hw.memory) / 2**30
-    notes = [] if fits else [f"does not fit: {over:.2f} GiB over {hw.memory / 2**30:.1f} GiB"]
+    host = _host(layout, hw)
+    fits = mem.total <= hw.memory and (host is None or mem.host <= host.memory)
+    notes = []
+    if mem.total > hw.memory:
+        over = (mem.total - hw.memory) / 2**30
+        notes.append(f"does not fit: {over:.2f} GiB over {hw.memory / 2**30:.1f} GiB")
+    if host:
+        full = f", over its {host.memory / 2**30:.1f} GiB" if mem.host > host.memory else ""
+        notes.append(f"{mem.host / 2**30:.1f} GiB of states in host memory per device{full}")
     if time.floor:
         notes.append("kernel launches, not the arithmetic, set this step's pace")
     return Estimate(layout, mem, time, fits, notes)

@@ -1,5 +1,6 @@
 """The ways N devices can run one model: a strategy over a dp x tp x pp mesh, the
-ZeRO stage its data parallelism shards at, a pipeline's schedule and microbatches."""
+ZeRO stage its data parallelism shards at, a pipeline's schedule and microbatches,
+and whether FSDP offloads its shards to the host."""
 
 from __future__ import annotations
 
@@ -34,12 +35,14 @@ class Layout:
     pp: int = 1
     schedule: str | None = None
     microbatches: int | None = None
-    zero: int | None = None
-    """The ZeRO stage (0-3) of its data parallelism; None: the strategy's own."""
+    offload: bool = False
+    """FSDP's CPU offload: the shards (parameters, gradients, optimizer state) live in
+    host memory, each unit copied in for its gathers, and the optimizer steps there."""
 
     @property
     def stage(self) -> int:
-        return STRATEGIES.get(self.strategy, 0) if self.zero is None else self.zero
+        """The ZeRO stage (0-3) of its data parallelism (STRATEGIES)."""
+        return STRATEGIES.get(self.strategy, 0)
 
     @property
     def devices(self) -> int:
@@ -53,7 +56,7 @@ class Layout:
     @property
     def label(self) -> str:
         pipeline = "" if self.schedule is None else f" {self.schedule} m={self.microbatches}"
-        return f"{self.strategy} {self.mesh}{pipeline}"
+        return f"{self.strategy} {self.mesh}{pipeline}{' offload' if self.offload else ''}"
 
 
 def _microbatches(pp: int, batch: int, layers: int) -> int | None:
@@ -68,13 +71,17 @@ def _microbatches(pp: int, batch: int, layers: int) -> int | None:
     return None
 
 
-def layouts_for(devices: int, *, batch: int, layers: int, tensor: bool) -> list[Layout]:
+def layouts_for(
+    devices: int, *, batch: int, layers: int, tensor: bool, offload: bool = False
+) -> list[Layout]:
     """Every layout of `devices` this model can run: tensor parallel where it has a
     plan (`tensor`), a pipeline of pp stages where it has pp layers and a microbatch
-    count that divides `batch`."""
+    count that divides `batch`, FSDP offloading to the host where there is one
+    (`offload`: on one device too, the way to fit what a device cannot hold)."""
+    spill = [Layout("fsdp", dp=devices, offload=True)] if offload else []
     if devices == 1:
-        return [Layout("ddp")]
-    rows = [Layout(s, dp=devices) for s in ("ddp", "fsdp-keep", "fsdp")]
+        return [Layout("ddp"), *spill]
+    rows = [*(Layout(s, dp=devices) for s in ("ddp", "fsdp-keep", "fsdp")), *spill]
     if tensor:
         rows.append(Layout("tensor", tp=devices))
     if m := _microbatches(devices, batch, layers):
