@@ -46,9 +46,6 @@ __all__ = [
 
 STRATEGIES: dict[str, type[Strategy]] = {}
 
-# Set by strategies/mesh.py: builds the composite for a mesh with tp/pp dimensions.
-_COMPOSE: Callable[[Strategy, Mapping[str, int]], Strategy] | None = None
-
 
 def register(cls: type[Strategy]) -> type[Strategy]:
     """Class decorator adding a strategy under its `name`."""
@@ -468,8 +465,11 @@ def resolve_strategy(
         if key in STRATEGIES:
             strategy = STRATEGIES[key]()
     if strategy is not None:
-        if mesh and any(mesh.get(d, 1) > 1 for d in ("tp", "pp")) and _COMPOSE is not None:
-            return _COMPOSE(strategy, mesh)
+        if mesh and any(mesh.get(d, 1) > 1 for d in ("tp", "pp")):
+            # Here, not at the top: mesh.py builds its composites on this module's Strategy.
+            from scaletrain.strategies.mesh import compose
+
+            return compose(strategy, mesh)
         return strategy
     raise ConfigError(
         f"strategy={spec!r} is not known; expected one of {', '.join(sorted(STRATEGIES))} "

@@ -28,7 +28,6 @@ from torch import nn
 
 from scaletrain.dist.mesh import device_mesh
 from scaletrain.errors import ConfigError, spell
-from scaletrain.strategies import base
 from scaletrain.strategies.base import (
     Strategy,
     parameter_names,
@@ -285,6 +284,3 @@ def compose(strategy: Strategy, mesh: Mapping[str, int]) -> Strategy:
         f"strategy {strategy.name!r} with mesh {{{shape}}}: a 'pp' dimension composes with "
         "DDP on 'dp'. Use strategy='ddp' (or 'pipeline') with this mesh."
     )
-
-
-base._COMPOSE = compose
