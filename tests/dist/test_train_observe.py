@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from scaletrain.testing import launcher_free_env, write_fake_mnist
+from tests.browser import find_chromium, open_page
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -119,8 +120,6 @@ def test_report_opens_offline_in_chromium_with_every_plot_drawn(
     page = run / "report.html"
     text = page.read_text()
     assert "<script src=" not in text.replace('<script src="data:', "")  # nothing fetched
-    from scaletrain.testing.browser import find_chromium, open_page
-
     assert find_chromium(), "Debian's chromium is missing: run `make setup`"
     check = """(() => [...document.querySelectorAll('.plotly-graph-div')].map(d => ({
         svg: !!d.querySelector('.main-svg'), traces: (d._fullData || []).length,

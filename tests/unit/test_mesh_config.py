@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import pytest
 
 import scaletrain as st
@@ -33,6 +36,28 @@ def test_mesh_whose_product_differs_from_the_world_size_says_so() -> None:
 def test_bad_meshes_name_the_problem(mesh: object, words: str) -> None:
     with pytest.raises(st.ConfigError, match=words):
         parse_mesh(mesh, 4)  # type: ignore[arg-type]
+
+
+def test_no_module_sets_another_modules_names_at_import() -> None:
+    """resolve_strategy composes through mesh.py's compose, imported where it is used:
+    mesh.py once set `base._COMPOSE = compose` at its own import, so what a name in
+    base.py meant depended on which module had been imported first."""
+    patches = []
+    for path in sorted((Path(st.__file__).parent).rglob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        modules = {
+            (alias.asname or alias.name).split(".")[0]
+            for node in tree.body
+            if isinstance(node, (ast.Import, ast.ImportFrom))
+            for alias in node.names
+        }
+        for node in tree.body:
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            for target in targets:
+                owner = target.value if isinstance(target, ast.Attribute) else None
+                if isinstance(owner, ast.Name) and owner.id in modules:
+                    patches.append(f"{path.name}:{node.lineno}: {ast.unparse(target)}")
+    assert patches == []
 
 
 def test_compositions() -> None:

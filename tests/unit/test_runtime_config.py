@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ast
+import inspect
+
 import pytest
 import torch
 
@@ -9,6 +12,7 @@ import scaletrain as st
 from scaletrain.cli import build_parser
 from scaletrain.dist import choose_backend, choose_device, reduce_values
 from scaletrain.strategies import DDP, STRATEGIES, SingleDevice, resolve_strategy
+from scaletrain.strategies import base as strategies_base
 from scaletrain.train import TrainConfig
 
 
@@ -20,6 +24,44 @@ def test_strategy_names_and_objects() -> None:
     custom = DDP(bucket_cap_mb=50, static_graph=True)
     assert resolve_strategy(custom) is custom
     assert {"ddp", "single"} <= set(STRATEGIES)
+
+
+def _calls_a_hook(node: ast.AST) -> bool:
+    """`self._name(...)`: a call of one of the strategy's own private methods."""
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and isinstance(node.func.value, ast.Name)
+        and node.func.value.id == "self"
+        and node.func.attr.startswith("_")
+    )
+
+
+def test_no_public_strategy_method_only_forwards_to_a_hook() -> None:
+    """A strategy overrides the public method it changes (setup_optimizer, unwrap,
+    no_sync, ...); a `_hook` stays only under a public method that does work of its own
+    around it (validate's checks, full_state_dict's snapshot, predict's no_grad). Ten
+    public methods once did nothing but call their hook."""
+    tree = ast.parse(inspect.getsource(strategies_base))
+    (strategy,) = (n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Strategy")
+    forwarders = []
+    for method in strategy.body:
+        if not isinstance(method, ast.FunctionDef) or method.name.startswith("_"):
+            continue
+        body = method.body[1:] if ast.get_docstring(method) else method.body
+        if len(body) != 1:
+            continue
+        (only,) = body
+        forwards = isinstance(only, (ast.Return, ast.Expr)) and _calls_a_hook(only.value)
+        # A context manager that only enters its hook's: `with self._hook(m): yield`.
+        enters = (
+            isinstance(only, ast.With)
+            and all(_calls_a_hook(item.context_expr) for item in only.items)
+            and all(isinstance(s, ast.Expr) and isinstance(s.value, ast.Yield) for s in only.body)
+        )
+        if forwards or enters:
+            forwarders.append(method.name)
+    assert forwarders == []
 
 
 def test_unknown_strategy_names_the_choices() -> None:

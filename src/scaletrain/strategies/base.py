@@ -46,9 +46,6 @@ __all__ = [
 
 STRATEGIES: dict[str, type[Strategy]] = {}
 
-# Set by strategies/mesh.py: builds the composite for a mesh with tp/pp dimensions.
-_COMPOSE: Callable[[Strategy, Mapping[str, int]], Strategy] | None = None
-
 
 def register(cls: type[Strategy]) -> type[Strategy]:
     """Class decorator adding a strategy under its `name`."""
@@ -58,10 +55,15 @@ def register(cls: type[Strategy]) -> type[Strategy]:
 
 @dataclass(kw_only=True, slots=True)
 class Strategy:
-    """Base class. Public methods own the checks; subclasses implement the `_hooks`.
+    """Base class. A strategy overrides the public methods it changes, except five,
+    whose work every strategy shares and which call a `_hook` for its own part:
+    validate, check_model and setup_module (the checks come first: `_validate`,
+    `_check_model`, `_setup_module`), full_state_dict (the snapshot and replica 0's
+    buffers come after `_full_state_dict`) and predict (no grad around `_predict`).
+    `_blocks` names the blocks the levers act on.
 
-    Every hook is given the run's Topology (resolved once by st.init): ranks,
-    device, backend and mesh coordinates; nothing else of the run is shared.
+    What a method needs of the run it is given as the run's Topology (resolved once by
+    st.init): ranks, device, backend and mesh coordinates; nothing else is shared.
     """
 
     name: ClassVar[str] = "base"
@@ -128,17 +130,17 @@ class Strategy:
     def setup_optimizer(
         self, optimizer: torch.optim.Optimizer, module: nn.Module, topo: Topology
     ) -> torch.optim.Optimizer:
-        return self._setup_optimizer(optimizer, module, topo)
+        """The optimizer for the module setup_module returned (a wrapper that replaced
+        the parameters points it at the new ones)."""
+        return optimizer
 
     def unwrap(self, module: nn.Module) -> nn.Module:
         """The user's own module, without wrapper prefixes in its state dict."""
-        return self._unwrap(module)
+        return module
 
-    @contextlib.contextmanager
-    def no_sync(self, module: nn.Module) -> Iterator[None]:
+    def no_sync(self, module: nn.Module) -> contextlib.AbstractContextManager[None]:
         """Skip gradient synchronisation inside the block (gradient accumulation)."""
-        with self._no_sync(module):
-            yield
+        return contextlib.nullcontext()
 
     def data_parallel(self, topo: Topology) -> tuple[int, int]:
         """(rank, size) among the replicas that see different data: the "dp" coordinate
@@ -155,25 +157,25 @@ class Strategy:
         One GPU per local rank by default; a strategy whose process owns several
         devices (DDP with a device map) names the first of its own.
         """
-        return self._home_device(topo)
+        return topo.device
 
     def checkpoint_module(self, module: nn.Module) -> nn.Module:
         """The module whose state this rank saves and loads (a pipeline rank: its stages)."""
-        return self._checkpoint_module(module)
+        return module
 
     def prepare(self, module: nn.Module, example_inputs: Any) -> None:
         """Build whatever the strategy builds lazily from the first batch (pipeline
         stages), so state can be loaded into it before the first step."""
-        self._prepare(module, example_inputs)
+        return None
 
     def adopt_precision(self, precision: Precision, topo: Topology) -> None:
         """Let a strategy that handles precision itself (FSDP's policy) configure it."""
-        self._adopt_precision(precision, topo)
+        return None
 
     def model_parallel_group(self, topo: Topology) -> Any:
         """Process group over which ranks hold DIFFERENT plain (non-DTensor) parameters
         (pipeline stages), for whole-model norms; None when there is none."""
-        return self._model_parallel_group(topo)
+        return None
 
     def full_state_dict(self, module: nn.Module, topo: Topology) -> dict[str, torch.Tensor]:
         """Plain CPU tensors of the whole model, on every rank (a collective).
@@ -189,8 +191,7 @@ class Strategy:
         # Buffers are each replica's own (scaletrain.dist.replicas): the model is
         # data-parallel replica 0's, on every rank.
         names = sorted(
-            {n for n, _ in self._unwrap(module).named_buffers(remove_duplicate=False)}
-            & state.keys()
+            {n for n, _ in self.unwrap(module).named_buffers(remove_duplicate=False)} & state.keys()
         )
         first = first_replica_values([state[n] for n in names], topo)
         state.update(zip(names, first, strict=True))
@@ -202,7 +203,7 @@ class Strategy:
         rank's own come back on exit (scaletrain.dist.replicas). A collective."""
         buffers = [
             b
-            for _, b in self._checkpoint_module(module).named_buffers(remove_duplicate=False)
+            for _, b in self.checkpoint_module(module).named_buffers(remove_duplicate=False)
             if not _is_dtensor(b)
         ]
         if topo.dp_size == 1 or not buffers:
@@ -232,13 +233,17 @@ class Strategy:
         The loss is the same on every rank of a model replica (a pipeline computes
         it on its last stage and shares it), so callers can log it anywhere.
         """
-        return self._forward_backward(module, inputs, targets, loss_fn)
+        outputs = module(inputs)
+        # Model parallel ends on another device than it starts: follow the outputs.
+        loss = loss_fn(outputs, targets.to(_device_of(outputs), non_blocking=True))
+        loss.backward()
+        return loss.detach()
 
     def batch_splits(self) -> int:
         """Into how many parts forward_backward cuts a batch, averaging their losses (a
         pipeline's microbatches; 1 for the others): a loss normalised over a whole
         step multiplies by it to undo that mean (scaletrain.train.loop.train_step)."""
-        return self._batch_splits()
+        return 1
 
     def predict(self, module: nn.Module, inputs: Any) -> Any:
         """Evaluation forward (no grad): the outputs, on every rank of the replica.
@@ -295,35 +300,6 @@ class Strategy:
         self.apply_levers(module)
         return module
 
-    def _setup_optimizer(
-        self, optimizer: torch.optim.Optimizer, module: nn.Module, topo: Topology
-    ) -> torch.optim.Optimizer:
-        return optimizer
-
-    def _unwrap(self, module: nn.Module) -> nn.Module:
-        return module
-
-    def _no_sync(self, module: nn.Module) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()
-
-    def _adopt_precision(self, precision: Precision, topo: Topology) -> None:
-        return None
-
-    def _prepare(self, module: nn.Module, example_inputs: Any) -> None:
-        return None
-
-    def _checkpoint_module(self, module: nn.Module) -> nn.Module:
-        return module
-
-    def _home_device(self, topo: Topology) -> torch.device:
-        return topo.device
-
-    def _model_parallel_group(self, topo: Topology) -> Any:
-        return None
-
-    def _batch_splits(self) -> int:
-        return 1
-
     def _full_state_dict(self, module: nn.Module, topo: Topology) -> dict[str, torch.Tensor]:
         # torch's state-dict API gathers DTensor shards (FSDP, TP) and strips DDP's
         # `module.` prefix; on plain modules it is just state_dict().
@@ -333,28 +309,15 @@ class Strategy:
         )
 
         state = get_model_state_dict(
-            self._unwrap(module),
+            self.unwrap(module),
             options=StateDictOptions(full_state_dict=True, cpu_offload=False),
         )
         return {k: plain_tensor(_full_tensor(v)).detach().cpu() for k, v in state.items()}
 
-    def _forward_backward(
-        self,
-        module: nn.Module,
-        inputs: Any,
-        targets: torch.Tensor,
-        loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
-    ) -> torch.Tensor:
-        outputs = module(inputs)
-        # Model parallel ends on another device than it starts: follow the outputs.
-        loss = loss_fn(outputs, targets.to(_device_of(outputs), non_blocking=True))
-        loss.backward()
-        return loss.detach()
-
     def _predict(self, module: nn.Module, inputs: Any) -> Any:
         # The unwrapped module: a wrapper's forward may run collectives (DDP's buffer
         # broadcast) that ranks with one eval batch fewer than their peers never join.
-        return self._unwrap(module)(inputs)
+        return self.unwrap(module)(inputs)
 
 
 def _full_tensor(value: Any) -> torch.Tensor:
@@ -468,8 +431,11 @@ def resolve_strategy(
         if key in STRATEGIES:
             strategy = STRATEGIES[key]()
     if strategy is not None:
-        if mesh and any(mesh.get(d, 1) > 1 for d in ("tp", "pp")) and _COMPOSE is not None:
-            return _COMPOSE(strategy, mesh)
+        if mesh and any(mesh.get(d, 1) > 1 for d in ("tp", "pp")):
+            # Here, not at the top: mesh.py builds its composites on this module's Strategy.
+            from scaletrain.strategies.mesh import compose
+
+            return compose(strategy, mesh)
         return strategy
     raise ConfigError(
         f"strategy={spec!r} is not known; expected one of {', '.join(sorted(STRATEGIES))} "

@@ -108,7 +108,7 @@ class DDP(Strategy):
             per_process = max(local_devices_needed(self.device_map or {}), 1)
         return process_devices(topo.local_rank, per_process, gpu_count=gpus)
 
-    def _home_device(self, topo: Topology) -> torch.device:
+    def home_device(self, topo: Topology) -> torch.device:
         if self.device_map is None or topo.device.type != "cuda":
             return topo.device
         return torch.device(self.process_devices(topo)[0])
@@ -182,10 +182,10 @@ class DDP(Strategy):
             # batched_powerSGD_hook raises a bare AssertionError in 2.13 (NOTES.md).
             ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
 
-    def _unwrap(self, module: nn.Module) -> nn.Module:
+    def unwrap(self, module: nn.Module) -> nn.Module:
         return module.module if isinstance(module, DistributedDataParallel) else module
 
-    def _no_sync(self, module: nn.Module) -> contextlib.AbstractContextManager[None]:
+    def no_sync(self, module: nn.Module) -> contextlib.AbstractContextManager[None]:
         if isinstance(module, DistributedDataParallel):
             return module.no_sync()
         return contextlib.nullcontext()

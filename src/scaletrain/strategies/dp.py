@@ -113,7 +113,7 @@ class DataParallel(Strategy):
         module = module.to(torch.device("cuda", ids[0]))
         return nn.DataParallel(module, device_ids=ids)
 
-    def _unwrap(self, module: nn.Module) -> nn.Module:
+    def unwrap(self, module: nn.Module) -> nn.Module:
         # Checkpoints then hold the user's keys, not DataParallel's "module." prefix.
         return module.module if isinstance(module, nn.DataParallel) else module
 

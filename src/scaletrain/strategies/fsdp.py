@@ -109,7 +109,7 @@ class FSDP(Strategy):
         self.apply_levers(module, targets)
         if topo.world_size == 1:
             # One process: nothing to shard; the same script runs unwrapped (and
-            # _adopt_precision left autocast on).
+            # adopt_precision left autocast on).
             return module
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
@@ -133,17 +133,17 @@ class FSDP(Strategy):
         remember_parameter_names(module, names)
         return module
 
-    def _setup_optimizer(
+    def setup_optimizer(
         self, optimizer: torch.optim.Optimizer, module: nn.Module, topo: Topology
     ) -> torch.optim.Optimizer:
         optimizer = rebind_to_wrapped(optimizer, module)
         precompute_scales_after_steps(optimizer, module)
         return optimizer
 
-    def _unwrap(self, module: nn.Module) -> nn.Module:
+    def unwrap(self, module: nn.Module) -> nn.Module:
         return module
 
-    def _adopt_precision(self, precision: Precision, topo: Topology) -> None:
+    def adopt_precision(self, precision: Precision, topo: Topology) -> None:
         # FSDP casts parameters itself when it all-gathers them (MixedPrecisionPolicy):
         # cheaper than autocast re-casting every op, and gradients reduce in fp32.
         policy = precision.fsdp_policy()
@@ -154,7 +154,7 @@ class FSDP(Strategy):
         if self.mixed_precision is not None and topo.world_size > 1:
             precision.autocast = False
 
-    def _no_sync(self, module: nn.Module) -> contextlib.AbstractContextManager[None]:
+    def no_sync(self, module: nn.Module) -> contextlib.AbstractContextManager[None]:
         return _gradient_sync_off(module)
 
 

@@ -28,7 +28,6 @@ from torch import nn
 
 from scaletrain.dist.mesh import device_mesh
 from scaletrain.errors import ConfigError, spell
-from scaletrain.strategies import base
 from scaletrain.strategies.base import (
     Strategy,
     parameter_names,
@@ -70,7 +69,7 @@ class FSDPxTP(Strategy):
         self.tensor.validate(topo)
         self.fsdp.validate(topo)
 
-    def _adopt_precision(self, precision: Precision, topo: Topology) -> None:
+    def adopt_precision(self, precision: Precision, topo: Topology) -> None:
         self.fsdp.adopt_precision(precision, topo)
 
     def _check_model(self, module: nn.Module, topo: Topology) -> None:
@@ -96,7 +95,7 @@ class FSDPxTP(Strategy):
             module = self.fsdp.setup_module(module, topo)
         return module
 
-    def _setup_optimizer(
+    def setup_optimizer(
         self, optimizer: torch.optim.Optimizer, module: nn.Module, topo: Topology
     ) -> torch.optim.Optimizer:
         # Tensor parallel remembered the names first; FSDP's wrapping keeps them.
@@ -104,7 +103,7 @@ class FSDPxTP(Strategy):
         precompute_scales_after_steps(optimizer, module)
         return optimizer
 
-    def _no_sync(self, module: nn.Module) -> contextlib.AbstractContextManager[None]:
+    def no_sync(self, module: nn.Module) -> contextlib.AbstractContextManager[None]:
         return self.fsdp.no_sync(module)
 
 
@@ -150,18 +149,18 @@ class PipelinexDDP(Strategy):
                     dist.broadcast(tensor.data, src=src, group=group)
         return self.pipeline.setup_module(module, topo)
 
-    def _setup_optimizer(
+    def setup_optimizer(
         self, optimizer: torch.optim.Optimizer, module: nn.Module, topo: Topology
     ) -> torch.optim.Optimizer:
         return self.pipeline.setup_optimizer(optimizer, module, topo)
 
-    def _unwrap(self, module: nn.Module) -> nn.Module:
+    def unwrap(self, module: nn.Module) -> nn.Module:
         return self.pipeline.unwrap(module)
 
-    def _model_parallel_group(self, topo: Topology) -> Any:
+    def model_parallel_group(self, topo: Topology) -> Any:
         return self.pipeline.model_parallel_group(topo)
 
-    def _batch_splits(self) -> int:
+    def batch_splits(self) -> int:
         return self.pipeline.batch_splits()
 
     def _full_state_dict(self, module: nn.Module, topo: Topology) -> dict[str, torch.Tensor]:
@@ -175,10 +174,10 @@ class PipelinexDDP(Strategy):
         finally:
             self._syncing = previous
 
-    def _no_sync(self, module: nn.Module) -> contextlib.AbstractContextManager[None]:
+    def no_sync(self, module: nn.Module) -> contextlib.AbstractContextManager[None]:
         return self._sync_off()
 
-    def _forward_backward(
+    def forward_backward(
         self,
         module: nn.Module,
         inputs: Any,
@@ -193,10 +192,10 @@ class PipelinexDDP(Strategy):
     def _predict(self, module: nn.Module, inputs: Any) -> Any:
         return self.pipeline.predict(module, inputs)
 
-    def _prepare(self, module: nn.Module, example_inputs: Any) -> None:
+    def prepare(self, module: nn.Module, example_inputs: Any) -> None:
         self.pipeline.prepare(module, example_inputs)
 
-    def _checkpoint_module(self, module: nn.Module) -> nn.Module:
+    def checkpoint_module(self, module: nn.Module) -> nn.Module:
         return self.pipeline.checkpoint_module(module)
 
 
@@ -285,6 +284,3 @@ def compose(strategy: Strategy, mesh: Mapping[str, int]) -> Strategy:
         f"strategy {strategy.name!r} with mesh {{{shape}}}: a 'pp' dimension composes with "
         "DDP on 'dp'. Use strategy='ddp' (or 'pipeline') with this mesh."
     )
-
-
-base._COMPOSE = compose

@@ -93,7 +93,7 @@ class ModelParallel(Strategy):
         self.apply_levers(module)
         return module
 
-    def _setup_optimizer(
+    def setup_optimizer(
         self, optimizer: torch.optim.Optimizer, module: nn.Module, topo: Topology
     ) -> torch.optim.Optimizer:
         _follow_parameters(optimizer)

@@ -193,7 +193,7 @@ class TensorParallel(Strategy):
         remember_parameter_names(module, names)
         return module
 
-    def _setup_optimizer(
+    def setup_optimizer(
         self, optimizer: torch.optim.Optimizer, module: nn.Module, topo: Topology
     ) -> torch.optim.Optimizer:
         return rebind_to_wrapped(optimizer, module)

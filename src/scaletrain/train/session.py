@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,19 @@ class Preempted(Exception):
     def __init__(self, step: int) -> None:
         super().__init__(f"preempted at step {step}; checkpoint saved")
         self.step = step
+
+
+@contextlib.contextmanager
+def _saves_finished(manager: CheckpointManager) -> Iterator[None]:
+    """Around the run: the saves in flight finish (or fail) before the process group
+    goes. When the run itself failed, that error is the one to report, not the close's."""
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(Exception):
+            manager.close()
+        raise
+    manager.close()
 
 
 def _plural(n: int, one: str, many: str | None = None) -> str:
@@ -332,43 +346,31 @@ class Session:
     # -- training -------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         self._build()
-        try:
-            result = self._run()
-        except BaseException:
-            # The saves in flight finish (or fail) before the process group goes; the
-            # error that stopped the run is the one to report.
-            with contextlib.suppress(Exception):
-                self.manager.close()
-            raise
-        self.manager.close()
-        return result
-
-    def _run(self) -> dict[str, Any]:
-        self._resume()
-        self._plan()
-        resumed = self.done.resumed
-        if resumed is not None and resumed.path is not None and self.done.forked is None:
-            refuse_length(self.cfg, self.out, resumed.path, self.done.step, self.total_steps)
-        self._announce()
-        done = self.done
-        self.run_start_step = done.step
-        # A stop asked for during set-up (Ctrl-C while loading) ends the run before the
-        # first step: there is nothing new to save.
-        done.stopped_by = self.agreement.at_start()
-        while done.step < self.total_steps and done.stopped_by is None:
-            epoch = self.length.epoch_of(done.step)
-            self._train_epoch(epoch)
-            if done.stopped_by is None:
-                done.last_eval = self._evaluate(epoch)
-        # Nothing trained (resumed at the last step): the checkpoint there stays as it is.
-        # A finished run keeps its last step (save_last): extending or forking it needs the
-        # optimizer and the loader's position, which model.pt does not hold.
-        trained = done.step > self.run_start_step
-        if (self.cfg.save_last or done.stopped_by is not None) and trained:
-            self._save(final=True)
-        if done.stopped_by is not None:
-            return self._stopped()
-        return self._finish()
+        with _saves_finished(self.manager):
+            self._resume()
+            self._plan()
+            done, resumed = self.done, self.done.resumed
+            if resumed is not None and resumed.path is not None and done.forked is None:
+                refuse_length(self.cfg, self.out, resumed.path, done.step, self.total_steps)
+            self._announce()
+            self.run_start_step = done.step
+            # A stop asked for during set-up (Ctrl-C while loading) ends the run before the
+            # first step: there is nothing new to save.
+            done.stopped_by = self.agreement.at_start()
+            while done.step < self.total_steps and done.stopped_by is None:
+                epoch = self.length.epoch_of(done.step)
+                self._train_epoch(epoch)
+                if done.stopped_by is None:
+                    done.last_eval = self._evaluate(epoch)
+            # Nothing trained (resumed at the last step): the checkpoint there stays as it
+            # is. A finished run keeps its last step (save_last): extending or forking it
+            # needs the optimizer and the loader's position, which model.pt does not hold.
+            trained = done.step > self.run_start_step
+            if (self.cfg.save_last or done.stopped_by is not None) and trained:
+                self._save(final=True)
+            if done.stopped_by is not None:
+                return self._stopped()
+            return self._finish()
 
     def _lr(self, step: int) -> float:
         return lr_at(

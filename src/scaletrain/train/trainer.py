@@ -86,7 +86,10 @@ class Trainer:
                 ),
             )
             stop.arm()
-            return self._run(rt, stop)
+            out, notes = self._prepare_out(rt)
+            with contextlib.closing(self._observers(rt, out)) as observers:
+                session = Session(self.config, self.recipe, rt, stop, out, observers, notes)
+                return session.run()
         except Exception:
             failed = True
             from scaletrain.dist import claim_first
@@ -161,10 +164,10 @@ class Trainer:
             with contextlib.suppress(OSError):
                 self._out.rmdir()  # only if empty
 
-    # -- the run --------------------------------------------------------------------
-    def _run(self, rt: Runtime, stop: StopRequest) -> dict[str, Any]:
+    def _observers(self, rt: Runtime, out: Path) -> EventBus:
+        """Who hears about the run: rank 0's progress bar and metrics.jsonl, the step
+        ledger, the trackers, the hang watchdog, then the caller's own observers."""
         cfg = self.config
-        out, notes = self._prepare_out(rt)
         observers = EventBus()
         printer: ProgressPrinter | None = None
         if rt.is_main:
@@ -192,8 +195,4 @@ class Trainer:
             observers.add(WatchdogObserver(watchdog))
         for extra in self.extra_observers:
             observers.add(extra)
-        try:
-            session = Session(self.config, self.recipe, rt, stop, out, observers, notes)
-            return session.run()
-        finally:
-            observers.close()
+        return observers

@@ -221,12 +221,12 @@ class Pipeline(Strategy):
             compile=self.compile,
         )
 
-    def _checkpoint_module(self, module: nn.Module) -> nn.Module:
+    def checkpoint_module(self, module: nn.Module) -> nn.Module:
         if isinstance(module, PipelineModule) and module.is_built:
             return module.stage_view()
         return module
 
-    def _prepare(self, module: nn.Module, example_inputs: Any) -> None:
+    def prepare(self, module: nn.Module, example_inputs: Any) -> None:
         if isinstance(module, PipelineModule) and not module.is_built:
             module.build(example_inputs)
 
@@ -244,23 +244,23 @@ class Pipeline(Strategy):
         full = module.module.state_dict()
         return {k: owned[k] if k in owned else v.detach().cpu() for k, v in full.items()}
 
-    def _setup_optimizer(
+    def setup_optimizer(
         self, optimizer: torch.optim.Optimizer, module: nn.Module, topo: Topology
     ) -> torch.optim.Optimizer:
         if isinstance(module, PipelineModule):
             module.attach_optimizer(optimizer)
         return optimizer
 
-    def _unwrap(self, module: nn.Module) -> nn.Module:
+    def unwrap(self, module: nn.Module) -> nn.Module:
         return module.module if isinstance(module, PipelineModule) else module
 
-    def _model_parallel_group(self, topo: Topology) -> Any:
+    def model_parallel_group(self, topo: Topology) -> Any:
         # Stages hold different parameters: whole-model norms sum over the stages.
         if topo.world_size == 1 or (topo.mesh_given and topo.size("pp") == 1):
             return None
         return device_mesh(topo, "pp").get_group()
 
-    def _forward_backward(
+    def forward_backward(
         self,
         module: nn.Module,
         inputs: Any,
@@ -268,10 +268,10 @@ class Pipeline(Strategy):
         loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
     ) -> torch.Tensor:
         if not isinstance(module, PipelineModule):
-            return Strategy._forward_backward(self, module, inputs, targets, loss_fn)
+            return Strategy.forward_backward(self, module, inputs, targets, loss_fn)
         return module.train_step(inputs, targets, loss_fn)
 
-    def _batch_splits(self) -> int:
+    def batch_splits(self) -> int:
         return self.microbatches
 
     def _predict(self, module: nn.Module, inputs: Any) -> Any:
