@@ -19,9 +19,12 @@
    Table 4 (the 2-D row): 70B, FSDP 32 x TP 8 on 256 GPUs, local batch 16, full
    checkpointing, compiled (with float8, which the planner does not model: its row
    is planned in bf16 and said so). The 70B is its Hugging Face config.json (Llama
-   3.1 70B's published sizes), built on the meta device. `--part what-if` plans
-   table 1's eager row with torchtitan's own selective policy (every second matmul
-   of a block recomputed; scaletrain's keeps them all) in place of scaletrain's.
+   3.1 70B's published sizes), built on the meta device. Selective checkpointing is
+   planned with the runs' own policy, torchtitan's (its llama3 `_apply_ac`, op mode:
+   matmul, attention and reduce-scatter outputs kept, but every second matmul of a
+   block recomputed), installed for the profile; `--part what-if` plans table 1's
+   eager row with scaletrain's own policy instead (every matmul's output kept), which
+   is what `scaletrain train --ac selective` runs.
 3. `--part here`: this machine calibrated (`scaletrain plan --calibrate`), then the
    recipes trained (on a CPU at 1 and 2 processes; on a GPU one process at fp32 and
    bf16-mixed) and each run's `plan --check`: predicted vs measured step time and
@@ -31,7 +34,7 @@
 
     .venv/bin/python benchmarks/plan_accuracy.py --part zero
     .venv/bin/python benchmarks/plan_accuracy.py --part torchtitan   # minutes: fake 70B
-    .venv/bin/python benchmarks/plan_accuracy.py --part what-if      # torchtitan's policy
+    .venv/bin/python benchmarks/plan_accuracy.py --part what-if      # scaletrain's policy
     .venv/bin/python benchmarks/plan_accuracy.py --part here [--keep FILE]
 """
 
@@ -115,7 +118,10 @@ def zero() -> None:
 
 def torchtitan() -> None:
     import scaletrain as st
+    import scaletrain.strategies.levers as levers
     from scaletrain.planner.layout import Layout
+
+    levers.selective_policy = _torchtitans_selective()  # type: ignore[assignment]
 
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "config.json"
@@ -172,13 +178,11 @@ def _torchtitans_selective() -> object:
 
 
 def what_if() -> None:
-    """Table 1's eager row again, with torchtitan's own selective policy in place of
-    scaletrain's: how much of the memory error the two policies' difference is."""
+    """Table 1's eager row again, with scaletrain's own selective policy in place of
+    torchtitan's: how much more memory keeping every matmul's output takes."""
     import scaletrain as st
-    import scaletrain.strategies.levers as levers
     from scaletrain.planner.layout import Layout
 
-    levers.selective_policy = _torchtitans_selective()  # type: ignore[assignment]
     p = st.plan("llama-8b", devices=8, hardware="h100-96gb", batch_size=2, seq_len=8192,
                 precision="bf16-mixed", ac="selective", layouts=[Layout("fsdp", dp=8)])  # fmt: skip
     row = p.rows[0]
@@ -188,7 +192,7 @@ def what_if() -> None:
         "tok/s/GPU published | planned | error |"
     )
     print("|---|---|---:|---|---:|---:|---:|---:|---:|---:|")
-    print(f"| 1 | llama-8b | 8 | torchtitan's selective | 82.4 | {mem:.1f} | {mem / 82.4 - 1:+.1%} "
+    print(f"| 1 | llama-8b | 8 | scaletrain's selective | 82.4 | {mem:.1f} | {mem / 82.4 - 1:+.1%} "
           f"| 5,762 | {rate:,.0f} | {rate / 5762 - 1:+.1%} |")  # fmt: skip
 
 

@@ -20,7 +20,6 @@ from scaletrain.planner.layout import Layout, layouts_for
 from scaletrain.planner.models import resolve_model
 from scaletrain.planner.profile import ModelProfile, profile_model
 from scaletrain.precision import PRECISIONS, canonical
-from scaletrain.strategies.blocks import auto_wrap_targets
 from scaletrain.strategies.levers import check_levers
 from scaletrain.strategies.partition import list_layers
 from scaletrain.strategies.tensor_plan import check_tp_plan, matching_modules
@@ -169,7 +168,7 @@ def plan(
     batch = planned.batch_size if batch_size is None else batch_size
     with torch.device("meta"):
         net = planned.build()
-    layers, units = list_layers(net), auto_wrap_targets(net)
+    layers, units = list_layers(net), list(planned.blocks)
     # A declared plan names modules by pattern ("layers.*.self_attn.q_proj"), as
     # parallelize_module matches them; the formulas price modules by name.
     tp_plan = {
