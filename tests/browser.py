@@ -128,7 +128,10 @@ def open_page(
         raise FileNotFoundError("no chromium on PATH (make setup installs Debian's chromium)")
     to_chrome_r, to_chrome_w = os.pipe()
     from_chrome_r, from_chrome_w = os.pipe()
-    profile = tempfile.mkdtemp(prefix="scaletrain-chromium-")
+    # Chromium puts a unix socket in TMPDIR, whose path may be at most 107 bytes: a
+    # test's TMPDIR (its tmp_path, longer still under a pytest-xdist worker) is too
+    # long, and Chromium aborts. Its profile and its TMPDIR are a short directory of /tmp.
+    profile = tempfile.mkdtemp(prefix="scaletrain-chromium-", dir="/tmp")
 
     def child_fds() -> None:
         # Copies first: a pipe end may itself be fd 3 or 4. The copies are in order, so
@@ -145,6 +148,7 @@ def open_page(
         stderr=subprocess.DEVNULL,
         preexec_fn=child_fds,
         close_fds=False,
+        env={**os.environ, "TMPDIR": profile},
     )
     os.close(to_chrome_r)
     os.close(from_chrome_w)
