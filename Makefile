@@ -84,15 +84,17 @@ docs: setup
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 # Two pytest workers (pytest-xdist), each test file on one of them (--dist loadfile: a
-# module's shared runs are trained once). A multi-process test spends much of its time
-# starting processes and waiting on them (rendezvous, timeouts, signals), so one file at
-# a time leaves a 2-core box's second core idle; more workers than cores would stretch
-# the timing tests. PYTEST_WORKERS=0 runs the tests in this process, one at a time.
+# module's shared runs are trained once), in the order tests/conftest.py sorts them,
+# longest first (--no-loadscope-reorder: xdist would put the files of most tests
+# first). A multi-process test spends much of its time starting processes and waiting
+# on them (rendezvous, timeouts, signals), so one file at a time leaves a 2-core box's
+# second core idle; more workers than cores would stretch the timing tests. PYTEST_WORKERS=0 runs the tests in this process, one at a time.
 # pytest exits 5 when it collects no test: that is a failure for CI here, never a
 # silent pass, so it is reported as such.
 PYTEST_WORKERS ?= 2
 test: lint typecheck layers docs
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=15; rc=$$?; \
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile \
+		--no-loadscope-reorder --durations=15; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 # The peers benchmark's optional contenders (Accelerate, Lightning Fabric) in their own

@@ -13,7 +13,7 @@ from torch import nn
 
 import scaletrain as st
 from scaletrain.errors import ConfigError
-from scaletrain.hardware import Hardware, Host, Link
+from scaletrain.hardware import Hardware, Host, Link, write
 from scaletrain.planner.cost import (
     DDP_BUCKET,
     Model,
@@ -300,6 +300,9 @@ def test_cpu_offload_moves_the_states_to_the_host_and_pays_for_it() -> None:
     assert offloaded.params == offloaded.grads == offloaded.optimizer == 0
     assert offloaded.host == pytest.approx(on_device.params + on_device.grads + on_device.optimizer)
     assert offloaded.activations == on_device.activations
+    # One device too gathers each unit (from the host) to compute it.
+    alone = memory(Layout("fsdp", dp=1, offload=True), m, 32)
+    assert alone.buffers == offloaded.buffers > 0
     assert offloaded.total < on_device.total
     # Each unit's shard crosses the host's link twice a step, and the optimizer steps
     # on the host: slower, and slower still over a slower link.
@@ -321,11 +324,13 @@ def test_offload_is_a_row_where_the_hardware_has_a_host(tmp_path: Path) -> None:
     # A model one device cannot hold fits it with offload.
     ddp, off = (with_host.row(x).memory.total for x in ("ddp dp=1", "fsdp dp=1 offload"))
     hw = replace(with_host.hardware, memory=int((ddp + off) / 2))
-    rows = [estimate(r.layout, Model(with_host.profile, [], []), hw, 32) for r in with_host.rows]
-    assert [r.fits for r in rows] == [False, True]
+    small = st.plan("gpt", devices=1, hardware=str(write(hw, tmp_path / "small.toml")))
+    assert [r.fits for r in small.rows] == [False, True]
     cpu_file = cpu_hardware_file(tmp_path / "cpu.toml")  # a CPU's memory is its host's
     without = st.plan("gpt", devices=2, hardware=str(cpu_file))
     assert not any(r.layout.offload for r in without.rows)
+    with pytest.raises(ConfigError, match=r"Layout\('ddp', offload=True\): offload is FSDP's"):
+        Layout("ddp", dp=2, offload=True)
     cpu = _hw(device="cpu", host=None)
     with pytest.raises(
         ConfigError, match=r"offloads to the host, and test-gpu's hardware file has no \[host\]"

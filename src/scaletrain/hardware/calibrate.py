@@ -360,6 +360,7 @@ def _host(dev: Any, gpus: int, quick: bool) -> Host:
     of its cores (the threads an offloaded optimizer step has)."""
     import torch
 
+    share = _available_memory() // max(1, gpus)  # before the pinned buffer, kept cached
     nbytes = (256 if quick else 1024) * MiB
     pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     on_gpu = torch.empty(nbytes, dtype=torch.uint8, device=dev)
@@ -374,12 +375,11 @@ def _host(dev: Any, gpus: int, quick: bool) -> Host:
         ways.append(nbytes / min(times[1:]))
     del pinned, on_gpu
     threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, gpus)))
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // max(1, gpus)))
     try:
         cpu = _memory_bandwidth(torch.device("cpu"), quick)
     finally:
         torch.set_num_threads(threads)
-    share = _available_memory() // max(1, gpus)
     return Host(memory=share, bandwidth=min(ways), memory_bandwidth=cpu)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from scaletrain.errors import ConfigError
 from scaletrain.planner.schedule import SCHEDULES
 
 __all__ = ["SCHEDULES", "STRATEGIES", "Layout", "layouts_for"]
@@ -38,6 +39,15 @@ class Layout:
     offload: bool = False
     """FSDP's CPU offload: the shards (parameters, gradients, optimizer state) live in
     host memory, each unit copied in for its gathers, and the optimizer steps there."""
+
+    def __post_init__(self) -> None:
+        if self.offload and STRATEGIES.get(self.strategy) != 3:
+            raise ConfigError(
+                f"Layout({self.strategy!r}, offload=True): offload is FSDP's CPU offload, "
+                "of the shards of a fully sharded strategy. Fix: strategy 'fsdp' or "
+                "'fsdp x tp', or offload=False.",
+                field="layouts",
+            )
 
     @property
     def stage(self) -> int:
