@@ -168,8 +168,8 @@ def is_rendezvous_store(host: str, port: int, timeout_s: float) -> str | None:
     """None if a c10d store answers at host:port within `timeout_s`, else what happened.
 
     Plain sockets, not torch's client: torch's waits past its own timeout when the
-    peer accepts the connection and never answers (measured: still waiting after 5 s
-    with timeout=3 s), which is what a port held by another service does.
+    peer accepts the connection and never answers, which is what a port held by
+    another service does.
     """
     nonce = os.getpid() & 0xFFFFFFFF
     try:

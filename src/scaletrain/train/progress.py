@@ -30,7 +30,7 @@ class StepProgress:
 
     def __init__(self, *, enabled: bool, console: Console | None = None) -> None:
         # rich is imported here, not with the module: only rank 0 shows progress, and
-        # importing rich costs every other rank 0.1 s of its start.
+        # importing rich would add to every other rank's start.
         from rich.console import Console
 
         from scaletrain.observe.output import LossyStream

@@ -4,7 +4,7 @@
 CPU, nanoseconds runnable but waiting in a run queue, and timeslices. The second is
 what other processes (or the rank's own other threads) took from it: a rank whose
 forward is 1.3x its peers' because the kernel ran something else on its core is not
-slow on its device. The step ledger reads it once per window (a file read, ~0.1 ms),
+slow on its device. The step ledger reads it once per window (a file read),
 never per step; where /proc is missing (macOS) or does not hold it, the reader gives
 None and nothing is said about CPU waits.
 """
