@@ -261,8 +261,7 @@ def memory(layout: Layout, model: Model, batch: int) -> Memory:
     states = states_for(prec, p.optimizer_bytes / max(1, p.params))
     s = model_states(psi, layout.dp, layout.stage, states, largest * par)
     buffers = 0.0
-    sharded = layout.dp > 1 or layout.offload  # FSDP gathers its units (offload: from the host)
-    if sharded and layout.stage == 3:
+    if layout.sharded and layout.stage == 3:
         buffers = 2 * largest * par * COMPUTE[prec]
     elif layout.dp > 1 and layout.stage == 2:
         buffers = psi * COMPUTE[prec]
@@ -400,8 +399,7 @@ def step_time(layout: Layout, model: Model, hw: Hardware, batch: int) -> StepTim
     # stage has fewer of them.
     launches = max(x[1] for x in model.stage_shares(layout.pp)) if layout.pp > 1 else 1.0
     # FSDP's mixed precision gathers the weights in the compute dtype: no casts.
-    sharded = layout.dp > 1 or layout.offload
-    cast = 0.0 if sharded and layout.stage >= 2 and MASTER[prec] > COMPUTE[prec] else 0.5
+    cast = 0.0 if layout.sharded and layout.stage >= 2 and MASTER[prec] > COMPUTE[prec] else 0.5
     fixed = p.fixed.scaled(share * cast, launches * cast)
     scale = p.per_sample(batch) * share
     fwd_s, fwd_floor = _seconds(p.forward.scaled(scale, launches) + fixed, hw, dtype, compiled)
@@ -415,7 +413,7 @@ def step_time(layout: Layout, model: Model, hw: Hardware, batch: int) -> StepTim
     if host := _host(layout, hw):  # the host's kernels: bound by its memory, no launches
         opt_s = p.optimizer.bytes * par / layout.dp / host.memory_bandwidth
     work, comm, exposed, bubble = fwd_s + bwd_s, 0.0, 0.0, 0.0
-    if layout.dp > 1 or layout.offload:
+    if layout.sharded:
         comm, exposed = (
             _ddp(layout, model, hw, bwd_s)
             if layout.stage == 0

@@ -55,6 +55,12 @@ class Layout:
         return STRATEGIES.get(self.strategy, 0)
 
     @property
+    def sharded(self) -> bool:
+        """Whether its data parallelism runs: ranks to share with, or FSDP's units
+        gathered from the host (offload, at one device too)."""
+        return self.dp > 1 or self.offload
+
+    @property
     def devices(self) -> int:
         return self.dp * self.tp * self.pp
 
