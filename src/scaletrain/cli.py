@@ -193,7 +193,8 @@ def _preflight(config: TrainConfig, nodes: int, hint: int | None) -> tuple[int, 
     from scaletrain.precision import Precision
     from scaletrain.strategies import resolve_strategy
     from scaletrain.train.config import SINGLE_PROCESS_STRATEGIES
-    from scaletrain.train.recipes import check_recipe, recipe_for
+    from scaletrain.train.model_module import check_recipe
+    from scaletrain.train.recipes import recipe_for
 
     recipe = recipe_for(config)
     check_recipe(recipe)

@@ -16,7 +16,7 @@ import torch
 from scaletrain import cli
 from scaletrain.errors import ConfigError
 from scaletrain.train.config import TrainConfig
-from scaletrain.train.recipes import check_recipe, load_recipe
+from scaletrain.train.model_module import check_recipe, load_recipe
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.timeout(120)

@@ -105,7 +105,7 @@ def measured(run: str | Path) -> tuple[float, int | None, bool]:
 def check_run(run: str | Path, hardware: str | None = None) -> Check:
     """Predict the run's own layout (its config.json) and compare with its ledger."""
     from scaletrain.train.hf_config import config_file
-    from scaletrain.train.recipes import load_recipe
+    from scaletrain.train.model_module import load_recipe
 
     base = Path(run)
     config = base / "config.json"

@@ -79,7 +79,8 @@ def resolve_model(
                 field=field,
             )
     from scaletrain.train.hf_config import config_file
-    from scaletrain.train.recipes import check_recipe, get_recipe, load_recipe
+    from scaletrain.train.model_module import check_recipe, load_recipe
+    from scaletrain.train.recipes import get_recipe
 
     if model is None:
         r = get_recipe(recipe or "convnet")

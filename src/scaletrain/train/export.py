@@ -26,7 +26,7 @@ def export_hf(run: str | Path, out: str | Path) -> tuple[Path, Path]:
     already there is replaced."""
     from scaletrain.checkpoint import consolidate
     from scaletrain.checkpoint.catalog import explain_no_checkpoint, newest_valid
-    from scaletrain.train.recipes import load_recipe
+    from scaletrain.train.model_module import load_recipe
 
     run, out = Path(run), Path(out)
     config_file = run / "config.json"

@@ -7,7 +7,7 @@ in fp32 whatever dtype the file states (the run's precision decides what a step 
 in), with `use_cache=False`. It trains on the gpt and llama recipes' bytes (Python's own
 sources, token ids below 256) at `CONFIG_BLOCK` tokens per sample, or the model's
 max_position_embeddings where that is less, with torchtitan's AdamW; `--data MODULE:NAME`
-gives it other data (see `scaletrain.train.recipes.load_recipe`).
+gives it other data (see `scaletrain.train.model_module.load_recipe`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from scaletrain.errors import ConfigError, closest, spell
-from scaletrain.train.recipes import Recipe, _python_text, _python_text_locate, _safe_name, _tokens
+from scaletrain.train.model_module import _safe_name
+from scaletrain.train.recipes import Recipe, _python_text, _python_text_locate, _tokens
 
 __all__ = ["CONFIG_BLOCK", "config_file", "config_recipe"]
 
