@@ -442,7 +442,8 @@ def estimate(layout: Layout, model: Model, hw: Hardware, batch: int) -> Estimate
         notes.append(f"does not fit: {over:.2f} GiB over {hw.memory / 2**30:.1f} GiB")
     if host:
         full = f", over its {host.memory / 2**30:.1f} GiB" if mem.host > host.memory else ""
-        notes.append(f"{mem.host / 2**30:.1f} GiB of states in host memory per device{full}")
+        held = f"{mem.host / 2**30:.1f} GiB" if mem.host >= 2**30 else f"{mem.host / 2**20:.1f} MiB"
+        notes.append(f"{held} of states in host memory per device{full}")
     if time.floor:
         notes.append("kernel launches, not the arithmetic, set this step's pace")
     return Estimate(layout, mem, time, fits, notes)
