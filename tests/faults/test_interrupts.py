@@ -178,3 +178,20 @@ def test_ctrl_c_during_start_up_says_interrupted_once(
     assert run.output.count("interrupted") == 1, run.output
     assert run.output.strip() == "scaletrain: interrupted.", run.output
     assert not out.exists() or not (out / "pids").exists()
+
+
+def test_ctrl_c_while_plan_profiles_a_model_says_interrupted_once(tmp_path: Path) -> None:
+    """A Ctrl-C inside torch's dispatch (the plan's fake step) crossed C++ frames and
+    aborted the process ("terminate called after throwing an instance of
+    'python_error'"); it is held to the next block boundary and said once."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "scaletrain", "plan", "--recipe", "llama-8b", "--devices", "8",
+         "--hardware", "h100-sxm"],
+        cwd=tmp_path, env=launcher_free_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    time.sleep(8)  # imports, then the 8B's fake step, which takes minutes
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out + err
+    assert err.count("interrupted") == 1 and "terminate called" not in err, err

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import signal
+import threading
 import warnings
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
@@ -154,8 +156,32 @@ _FREE = {torch.ops.aten.detach, torch.ops.aten.lift_fresh, torch.ops.aten.empty,
 """Ops that allocate or relabel without a kernel that moves data."""
 
 
+_INTERRUPTED: list[int] = []
+"""A Ctrl-C that arrived during a profile, raised at the next block boundary."""
+
+
 def _collect(*_: Any) -> None:
     gc.collect()
+    if _INTERRUPTED:
+        raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def _interrupt_between_blocks() -> Any:
+    """A Ctrl-C raised inside torch's dispatch (the fake step's kernels) crosses C++
+    frames and aborts the process; it is held, and raised at a block boundary (a
+    Python hook) or when the step ends."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, lambda *_: _INTERRUPTED.append(1))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if _INTERRUPTED:
+            _INTERRUPTED.clear()
+            raise KeyboardInterrupt
 
 
 def _built(build: Callable[[], nn.Module], dtype: torch.dtype | None) -> nn.Module:
@@ -217,7 +243,8 @@ def profile_model(
     gc.collect()
     gc.disable()
     try:
-        return _profile(build, example, loss_fn, optimizer, precision, ac, ac_every, name)
+        with _interrupt_between_blocks():
+            return _profile(build, example, loss_fn, optimizer, precision, ac, ac_every, name)
     finally:
         if paused:
             gc.enable()
