@@ -307,3 +307,16 @@ def test_a_paper_plan_of_the_llama_recipe_splits_only_whole_key_value_heads(
 def test_a_shape_that_cannot_be_built_says_why(fields: dict[str, int], words: str) -> None:
     with pytest.raises(ValueError, match=words):
         LlamaShape(**fields)
+
+
+def test_the_default_loss_is_taken_in_fp32() -> None:
+    """Under sharded FSDP no autocast runs: the default loss took bf16 logits as they
+    came, where one process (autocast) computes the same cross-entropy in fp32."""
+    from scaletrain.train.recipes import get_recipe
+
+    logits = torch.randn(2, 8, 64).to(torch.bfloat16)
+    targets = torch.randint(0, 64, (2, 8))
+    loss = get_recipe("llama").loss(logits, targets)
+    assert loss.dtype == torch.float32
+    want = nn.functional.cross_entropy(logits.float().reshape(-1, 64), targets.reshape(-1))
+    assert torch.equal(loss, want)

@@ -216,12 +216,14 @@ class Recipe:
     ) -> torch.Tensor:
         """The module's loss, else cross-entropy over the last dimension (sequence
         outputs (B, T, V) flattened to tokens; targets of -100 ignored): the mean, or
-        with `num_items` the sum over this batch divided by it."""
+        with `num_items` the sum over this batch divided by it. The cross-entropy is
+        taken in fp32 under every strategy: autocast computes it so, and a sharded
+        FSDP step, which runs without autocast, hands it bf16 logits."""
         if self.loss_fn is not None:
             if num_items is None:
                 return self.loss_fn(outputs, targets)
             return self.loss_fn(outputs, targets, num_items=num_items)
-        logits = logits_of(outputs)
+        logits = logits_of(outputs).float()
         flat, y = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
         if num_items is None:
             return nn.functional.cross_entropy(flat, y)
