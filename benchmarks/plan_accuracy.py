@@ -44,6 +44,7 @@ import argparse
 import json
 import tempfile
 from pathlib import Path
+from typing import Any
 
 GIB = 2**30
 
@@ -63,6 +64,9 @@ PUBLISHED = [
     ("3", "llama-8b", 128, ("fsdp", 128, 1), 2, 8192, "selective", True, 62.0, 6514),
     ("4", "70b", 256, ("fsdp x tp", 32, 8), 16, 8192, "full", True, 71.9, 829),
 ]
+"""Table 4's run is tensor parallel with sequence and loss parallelism: planned as the
+`sp` layout, with torchtitan's embeddings, final norm and head split over tp too
+(`_torchtitans_tp`)."""
 
 
 def zero() -> None:
@@ -118,10 +122,12 @@ def zero() -> None:
 
 def torchtitan() -> None:
     import scaletrain as st
+    import scaletrain.planner.api as api
     import scaletrain.strategies.levers as levers
     from scaletrain.planner.layout import Layout
 
     levers.selective_policy = _torchtitans_selective()  # type: ignore[assignment]
+    api.Model = _torchtitans_tp  # type: ignore[assignment,misc]
 
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "config.json"
@@ -136,19 +142,35 @@ def torchtitan() -> None:
             which = {"recipe": model} if model != "70b" else {"model": str(config)}
             key = (model, batch, seq, ac, compiled)
             if key not in plans:  # one profile for every row of the same model and step
-                layouts = [Layout(s, dp=d, tp=t) for _, m, _, (s, d, t), *rest in PUBLISHED
-                           if (m, *rest[:4]) == key]  # fmt: skip
+                layouts = [Layout(s, dp=d, tp=t, sp=t > 1) for _, m, _, (s, d, t), *rest
+                           in PUBLISHED if (m, *rest[:4]) == key]  # fmt: skip
                 plans[key] = st.plan(
                     **which, devices=max(x.devices for x in layouts), hardware="h100-96gb",
                     batch_size=batch, seq_len=seq, precision="bf16-mixed", ac=ac,
                     compile=compiled, layouts=layouts,
                 )  # fmt: skip
             p = plans[key]
-            row = next(r for r in p.rows if r.layout == Layout(strategy, dp=dp, tp=tp))  # type: ignore[attr-defined]
+            want = Layout(strategy, dp=dp, tp=tp, sp=tp > 1)
+            row = next(r for r in p.rows if r.layout == want)  # type: ignore[attr-defined]
             mem, rate = row.memory.total / GIB, p.tokens_per_device(row)  # type: ignore[attr-defined]
             print(f"| {table} | {model} | {gpus} | {row.layout.label} | {batch} x {seq} | {ac} | "
                   f"{'yes' if compiled else 'no'} | {gib} | {mem:.1f} | {mem / gib - 1:+.1%} | "
                   f"{tps:,} | {rate:,.0f} | {rate / tps - 1:+.1%} |", flush=True)  # fmt: skip
+
+
+def _torchtitans_tp(profile: object, layers: list[Any], units: object, tp_plan: Any,
+                    **kw: Any) -> object:  # fmt: skip
+    """The planner's model of a run with torchtitan's tensor-parallel plan (its llama3
+    `apply_tp`) where it goes beyond scaletrain's: the embeddings rowwise, the final
+    norm sequence parallel and the head colwise with loss parallelism, so every
+    activation, the logits and the loss's included, is split over tp."""
+    from scaletrain.planner.cost import Model
+
+    if tp_plan:
+        heads = {"model.embed_tokens": "rowwise", "lm_head": "colwise"}
+        tp_plan = {**tp_plan, **{k: v for k, v in heads.items() if k not in tp_plan}}
+        kw["sp_blocks"] = [m for x in layers for m in x.members]
+    return Model(profile, layers, units, tp_plan, **kw)  # type: ignore[arg-type]
 
 
 def _torchtitans_selective() -> object:

@@ -336,3 +336,86 @@ def test_offload_is_a_row_where_the_hardware_has_a_host(tmp_path: Path) -> None:
         ConfigError, match=r"offloads to the host, and test-gpu's hardware file has no \[host\]"
     ):
         estimate(Layout("fsdp", dp=2, offload=True), _model(), cpu, 32)
+
+
+def test_blocks_in_a_module_list_count_in_what_the_layers_hold() -> None:
+    """A ModuleList is never called, so what its blocks held was missing from the
+    model's total, and tensor parallel's share of the activations came out as all of
+    them (clipped to 1): a tensor-parallel row divided the embeddings' and the head's
+    activations too."""
+    p = st.plan("llama", devices=4, hardware="h100-sxm", layouts=[Layout("fsdp x tp", dp=2, tp=2)])
+    from scaletrain.planner.models import resolve_model
+
+    planned = resolve_model("llama")
+    with torch.device("meta"):
+        net = planned.build()
+    from scaletrain.strategies.tensor_plan import matching_modules
+
+    plan = {n: s for k, s in (planned.tp_plan or {}).items() for n in matching_modules(net, k)}
+    m = Model(p.profile, list_layers(net), planned.blocks, plan)
+    blocks = sum(p.profile.modules[b].activation_bytes for b in planned.blocks)
+    assert m.held_activations() > blocks > 0
+    assert 0 < m.tp_shares()[2] < 1
+
+
+def test_sequence_parallel_splits_what_the_blocks_hold() -> None:
+    p = st.plan("llama", devices=4, hardware="h100-sxm", precision="bf16-mixed")
+    plain, sp = p.row("fsdp x tp dp=2,tp=2"), p.row("fsdp x tp dp=2,tp=2 sp")
+    assert sp.memory.activations < plain.memory.activations
+    assert sp.memory.params == plain.memory.params
+    # The same bytes cross the link: a reduce-scatter and an all-gather for each
+    # all-reduce.
+    assert sp.time.comm == pytest.approx(plain.time.comm)
+    with pytest.raises(ConfigError, match=r"Layout\('tensor', sp=True\): sequence parallel"):
+        Layout("tensor", sp=True)
+    # A residual MLP's blocks hold their Linears directly: no ModuleList of blocks
+    # around attention and MLP modules, so no sequence-parallel row, and one asked for
+    # is refused.
+    m = _model()
+    assert not m.sp_blocks
+    with pytest.raises(ConfigError, match="is sequence parallel, which needs"):
+        memory(Layout("tensor", tp=2, sp=True), m, 32)
+
+
+def test_a_sharded_fsdp_step_is_profiled_in_the_compute_dtype() -> None:
+    """scaletrain's FSDP casts the weights to bf16 as it gathers them and turns
+    autocast off, so every activation is bf16; a plan once priced its rows with
+    autocast's fp32 norms and residuals, and half again their memory."""
+    from scaletrain.train.recipes import get_recipe
+
+    r = get_recipe("llama")
+    args = (r.build, r.example(4), r.loss, partial(r.optimizer, lr=r.lr))
+    autocast, gathered = (
+        profile_model(*args, precision="bf16-mixed", gathered=g) for g in (False, True)
+    )
+    assert gathered.activation_bytes < autocast.activation_bytes
+    # The weights, and the optimizer's fp32 shards, are the precision's.
+    assert gathered.param_bytes == autocast.param_bytes
+    assert gathered.optimizer_bytes == autocast.optimizer_bytes
+    assert gathered.optimizer.bytes == pytest.approx(autocast.optimizer.bytes, rel=1e-4)
+    for name, cost in autocast.modules.items():
+        assert gathered.modules[name].param_bytes == cost.param_bytes, name
+    p = st.plan("llama", devices=4, hardware="h100-sxm", precision="bf16-mixed",
+                layouts=[Layout("ddp", dp=4), Layout("fsdp", dp=4)])  # fmt: skip
+    assert p.row("fsdp").memory.activations < p.row("ddp").memory.activations
+
+
+def test_fsdp_holds_a_unit_and_the_next_not_twice_the_largest() -> None:
+    """A model's root unit (embeddings and head) is often its largest: FSDP's prefetch
+    holds it beside one block, not beside a second root."""
+
+    class WideHead(ResidualMLP):
+        def __init__(self) -> None:
+            super().__init__()
+            self.head = nn.Linear(64, 4096)
+
+    example = (torch.randn(8, 64), torch.randint(0, 4096, (8,)))
+    profile = profile_model(
+        WideHead, example, nn.functional.cross_entropy, partial(torch.optim.Adam, lr=1e-3)
+    )
+    with torch.device("meta"):
+        net = WideHead()
+    m = Model(profile, list_layers(net), auto_wrap_targets(net))
+    units = sorted(m.unit_params())
+    assert units[-1] > 2 * units[-2]  # the root, and a block
+    assert memory(Layout("fsdp", dp=4), m, 8).buffers == pytest.approx(units[-1] + units[-2])

@@ -15,14 +15,18 @@ import torch
 from scaletrain.cachedir import cache_dir
 from scaletrain.errors import ConfigError, spell, unknown
 from scaletrain.hardware import Hardware, load
-from scaletrain.planner.cost import DTYPE, Estimate, Model, estimate
+from scaletrain.planner.cost import DTYPE, Estimate, Model, estimate, gathered
 from scaletrain.planner.layout import Layout, layouts_for
 from scaletrain.planner.models import resolve_model
 from scaletrain.planner.profile import ModelProfile, profile_model
 from scaletrain.precision import PRECISIONS, canonical
 from scaletrain.strategies.levers import check_levers
 from scaletrain.strategies.partition import list_layers
-from scaletrain.strategies.tensor_plan import check_tp_plan, matching_modules
+from scaletrain.strategies.tensor_plan import (
+    check_tp_plan,
+    matching_modules,
+    sequence_parallel_blocks,
+)
 
 __all__ = ["PRECISIONS", "Plan", "calibrated_path", "load_hardware", "plan"]
 
@@ -177,28 +181,44 @@ def plan(
         for name in matching_modules(net, key)
     } or None
 
-    def accepts(degree: int) -> bool:
+    try:  # sequence parallel splits the tokens between the blocks of one ModuleList
+        sp_blocks = sequence_parallel_blocks(net, tp_plan or {}) if planned.seq_len else []
+    except ConfigError:
+        sp_blocks = []
+
+    def accepts(x: Layout) -> bool:
         try:
-            check_tp_plan(net, tp_plan or {}, degree)
+            check_tp_plan(net, tp_plan or {}, x.tp)
         except ConfigError:
             return False
-        return True
+        return not x.sp or (planned.seq_len or 0) % x.tp == 0
 
     if layouts is None:
         rows = layouts_for(
             devices, batch=batch, layers=len(layers), tensor=bool(tp_plan),
-            offload=hw.host is not None,
+            offload=hw.host is not None, sequence=bool(sp_blocks),
         )  # fmt: skip
-        layouts = [x for x in rows if x.tp == 1 or accepts(x.tp)]
-    profile = profile_model(
-        planned.build, planned.example(batch), planned.loss, planned.optimizer,
-        precision=precision, ac=ac, ac_every=ac_every, name=planned.name,
-    )  # fmt: skip
-    shape = Model(profile, layers, units, tp_plan, compiled=bool(compile), precision=precision)
+        layouts = [x for x in rows if x.tp == 1 or accepts(x)]
+    # A sharded FSDP row's step runs in the compute dtype (cost.gathered): a profile of
+    # its own, taken only where a row needs it.
+    shapes = {
+        kind: Model(
+            profile_model(
+                planned.build, planned.example(batch), planned.loss, planned.optimizer,
+                precision=precision, ac=ac, ac_every=ac_every, name=planned.name,
+                gathered=kind,
+            ),
+            layers, units, tp_plan, compiled=bool(compile), precision=precision,
+            sp_blocks=sp_blocks,
+        )
+        for kind in sorted({gathered(x, precision) for x in layouts})
+    }  # fmt: skip
     result = Plan(
         model=planned.name, devices=devices, nodes=-(-devices // hw.devices_per_node),
-        hardware=hw, precision=precision, batch_size=batch, profile=profile,
-        rows=[estimate(x, shape, hw, batch) for x in layouts], recommended=None, reason="",
+        hardware=hw, precision=precision, batch_size=batch,
+        profile=next(iter(shapes.values())).profile,
+        rows=[estimate(x, shapes[gathered(x, precision)], hw, batch) for x in layouts],
+        recommended=None, reason="",
     )  # fmt: skip
     result.recommended, result.reason = _recommend(result)
     dtype = DTYPE[precision]

@@ -9,10 +9,11 @@ Memory per device:
   Tensor parallel divides the parameters its plan shards, a pipeline stage holds
   its own layers'.
 - Activations: the profile's peak at the per-device batch, divided where tensor
-  parallel shards them; a pipeline stage holds its share for every microbatch in
+  parallel shards them (what its attention and MLP modules hold; with sequence
+  parallel, all that its blocks hold); a pipeline stage holds its share for every microbatch in
   flight (at most pp on the first stage with 1F1B, all of them with GPipe).
-- Buffers: FSDP's gathered units (two at a time with prefetch; every unit at once
-  for stage 2) in the compute dtype, a pipeline's send and receive buffers.
+- Buffers: FSDP's gathered units (a unit and the next with prefetch, at most the
+  two largest; every unit at once for stage 2) in the compute dtype, a pipeline's send and receive buffers.
 - The peak is the larger of the backward's (activations and the gradients alive
   then) and the optimizer step's (every gradient and its temporaries).
 - CPU offload (FSDP's): the shards of every state live in host memory (`Memory.host`,
@@ -34,7 +35,8 @@ COMPILED_BYTES). Communication is alpha-beta over the link each group spans
   gradients' shard out after their reduce-scatter (`Host.bandwidth`), in the same
   stream, and the optimizer steps on the host (`Host.memory_bandwidth`), exposed.
 - Tensor parallel: its collectives sit between a block's matmuls and are exposed
-  (twice in the forward where full checkpointing recomputes it).
+  (twice in the forward where full checkpointing recomputes it). Sequence parallel
+  moves the same bytes: each all-reduce becomes a reduce-scatter and an all-gather.
 - A pipeline's step is its schedule simulated (planner.schedule) with the sends
   between stages; its bubble is the step less the busiest rank's work.
 """
@@ -62,6 +64,7 @@ __all__ = [
     "States",
     "StepTime",
     "estimate",
+    "gathered",
     "memory",
     "model_states",
     "states_for",
@@ -88,6 +91,14 @@ COMPUTE = {"32": 4.0, "bf16-mixed": 2.0, "fp16-mixed": 2.0, "bf16-true": 2.0}
 """Bytes per parameter of the weights the matmuls read (what FSDP all-gathers under
 its mixed-precision policy)."""
 DTYPE = {"32": "fp32", "bf16-mixed": "bf16", "fp16-mixed": "fp16", "bf16-true": "bf16"}
+
+
+def gathered(layout: Layout, precision: str) -> bool:
+    """Whether `layout` runs a mixed precision as sharded FSDP does: the weights cast
+    to the compute dtype as they are gathered, and no autocast, so its activations are
+    all in the compute dtype (its model's profile is taken so: profile_model's
+    `gathered`)."""
+    return layout.dp > 1 and layout.stage >= 2 and MASTER[precision] > COMPUTE[precision]
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +140,8 @@ def model_states(
 @dataclass(frozen=True, slots=True)
 class Model:
     """What the formulas need of a model beyond its profile: its layers (for pipeline
-    stages), the units FSDP shards, and what tensor parallel divides."""
+    stages), the units FSDP shards, what tensor parallel divides and the blocks
+    sequence parallel splits (none where it cannot)."""
 
     profile: ModelProfile
     layers: Sequence[Layer]
@@ -137,28 +149,33 @@ class Model:
     tp_plan: Mapping[str, str] | None = None
     compiled: bool = False
     precision: str = "32"
+    sp_blocks: Sequence[str] = ()
 
     def _sum(self, names: Sequence[str], attr: str) -> float:
         mods = self.profile.modules
         return float(sum(getattr(mods[n], attr) for n in names if n in mods))
 
     def held_activations(self) -> int:
-        """What the root's children leave alive for the backward, at the profile's batch."""
-        return sum(
-            m.activation_bytes for n, m in self.profile.modules.items() if n and "." not in n
-        )
+        """What the top-level layers (blocks in a ModuleList among them) leave alive for
+        the backward, at the profile's batch; the root's children where it has none."""
+        names = [m for x in self.layers for m in x.members] or [
+            n for n in self.profile.modules if n and "." not in n
+        ]
+        return int(self._sum(names, "activation_bytes"))
 
-    def tp_shares(self) -> tuple[float, float, float]:
+    def tp_shares(self, sp: bool = False) -> tuple[float, float, float]:
         """Fractions of the parameters, FLOPs and activations tensor parallel divides:
         its planned layers' parameters, and the FLOPs and activations of the modules
-        holding them (attention and MLP blocks: their heads and hidden width split)."""
+        holding them (attention and MLP blocks: their heads and hidden width split);
+        with sequence parallel (`sp`), the activations of the whole blocks."""
         if not self.tp_plan:
             return 0.0, 0.0, 0.0
         p = self.profile
         parents = sorted({n.rpartition(".")[0] for n in self.tp_plan})
         params = self._sum(list(self.tp_plan), "param_bytes") / max(1, p.param_bytes)
         flops = self._sum(parents, "flops") / max(1.0, p.flops)
-        acts = self._sum(parents, "activation_bytes") / max(1, self.held_activations())
+        split = list(self.sp_blocks) if sp else parents
+        acts = self._sum(split, "activation_bytes") / max(1, self.held_activations())
         return min(params, 1.0), min(flops, 1.0), min(acts, 1.0)
 
     def tp_messages(self) -> tuple[int, float]:
@@ -254,20 +271,27 @@ def _local(model: Model, layout: Layout) -> tuple[float, float]:
 
 def memory(layout: Layout, model: Model, batch: int) -> Memory:
     """Bytes per device of `layout` at `batch` samples per data-parallel replica."""
+    if layout.sp and not model.sp_blocks:
+        raise ConfigError(
+            f"the layout {layout.label} is sequence parallel, which needs the model's "
+            "tensor-parallel layers inside blocks of one nn.ModuleList or nn.Sequential, "
+            "and this model has none. Fix: plan the layout with sp=False.",
+            field="layouts",
+        )
     p, prec, pp, m = model.profile, model.precision, layout.pp, layout.microbatches or 1
     par, _ = _local(model, layout)
     psi = p.params * par
-    largest = max(model.unit_params() or [0.0]) / max(1e-9, p.param_bytes / max(1, p.params))
+    units = [u / max(1e-9, p.param_bytes / max(1, p.params)) for u in model.unit_params()]
     states = states_for(prec, p.optimizer_bytes / max(1, p.params))
-    s = model_states(psi, layout.dp, layout.stage, states, largest * par)
+    s = model_states(psi, layout.dp, layout.stage, states, max(units or [0.0]) * par)
     buffers = 0.0
-    if layout.sharded and layout.stage == 3:
-        buffers = 2 * largest * par * COMPUTE[prec]
+    if layout.sharded and layout.stage == 3:  # a unit and the next, prefetched
+        buffers = sum(sorted(units)[-2:]) * par * COMPUTE[prec]
     elif layout.dp > 1 and layout.stage == 2:
         buffers = psi * COMPUTE[prec]
     acts = p.activation_bytes * p.per_sample(batch / m)
     if layout.tp > 1:
-        acts *= 1 - model.tp_shares()[2] * (1 - 1 / layout.tp)
+        acts *= 1 - model.tp_shares(layout.sp)[2] * (1 - 1 / layout.tp)
     if pp > 1:
         shares = model.stage_shares(pp)
         inflight = [m if layout.schedule == "gpipe" else min(m, pp - r) for r in range(pp)]
@@ -398,9 +422,7 @@ def step_time(layout: Layout, model: Model, hw: Hardware, batch: int) -> StepTim
     # Every tensor-parallel rank launches every kernel of its stage: only a pipeline
     # stage has fewer of them.
     launches = max(x[1] for x in model.stage_shares(layout.pp)) if layout.pp > 1 else 1.0
-    # FSDP's mixed precision gathers the weights in the compute dtype: no casts.
-    cast = 0.0 if layout.sharded and layout.stage >= 2 and MASTER[prec] > COMPUTE[prec] else 0.5
-    fixed = p.fixed.scaled(share * cast, launches * cast)
+    fixed = p.fixed.scaled(share / 2, launches / 2)  # half in each pass
     scale = p.per_sample(batch) * share
     fwd_s, fwd_floor = _seconds(p.forward.scaled(scale, launches) + fixed, hw, dtype, compiled)
     bwd_s, bwd_floor = _seconds(p.backward.scaled(scale, launches) + fixed, hw, dtype, compiled)

@@ -1,6 +1,7 @@
 """The ways N devices can run one model: a strategy over a dp x tp x pp mesh, the
 ZeRO stage its data parallelism shards at, a pipeline's schedule and microbatches,
-and whether FSDP offloads its shards to the host."""
+whether tensor parallel splits its blocks' activations along the sequence, and
+whether FSDP offloads its shards to the host."""
 
 from __future__ import annotations
 
@@ -39,8 +40,17 @@ class Layout:
     offload: bool = False
     """FSDP's CPU offload: the shards (parameters, gradients, optimizer state) live in
     host memory, each unit copied in for its gathers, and the optimizer steps there."""
+    sp: bool = False
+    """Sequence parallel (`TensorParallel(sequence_parallel=True)`): the blocks'
+    activations between the sharded layers are split along the sequence too."""
 
     def __post_init__(self) -> None:
+        if self.sp and self.tp == 1:
+            raise ConfigError(
+                f"Layout({self.strategy!r}, sp=True): sequence parallel splits what tensor "
+                "parallel replicates, and this layout has tp=1. Fix: tp=2 or more, or sp=False.",
+                field="layouts",
+            )
         if self.offload and STRATEGIES.get(self.strategy) != 3:
             raise ConfigError(
                 f"Layout({self.strategy!r}, offload=True): offload is FSDP's CPU offload, "
@@ -72,7 +82,8 @@ class Layout:
     @property
     def label(self) -> str:
         pipeline = "" if self.schedule is None else f" {self.schedule} m={self.microbatches}"
-        return f"{self.strategy} {self.mesh}{pipeline}{' offload' if self.offload else ''}"
+        extra = (" sp" if self.sp else "") + (" offload" if self.offload else "")
+        return f"{self.strategy} {self.mesh}{pipeline}{extra}"
 
 
 def _microbatches(pp: int, batch: int, layers: int) -> int | None:
@@ -88,24 +99,32 @@ def _microbatches(pp: int, batch: int, layers: int) -> int | None:
 
 
 def layouts_for(
-    devices: int, *, batch: int, layers: int, tensor: bool, offload: bool = False
+    devices: int,
+    *,
+    batch: int,
+    layers: int,
+    tensor: bool,
+    offload: bool = False,
+    sequence: bool = False,
 ) -> list[Layout]:
     """Every layout of `devices` this model can run: tensor parallel where it has a
-    plan (`tensor`), a pipeline of pp stages where it has pp layers and a microbatch
-    count that divides `batch`, FSDP offloading to the host where there is one
-    (`offload`: on one device too, the way to fit what a device cannot hold)."""
+    plan (`tensor`), each also sequence parallel where its blocks allow (`sequence`), a
+    pipeline of pp stages where it has pp layers and a microbatch count that divides
+    `batch`, FSDP offloading to the host where there is one (`offload`: on one device
+    too, the way to fit what a device cannot hold)."""
     spill = [Layout("fsdp", dp=devices, offload=True)] if offload else []
     if devices == 1:
         return [Layout("ddp"), *spill]
     rows = [*(Layout(s, dp=devices) for s in ("ddp", "fsdp-keep", "fsdp")), *spill]
+    sp = (False, True) if sequence else (False,)
     if tensor:
-        rows.append(Layout("tensor", tp=devices))
+        rows += [Layout("tensor", tp=devices, sp=x) for x in sp]
     if m := _microbatches(devices, batch, layers):
         rows += [Layout("pipeline", pp=devices, schedule=s, microbatches=m) for s in SCHEDULES[:2]]
     for dp in (d for d in range(2, devices // 2 + 1) if devices % d == 0):
         other = devices // dp
         if tensor:
-            rows.append(Layout("fsdp x tp", dp=dp, tp=other))
+            rows += [Layout("fsdp x tp", dp=dp, tp=other, sp=x) for x in sp]
         if m := _microbatches(other, batch, layers):
             rows.append(Layout("ddp x pp", dp=dp, pp=other, schedule="1f1b", microbatches=m))
     return rows

@@ -87,6 +87,8 @@ class ModelProfile:
     """What the optimizer step allocates beyond its state, at its peak."""
     activation_bytes: int
     """Peak bytes the forward/backward holds beyond parameters, buffers and gradients."""
+    temp_bytes: int
+    """Of those, the kernels' temporaries (not saved for the backward)."""
     peak_grad_bytes: int
     """Gradients alive at that peak (the backward frees activations as it makes them)."""
     forward: Work
@@ -196,7 +198,11 @@ def _built(build: Callable[[], nn.Module], dtype: torch.dtype | None) -> nn.Modu
 
 
 def _module_costs(
-    model: nn.Module, tracker: Any, counts: Mapping[str, Mapping[Any, int]], io: Mapping[str, int]
+    model: nn.Module,
+    tracker: Any,
+    counts: Mapping[str, Mapping[Any, int]],
+    io: Mapping[str, int],
+    scale: float,
 ) -> dict[str, ModuleCost]:
     from torch.distributed._tools.mem_tracker import _MemRefType, _ModState
 
@@ -211,7 +217,7 @@ def _module_costs(
             held = max(0, int(acts[1] - acts[0]))
         out[name] = ModuleCost(
             name=name,
-            param_bytes=sum(_nbytes(p) for p in module.parameters()),
+            param_bytes=round(scale * sum(_nbytes(p) for p in module.parameters())),
             flops=int(sum(counts.get(f"{root}.{name}" if name else root, {}).values())),
             activation_bytes=held,
             output_bytes=io.get(name, 0),
@@ -229,10 +235,16 @@ def profile_model(
     ac: str = "none",
     ac_every: int | None = None,
     name: str | None = None,
+    gathered: bool = False,
 ) -> ModelProfile:
     """Measure one training step of `build()` on `example` = (inputs, targets) at
     `precision` ("32", "bf16-mixed", "fp16-mixed", "bf16-true") with activation
     checkpointing `ac`/`ac_every` as training applies it. Allocates no tensor memory.
+
+    `gathered`: the step as sharded FSDP runs a mixed precision, its weights cast to
+    the compute dtype as they are gathered and no autocast, so every activation (the
+    norms' and the residual stream's too) is in the compute dtype. Sizes of the weights
+    and of the optimizer's state and work stay the precision's (fp32 shards).
 
     Python's cycle collector runs at each block's forward and backward and nowhere
     else: what reference cycles hold (activation checkpointing's recomputations leave
@@ -244,7 +256,9 @@ def profile_model(
     gc.disable()
     try:
         with _interrupt_between_blocks():
-            return _profile(build, example, loss_fn, optimizer, precision, ac, ac_every, name)
+            return _profile(
+                build, example, loss_fn, optimizer, precision, ac, ac_every, name, gathered
+            )
     finally:
         if paused:
             gc.enable()
@@ -259,6 +273,7 @@ def _profile(
     ac: str,
     ac_every: int | None,
     name: str | None,
+    gathered: bool,
 ) -> ModelProfile:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
@@ -267,19 +282,25 @@ def _profile(
     from scaletrain.strategies.blocks import auto_wrap_targets
     from scaletrain.strategies.levers import apply_levers
 
-    weights = torch.bfloat16 if precision == "bf16-true" else None
+    cast = AUTOCAST_DTYPES.get(precision)
+    master = torch.bfloat16 if precision == "bf16-true" else None
+    weights = cast if gathered and cast else master  # what the step's kernels read
+    if gathered:
+        cast = None  # FSDP's policy casts the weights; nothing autocasts
     inputs, targets = example
     if weights is not None and inputs.is_floating_point():
         inputs = inputs.to(weights)
     with torch.device("meta"):
-        meta = _built(build, weights)
+        meta = _built(build, master)
     unique = {id(p): p for p in meta.parameters()}
     params = sum(p.numel() for p in unique.values())
     param_bytes = sum(_nbytes(p) for p in unique.values())
     buffer_bytes = sum(_nbytes(b) for b in meta.buffers())
     del meta
+    # Weights, the optimizer's state and its work at the precision's size, where the
+    # step reads weights of another dtype (`gathered`).
+    scale = param_bytes / max(1, params) / (weights or torch.get_default_dtype()).itemsize
     io: dict[str, int] = {}
-    cast = AUTOCAST_DTYPES.get(precision)
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         model = _built(build, weights)
         names = {id(m): n for n, m in model.named_modules()}
@@ -315,7 +336,7 @@ def _profile(
         finally:
             counter.stop()
         peak = tracker.get_tracker_snapshot("peak")
-        modules = _module_costs(model, tracker, counter.by_module(), io)
+        modules = _module_costs(model, tracker, counter.by_module(), io, scale)
         for h in hooks:
             h.remove()
         opt.step()  # the state exists from here on, as in every step after the first
@@ -336,14 +357,15 @@ def _profile(
         tensors=len(unique),
         param_bytes=param_bytes,
         buffer_bytes=buffer_bytes,
-        optimizer_bytes=state,
-        optimizer_temp_bytes=int(step_kinds.get(_MemRefType.TEMP, 0)),
+        optimizer_bytes=round(state * scale),
+        optimizer_temp_bytes=round(step_kinds.get(_MemRefType.TEMP, 0) * scale),
         activation_bytes=int(kinds.get(_MemRefType.ACT, 0) + kinds.get(_MemRefType.TEMP, 0)),
+        temp_bytes=int(kinds.get(_MemRefType.TEMP, 0)),
         peak_grad_bytes=int(kinds.get(_MemRefType.GRAD, 0)),
         forward=Work(float(flops_fwd), fwd.work.bytes, fwd.work.kernels),
         backward=Work(float(flops_all - flops_fwd), bwd.work.bytes, bwd.work.kernels),
         fixed=fwd.fixed + bwd.fixed,
-        optimizer=step.work + step.fixed,
+        optimizer=(step.work + step.fixed).scaled(scale),
         ac=ac if ac_every is None else f"{ac} every {ac_every}",
         modules=modules,
     )
