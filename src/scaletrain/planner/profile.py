@@ -43,7 +43,6 @@ __all__ = ["ModelProfile", "ModuleCost", "Work", "profile_model"]
 class ModuleCost:
     """One module's share of a step (forward and backward, its children included)."""
 
-    name: str
     param_bytes: int
     flops: int
     activation_bytes: int
@@ -80,7 +79,6 @@ class ModelProfile:
     tensors: int
     """Parameter tensors (a GPU's foreach optimizer launches per chunk of them)."""
     param_bytes: int
-    buffer_bytes: int
     optimizer_bytes: int
     """The optimizer's state for every parameter (Adam: two tensors each)."""
     optimizer_temp_bytes: int
@@ -216,7 +214,6 @@ def _module_costs(
             acts = [sum(s.get(d, {}).get(_MemRefType.ACT, 0) for d in s) for s in (pre[0], post[0])]
             held = max(0, int(acts[1] - acts[0]))
         out[name] = ModuleCost(
-            name=name,
             param_bytes=round(scale * sum(_nbytes(p) for p in module.parameters())),
             flops=int(sum(counts.get(f"{root}.{name}" if name else root, {}).values())),
             activation_bytes=held,
@@ -295,7 +292,6 @@ def _profile(
     unique = {id(p): p for p in meta.parameters()}
     params = sum(p.numel() for p in unique.values())
     param_bytes = sum(_nbytes(p) for p in unique.values())
-    buffer_bytes = sum(_nbytes(b) for b in meta.buffers())
     del meta
     # Weights, the optimizer's state and its work at the precision's size, where the
     # step reads weights of another dtype (`gathered`).
@@ -356,7 +352,6 @@ def _profile(
         params=params,
         tensors=len(unique),
         param_bytes=param_bytes,
-        buffer_bytes=buffer_bytes,
         optimizer_bytes=round(state * scale),
         optimizer_temp_bytes=round(step_kinds.get(_MemRefType.TEMP, 0) * scale),
         activation_bytes=int(kinds.get(_MemRefType.ACT, 0) + kinds.get(_MemRefType.TEMP, 0)),

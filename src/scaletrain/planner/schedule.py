@@ -75,9 +75,9 @@ class Timeline:
     """One simulated step."""
 
     makespan: float
-    """Seconds from the first forward to the last rank's end (its tail included)."""
+    """Seconds from the first forward to the last rank's end."""
     work: tuple[float, ...]
-    """Per rank: seconds of its own actions and tail."""
+    """Per rank: seconds of its own actions."""
 
 
 def simulate(
@@ -88,11 +88,9 @@ def simulate(
     microbatches: int,
     virtual: int = 1,
     hop: float = 0.0,
-    tail: Sequence[float] | None = None,
 ) -> Timeline:
     """`forward[s]`, `backward[s]`: seconds of stage s's forward and backward of one
-    microbatch, for pp x `virtual` stages (stage s on rank s % pp); `tail[r]`: rank
-    r's work after its last action (the optimizer step)."""
+    microbatch, for pp x `virtual` stages (stage s on rank s % pp)."""
     stages = len(forward)
     if stages != len(backward) or stages % virtual:
         raise ValueError("forward and backward need one time per stage, pp x virtual of them")
@@ -118,9 +116,7 @@ def simulate(
                 moved = True
         if not moved:
             raise RuntimeError("the pipeline schedule deadlocked (a stage waits for nothing)")
-    ends = list(tail) if tail is not None else [0.0] * pp
     work = [
-        sum(forward[s] if k == "F" else backward[s] for k, s, _ in orders[r]) + ends[r]
-        for r in range(pp)
+        sum(forward[s] if k == "F" else backward[s] for k, s, _ in orders[r]) for r in range(pp)
     ]
-    return Timeline(max(free[r] + ends[r] for r in range(pp)), tuple(work))
+    return Timeline(max(free), tuple(work))
