@@ -301,3 +301,19 @@ def test_a_declared_plans_patterns_divide_the_tensor_parallel_rows(tmp_path: Pat
     ddp, tp = p.rows
     assert tp.memory.params < 0.8 * ddp.memory.params
     assert tp.time.comm > 0
+
+
+def test_a_config_json_is_profiled_in_the_dtype_its_step_reads(tmp_path: Path) -> None:
+    """A config.json model was built in fp32 whatever the profile asked: a sharded FSDP
+    row at bf16-mixed (and every bf16-true row) held fp32 activations, twice theirs."""
+    from scaletrain.planner.profile import profile_model
+
+    planned = resolve_model(model=str(_config(tmp_path, LLAMA)), seq_len=16)
+    args = (planned.build, planned.example(2), planned.loss, planned.optimizer)
+    fp32 = profile_model(*args, precision="32")
+    bf16 = profile_model(*args, precision="bf16-true")
+    gathered = profile_model(*args, precision="bf16-mixed", gathered=True)
+    assert bf16.param_bytes == fp32.param_bytes // 2
+    block = planned.blocks[0]
+    for p in (bf16, gathered):
+        assert p.modules[block].output_bytes == fp32.modules[block].output_bytes // 2

@@ -51,6 +51,13 @@ def config_file(spec: str, *, field: str = "model") -> Path | None:
     return path
 
 
+def _from_config(lm: Any, config: Any) -> torch.nn.Module:
+    """The model in torch's default dtype (fp32 unless the caller set another) whatever
+    dtype the file states: the run's precision decides, and a plan's profile builds a
+    step's weights in the dtype it reads them in under that default."""
+    return lm._from_config(config, dtype=torch.get_default_dtype())  # type: ignore[no-any-return]
+
+
 def config_recipe(spec: str, path: Path, *, field: str = "model") -> Recipe:
     """The Recipe of the config.json at `path` (`spec` as the user gave it: the run
     records it, so a resume, a fork or `plan --check` rebuilds the same model). Raises
@@ -64,8 +71,7 @@ def config_recipe(spec: str, path: Path, *, field: str = "model") -> Recipe:
         name=_safe_name(path.resolve().parent.name),
         spec=spec,
         dataset="python sources (byte-level)",
-        # fp32 whatever dtype the file states: the run's precision decides.
-        build=partial(lm._from_config, config, dtype=torch.float32),
+        build=partial(_from_config, lm, config),
         data=partial(_python_text, block_size=block),
         locate_data=partial(_byte_corpus, vocab, spec, field),
         example=partial(_tokens, vocab=vocab, seq=block),
