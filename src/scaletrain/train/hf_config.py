@@ -55,7 +55,7 @@ def _from_config(lm: Any, config: Any) -> torch.nn.Module:
     """The model in torch's default dtype (fp32 unless the caller set another) whatever
     dtype the file states: the run's precision decides, and a plan's profile builds a
     step's weights in the dtype it reads them in under that default."""
-    return lm._from_config(config, dtype=torch.get_default_dtype())  # type: ignore[no-any-return]
+    return lm._from_config(config, dtype=torch.get_default_dtype())
 
 
 def config_recipe(spec: str, path: Path, *, field: str = "model") -> Recipe:
