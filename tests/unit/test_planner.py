@@ -247,6 +247,8 @@ def test_bad_requests_are_refused_in_the_callers_words() -> None:
         st.plan("gpt", devices=2, hardware="h100-sxm", precision="bf16x")
     with pytest.raises(ConfigError, match="ac_every=2 picks every k-th block"):
         st.plan("gpt", devices=2, hardware="h100-sxm", ac="full", ac_every=2)
+    with pytest.raises(ConfigError, match=r"layouts=\[\]\) picks no row to plan"):
+        st.plan("gpt", devices=2, hardware="h100-sxm", layouts=[])
 
 
 def test_without_hardware_this_machines_calibration_is_asked_for(

@@ -167,6 +167,12 @@ def plan(
         raise ConfigError(unknown("precision", precision, PRECISIONS), field="precision")
     precision = canonical(precision)
     check_levers("plan(...)", ac, ac_every, compile)
+    if layouts is not None and not layouts:
+        raise ConfigError(
+            "plan(..., layouts=[]) picks no row to plan. Fix: give at least one Layout, or "
+            "leave out layouts for every layout of the devices.",
+            field="layouts",
+        )
     hw = load_hardware(hardware)
     planned = resolve_model(recipe, model, seq_len=seq_len, batch_size=batch_size)
     batch = planned.batch_size if batch_size is None else batch_size
