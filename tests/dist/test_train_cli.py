@@ -1,4 +1,7 @@
-"""`scaletrain train` end to end: the launcher starts 2 Gloo ranks on a small IDX dataset."""
+"""`scaletrain train` end to end: the launcher starts 2 Gloo ranks on a small IDX dataset.
+
+One-process runs and refusals run in this process (tests/inprocess.py): a process start
+costs more than what they check."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import torch
 
 from scaletrain.testing import launcher_free_env, write_fake_mnist
 from scaletrain.train import ConvNet
+from tests.inprocess import run_cli
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -56,7 +60,7 @@ def test_train_two_processes_end_to_end(tmp_path: Path) -> None:
 
 def test_train_single_process_without_launcher(tmp_path: Path) -> None:
     data = write_fake_mnist(tmp_path / "data", n_train=120, n_test=30, seed=2)
-    done = _scaletrain(
+    done = run_cli(
         "train", "--nproc", "1", "--epochs", "2", "--batch-size", "20",
         "--data-dir", str(data), "--out", str(tmp_path / "run"),
         cwd=tmp_path,
@@ -73,7 +77,7 @@ def test_train_truncated_dataset_names_the_file(tmp_path: Path) -> None:
     data = write_fake_mnist(tmp_path / "data", n_train=50, n_test=10, seed=2, gz=False)
     images = data / "train-images-idx3-ubyte"
     images.write_bytes(images.read_bytes()[:1000])
-    done = _scaletrain(
+    done = run_cli(
         "train", "--nproc", "1", "--data-dir", str(data), "--out", str(tmp_path / "r"),
         cwd=tmp_path,
     )  # fmt: skip
@@ -83,7 +87,7 @@ def test_train_truncated_dataset_names_the_file(tmp_path: Path) -> None:
 
 
 def test_train_unknown_strategy_is_a_clear_error(tmp_path: Path) -> None:
-    done = _scaletrain("train", "--nproc", "1", "--strategy", "warp-drive", cwd=tmp_path)
+    done = run_cli("train", "--nproc", "1", "--strategy", "warp-drive", cwd=tmp_path)
     assert done.returncode == 2
     assert "warp-drive" in done.stderr and "ddp" in done.stderr
     assert "Traceback" not in done.stderr
@@ -92,22 +96,22 @@ def test_train_unknown_strategy_is_a_clear_error(tmp_path: Path) -> None:
 def test_checkpoint_latest_and_consolidate_commands(tmp_path: Path) -> None:
     data = write_fake_mnist(tmp_path / "data", n_train=80, n_test=20, seed=4)
     run = tmp_path / "run"
-    done = _scaletrain(
+    done = run_cli(
         "train", "--nproc", "1", "--max-steps", "3", "--batch-size", "20", "--save-every", "2",
         "--data-dir", str(data), "--out", str(run),
         cwd=tmp_path,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
-    latest = _scaletrain("checkpoint", "latest", str(run), cwd=tmp_path)
+    latest = run_cli("checkpoint", "latest", str(run), cwd=tmp_path)
     assert latest.returncode == 0 and latest.stdout.strip().endswith("step-000003")
     out = tmp_path / "plain.pt"
-    done = _scaletrain("checkpoint", "consolidate", str(run), str(out), cwd=tmp_path)
+    done = run_cli("checkpoint", "consolidate", str(run), str(out), cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     state = torch.load(out, weights_only=True)
     ConvNet().load_state_dict(state)
     final = torch.load(run / "model.pt", weights_only=True)
     assert all(torch.equal(state[k], final[k]) for k in final)
-    empty = _scaletrain("checkpoint", "latest", str(tmp_path / "data"), cwd=tmp_path)
+    empty = run_cli("checkpoint", "latest", str(tmp_path / "data"), cwd=tmp_path)
     assert empty.returncode == 2
     assert "no complete, valid checkpoint" in empty.stderr
     # It says what the path is (issue 8): a dataset, not a run.
@@ -115,7 +119,7 @@ def test_checkpoint_latest_and_consolidate_commands(tmp_path: Path) -> None:
 
 
 def test_train_mesh_that_does_not_fit_nproc_fails_before_starting(tmp_path: Path) -> None:
-    done = _scaletrain("train", "--nproc", "2", "--mesh", "dp=2,tp=2", cwd=tmp_path)
+    done = run_cli("train", "--nproc", "2", "--mesh", "dp=2,tp=2", cwd=tmp_path)
     assert done.returncode == 2
     assert "world size 2" in done.stderr and "4 ranks" in done.stderr
     assert "Traceback" not in done.stderr and not (tmp_path / "runs").exists()
