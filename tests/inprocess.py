@@ -17,15 +17,19 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 __all__ = ["run_cli"]
 
 
-def run_cli(*args: str, cwd: Path | str | None = None) -> subprocess.CompletedProcess[str]:
+def run_cli(
+    *args: str, cwd: Path | str | None = None, env: Mapping[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     """Run `scaletrain *args` here; its exit code, standard output and standard error, as
     `subprocess.run([sys.executable, "-m", "scaletrain", *args], capture_output=True,
-    text=True)` returns them."""
+    text=True, cwd=cwd, env=env)` returns them (env: the whole environment, by default
+    launcher_free_env())."""
     from scaletrain import cli
     from scaletrain.errors import use_cli_names
     from scaletrain.testing import launcher_free_env
@@ -38,7 +42,7 @@ def run_cli(*args: str, cwd: Path | str | None = None) -> subprocess.CompletedPr
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         try:
             os.environ.clear()
-            os.environ.update(launcher_free_env(saved_env))
+            os.environ.update(launcher_free_env(saved_env) if env is None else env)
             if cwd is not None:
                 os.chdir(cwd)
             os.dup2(out.fileno(), 1)
