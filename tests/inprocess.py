@@ -6,9 +6,11 @@ steps most tests train. Where the process boundary is not what a test checks (a 
 an exit code set by the interpreter, a launch), the same command runs here: the same
 `cli.main`, its exit code returned, everything it writes to standard output and error
 (file descriptors 1 and 2, so also what the processes it starts write) returned as
-subprocess.run returns them, in the environment a fresh shell gives a job
-(launcher_free_env) and the working directory given; all of them (and sys.path)
-restored afterwards.
+subprocess.run returns them (warnings among them, as a fresh interpreter shows them), in
+the environment a fresh shell gives a job (launcher_free_env) and the working directory
+given; all of them (and sys.path and the warning filters) restored afterwards. What
+the product does once per process (a warning it gives once) it does once per test
+process here.
 """
 
 from __future__ import annotations
@@ -17,10 +19,27 @@ import os
 import subprocess
 import sys
 import tempfile
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 
 __all__ = ["run_cli"]
+
+_FRESH_FILTERS = (
+    ("default", DeprecationWarning, "__main__"),
+    ("ignore", DeprecationWarning, ""),
+    ("ignore", PendingDeprecationWarning, ""),
+    ("ignore", ImportWarning, ""),
+    ("ignore", ResourceWarning, ""),
+)
+"""A fresh interpreter's warning filters (no -W, no PYTHONWARNINGS), first to last."""
+
+
+def _to_stderr(
+    message: Warning | str, category: type[Warning], filename: str, lineno: int,
+    file: object = None, line: str | None = None,
+) -> None:  # fmt: skip
+    sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
 
 
 def run_cli(
@@ -49,13 +68,21 @@ def run_cli(
             os.dup2(err.fileno(), 2)
             sys.stdout = open(1, "w", closefd=False, encoding="utf-8", buffering=1)  # noqa: SIM115
             sys.stderr = open(2, "w", closefd=False, encoding="utf-8", buffering=1)  # noqa: SIM115
-            try:
-                code = cli.main(list(args))
-            except SystemExit as exc:  # the parser's refusals, as the interpreter ends them
-                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
+            # Warnings as a fresh process shows them: on its stderr, not in pytest's record.
+            with warnings.catch_warnings():
+                warnings.resetwarnings()
+                for action, category, module in _FRESH_FILTERS:
+                    warnings.filterwarnings(action, category=category, module=module, append=True)
+                warnings.showwarning = _to_stderr
+                try:
+                    code = cli.main(list(args))
+                except SystemExit as exc:  # the parser's refusals, as the interpreter ends them
+                    if isinstance(exc.code, str):
+                        print(exc.code, file=sys.stderr)
+                    code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+                finally:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
         finally:
             sys.stdout, sys.stderr = saved_streams
             for fd, saved in zip((1, 2), saved_fds, strict=True):
