@@ -1,7 +1,8 @@
 """`scaletrain train` end to end: the launcher starts 2 Gloo ranks on a small IDX dataset.
 
-One-process runs and refusals run in this process (tests/inprocess.py): a process start
-costs more than what they check."""
+The commands run in this process (tests/inprocess.py), the launcher among them (its
+ranks are processes all the same): a process start costs more than what they check. The
+run whose standard output is closed is a process of its own."""
 
 from __future__ import annotations
 
@@ -20,22 +21,10 @@ from tests.inprocess import run_cli
 pytestmark = pytest.mark.timeout(240)
 
 
-def _scaletrain(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "scaletrain", *args],
-        cwd=cwd,
-        env=launcher_free_env(),
-        capture_output=True,
-        text=True,
-        timeout=200,
-        check=False,
-    )
-
-
 def test_train_two_processes_end_to_end(tmp_path: Path) -> None:
     data = write_fake_mnist(tmp_path / "data", n_train=400, n_test=90, seed=1)
     run = tmp_path / "run"
-    done = _scaletrain(
+    done = run_cli(
         "train", "--nproc", "2", "--max-steps", "8", "--batch-size", "20",
         "--data-dir", str(data), "--out", str(run), "--log-every", "4",
         cwd=tmp_path,
@@ -129,7 +118,7 @@ def test_a_long_evaluation_is_progress_not_a_hang(tmp_path: Path) -> None:
     # 24,000 test samples (12 batches of 1,000 per rank): the evaluation takes several
     # times the hang timeout, but every batch beats the watchdog, so the run finishes.
     data = write_fake_mnist(tmp_path / "data", n_train=80, n_test=24000, seed=5)
-    done = _scaletrain(
+    done = run_cli(
         "train", "--nproc", "2", "--max-steps", "2", "--batch-size", "20",
         "--data-dir", str(data), "--out", str(tmp_path / "run"), "--hang-timeout", "1.5",
         cwd=tmp_path,
