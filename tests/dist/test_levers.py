@@ -31,6 +31,7 @@ from torch import nn
 
 from scaletrain.testing import launcher_free_env, run_ranks
 from scaletrain.train.models import GPT, GPTConfig
+from tests.inprocess import run_cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -157,21 +158,25 @@ def test_the_docs_commands_train_with_checkpointing_and_compile(tmp_path: Path) 
     quiet = ["--log-every", "1", "--eval-batches", "0", "--no-save-last"]
     env = {**launcher_free_env(), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
 
-    def run(words: list[str], *extra: str) -> str:
-        done = subprocess.run(
-            [sys.executable, "-m", "scaletrain", *words[1:], *quiet, *extra],
-            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400, check=False,
-        )  # fmt: skip
+    def run(words: list[str], *extra: str, here: bool = False) -> str:
+        if here:  # in this process (tests/inprocess.py): its launcher's or its own
+            done = run_cli(*words[1:], *quiet, *extra, cwd=tmp_path, env=env)
+        else:
+            done = subprocess.run(
+                [sys.executable, "-m", "scaletrain", *words[1:], *quiet, *extra],
+                cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400, check=False,
+            )  # fmt: skip
         assert done.returncode == 0, done.stdout + done.stderr
         return done.stdout + done.stderr
 
-    run(first, "--max-steps", "3", "--out", str(tmp_path / "selective"))
+    run(first, "--max-steps", "3", "--out", str(tmp_path / "selective"), here=True)
     config = json.loads((tmp_path / "selective" / "config.json").read_text())
     assert (config["ac"], config["compile"]) == ("selective", False)
 
+    # The compiled run in a process of its own: inductor's state stays there.
     said = run(second, "--out", str(tmp_path / "compiled"), "--nproc", "1")
     eager = [w for w in second if w != "--compile"]
-    run(eager, "--out", str(tmp_path / "eager"), "--nproc", "1")
+    run(eager, "--out", str(tmp_path / "eager"), "--nproc", "1", here=True)
 
     def records(name: str) -> list[dict[str, Any]]:
         lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()

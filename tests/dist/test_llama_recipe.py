@@ -16,14 +16,12 @@ a gradient left unreduced moves most weights elsewhere.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from scaletrain.testing import launcher_free_env
+from tests.inprocess import run_cli
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
@@ -37,14 +35,14 @@ RUNS = {
 
 
 def _train(out: Path, *flags: str) -> str:
-    args = [
-        sys.executable, "-m", "scaletrain", "train", "--recipe", "llama", "--max-steps", "4",
-        "--lr", "1e-2", "--warmup", "0", "--log-every", "1", "--eval-batches", "0",
-        "--hang-timeout", "0", "--no-save-last", "--no-ledger", "--out", str(out), *flags,
-    ]  # fmt: skip
-    done = subprocess.run(
-        args, cwd=ROOT, env=launcher_free_env(), capture_output=True, text=True, timeout=200
-    )
+    """`scaletrain train --recipe llama`, with its launcher in this process
+    (tests/inprocess.py): the ranks are processes all the same, but not the launcher's
+    import of torch (nor a one-process run's)."""
+    done = run_cli(
+        "train", "--recipe", "llama", "--max-steps", "4", "--lr", "1e-2", "--warmup", "0",
+        "--log-every", "1", "--eval-batches", "0", "--hang-timeout", "0", "--no-save-last",
+        "--no-ledger", "--out", str(out), *flags, cwd=ROOT,
+    )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout
 

@@ -1,4 +1,8 @@
-"""`scaletrain train` end to end: the launcher starts 2 Gloo ranks on a small IDX dataset."""
+"""`scaletrain train` end to end: the launcher starts 2 Gloo ranks on a small IDX dataset.
+
+The commands run in this process (tests/inprocess.py), the launcher among them (its
+ranks are processes all the same): a process start costs more than what they check. The
+run whose standard output is closed is a process of its own."""
 
 from __future__ import annotations
 
@@ -12,26 +16,15 @@ import torch
 
 from scaletrain.testing import launcher_free_env, write_fake_mnist
 from scaletrain.train import ConvNet
+from tests.inprocess import run_cli
 
 pytestmark = pytest.mark.timeout(240)
-
-
-def _scaletrain(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "scaletrain", *args],
-        cwd=cwd,
-        env=launcher_free_env(),
-        capture_output=True,
-        text=True,
-        timeout=200,
-        check=False,
-    )
 
 
 def test_train_two_processes_end_to_end(tmp_path: Path) -> None:
     data = write_fake_mnist(tmp_path / "data", n_train=400, n_test=90, seed=1)
     run = tmp_path / "run"
-    done = _scaletrain(
+    done = run_cli(
         "train", "--nproc", "2", "--max-steps", "8", "--batch-size", "20",
         "--data-dir", str(data), "--out", str(run), "--log-every", "4",
         cwd=tmp_path,
@@ -56,7 +49,7 @@ def test_train_two_processes_end_to_end(tmp_path: Path) -> None:
 
 def test_train_single_process_without_launcher(tmp_path: Path) -> None:
     data = write_fake_mnist(tmp_path / "data", n_train=120, n_test=30, seed=2)
-    done = _scaletrain(
+    done = run_cli(
         "train", "--nproc", "1", "--epochs", "2", "--batch-size", "20",
         "--data-dir", str(data), "--out", str(tmp_path / "run"),
         cwd=tmp_path,
@@ -73,7 +66,7 @@ def test_train_truncated_dataset_names_the_file(tmp_path: Path) -> None:
     data = write_fake_mnist(tmp_path / "data", n_train=50, n_test=10, seed=2, gz=False)
     images = data / "train-images-idx3-ubyte"
     images.write_bytes(images.read_bytes()[:1000])
-    done = _scaletrain(
+    done = run_cli(
         "train", "--nproc", "1", "--data-dir", str(data), "--out", str(tmp_path / "r"),
         cwd=tmp_path,
     )  # fmt: skip
@@ -83,7 +76,7 @@ def test_train_truncated_dataset_names_the_file(tmp_path: Path) -> None:
 
 
 def test_train_unknown_strategy_is_a_clear_error(tmp_path: Path) -> None:
-    done = _scaletrain("train", "--nproc", "1", "--strategy", "warp-drive", cwd=tmp_path)
+    done = run_cli("train", "--nproc", "1", "--strategy", "warp-drive", cwd=tmp_path)
     assert done.returncode == 2
     assert "warp-drive" in done.stderr and "ddp" in done.stderr
     assert "Traceback" not in done.stderr
@@ -92,22 +85,22 @@ def test_train_unknown_strategy_is_a_clear_error(tmp_path: Path) -> None:
 def test_checkpoint_latest_and_consolidate_commands(tmp_path: Path) -> None:
     data = write_fake_mnist(tmp_path / "data", n_train=80, n_test=20, seed=4)
     run = tmp_path / "run"
-    done = _scaletrain(
+    done = run_cli(
         "train", "--nproc", "1", "--max-steps", "3", "--batch-size", "20", "--save-every", "2",
         "--data-dir", str(data), "--out", str(run),
         cwd=tmp_path,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
-    latest = _scaletrain("checkpoint", "latest", str(run), cwd=tmp_path)
+    latest = run_cli("checkpoint", "latest", str(run), cwd=tmp_path)
     assert latest.returncode == 0 and latest.stdout.strip().endswith("step-000003")
     out = tmp_path / "plain.pt"
-    done = _scaletrain("checkpoint", "consolidate", str(run), str(out), cwd=tmp_path)
+    done = run_cli("checkpoint", "consolidate", str(run), str(out), cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     state = torch.load(out, weights_only=True)
     ConvNet().load_state_dict(state)
     final = torch.load(run / "model.pt", weights_only=True)
     assert all(torch.equal(state[k], final[k]) for k in final)
-    empty = _scaletrain("checkpoint", "latest", str(tmp_path / "data"), cwd=tmp_path)
+    empty = run_cli("checkpoint", "latest", str(tmp_path / "data"), cwd=tmp_path)
     assert empty.returncode == 2
     assert "no complete, valid checkpoint" in empty.stderr
     # It says what the path is (issue 8): a dataset, not a run.
@@ -115,7 +108,7 @@ def test_checkpoint_latest_and_consolidate_commands(tmp_path: Path) -> None:
 
 
 def test_train_mesh_that_does_not_fit_nproc_fails_before_starting(tmp_path: Path) -> None:
-    done = _scaletrain("train", "--nproc", "2", "--mesh", "dp=2,tp=2", cwd=tmp_path)
+    done = run_cli("train", "--nproc", "2", "--mesh", "dp=2,tp=2", cwd=tmp_path)
     assert done.returncode == 2
     assert "world size 2" in done.stderr and "4 ranks" in done.stderr
     assert "Traceback" not in done.stderr and not (tmp_path / "runs").exists()
@@ -125,7 +118,7 @@ def test_a_long_evaluation_is_progress_not_a_hang(tmp_path: Path) -> None:
     # 24,000 test samples (12 batches of 1,000 per rank): the evaluation takes several
     # times the hang timeout, but every batch beats the watchdog, so the run finishes.
     data = write_fake_mnist(tmp_path / "data", n_train=80, n_test=24000, seed=5)
-    done = _scaletrain(
+    done = run_cli(
         "train", "--nproc", "2", "--max-steps", "2", "--batch-size", "20",
         "--data-dir", str(data), "--out", str(tmp_path / "run"), "--hang-timeout", "1.5",
         cwd=tmp_path,

@@ -1,7 +1,9 @@
 """`scaletrain train` as a new user meets it: real processes, real output.
 
 What can only be seen by running the command: which processes start, what a failure
-inside the workers prints, what a short trial learns, what a run writes down.
+inside the workers prints, what a short trial learns, what a run writes down. The
+one-process runs run in this process, as the command runs them (tests/inprocess.py):
+a process start costs more than their few steps.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from scaletrain.testing import launcher_free_env, write_fake_mnist
+from tests.inprocess import run_cli
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
@@ -38,7 +41,7 @@ def _records(run: Path) -> list[dict[str, object]]:
 def test_single_process_strategies_run_in_one_process_by_default(
     tmp_path: Path, strategy: str
 ) -> None:
-    done = _scaletrain(
+    done = run_cli(
         "train", "--strategy", strategy, "--recipe", "split-net", "--max-steps", "3",
         "--eval-batches", "1", "--out", str(tmp_path / "run"), cwd=tmp_path,
     )  # fmt: skip
@@ -98,14 +101,14 @@ def test_a_short_trial_learns_and_writes_what_it_used(tmp_path: Path) -> None:
 
 def test_a_runs_config_json_replays_it(tmp_path: Path) -> None:
     first, second = tmp_path / "first", tmp_path / "second"
-    done = _scaletrain(
+    done = run_cli(
         "train", "--recipe", "split-net", "--nproc", "1", "--max-steps", "4",
         "--eval-batches", "0", "--lr", "0.05", "--out", str(first), cwd=tmp_path,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     assert "evaluation skipped" in done.stdout
     assert not [r for r in _records(first) if r["event"] == "eval"]
-    again = _scaletrain(
+    again = run_cli(
         "train", "--config", str(first / "config.json"), "--out", str(second), cwd=tmp_path
     )
     assert again.returncode == 0, again.stdout + again.stderr

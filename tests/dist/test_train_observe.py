@@ -1,5 +1,6 @@
 """`scaletrain train` with the ledger and a profile window, then `scaletrain report`, opened in
-a real headless Chromium. One training run (module fixture) serves every check."""
+a real headless Chromium. One training run (module fixture) serves every check; the report
+commands and the refusal run in this process (tests/inprocess.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 
 from scaletrain.testing import launcher_free_env, write_fake_mnist
 from tests.browser import find_chromium, open_page
+from tests.inprocess import run_cli
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -115,7 +117,7 @@ def test_report_opens_offline_in_chromium_with_every_plot_drawn(
     trained: tuple[Path, subprocess.CompletedProcess[str]], tmp_path: Path
 ) -> None:
     run, _ = trained
-    done = _scaletrain("report", str(run), cwd=tmp_path)
+    done = run_cli("report", str(run), cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     page = run / "report.html"
     text = page.read_text()
@@ -136,10 +138,10 @@ def test_report_opens_offline_in_chromium_with_every_plot_drawn(
 
 
 def test_report_errors_in_the_words_of_the_command(tmp_path: Path) -> None:
-    done = _scaletrain("report", str(tmp_path / "nowhere"), cwd=tmp_path)
+    done = run_cli("report", str(tmp_path / "nowhere"), cwd=tmp_path)
     assert done.returncode == 2 and "is not a directory" in done.stderr
     (tmp_path / "empty").mkdir()
-    done = _scaletrain("report", str(tmp_path / "empty"), cwd=tmp_path)
+    done = run_cli("report", str(tmp_path / "empty"), cwd=tmp_path)
     assert done.returncode == 2
     assert "holds no ledger files" in done.stderr
     assert done.stderr.count("scaletrain: error") == 1 and len(done.stderr.splitlines()) == 1
@@ -147,7 +149,7 @@ def test_report_errors_in_the_words_of_the_command(tmp_path: Path) -> None:
 
 def test_a_profile_window_past_the_end_fails_before_training(tmp_path: Path) -> None:
     data = write_fake_mnist(tmp_path / "data", n_train=80, n_test=20, seed=3)
-    done = _scaletrain(
+    done = run_cli(
         "train", "--nproc", "1", "--max-steps", "4", "--batch-size", "20",
         "--data-dir", str(data), "--out", str(tmp_path / "r"), "--profile", "10-12",
         cwd=tmp_path,

@@ -7,12 +7,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from scaletrain.testing import launcher_free_env, write_fake_mnist
+from tests.inprocess import run_cli
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -27,15 +27,8 @@ def _scaletrain(
     # Nothing leaves the machine in a test (MLflow's usage telemetry included).
     environ["MLFLOW_DISABLE_TELEMETRY"] = "true"
     environ.update(env or {})
-    return subprocess.run(
-        [sys.executable, "-m", "scaletrain", *args],
-        cwd=cwd,
-        env=environ,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
+    # In this process (tests/inprocess.py): MLflow's import alone costs seconds a process.
+    return run_cli(*args, cwd=cwd, env=environ)
 
 
 def _train(

@@ -6,16 +6,14 @@ tests/unit/test_hf_config.py)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from scaletrain import cli
-from scaletrain.testing import launcher_free_env
 from tests.cpu_hardware import cpu_hardware_file
 from tests.docblocks import commands, example
+from tests.inprocess import run_cli
 
 pytest.importorskip("transformers")
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
@@ -29,11 +27,11 @@ def test_the_docs_config_json_trains_under_fsdp_and_is_checked(
     train, check = commands("hf-config-commands")
     assert train[:4] == ["scaletrain", "train", "--model", "tiny-llama/config.json"], train
     assert "fsdp" in train and check[:3] == ["scaletrain", "plan", "--check"], check
-    env = launcher_free_env()
-    done = subprocess.run(
-        [sys.executable, "-m", "scaletrain", *train[1:], "--log-every", "1", "--eval-batches", "1",
-         "--hang-timeout", "60"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240,
+    # Its launcher in this process (tests/inprocess.py): the ranks are processes all the
+    # same, but not the launcher's imports of torch and transformers.
+    done = run_cli(
+        *train[1:], "--log-every", "1", "--eval-batches", "1", "--hang-timeout", "60",
+        cwd=tmp_path,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     assert "model tiny-llama/config.json on python sources (byte-level)" in done.stdout

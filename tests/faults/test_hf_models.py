@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from scaletrain.testing import launcher_free_env
+from tests.inprocess import run_cli
 
 pytest.importorskip("transformers")
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
@@ -38,14 +37,14 @@ RUNS = {
 
 
 def _train(out: Path, *flags: str) -> str:
-    args = [
-        sys.executable, "-m", "scaletrain", "train", "--model", "examples/hf_llama.py:build",
-        "--max-steps", "6", "--log-every", "1", "--eval-batches", "0", "--hang-timeout", "0",
-        "--no-save-last", "--out", str(out), *flags,
-    ]  # fmt: skip
-    done = subprocess.run(
-        args, cwd=ROOT, env=launcher_free_env(), capture_output=True, text=True, timeout=400
-    )
+    """`scaletrain train` of examples/hf_llama.py, with its launcher in this process
+    (tests/inprocess.py): the ranks are processes all the same, but not the launcher's
+    imports of torch and transformers (nor a one-process run's)."""
+    done = run_cli(
+        "train", "--model", "examples/hf_llama.py:build", "--max-steps", "6", "--log-every",
+        "1", "--eval-batches", "0", "--hang-timeout", "0", "--no-save-last", "--out", str(out),
+        *flags, cwd=ROOT,
+    )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout
 
@@ -111,11 +110,7 @@ def test_export_writes_a_directory_from_pretrained_loads(
     tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
 
     def export(run: Path, name: str) -> tuple[str, torch.Tensor]:
-        done = subprocess.run(
-            [sys.executable, "-m", "scaletrain", "checkpoint", "export", str(run),
-             str(tmp_path / name)],
-            cwd=ROOT, env=launcher_free_env(), capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
+        done = run_cli("checkpoint", "export", str(run), str(tmp_path / name), cwd=ROOT)
         assert done.returncode == 0, done.stdout + done.stderr
         model = LlamaForCausalLM.from_pretrained(tmp_path / name).eval()
         with torch.no_grad():
@@ -143,9 +138,5 @@ def test_export_writes_a_directory_from_pretrained_loads(
         got, logits_of(torch.load(finished / "model.pt", weights_only=True)), rtol=0, atol=0
     )
     # Nothing is written over, and a model that is not a Hugging Face one is refused.
-    again = subprocess.run(
-        [sys.executable, "-m", "scaletrain", "checkpoint", "export", str(finished),
-         str(tmp_path / "finished")],
-        cwd=ROOT, env=launcher_free_env(), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    again = run_cli("checkpoint", "export", str(finished), str(tmp_path / "finished"), cwd=ROOT)
     assert again.returncode == 2 and "never writes over" in again.stderr, again.stderr

@@ -21,6 +21,7 @@ import torch
 
 from scaletrain.testing import launcher_free_env
 from tests.docblocks import example
+from tests.inprocess import run_cli
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -30,11 +31,15 @@ EXIT_PREEMPTED = 75
 STEPS = 1000
 
 
+def _args(out: Path) -> list[str]:
+    return ["launch", "--nproc-per-node", "2", str(EXAMPLE), "--out", str(out),
+            "--steps", str(STEPS)]  # fmt: skip
+
+
 def _start(out: Path) -> subprocess.Popen[str]:
-    args = [sys.executable, "-m", "scaletrain", "launch", "--nproc-per-node", "2",
-            str(EXAMPLE), "--out", str(out), "--steps", str(STEPS)]  # fmt: skip
+    """The command in a process of its own: for the runs the test signals."""
     return subprocess.Popen(
-        args,
+        [sys.executable, "-m", "scaletrain", *_args(out)],
         cwd=out.parent,
         env=launcher_free_env(),
         stdout=subprocess.PIPE,
@@ -46,6 +51,13 @@ def _start(out: Path) -> subprocess.Popen[str]:
 def _finish(proc: subprocess.Popen[str], timeout: float = 240) -> tuple[int, str]:
     output, _ = proc.communicate(timeout=timeout)
     return proc.returncode, output
+
+
+def _run(out: Path) -> tuple[int, str]:
+    """The command run to its end with its launcher in this process (tests/inprocess.py):
+    the workers are processes all the same, but not the launcher's import of torch."""
+    done = run_cli(*_args(out), cwd=out.parent)
+    return done.returncode, done.stdout + done.stderr
 
 
 def _workers(launcher: int) -> list[int]:
@@ -80,7 +92,7 @@ def _weights(out: Path) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("ref") / "run"
-    code, log = _finish(_start(out))
+    code, log = _run(out)
     assert code == 0, log
     assert f"finished at step {STEPS}" in log
     return out
@@ -119,7 +131,7 @@ def test_a_stopped_loop_saves_exits_75_and_resumes_bitwise(
     assert (out / "checkpoints" / f"step-{stopped:06d}" / "manifest.json").is_file()
     assert not (out / "model.pt").exists()
 
-    code, log = _finish(_start(out))
+    code, log = _run(out)
     assert code == 0, log
     assert f"at step {stopped}" in log and "resumed from" in log, log
     assert f"finished at step {STEPS}" in log

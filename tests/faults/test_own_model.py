@@ -3,7 +3,9 @@
 A module the test writes (a small MLP with BatchNorm, its data, an lr) trains at 2
 processes under DDP and FSDP; SIGTERM saves and exits 75 and the next start resumes to
 the same losses and weights as a straight run; the run extends, forks, and `scaletrain
-report` and `plan --check` read it. Real `scaletrain train` processes, as a user runs them.
+report` and `plan --check` read it. Real `scaletrain train` commands, as a user runs
+them: the one the test signals in a process of its own, the others (their ranks
+processes all the same) in this one (tests/inprocess.py).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 
 from scaletrain.testing import launcher_free_env
 from tests.cpu_hardware import cpu_hardware_file
+from tests.inprocess import run_cli
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
@@ -72,16 +75,19 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+_ARGS = [
+    "train", "--model", "usermod:build", "--nproc", "2", "--epochs", "1", "--log-every", "1",
+    "--save-every", "10", "--hang-timeout", "60",
+]  # fmt: skip
+"""The command's flags but --out and the test's own."""
+
+
 def _train(
     project: Path, out: str, *extra: str, env: dict[str, str] | None = None
 ) -> subprocess.Popen[str]:
-    args = [
-        sys.executable, "-m", "scaletrain", "train", "--model", "usermod:build", "--nproc", "2",
-        "--out", out, "--epochs", "1", "--log-every", "1", "--save-every", "10",
-        "--hang-timeout", "60", *extra,
-    ]  # fmt: skip
+    """The command in a process of its own: for the run the test signals."""
     return subprocess.Popen(
-        args,
+        [sys.executable, "-m", "scaletrain", *_ARGS, "--out", out, *extra],
         cwd=project,
         env={**launcher_free_env(), **(env or {})},
         stdout=subprocess.PIPE,
@@ -95,8 +101,16 @@ def _done(proc: subprocess.Popen[str], timeout: float = 240) -> tuple[int, str]:
     return proc.returncode, out
 
 
+def _here(project: Path, out: str, *extra: str) -> tuple[int, str]:
+    """The command with its launcher in this process (tests/inprocess.py): its ranks are
+    processes all the same, but not the launcher's import of torch."""
+    args = [*_ARGS, "--out", out, *extra]
+    done = run_cli(*args, cwd=project)
+    return done.returncode, done.stdout + done.stderr
+
+
 def _run(project: Path, out: str, *extra: str) -> str:
-    code, log = _done(_train(project, out, *extra))
+    code, log = _here(project, out, *extra)
     assert code == 0, log
     return log
 
@@ -144,31 +158,22 @@ def test_your_model_extends_forks_and_is_reported_and_checked(project: Path) -> 
     assert "resumed at step 20, extending to 30" in log
     # Settings that change what the run means are refused for a model as for a recipe,
     # the model itself among them.
-    code, log = _done(_train(project, "life", "--max-steps", "40", "--batch-size", "8"))
+    code, log = _here(project, "life", "--max-steps", "40", "--batch-size", "8")
     assert code == 2 and "would change what the run means" in log, log
     log = _run(project, "life", "--fork", "forked", "--max-steps", "5", "--lr", "0.01")
     assert "forked from" in log
     forked = json.loads((project / "forked" / "config.json").read_text())
     assert forked["model"] == "usermod:build" and forked["run"]["forked_from"]["step"] == 30
-    env = launcher_free_env()
-    report = subprocess.run(
-        [sys.executable, "-m", "scaletrain", "report", str(run)],
-        cwd=project, env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    # The commands that read the run, in this process (tests/inprocess.py).
+    report = run_cli("report", str(run), cwd=project)
     assert report.returncode == 0, report.stdout + report.stderr
     assert (run / "report.html").is_file()
-    check = subprocess.run(
-        [sys.executable, "-m", "scaletrain", "plan", "--check", str(run),
-         "--hardware", str(cpu_hardware_file(project / "cpu.toml"))],
-        cwd=project, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    hardware = str(cpu_hardware_file(project / "cpu.toml"))
+    check = run_cli("plan", "--check", str(run), "--hardware", hardware, cwd=project)
     assert check.returncode == 0, check.stdout + check.stderr
     assert "check: ddp" in check.stdout and "step time" in check.stdout
     # Export writes Hugging Face directories; a plain nn.Module is pointed to consolidate.
-    export = subprocess.run(
-        [sys.executable, "-m", "scaletrain", "checkpoint", "export", str(run), "hf"],
-        cwd=project, env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    export = run_cli("checkpoint", "export", str(run), "hf", cwd=project)
     assert export.returncode == 2, export.stdout + export.stderr
     assert "not a transformers PreTrainedModel" in export.stderr and "consolidate" in export.stderr
     assert not (project / "hf").exists()
@@ -192,11 +197,10 @@ def test_a_model_module_that_breaks_the_protocol_is_refused_before_any_process(
     # That a file path works as well as a module name, the docs' own commands show
     # (test_the_docs_own_model_runs_as_written: mymodel.py:build at 2 processes).
     for spec, said in cases.items():
-        proc = subprocess.run(
-            [sys.executable, "-m", "scaletrain", "train", "--model", spec, "--nproc", "2",
-             "--max-steps", "2", "--out", str(tmp_path / spec.replace(":", "-")),
-             "--hang-timeout", "0"],
-            cwd=project, env=launcher_free_env(), capture_output=True, text=True, timeout=200,
+        proc = run_cli(
+            "train", "--model", spec, "--nproc", "2", "--max-steps", "2",
+            "--out", str(tmp_path / spec.replace(":", "-")), "--hang-timeout", "0",
+            cwd=project,
         )  # fmt: skip
         assert proc.returncode == 2, (spec, proc.stdout + proc.stderr)
         assert said in proc.stderr and "rank" not in proc.stderr, (spec, proc.stderr)
@@ -210,10 +214,7 @@ def test_the_docs_own_model_runs_as_written(tmp_path: Path) -> None:
     logs = []
     for words in commands("own-model-commands"):
         assert words[:2] == ["scaletrain", "train"], words
-        done = subprocess.run(
-            [sys.executable, "-m", "scaletrain", *words[1:]],
-            cwd=tmp_path, env=launcher_free_env(), capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
+        done = run_cli(*words[1:], cwd=tmp_path)
         assert done.returncode == 0, (words, done.stdout + done.stderr)
         logs.append(done.stdout)
     assert "model mymodel:build on mymodel:datasets" in logs[0]

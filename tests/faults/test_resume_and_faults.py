@@ -1,9 +1,10 @@
 """Runs that stop, die or are preempted end with the same weights as uninterrupted ones.
 
-Real `scaletrain train` processes (2 Gloo ranks through the launcher) on small IDX
-data written by the test. Every comparison is bitwise: resuming restores weights,
-optimizer, scheduler, sampler position and RNG exactly, and with 2 ranks DDP's
-gradient sum a + b is the same whatever order the buckets arrive in.
+Real `scaletrain train` commands (2 Gloo ranks through the launcher) on small IDX
+data written by the test; the launcher runs in this process (tests/inprocess.py) where
+the test does not signal or kill it. Every comparison is bitwise: resuming restores
+weights, optimizer, scheduler, sampler position and RNG exactly, and with 2 ranks
+DDP's gradient sum a + b is the same whatever order the buckets arrive in.
 """
 
 from __future__ import annotations
@@ -21,28 +22,40 @@ import pytest
 import torch
 
 from scaletrain.testing import launcher_free_env, write_fake_mnist
+from tests.inprocess import run_cli
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 EXIT_PREEMPTED = 75
 
 
-def _start(out: Path, data: Path, *extra: str, recipe: str = "convnet") -> subprocess.Popen[str]:
+def _args(out: Path, data: Path, *extra: str, recipe: str = "convnet") -> list[str]:
     # The gpt recipe reads its own corpus (Python's sources), not the IDX files.
     source = ["--data-dir", str(data)] if recipe != "gpt" else []
-    args = [
-        sys.executable, "-m", "scaletrain", "train", "--nproc", "2", "--recipe", recipe,
-        *source, "--out", str(out), "--batch-size", "20", "--log-every", "1",
-        "--epochs", "2", "--hang-timeout", "60", *extra,
+    return [
+        "train", "--nproc", "2", "--recipe", recipe, *source, "--out", str(out),
+        "--batch-size", "20", "--log-every", "1", "--epochs", "2", "--hang-timeout", "60",
+        *extra,
     ]  # fmt: skip
+
+
+def _start(out: Path, data: Path, *extra: str, recipe: str = "convnet") -> subprocess.Popen[str]:
+    """The command in a process of its own: for the tests that signal or kill it."""
     return subprocess.Popen(
-        args,
+        [sys.executable, "-m", "scaletrain", *_args(out, data, *extra, recipe=recipe)],
         cwd=out.parent,
         env=launcher_free_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
+
+
+def _run(out: Path, data: Path, *extra: str, recipe: str = "convnet") -> tuple[int, str]:
+    """The command run to its end with its launcher in this process (tests/inprocess.py):
+    its ranks are processes all the same, but not the launcher's import of torch."""
+    done = run_cli(*_args(out, data, *extra, recipe=recipe), cwd=out.parent)
+    return done.returncode, done.stdout + done.stderr
 
 
 def _finish(proc: subprocess.Popen[str], timeout: float = 240) -> tuple[int, str]:
@@ -97,7 +110,7 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def reference(data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("ref") / "run"
-    code, log = _finish(_start(out, data, "--save-every", "4"))
+    code, log = _run(out, data, "--save-every", "4")
     assert code == 0, log
     assert max(_train_losses(out)) == 60
     return out
@@ -107,11 +120,11 @@ def test_stop_mid_epoch_and_resume_is_bitwise_identical(
     data: Path, reference: Path, tmp_path: Path
 ) -> None:
     out = tmp_path / "run"
-    code, log = _finish(_start(out, data, "--save-every", "4", "--stop-after", "7"))
+    code, log = _run(out, data, "--save-every", "4", "--stop-after", "7")
     assert code == 0, log
     assert "stopped at step 7/60" in log  # step 7 of 30 in epoch 1: mid-epoch
     assert not (out / "model.pt").exists()
-    code, log = _finish(_start(out, data, "--save-every", "4"))
+    code, log = _run(out, data, "--save-every", "4")
     assert code == 0, log
     assert "resumed from" in log and "step-000007" in log
     _assert_same_run(reference, out)
@@ -153,7 +166,7 @@ def test_sigterm_saves_exits_75_and_a_later_start_resumes(
         pytest.skip("the run finished before the signal arrived (machine too fast)")
     assert code == EXIT_PREEMPTED, log
     assert "stopped at step" in log and "signal SIGTERM" in log
-    code, log = _finish(_start(out, data, "--save-every", "4"))
+    code, log = _run(out, data, "--save-every", "4")
     assert code == 0, log
     assert "resumed from" in log
     _assert_same_run(reference, out)
@@ -182,9 +195,7 @@ def sharded_reference(
     def reference_of(strategy: str) -> Path:
         if strategy not in made:
             out = tmp_path_factory.mktemp(f"ref-{strategy}") / "run"
-            code, log = _finish(
-                _start(out, data, *_sharded_flags(strategy), recipe=SHARDED[strategy])
-            )
+            code, log = _run(out, data, *_sharded_flags(strategy), recipe=SHARDED[strategy])
             assert code == 0, log
             made[strategy] = out
         return made[strategy]
@@ -204,9 +215,9 @@ def test_every_sharded_strategy_resumes_bitwise(
     pipeline rank saves only its stages, tensor parallel its shards."""
     extra = _sharded_flags(strategy)
     ref, run = sharded_reference(strategy), tmp_path / "run"
-    code, log = _finish(_start(run, data, *extra, "--stop-after", "5", recipe=recipe))
+    code, log = _run(run, data, *extra, "--stop-after", "5", recipe=recipe)
     assert code == 0, log
-    code, log = _finish(_start(run, data, *extra, recipe=recipe))
+    code, log = _run(run, data, *extra, recipe=recipe)
     assert code == 0, log
     assert "resumed from" in log
     _assert_same_run(ref, run)
@@ -218,15 +229,13 @@ def test_evaluating_changes_nothing_a_run_saves(data: Path, tmp_path: Path) -> N
     when it evaluated, and an extended run equals a straight one."""
     base = ["--max-steps", "20", "--save-every", "5"]
     quiet, extended = tmp_path / "quiet", tmp_path / "extended"
-    code, log = _finish(_start(quiet, data, *base, "--eval-batches", "0"))
+    code, log = _run(quiet, data, *base, "--eval-batches", "0")
     assert code == 0, log
     # 10 steps, evaluated at their end, then extended to 20 and evaluated again at the
     # end: an evaluation a straight run never made, and the one every run makes last.
-    code, log = _finish(
-        _start(extended, data, *base[2:], "--max-steps", "10", "--eval-batches", "1")
-    )
+    code, log = _run(extended, data, *base[2:], "--max-steps", "10", "--eval-batches", "1")
     assert code == 0, log
-    code, log = _finish(_start(extended, data, *base, "--eval-batches", "1"))
+    code, log = _run(extended, data, *base, "--eval-batches", "1")
     assert code == 0, log
     assert "resumed at step 10, extending to 20" in log
     assert [r["event"] for r in _records(extended)].count("eval") == 2
@@ -245,11 +254,9 @@ def test_fsdp_model_pt_and_the_consolidated_checkpoint_agree(
     rank's own: test_every_sharded_strategy_resumes_bitwise)."""
     out = sharded_reference("fsdp")  # evaluates nothing, which could make them equal
     consolidated = tmp_path / "consolidated.pt"
-    proc = subprocess.run(
-        [sys.executable, "-m", "scaletrain", "checkpoint", "consolidate",
-         str(out / "checkpoints" / "step-000008"), str(consolidated)],
-        capture_output=True, text=True, env=launcher_free_env(), timeout=120,
-    )  # fmt: skip
+    proc = run_cli(  # in this process (tests/inprocess.py)
+        "checkpoint", "consolidate", str(out / "checkpoints" / "step-000008"), str(consolidated)
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     model_pt, whole = _weights(out), torch.load(consolidated, weights_only=True)
     assert model_pt.keys() == whole.keys()

@@ -1,7 +1,8 @@
 """Runs that never lose work: extend, shorten, change, fork, overwrite, corrupt (issue 8).
 
-Real `scaletrain train` commands in one process each (--nproc 1: no launcher, a few
-seconds a run) on a tiny IDX dataset: 400 samples, batch 10, so an epoch is 40 steps.
+Real `scaletrain train` commands (--nproc 1: no launcher), each run in the test's own
+process as the command line runs it (tests/inprocess.py), on a tiny IDX dataset: 400
+samples, batch 10, so an epoch is 40 steps.
 Every refusal is checked to leave the run directory exactly as it was. A run that
 several tests start from is trained once (a module fixture) and copied into each test
 that changes it: a process start costs more than the run it starts.
@@ -11,27 +12,25 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from scaletrain.testing import launcher_free_env, write_fake_mnist
+from scaletrain.testing import write_fake_mnist
+from tests.inprocess import run_cli
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
 
 def _train(out: Path, data: Path, *extra: str) -> tuple[int, str]:
+    # In this process (tests/inprocess.py): a process start costs more than the run.
     args = [
-        sys.executable, "-m", "scaletrain", "train", "--nproc", "1", "--data-dir", str(data),
-        "--out", str(out), "--batch-size", "10", "--log-every", "5", "--eval-batches", "1",
-        "--hang-timeout", "0", *extra,
+        "train", "--nproc", "1", "--data-dir", str(data), "--out", str(out),
+        "--batch-size", "10", "--log-every", "5", "--eval-batches", "1", "--hang-timeout", "0",
+        *extra,
     ]  # fmt: skip
-    done = subprocess.run(
-        args, cwd=out.parent, env=launcher_free_env(), capture_output=True, text=True, timeout=200
-    )
+    done = run_cli(*args, cwd=out.parent)
     return done.returncode, done.stdout + done.stderr
 
 
