@@ -288,30 +288,13 @@ def _worker_args(argv: Sequence[str], out: str | None) -> list[str]:
     return [*args, "--out", out] if out is not None else args
 
 
-def _hold_ctrl_c_for_torch() -> None:
-    """Import torch with Ctrl-C held (SIGINT blocked in the main thread; one pressed
-    meanwhile arrives when the import ends): a module torch imports catches
-    KeyboardInterrupt, so a Ctrl-C during the import could be lost and the run went on
-    (scaletrain.runtime.signals.ctrl_c_held). Held with the signal module alone: that
-    module's package imports torch itself, so importing it to hold Ctrl-C lost the
-    Ctrl-C it was to hold (tests/faults/test_interrupts.py, launcher-starting: 3 runs
-    of 4 when run alone)."""
-    import signal
-    import threading
-
-    held = hasattr(signal, "pthread_sigmask") and threading.current_thread() is (
-        threading.main_thread()
-    )
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT]) if held else None
-    try:
-        import torch  # noqa: F401
-    finally:
-        if previous is not None:
-            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-
-
 def _cmd_train(ns: argparse.Namespace, argv: Sequence[str]) -> int:
-    _hold_ctrl_c_for_torch()
+    # scaletrain.sigint, not scaletrain.runtime.signals: importing the runtime package
+    # imports torch, and a Ctrl-C during that import, unheld, could be lost.
+    from scaletrain.sigint import ctrl_c_held
+
+    with ctrl_c_held():
+        import torch  # noqa: F401
     from scaletrain.launch.training import default_out, place
 
     config = train_config(ns)

@@ -20,10 +20,14 @@ def _python(code: str) -> subprocess.CompletedProcess[str]:
 
 def test_a_ctrl_c_held_across_a_block_that_would_swallow_it_arrives_after() -> None:
     # `import torch` imports numpy from C++, which clears any error raised meanwhile: a
-    # KeyboardInterrupt there was lost (3 of 40 Ctrl-Cs). Held, it arrives after.
+    # KeyboardInterrupt there was lost (3 of 40 Ctrl-Cs). Held, it arrives after. The
+    # hold imports no torch: the CLI holds Ctrl-C before torch's import begins (from
+    # scaletrain.runtime it came after the import it was to hold).
     done = _python(
         "import os, signal, time\n"
-        "from scaletrain.runtime.signals import ctrl_c_held\n"
+        "import sys\n"
+        "from scaletrain.sigint import ctrl_c_held\n"
+        "assert 'torch' not in sys.modules, 'holding Ctrl-C imported torch'\n"
         "with ctrl_c_held():\n"
         "    os.kill(os.getpid(), signal.SIGINT)\n"
         "    try:\n"

@@ -81,7 +81,7 @@ def sigint_held() -> Iterator[None]:
     if not _guarded():
         yield
         return
-    from scaletrain.runtime.signals import sigint_blocked
+    from scaletrain.sigint import sigint_blocked
 
     with sigint_blocked():
         yield

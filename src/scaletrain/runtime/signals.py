@@ -20,11 +20,12 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
 from scaletrain.exitcodes import EXIT_ABORTED
+from scaletrain.sigint import ctrl_c_held, sigint_blocked
 
 __all__ = ["StopRequest", "ctrl_c_held", "sigint_blocked"]
 
@@ -89,31 +90,3 @@ class StopRequest:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
-
-
-@contextlib.contextmanager
-def sigint_blocked() -> Iterator[None]:
-    """Block SIGINT in the calling thread for the block (where the platform can): one
-    that arrives meanwhile stays pending until it ends, and processes started inside
-    the block inherit the mask."""
-    if not hasattr(signal, "pthread_sigmask"):
-        yield
-        return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-
-
-@contextlib.contextmanager
-def ctrl_c_held() -> Iterator[None]:
-    """Hold Ctrl-C (block SIGINT in this, the main, thread) for the block; one pressed
-    meanwhile arrives when it ends. For `import torch`: a module it imports catches
-    KeyboardInterrupt, so a Ctrl-C during the import could be lost (3 of 40 in a test
-    here) and the run went on as if nothing had been pressed."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    with sigint_blocked():
-        yield
