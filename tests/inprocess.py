@@ -42,6 +42,20 @@ def _to_stderr(
     sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
 
 
+_INSTALLED = (sys.prefix, sys.base_prefix, str(Path(__file__).resolve().parents[1] / "src"))
+"""Where installed packages and scaletrain's own modules live."""
+
+
+def _forget_user_modules(before: set[str]) -> None:
+    """Drop the modules the command imported from elsewhere (a --model or --data module
+    from the test's directory): a process imports `mymodel` once, and the next test's
+    `mymodel`, another file of the same name, would be the first one's."""
+    for name in set(sys.modules) - before:
+        where = getattr(sys.modules[name], "__file__", None) or ""
+        if where and not where.startswith(_INSTALLED):
+            del sys.modules[name]
+
+
 def run_cli(
     *args: str, cwd: Path | str | None = None, env: Mapping[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
@@ -54,6 +68,7 @@ def run_cli(
     from scaletrain.testing import launcher_free_env
 
     saved_env, saved_cwd, saved_path = dict(os.environ), os.getcwd(), list(sys.path)
+    saved_modules = set(sys.modules)
     saved_streams = sys.stdout, sys.stderr
     for stream in saved_streams:
         stream.flush()
@@ -90,6 +105,7 @@ def run_cli(
                 os.close(saved)
             os.chdir(saved_cwd)
             sys.path[:] = saved_path  # a --model module's directory, which the command adds
+            _forget_user_modules(saved_modules)
             os.environ.clear()
             os.environ.update(saved_env)
             use_cli_names(False)
