@@ -77,7 +77,9 @@ def _train(rt: Any, device_map: dict[str, str] | str) -> dict[str, Any]:
         "devices": sorted({str(p.device) for p in inner.parameters()}),
         "process_devices": rt.strategy.process_devices(rt.topology),
     }
-    del model, opt  # before the next DDP: one live reducer at a time (NOTES.md)
+    # Before the next DDP: one live reducer at a time (a process that exits with a live
+    # DDP model can abort as Gloo's thread races the interpreter's shutdown).
+    del model, opt
     return out
 
 

@@ -42,7 +42,7 @@ def _model(kind: str) -> nn.Module:
     if kind == "gpt":
         return GPT(GPT_CONFIG)
     model = ConvNet()
-    # Without SyncBatchNorm (which fails on CPU, NOTES.md) each rank normalises with its
+    # Without SyncBatchNorm (train mode needs a GPU input) each rank normalises with its
     # own batch's statistics, which one process on the global batch cannot reproduce:
     # BatchNorm runs on its running statistics (eval mode) so the math is the same.
     for m in model.modules():

@@ -211,7 +211,9 @@ def _job() -> dict[str, Any]:
             "losses": losses,
             "state": {k: v.detach().clone() for k, v in bare.state_dict().items()},
         }
-        # A live DDP model at exit can abort the process (NOTES.md): drop it first.
+        # A live DDP model at exit can abort the process (Gloo's thread races the
+        # interpreter's shutdown, `terminate called without an active exception`): drop it
+        # first.
         del model, opt, bare
         gc.collect()
     dist.destroy_process_group()

@@ -179,7 +179,7 @@ class DDP(Strategy):
                 matrix_approximation_rank=self.powersgd_rank,
                 start_powerSGD_iter=self.powersgd_start_iter,
             )
-            # batched_powerSGD_hook raises a bare AssertionError in 2.13 (NOTES.md).
+            # Not batched_powerSGD_hook: in torch 2.13 it raises a bare AssertionError.
             ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
 
     def unwrap(self, module: nn.Module) -> nn.Module:
