@@ -163,14 +163,26 @@ def _torchtitans_tp(profile: object, layers: list[Any], units: object, tp_plan: 
     """The planner's model of a run with torchtitan's tensor-parallel plan (its llama3
     `apply_tp`) where it goes beyond scaletrain's: the embeddings rowwise, the final
     norm sequence parallel and the head colwise with loss parallelism, so every
-    activation, the logits and the loss's included, is split over tp."""
+    activation, the logits and the loss's included, is split over tp; and sequence
+    parallel's inputs gathered once per attention and feed-forward module
+    (`PrepareModuleInput`), where scaletrain's TensorParallel gathers once per colwise
+    layer."""
     from scaletrain.planner.cost import Model
+
+    class Torchtitan(Model):
+        def tp_split(self, sp: bool = False) -> float:
+            return float(self.profile.activation_bytes) if sp else super().tp_split(sp)
+
+        def tp_messages(self, sp: bool = False) -> tuple[int, int, float]:
+            rows, _, each = super().tp_messages(sp)
+            cols = {n.rpartition(".")[0] for n, s in (self.tp_plan or {}).items() if s == "colwise"}
+            return rows, len(cols) if sp else 0, each
 
     if tp_plan:
         heads = {"model.embed_tokens": "rowwise", "lm_head": "colwise"}
         tp_plan = {**tp_plan, **{k: v for k, v in heads.items() if k not in tp_plan}}
         kw["sp_blocks"] = [m for x in layers for m in x.members]
-    return Model(profile, layers, units, tp_plan, **kw)  # type: ignore[arg-type]
+    return Torchtitan(profile, layers, units, tp_plan, **kw)  # type: ignore[arg-type]
 
 
 def _torchtitans_selective() -> object:

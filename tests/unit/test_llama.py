@@ -320,3 +320,5 @@ def test_the_default_loss_is_taken_in_fp32() -> None:
     assert loss.dtype == torch.float32
     want = nn.functional.cross_entropy(logits.float().reshape(-1, 64), targets.reshape(-1))
     assert torch.equal(loss, want)
+    wide = torch.randn(2, 8, 64, dtype=torch.float64)  # wider than fp32 stays as it is
+    assert get_recipe("llama").loss(wide, targets).dtype == torch.float64

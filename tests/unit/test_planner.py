@@ -357,26 +357,56 @@ def test_blocks_in_a_module_list_count_in_what_the_layers_hold() -> None:
     m = Model(p.profile, list_layers(net), planned.blocks, plan)
     blocks = sum(p.profile.modules[b].activation_bytes for b in planned.blocks)
     assert m.held_activations() > blocks > 0
-    assert 0 < m.tp_shares()[2] < 1
+    assert 0 < m.tp_split() < m.held_activations()
 
 
-def test_sequence_parallel_splits_what_the_blocks_hold() -> None:
+def test_sequence_parallel_splits_what_the_blocks_hold_and_gathers_each_colwise_input() -> None:
     p = st.plan("llama", devices=4, hardware="h100-sxm", precision="bf16-mixed")
     plain, sp = p.row("fsdp x tp dp=2,tp=2"), p.row("fsdp x tp dp=2,tp=2 sp")
-    assert sp.memory.activations < plain.memory.activations
-    assert sp.memory.params == plain.memory.params
-    # The same bytes cross the link: a reduce-scatter and an all-gather for each
-    # all-reduce.
-    assert sp.time.comm == pytest.approx(plain.time.comm)
+    assert any("sequence_parallel=True" in n for n in sp.notes)
+    from scaletrain.planner.models import resolve_model
+    from scaletrain.strategies.tensor_plan import matching_modules, sequence_parallel_blocks
+
+    planned = resolve_model("llama")
+    with torch.device("meta"):
+        net = planned.build()
+    plan = {n: s for k, s in (planned.tp_plan or {}).items() for n in matching_modules(net, k)}
+    m = Model(p.profile, list_layers(net), planned.blocks, plan,
+              sp_blocks=sequence_parallel_blocks(net, plan))  # fmt: skip
+    # The blocks keep more than their attention and MLP modules (norms, residuals).
+    assert m.tp_split(sp=True) > m.tp_split() > 0
+    # TensorParallel(sequence_parallel=True) gives each colwise layer Shard(1) inputs:
+    # one all-gather each, beside a reduce-scatter per rowwise layer. More collectives
+    # than plain tp's all-reduces, and each gathered input is kept whole.
+    rows, gathers, each = m.tp_messages(sp=True)
+    assert gathers == sum(s == "colwise" for s in plan.values()) > rows == m.tp_messages()[0]
+    assert sp.time.comm > plain.time.comm
+    one = memory(Layout("tensor", tp=2), m, 32).activations
+    two = memory(Layout("tensor", tp=2, sp=True), m, 32)
+    split = (m.tp_split(sp=True) - m.tp_split()) * (1 - 1 / 2)
+    assert two.activations == pytest.approx(one - split + gathers * each)
     with pytest.raises(ConfigError, match=r"Layout\('tensor', sp=True\): sequence parallel"):
         Layout("tensor", sp=True)
     # A residual MLP's blocks hold their Linears directly: no ModuleList of blocks
     # around attention and MLP modules, so no sequence-parallel row, and one asked for
     # is refused.
-    m = _model()
-    assert not m.sp_blocks
+    assert not _model().sp_blocks
     with pytest.raises(ConfigError, match="is sequence parallel, which needs"):
-        memory(Layout("tensor", tp=2, sp=True), m, 32)
+        memory(Layout("tensor", tp=2, sp=True), _model(), 32)
+
+
+def test_a_sequence_parallel_layout_a_model_cannot_run_is_refused_before_its_profile() -> None:
+    with pytest.raises(ConfigError, match=r"tensor tp=3 sp is sequence parallel, and llama has "
+                       r"64 tokens per sample, which tp=3 does not divide\. Fix: that layout "
+                       r"with sp=False"):  # fmt: skip
+        st.plan("llama", devices=3, hardware="h100-sxm", layouts=[Layout("tensor", tp=3, sp=True)])
+    with pytest.raises(ConfigError, match="and convnet takes no sequence"):
+        st.plan(
+            "convnet", devices=2, hardware="h100-sxm", layouts=[Layout("tensor", tp=2, sp=True)]
+        )
+    # Layouts are read twice (which profiles to take, then the rows): any iterable.
+    rows = st.plan("gpt", devices=2, hardware="h100-sxm", layouts=iter([Layout("ddp", dp=2)])).rows
+    assert [r.layout.label for r in rows] == ["ddp dp=2"]
 
 
 def test_a_sharded_fsdp_step_is_profiled_in_the_compute_dtype() -> None:
@@ -395,6 +425,13 @@ def test_a_sharded_fsdp_step_is_profiled_in_the_compute_dtype() -> None:
     assert gathered.param_bytes == autocast.param_bytes
     assert gathered.optimizer_bytes == autocast.optimizer_bytes
     assert gathered.optimizer.bytes == pytest.approx(autocast.optimizer.bytes, rel=1e-4)
+    # A small step peaks at the same point of its backward either way: the gradients
+    # alive then are bf16 in the gathered step, counted at the weights' fp32 size.
+    small = (ResidualMLP, (torch.randn(1, 64), torch.randint(0, 10, (1,))),
+             nn.functional.cross_entropy, partial(torch.optim.Adam, lr=1e-3))  # fmt: skip
+    grads = [profile_model(*small, precision="bf16-mixed", gathered=g).peak_grad_bytes
+             for g in (False, True)]  # fmt: skip
+    assert grads[0] == grads[1] > 0
     for name, cost in autocast.modules.items():
         assert gathered.modules[name].param_bytes == cost.param_bytes, name
     p = st.plan("llama", devices=4, hardware="h100-sxm", precision="bf16-mixed",

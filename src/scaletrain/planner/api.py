@@ -167,6 +167,7 @@ def plan(
         raise ConfigError(unknown("precision", precision, PRECISIONS), field="precision")
     precision = canonical(precision)
     check_levers("plan(...)", ac, ac_every, compile)
+    layouts = None if layouts is None else list(layouts)
     if layouts is not None and not layouts:
         raise ConfigError(
             "plan(..., layouts=[]) picks no row to plan. Fix: give at least one Layout, or "
@@ -199,6 +200,19 @@ def plan(
             return False
         return not x.sp or (planned.seq_len or 0) % x.tp == 0
 
+    for x in layouts or ():  # before the profile, which takes minutes for a large model
+        if x.sp and (not sp_blocks or (planned.seq_len or 0) % x.tp):
+            why = (
+                "takes no sequence" if not planned.seq_len
+                else "has no blocks of one nn.ModuleList or nn.Sequential around its "
+                "tensor-parallel layers" if not sp_blocks
+                else f"has {planned.seq_len} tokens per sample, which tp={x.tp} does not divide"
+            )  # fmt: skip
+            raise ConfigError(
+                f"plan(..., layouts=[...]): {x.label} is sequence parallel, and "
+                f"{planned.name} {why}. Fix: that layout with sp=False.",
+                field="layouts",
+            )
     if layouts is None:
         rows = layouts_for(
             devices, batch=batch, layers=len(layers), tensor=bool(tp_plan),

@@ -8,9 +8,10 @@ Memory per device:
   gradients from 2, parameters from 3 (each strategy's stage: layout.STRATEGIES).
   Tensor parallel divides the parameters its plan shards, a pipeline stage holds
   its own layers'.
-- Activations: the profile's peak at the per-device batch, divided where tensor
-  parallel shards them (what its attention and MLP modules hold; with sequence
-  parallel, all that its blocks hold); a pipeline stage holds its share for every microbatch in
+- Activations: the profile's peak at the per-device batch, less the share tensor
+  parallel divides (what its attention and MLP modules hold; with sequence parallel,
+  all that its blocks hold, plus the inputs its colwise layers gather whole and keep);
+  a pipeline stage holds its share for every microbatch in
   flight (at most pp on the first stage with 1F1B, all of them with GPipe).
 - Buffers: FSDP's gathered units (a unit and the next with prefetch, at most the
   two largest; every unit at once for stage 2) in the compute dtype, a pipeline's send and receive buffers.
@@ -35,8 +36,9 @@ COMPILED_BYTES). Communication is alpha-beta over the link each group spans
   gradients' shard out after their reduce-scatter (`Host.bandwidth`), in the same
   stream, and the optimizer steps on the host (`Host.memory_bandwidth`), exposed.
 - Tensor parallel: its collectives sit between a block's matmuls and are exposed
-  (twice in the forward where full checkpointing recomputes it). Sequence parallel
-  moves the same bytes: each all-reduce becomes a reduce-scatter and an all-gather.
+  (twice in the forward where full checkpointing recomputes it). With sequence
+  parallel each all-reduce becomes a reduce-scatter, and each colwise layer
+  all-gathers its input.
 - A pipeline's step is its schedule simulated (planner.schedule) with the sends
   between stages; its bubble is the step less the busiest rank's work.
 """
@@ -163,28 +165,40 @@ class Model:
         ]
         return int(self._sum(names, "activation_bytes"))
 
-    def tp_shares(self, sp: bool = False) -> tuple[float, float, float]:
-        """Fractions of the parameters, FLOPs and activations tensor parallel divides:
-        its planned layers' parameters, and the FLOPs and activations of the modules
-        holding them (attention and MLP blocks: their heads and hidden width split);
-        with sequence parallel (`sp`), the activations of the whole blocks."""
+    def tp_shares(self) -> tuple[float, float]:
+        """Fractions of the parameters and FLOPs tensor parallel divides: its planned
+        layers' parameters, and the FLOPs of the modules holding them (attention and
+        MLP blocks: their heads and hidden width split)."""
         if not self.tp_plan:
-            return 0.0, 0.0, 0.0
+            return 0.0, 0.0
         p = self.profile
-        parents = sorted({n.rpartition(".")[0] for n in self.tp_plan})
         params = self._sum(list(self.tp_plan), "param_bytes") / max(1, p.param_bytes)
-        flops = self._sum(parents, "flops") / max(1.0, p.flops)
-        split = list(self.sp_blocks) if sp else parents
-        acts = self._sum(split, "activation_bytes") / max(1, self.held_activations())
-        return min(params, 1.0), min(flops, 1.0), min(acts, 1.0)
+        flops = self._sum(self._holders(), "flops") / max(1.0, p.flops)
+        return min(params, 1.0), min(flops, 1.0)
 
-    def tp_messages(self) -> tuple[int, float]:
-        """Blocking collectives per forward (a rowwise layer's output all-reduced; the
-        backward all-reduces a colwise layer's input gradient) and their bytes."""
+    def _holders(self) -> list[str]:
+        return sorted({n.rpartition(".")[0] for n in self.tp_plan or {}})
+
+    def tp_split(self, sp: bool = False) -> float:
+        """Bytes of the peak (at the profile's batch) tensor parallel divides: what the
+        modules holding its layers keep for the backward; with sequence parallel
+        (`sp`), all that the blocks keep. The rest (embeddings, head, the loss's
+        temporaries) is whole on every rank."""
         if not self.tp_plan:
-            return 0, 0.0
+            return 0.0
+        return self._sum(list(self.sp_blocks) if sp else self._holders(), "activation_bytes")
+
+    def tp_messages(self, sp: bool = False) -> tuple[int, int, float]:
+        """Collectives per forward and the bytes of each: one per rowwise layer (its
+        output all-reduced, or with sequence parallel reduce-scattered), and with
+        sequence parallel one all-gather per colwise layer (TensorParallel gives each
+        `input_layouts=Shard(1)`: each gathers its input whole). The backward runs the
+        same collectives on the gradients."""
+        if not self.tp_plan:
+            return 0, 0, 0.0
         rows = [n for n, s in self.tp_plan.items() if s == "rowwise"]
-        return len(rows), self._sum(rows, "output_bytes")
+        cols = sum(s == "colwise" for s in self.tp_plan.values()) if sp else 0
+        return len(rows), cols, self._sum(rows, "output_bytes") / max(1, len(rows))
 
     def stages(self, pp: int) -> list[list[Layer]]:
         return split_layers(self.layers, pp)
@@ -259,7 +273,7 @@ class Estimate:
 def _local(model: Model, layout: Layout) -> tuple[float, float]:
     """(parameter, work) shares of the busiest device before data parallelism: what
     tensor parallel and a pipeline stage leave it."""
-    tp_p, tp_f, _ = model.tp_shares()
+    tp_p, tp_f = model.tp_shares()
     cut = 1 - 1 / layout.tp
     par, work = 1 - tp_p * cut, 1 - tp_f * cut
     if layout.pp > 1:
@@ -291,7 +305,11 @@ def memory(layout: Layout, model: Model, batch: int) -> Memory:
         buffers = psi * COMPUTE[prec]
     acts = p.activation_bytes * p.per_sample(batch / m)
     if layout.tp > 1:
-        acts *= 1 - model.tp_shares(layout.sp)[2] * (1 - 1 / layout.tp)
+        # What a module held after its forward counts its output too: at most the peak.
+        acts -= min(acts, model.tp_split(layout.sp) * p.per_sample(batch / m)) * (1 - 1 / layout.tp)
+        if layout.sp and not p.ac.startswith("full"):  # the gathered inputs, kept whole
+            _, gathers, each = model.tp_messages(sp=True)
+            acts += gathers * each * p.per_sample(batch / m)
     if pp > 1:
         shares = model.stage_shares(pp)
         inflight = [m if layout.schedule == "gpipe" else min(m, pp - r) for r in range(pp)]
@@ -382,14 +400,19 @@ def _host(layout: Layout, hw: Hardware) -> Host | None:
 
 
 def _tensor(layout: Layout, model: Model, hw: Hardware, batch: int, share: float) -> float:
-    """Seconds of tensor parallel's collectives, all exposed: a rowwise layer's output
-    all-reduced in the forward, a colwise layer's input gradient in the backward (the
-    forward's again where full checkpointing recomputes it)."""
-    p = model.profile
-    msgs, nbytes = model.tp_messages()
-    each = nbytes * p.per_sample(batch) * share / max(1, msgs)
-    passes = 3 if p.ac.startswith("full") else 2
-    return _link(hw, layout.tp).time("all_reduce", each, layout.tp) * msgs * passes
+    """Seconds of tensor parallel's collectives, all exposed (`Model.tp_messages`), in
+    the forward and the backward (the forward's again where full checkpointing
+    recomputes it)."""
+    p, link, n = model.profile, _link(hw, layout.tp), layout.tp
+    rows, gathers, each = model.tp_messages(layout.sp)
+    each *= p.per_sample(batch) * share
+    if layout.sp:
+        one = rows * link.time("reduce_scatter", each, n) + gathers * link.time(
+            "all_gather", each, n
+        )
+    else:
+        one = rows * link.time("all_reduce", each, n)
+    return one * (3 if p.ac.startswith("full") else 2)
 
 
 def _pipeline(
@@ -466,6 +489,8 @@ def estimate(layout: Layout, model: Model, hw: Hardware, batch: int) -> Estimate
         full = f", over its {host.memory / 2**30:.1f} GiB" if mem.host > host.memory else ""
         held = f"{mem.host / 2**30:.1f} GiB" if mem.host >= 2**30 else f"{mem.host / 2**20:.1f} MiB"
         notes.append(f"{held} of states in host memory per device{full}")
+    if layout.sp:
+        notes.append("sequence parallel: st.TensorParallel(sequence_parallel=True), from Python")
     if time.floor:
         notes.append("kernel launches, not the arithmetic, set this step's pace")
     return Estimate(layout, mem, time, fits, notes)

@@ -2,7 +2,8 @@
 
 `resolve_model` turns each into a `PlannedModel` through its Recipe (`load_recipe`:
 a `config.json` is the causal language model it describes, built through transformers
-from the file alone, in fp32: the layout's precision decides what a step computes in).
+from the file alone, in torch's default dtype: the layout's precision decides what a
+step computes in).
 """
 
 from __future__ import annotations

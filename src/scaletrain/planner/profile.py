@@ -85,8 +85,6 @@ class ModelProfile:
     """What the optimizer step allocates beyond its state, at its peak."""
     activation_bytes: int
     """Peak bytes the forward/backward holds beyond parameters, buffers and gradients."""
-    temp_bytes: int
-    """Of those, the kernels' temporaries (not saved for the backward)."""
     peak_grad_bytes: int
     """Gradients alive at that peak (the backward frees activations as it makes them)."""
     forward: Work
@@ -94,9 +92,9 @@ class ModelProfile:
     """Per-sample work (at `batch_size`), with any recomputation activation
     checkpointing adds."""
     fixed: Work
-    """Forward and backward work on whole weights, the same at any batch: autocast's
-    casts of the parameters and of their gradients (none where FSDP gathers them in
-    the compute dtype)."""
+    """Forward and backward work of the ops with a weight among their inputs (autocast's
+    casts of the parameters and of their gradients, a norm's scale): counted apart, at
+    the profile's batch."""
     optimizer: Work
     ac: str = "none"
     modules: dict[str, ModuleCost] = field(default_factory=dict)
@@ -293,13 +291,14 @@ def _profile(
     params = sum(p.numel() for p in unique.values())
     param_bytes = sum(_nbytes(p) for p in unique.values())
     del meta
-    # Weights, the optimizer's state and its work at the precision's size, where the
-    # step reads weights of another dtype (`gathered`).
-    scale = param_bytes / max(1, params) / (weights or torch.get_default_dtype()).itemsize
     io: dict[str, int] = {}
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         model = _built(build, weights)
         names = {id(m): n for n, m in model.named_modules()}
+        # Weights, gradients and the optimizer's state and work at the meta model's size,
+        # where the step reads weights of another dtype (`gathered`): 1 elsewhere.
+        fake = sum(_nbytes(p) for p in {id(p): p for p in model.parameters()}.values())
+        scale = param_bytes / max(1, fake)
         hooks = [
             m.register_forward_hook(lambda m, a, o: io.__setitem__(names[id(m)], _nbytes(o)))
             for m in model.modules()
@@ -355,8 +354,7 @@ def _profile(
         optimizer_bytes=round(state * scale),
         optimizer_temp_bytes=round(step_kinds.get(_MemRefType.TEMP, 0) * scale),
         activation_bytes=int(kinds.get(_MemRefType.ACT, 0) + kinds.get(_MemRefType.TEMP, 0)),
-        temp_bytes=int(kinds.get(_MemRefType.TEMP, 0)),
-        peak_grad_bytes=int(kinds.get(_MemRefType.GRAD, 0)),
+        peak_grad_bytes=round(kinds.get(_MemRefType.GRAD, 0) * scale),
         forward=Work(float(flops_fwd), fwd.work.bytes, fwd.work.kernels),
         backward=Work(float(flops_all - flops_fwd), bwd.work.bytes, bwd.work.kernels),
         fixed=fwd.fixed + bwd.fixed,

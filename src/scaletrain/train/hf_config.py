@@ -3,9 +3,10 @@ holding it) pretrains the causal language model the file describes, from random
 initialisation.
 
 The model is built through transformers from the file alone (no weights, no download)
-in fp32 whatever dtype the file states (the run's precision decides what a step computes
-in), with `use_cache=False`. It trains on the gpt and llama recipes' bytes (Python's own
-sources, token ids below 256) at `CONFIG_BLOCK` tokens per sample, or the model's
+in torch's default dtype, fp32 unless the caller set another, whatever dtype the file
+states (the run's precision decides what a step computes in), with `use_cache=False`.
+It trains on the gpt and llama recipes' bytes (Python's own sources, token ids below
+256) at `CONFIG_BLOCK` tokens per sample, or the model's
 max_position_embeddings where that is less, with torchtitan's AdamW; `--data MODULE:NAME`
 gives it other data (see `scaletrain.train.model_module.load_recipe`).
 """

@@ -223,7 +223,8 @@ class Recipe:
             if num_items is None:
                 return self.loss_fn(outputs, targets)
             return self.loss_fn(outputs, targets, num_items=num_items)
-        logits = logits_of(outputs).float()
+        logits = logits_of(outputs)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         flat, y = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
         if num_items is None:
             return nn.functional.cross_entropy(flat, y)
