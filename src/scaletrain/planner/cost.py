@@ -13,8 +13,9 @@ Memory per device:
   all that its blocks hold, plus the inputs its colwise layers gather whole and keep);
   a pipeline stage holds its share for every microbatch in
   flight (at most pp on the first stage with 1F1B, all of them with GPipe).
-- Buffers: FSDP's gathered units (a unit and the next with prefetch, at most the
-  two largest; every unit at once for stage 2) in the compute dtype, a pipeline's send and receive buffers.
+- Buffers: FSDP's gathered units in the compute dtype (a unit and the next with
+  prefetch, at most the two largest; every unit at once where FSDP keeps them
+  gathered, fsdp-keep), a pipeline's send and receive buffers.
 - The peak is the larger of the backward's (activations and the gradients alive
   then) and the optimizer step's (every gradient and its temporaries).
 - CPU offload (FSDP's): the shards of every state live in host memory (`Memory.host`,
@@ -299,10 +300,8 @@ def memory(layout: Layout, model: Model, batch: int) -> Memory:
     states = states_for(prec, p.optimizer_bytes / max(1, p.params))
     s = model_states(psi, layout.dp, layout.stage, states, max(units or [0.0]) * par)
     buffers = 0.0
-    if layout.sharded and layout.stage == 3:  # a unit and the next, prefetched
-        buffers = sum(sorted(units)[-2:]) * par * COMPUTE[prec]
-    elif layout.dp > 1 and layout.stage == 2:
-        buffers = psi * COMPUTE[prec]
+    if layout.sharded and layout.stage == 3:  # a unit and the next, or every unit kept
+        buffers = (sum(units) if layout.keeps else sum(sorted(units)[-2:])) * par * COMPUTE[prec]
     acts = p.activation_bytes * p.per_sample(batch / m)
     if layout.tp > 1:
         # What a module held after its forward counts its output too: at most the peak.
@@ -362,7 +361,7 @@ def _fsdp(
     layout: Layout, model: Model, hw: Hardware, fwd_s: float, bwd_s: float
 ) -> tuple[float, float]:
     """(communication, exposed) of FSDP: each unit all-gathered in the compute dtype
-    (again for the backward at stage 3) while the previous one computes, and its
+    (again for the backward unless it keeps them) while the previous one computes, and its
     gradients reduce-scattered; the first gather of the forward, the last
     reduce-scatter and what outlasts the compute are exposed."""
     prec, link, n = model.precision, _link(hw, layout.dp * layout.tp), layout.dp
@@ -380,7 +379,7 @@ def _fsdp(
         return link.time("reduce_scatter", u, n) + copy(u)
 
     gather, scatter = sum(map(gather_s, units)), sum(map(scatter_s, units))
-    again = gather if layout.stage == 3 else 0.0
+    again = 0.0 if layout.keeps else gather
     first, last = gather_s(units[0]), scatter_s(units[-1])
     return gather + again + scatter, first + max(0.0, gather - fwd_s) + max(
         last, again + scatter - bwd_s

@@ -15,16 +15,17 @@ __all__ = ["SCHEDULES", "STRATEGIES", "Layout", "layouts_for"]
 STRATEGIES = {
     "ddp": 0,
     "fsdp": 3,
-    "fsdp-keep": 2,
+    "fsdp-keep": 3,
     "tensor": 0,
     "pipeline": 0,
     "fsdp x tp": 3,
     "ddp x pp": 0,
 }
 """Each row's strategy and the ZeRO stage its data parallelism is: DDP replicates
-everything (0); FSDP shards parameters, gradients and optimizer state (3); FSDP with
-reshard_after_forward=False ("fsdp-keep") keeps a unit's gathered parameters from its
-forward to its backward, which is ZeRO-2's memory with one all-gather per unit."""
+everything (0); FSDP shards parameters, gradients and optimizer state (3), with
+reshard_after_forward=False ("fsdp-keep", `Layout.keeps`) too: it keeps each unit's
+gathered parameters from its forward to its backward, one all-gather per unit, and
+every unit gathered when the backward begins."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +64,11 @@ class Layout:
     def stage(self) -> int:
         """The ZeRO stage (0-3) of its data parallelism (STRATEGIES)."""
         return STRATEGIES.get(self.strategy, 0)
+
+    @property
+    def keeps(self) -> bool:
+        """Whether FSDP keeps each unit gathered from its forward to its backward."""
+        return self.strategy == "fsdp-keep"
 
     @property
     def sharded(self) -> bool:
