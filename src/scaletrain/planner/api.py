@@ -193,15 +193,18 @@ def plan(
     except ConfigError:
         sp_blocks = []
 
+    def splits(tp: int) -> bool:  # sequence parallel runs: its blocks, tokens tp divides
+        return bool(sp_blocks) and (planned.seq_len or 0) % tp == 0
+
     def accepts(x: Layout) -> bool:
         try:
             check_tp_plan(net, tp_plan or {}, x.tp)
         except ConfigError:
             return False
-        return not x.sp or (planned.seq_len or 0) % x.tp == 0
+        return not x.sp or splits(x.tp)
 
     for x in layouts or ():  # before the profile, which takes minutes for a large model
-        if x.sp and (not sp_blocks or (planned.seq_len or 0) % x.tp):
+        if x.sp and not splits(x.tp):
             why = (
                 "takes no sequence" if not planned.seq_len
                 else "has no blocks of one nn.ModuleList or nn.Sequential around its "
