@@ -366,7 +366,8 @@ def _fsdp(
     reduce-scatter and what outlasts the compute are exposed."""
     prec, link, n = model.precision, _link(hw, layout.dp * layout.tp), layout.dp
     down = COMPUTE[prec] / MASTER[prec]
-    units = [u * _local(model, layout)[0] for u in model.unit_params()]
+    par = _local(model, layout)[0]
+    units = [u * par for u in model.unit_params()]
     host = _host(layout, hw)
 
     def copy(u: float) -> float:  # a unit's shard to or from the host
