@@ -361,15 +361,16 @@ def test_a_rank_that_waited_for_a_cpu_is_named_for_its_wait(tmp_path: Path, know
     window); gathered with the rest, it names a rank slow in forward because it waited
     for a CPU by that wait, in windows.jsonl and summary.json. Where the kernel does not
     say, the rank is named by its phase and no CPU wait is claimed."""
-    from scaletrain.observe.metrics.window import _SCALARS
+    from scaletrain.observe.metrics.window import _SCALARS, MEANS_AT, PHASES_AT, SCALARS_AT
 
-    slot = 4 + len(PHASES) + _SCALARS.index("cpu_wait")
+    slot = SCALARS_AT + _SCALARS.index("cpu_wait")
 
     def gather(values: list[float]) -> list[list[float]]:
         other = list(values)
         other[0] = 1.0
-        other[4 + FORWARD] -= 1.0  # this rank's forward is 3.0 s, the other's 2.0
-        other[4 + COMM] += 1.0  # and the other waits for it
+        for at in (PHASES_AT, MEANS_AT):  # the medians and the means
+            other[at + FORWARD] -= 1.0  # this rank's forward is 3.0 s, the other's 2.0
+            other[at + COMM] += 1.0  # and the other waits for it
         other[slot] = 0.01 if known else float("nan")
         return [values, other]
 
@@ -483,14 +484,14 @@ def test_a_rank_that_recompiles_is_no_straggler_and_its_steps_no_slow_steps(
     compile seconds have their own line in the summary, the one-line summary and the
     report."""
     from scaletrain.observe.metrics.summary import summary_line
-    from scaletrain.observe.metrics.window import _SCALARS
+    from scaletrain.observe.metrics.window import _SCALARS, SCALARS_AT
     from scaletrain.observe.report.html import _facts
 
     def gather(values: list[float]) -> list[list[float]]:
         other = list(values)
         other[0] = 1.0
         for name in ("compile_s", "compile_steps", "compile_first", "compile_last"):
-            other[4 + len(PHASES) + _SCALARS.index(name)] = 0.0  # the peer compiled nothing
+            other[SCALARS_AT + _SCALARS.index(name)] = 0.0  # the peer compiled nothing
         return [values, other]
 
     ledger, clock = _ledger(tmp_path, every=20, world_size=2, gather=gather)

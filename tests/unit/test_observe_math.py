@@ -250,6 +250,48 @@ def test_a_rank_slow_on_its_own_keeps_the_phase_it_is_slow_in() -> None:
         assert line is not None and "1.30x slower than its fastest peer in backward" in line
 
 
+def _starved(waits: tuple[float, float]) -> list[RankWindow]:
+    """One window of 2 ranks as the ledger builds it from 10 steps (Series, summarize):
+    10 ms forward and 1 ms backward each, except that rank 1's backward waited 5 ms for
+    a CPU in 6 of the 10 steps, and rank 0 waited for it in the all-reduce after them.
+    `waits`: each rank's run-queue wait per step (the window's total over 10 steps)."""
+    from scaletrain.observe.metrics.clocks import StepTimes
+    from scaletrain.observe.metrics.series import Series
+    from scaletrain.observe.metrics.window import summarize
+
+    ranks = []
+    for rank in (0, 1):
+        series = Series()
+        for step in range(10):
+            late = 5e-3 if step % 5 < 3 else 0.0  # 6 of 10 steps
+            seconds = [0.0] * len(PHASES)
+            seconds[DATA], seconds[FORWARD], seconds[COMM] = 0.1e-3, 10e-3, 0.2e-3
+            seconds[PHASES.index("backward")] = 1e-3 + (late if rank == 1 else 0.0)
+            seconds[COMM] += late if rank == 0 else 0.0
+            series.add(StepTimes(seconds, sum(seconds)), 0.0, None, None)
+        reduced = series.reduce()
+        ranks.append(summarize(reduced, rank=rank, peer_group=0, sample=None, flops=None,
+                               host="h", cpu_wait=waits[rank]))  # fmt: skip
+    return ranks
+
+
+def test_a_rank_starved_in_most_steps_of_a_window_is_named_with_its_wait() -> None:
+    """A wait for a CPU read as a total over a window's steps is held against the mean
+    excess, not the median's: rank 1 waited 30 ms over the 10 steps (and 2 ms more
+    outside them), so 3.2 ms per step against a mean excess of 3 ms in backward, though
+    its median backward is a starved step's, 5 ms over its peer's. Held against the
+    median, it was named "slow in backward (6.00x)" on a clean 2-rank run that a second
+    test worker's load starved. A wait under the mean excess (2.5 ms) still names the
+    phase."""
+    detector, named_at = _run([_starved((0.1e-3, 3.2e-3))] * 2)
+    assert named_at == [1]
+    s = detector.named[1]
+    assert s.phase == "backward" and s.slower == pytest.approx(6.0)
+    assert s.waited_for_cpu and s.cpu_wait_s == pytest.approx(3.2e-3)
+    detector, _ = _run([_starved((0.1e-3, 2.5e-3))] * 2)
+    assert not detector.named[1].waited_for_cpu
+
+
 def test_the_kernel_gives_this_threads_run_queue_wait_on_linux() -> None:
     """schedstat of the calling thread: its time on a CPU is the thread's CPU time; on a
     CPU plus waiting for one fit in the wall time that passed; a RunQueueClock's laps add

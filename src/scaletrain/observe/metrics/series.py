@@ -44,6 +44,10 @@ class Reduced:
     comm_busy: float
     overlap: float
     cpu: float
+    means: list[float]
+    """Each phase's mean, whatever `phases` holds: a run-queue wait is a total over the
+    steps, so what it is compared with must be a mean too (a median of steps of which
+    6 in 10 waited is the waited step's, 1.7x the mean)."""
 
 
 class Series:
@@ -67,6 +71,7 @@ class Series:
             comm_busy=stat([r[3] for r in rows if r[3] is not None]),
             overlap=stat([r[4] for r in rows if r[4] is not None]),
             cpu=stat([r[2] for r in rows]),
+            means=[mean([r[0][i] for r in rows]) for i in range(len(PHASES))],
         )
 
 
@@ -119,11 +124,13 @@ class Totals:
         def div(total: float, n: int) -> float:
             return total / n if n else float("nan")
 
+        phases = [div(s, self.steps) for s in self.phases]
         return Reduced(
             steps=self.steps,
             wall=div(self.wall, self.steps),
-            phases=[div(s, self.steps) for s in self.phases],
+            phases=phases,
             comm_busy=div(self.busy, self.n_busy),
             overlap=div(self.overlap, self.n_overlap),
             cpu=div(self.cpu, self.steps),
+            means=list(phases),
         )

@@ -210,8 +210,7 @@ class StragglerDetector:
                     # Slower, but its peers hardly wait for it (it catches up elsewhere,
                     # or the phase overlaps): no cost to the job, no name.
                     continue
-                typical = statistics.median(_phase_value(p, phase) for p in others)
-                own_wait, peer_wait, waited = self._cpu_wait(w, others, value - typical, step)
+                own_wait, peer_wait, waited = self._cpu_wait(w, others, phase, step)
                 self.candidates[w.rank] = Straggler(
                     rank=w.rank,
                     phase=phase,
@@ -241,12 +240,17 @@ class StragglerDetector:
         return newly
 
     def _cpu_wait(
-        self, w: RankWindow, others: list[RankWindow], phase_excess: float, step: float
+        self, w: RankWindow, others: list[RankWindow], phase: str, step: float
     ) -> tuple[float | None, float | None, bool]:
         """`w`'s run-queue wait per step, its typical peer's (None where not known), and
         whether that wait accounts for its slowness: at least `cpu_wait_share` times the
         larger of its excess in its slow phase and in all its own work (the phases it does
-        alone) over its typical peer, and at least `min_cost` of the step."""
+        alone) over its typical peer, and at least `min_cost` of the step.
+
+        The wait is a window's total over its steps, so the excesses it is held against
+        are of means, not of the medians that found the slow phase: a host that starves a
+        rank in 6 steps of 10 makes the median step a starved one, whose excess is 1.7x
+        the wait per step, and would blame the phase it fell in."""
         opts = self.options
         if math.isnan(w.cpu_wait):
             return None, None, False
@@ -254,11 +258,12 @@ class StragglerDetector:
         waits = [p.cpu_wait for p in others if not math.isnan(p.cpu_wait)]
         typical = statistics.median(waits) if waits else None
 
-        def work(x: RankWindow) -> float:
-            return sum(x.phases[i] for i in STRAGGLER_PHASES)
+        def excess(indices: tuple[int, ...]) -> float:
+            mine = sum(w.mean_of(i) for i in indices)
+            return mine - statistics.median(sum(p.mean_of(i) for i in indices) for p in others)
 
-        beyond = work(w) - statistics.median(work(p) for p in others)
-        slower_by = max(phase_excess, beyond)
+        in_phase = excess(COMPUTE_PHASES if phase == _COMPUTE else (PHASES.index(phase),))
+        slower_by = max(in_phase, excess(STRAGGLER_PHASES))
         waited = own >= max(opts.cpu_wait_share * slower_by, opts.min_cost * step)
         return own, typical, waited
 

@@ -59,6 +59,12 @@ class RankWindow:
     compile_first: float = 0.0
     """The first and last of them (0: none)."""
     compile_last: float = 0.0
+    means: list[float] = field(default_factory=list)
+    """Each phase's mean over the window's steps (empty: the same as `phases`), which a
+    run-queue wait, a total over the steps, is compared with."""
+
+    def mean_of(self, i: int) -> float:
+        return self.means[i] if self.means else self.phases[i]
 
     @property
     def waited(self) -> float:
@@ -82,27 +88,34 @@ _SCALARS = (
     "compile_first",
     "compile_last",
 )
-VECTOR_LEN = 4 + len(PHASES) + len(_SCALARS)
+PHASES_AT = 4
+"""Where the packed vector holds the phases' medians (after rank, group, steps, wall),"""
+MEANS_AT = PHASES_AT + len(PHASES)
+"""their means,"""
+SCALARS_AT = MEANS_AT + len(PHASES)
+"""and `_SCALARS`, in that order."""
+VECTOR_LEN = SCALARS_AT + len(_SCALARS)
 
 
 def pack(window: RankWindow) -> list[float]:
     """The float vector a rank sends (fixed length: every rank's must match)."""
     head = [float(window.rank), float(window.peer_group), float(window.steps), window.wall]
-    return head + list(window.phases) + [float(getattr(window, k)) for k in _SCALARS]
+    means = [window.mean_of(i) for i in range(len(PHASES))]
+    return head + list(window.phases) + means + [float(getattr(window, k)) for k in _SCALARS]
 
 
 def unpack(rows: Sequence[Sequence[float]]) -> list[RankWindow]:
     out = []
-    n = len(PHASES)
     for row in rows:
-        values = dict(zip(_SCALARS, row[4 + n :], strict=True))
+        values = dict(zip(_SCALARS, row[SCALARS_AT:], strict=True))
         out.append(
             RankWindow(
                 rank=int(row[0]),
                 peer_group=int(row[1]),
                 steps=int(row[2]),
                 wall=float(row[3]),
-                phases=[float(x) for x in row[4 : 4 + n]],
+                phases=[float(x) for x in row[PHASES_AT:MEANS_AT]],
+                means=[float(x) for x in row[MEANS_AT:SCALARS_AT]],
                 **values,
             )
         )
@@ -206,6 +219,7 @@ def summarize(
         steps=reduced.steps,
         wall=reduced.wall,
         phases=list(reduced.phases),
+        means=list(reduced.means),
         comm_busy=reduced.comm_busy,
         overlap=reduced.overlap,
         cpu=reduced.cpu,
