@@ -11,12 +11,11 @@ on a CPU the RSS growth after setup (the peak less the parameters that existed b
 from __future__ import annotations
 
 import json
-import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
 from scaletrain.errors import ConfigError, spell
-from scaletrain.observe.metrics.records import read_run
+from scaletrain.observe.metrics.records import peak_memory, phase_medians, read_run
 from scaletrain.planner.api import plan
 from scaletrain.planner.cost import Estimate
 from scaletrain.planner.layout import Layout
@@ -79,27 +78,19 @@ class Check:
 def measured(run: str | Path) -> tuple[float, int | None, bool]:
     """(seconds of training work per step, memory, whether that is a GPU's) from
     RUN/observe/, as the module docstring says."""
-    work: list[float] = []
-    allocated: list[int] = []
-    growths: list[int] = []
-    for rr in read_run(run).ranks.values():
-        if steps := [s for s in rr.steps if s.counted] or rr.steps:
-            planned = (s.wall - sum(s.phases.get(p, 0.0) for p in NOT_PLANNED) for s in steps)
-            work.append(statistics.median(planned))
-        for m in rr.memory:
-            if m.get("allocated_peak"):
-                allocated.append(int(m["allocated_peak"]))
-            if m.get("rss_setup") and m.get("rss_peak"):
-                growths.append(int(m["rss_peak"]) - int(m["rss_setup"]))
-    if not work:
+    records = read_run(run)
+    medians = phase_medians(records).values()
+    if not medians:
         raise ConfigError(
             f"{spell('check', str(run))}: the run's ledger (RUN/observe/) holds no step. "
             "Fix: a run trained with the ledger on (the default) for some steps.",
             field="check",
         )
-    if allocated:
-        return max(work), max(allocated), True
-    return max(work), max(growths, default=None), False
+    work = max(m["step"] - sum(m[p] for p in NOT_PLANNED) for m in medians)
+    peaks = peak_memory(records).values()
+    if allocated := [p["allocated_peak"] for p in peaks if p["allocated_peak"]]:
+        return work, max(allocated), True
+    return work, max((p["rss_growth"] for p in peaks if p["rss_growth"]), default=None), False
 
 
 def check_run(run: str | Path, hardware: str | None = None) -> Check:

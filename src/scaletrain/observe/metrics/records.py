@@ -260,7 +260,9 @@ def phase_medians(run: str | Path | RunRecords) -> dict[int, dict[str, float]]:
 
 
 def peak_memory(run: str | Path | RunRecords) -> dict[int, dict[str, int | None]]:
-    """Per rank: the highest allocated / reserved (CUDA) and RSS bytes recorded."""
+    """Per rank: the highest allocated / reserved (CUDA) and RSS bytes recorded, and the
+    RSS's growth after setup (its peak less what the process held when training began:
+    on a CPU, what training allocated)."""
     records = run if isinstance(run, RunRecords) else read_run(run)
     out: dict[int, dict[str, int | None]] = {}
     for rank, rr in records.ranks.items():
@@ -268,5 +270,8 @@ def peak_memory(run: str | Path | RunRecords) -> dict[int, dict[str, int | None]
         for key in ("allocated_peak", "reserved_peak", "rss_peak"):
             values = [m[key] for m in rr.memory if m.get(key) is not None]
             peaks[key] = int(max(values)) if values else None
+        growths = [m["rss_peak"] - m["rss_setup"] for m in rr.memory
+                   if m.get("rss_peak") and m.get("rss_setup")]  # fmt: skip
+        peaks["rss_growth"] = int(max(growths)) if growths else None
         out[rank] = peaks
     return out
