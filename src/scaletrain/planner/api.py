@@ -10,8 +10,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from scaletrain.cachedir import cache_dir
 from scaletrain.errors import ConfigError, spell, unknown
 from scaletrain.hardware import Hardware, load
@@ -176,9 +174,7 @@ def plan(
         )
     hw = load_hardware(hardware)
     planned = resolve_model(recipe, model, seq_len=seq_len, batch_size=batch_size)
-    batch = planned.batch_size if batch_size is None else batch_size
-    with torch.device("meta"):
-        net = planned.build()
+    batch, net = planned.batch_size if batch_size is None else batch_size, planned.net
     layers, units = list_layers(net), list(planned.blocks)
     # A declared plan names modules by pattern ("layers.*.self_attn.q_proj"), as
     # parallelize_module matches them; the formulas price modules by name.

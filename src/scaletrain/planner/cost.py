@@ -349,8 +349,7 @@ def _link(hw: Hardware, inner: int) -> Link:
 
 
 def _ddp(layout: Layout, model: Model, hw: Hardware, bwd_s: float) -> tuple[float, float]:
-    """(communication, exposed) of DDP: the gradients all-reduced in buckets during
-    the backward; the step waits for what outlasts it, and at least the last bucket."""
+    """(communication, exposed) of DDP (module docstring)."""
     grads = model.profile.params * _local(model, layout)[0] * MASTER[model.precision]
     buckets = max(1, math.ceil(grads / DDP_BUCKET))
     each = _link(hw, layout.dp * layout.tp).time("all_reduce", grads / buckets, layout.dp)
@@ -360,10 +359,8 @@ def _ddp(layout: Layout, model: Model, hw: Hardware, bwd_s: float) -> tuple[floa
 def _fsdp(
     layout: Layout, model: Model, hw: Hardware, fwd_s: float, bwd_s: float
 ) -> tuple[float, float]:
-    """(communication, exposed) of FSDP: each unit all-gathered in the compute dtype
-    (again for the backward unless it keeps them) while the previous one computes, and its
-    gradients reduce-scattered; the first gather of the forward, the last
-    reduce-scatter and what outlasts the compute are exposed."""
+    """(communication, exposed) of FSDP (module docstring): each unit gathered in the
+    compute dtype, again for the backward unless it keeps them."""
     prec, link, n = model.precision, _link(hw, layout.dp * layout.tp), layout.dp
     down = COMPUTE[prec] / MASTER[prec]
     par = _local(model, layout)[0]
@@ -400,9 +397,7 @@ def _host(layout: Layout, hw: Hardware) -> Host | None:
 
 
 def _tensor(layout: Layout, model: Model, hw: Hardware, batch: int, share: float) -> float:
-    """Seconds of tensor parallel's collectives, all exposed (`Model.tp_messages`), in
-    the forward and the backward (the forward's again where full checkpointing
-    recomputes it)."""
+    """Seconds of tensor parallel's collectives (`Model.tp_messages`, module docstring)."""
     p, link, n = model.profile, _link(hw, layout.tp), layout.tp
     rows, gathers, each = model.tp_messages(layout.sp)
     each *= p.per_sample(batch) * share
@@ -419,8 +414,7 @@ def _pipeline(
     layout: Layout, model: Model, hw: Hardware, batch: int, fwd_s: float, bwd_s: float, share: float
 ) -> tuple[float, float, float]:
     """(the busiest rank's work, communication, bubble) of a pipeline: its schedule
-    simulated with each stage's share of the model's forward and backward per
-    microbatch and the sends between stages."""
+    simulated with each stage's share of the work per microbatch, and the sends."""
     p, m = model.profile, layout.microbatches or 1
     shares = model.stage_shares(layout.pp)
     virtual = 2 if layout.schedule == "interleaved-1f1b" else 1

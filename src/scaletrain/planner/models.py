@@ -52,6 +52,8 @@ class PlannedModel:
     """How TensorParallel would cut it (`_tp_plan`); None where it has nothing to cut."""
     blocks: tuple[str, ...]
     """Qualified names of the repeated blocks (what FSDP wraps and checkpointing acts on)."""
+    net: nn.Module
+    """The model as `build` makes it, on the meta device (sizes, names, no memory)."""
 
 
 def resolve_model(
@@ -131,6 +133,7 @@ def resolve_model(
         seq_len=tokens,
         tp_plan=_tp_plan(net),
         blocks=tuple(blocks),
+        net=net,
     )
 
 

@@ -165,18 +165,27 @@ def _collect(*_: Any) -> None:
 
 
 @contextlib.contextmanager
-def _interrupt_between_blocks() -> Any:
-    """A Ctrl-C raised inside torch's dispatch (the fake step's kernels) crosses C++
-    frames and aborts the process; it is held, and raised at a block boundary (a
-    Python hook) or when the step ends."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGINT, lambda *_: _INTERRUPTED.append(1))
+def _between_blocks() -> Any:
+    """Python's cycle collector and Ctrl-C act only at block boundaries (`_collect`, a
+    hook on each block's forward and backward) for the block.
+
+    The collector: what reference cycles hold (activation checkpointing's
+    recomputations leave some) is freed block by block, as a run's collector frees it,
+    at the same points every call. Left to run at times of its own, the same step's peak
+    moved by a fifth between calls; paused, the cycles' garbage piled up to more than
+    the activations. Ctrl-C: raised inside torch's dispatch (the fake step's kernels) it
+    crosses C++ frames and aborts the process, so it is held until a boundary."""
+    paused, main = gc.isenabled(), threading.current_thread() is threading.main_thread()
+    gc.collect()
+    gc.disable()
+    previous = signal.signal(signal.SIGINT, lambda *_: _INTERRUPTED.append(1)) if main else None
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        if main:
+            signal.signal(signal.SIGINT, previous)
+        if paused:
+            gc.enable()
         if _INTERRUPTED:
             _INTERRUPTED.clear()
             raise KeyboardInterrupt
@@ -239,37 +248,7 @@ def profile_model(
     `gathered`: the step as sharded FSDP runs a mixed precision, its weights cast to
     the compute dtype as they are gathered and no autocast, so every activation (the
     norms' and the residual stream's too) is in the compute dtype. Sizes of the weights
-    and of the optimizer's state and work stay the precision's (fp32 shards).
-
-    Python's cycle collector runs at each block's forward and backward and nowhere
-    else: what reference cycles hold (activation checkpointing's recomputations leave
-    some) is freed block by block, as a run's collector frees it, at the same points
-    every call. Left to run at times of its own, the same step's peak moved by a fifth
-    between calls; paused, the cycles' garbage piled up to more than the activations."""
-    paused = gc.isenabled()
-    gc.collect()
-    gc.disable()
-    try:
-        with _interrupt_between_blocks():
-            return _profile(
-                build, example, loss_fn, optimizer, precision, ac, ac_every, name, gathered
-            )
-    finally:
-        if paused:
-            gc.enable()
-
-
-def _profile(
-    build: Callable[[], nn.Module],
-    example: tuple[Any, Any],
-    loss_fn: Callable[[Any, Any], torch.Tensor],
-    optimizer: Callable[[Any], torch.optim.Optimizer],
-    precision: str,
-    ac: str,
-    ac_every: int | None,
-    name: str | None,
-    gathered: bool,
-) -> ModelProfile:
+    and of the optimizer's state and work stay the precision's (fp32 shards)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
@@ -292,7 +271,7 @@ def _profile(
     param_bytes = sum(_nbytes(p) for p in unique.values())
     del meta
     io: dict[str, int] = {}
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+    with _between_blocks(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
         model = _built(build, weights)
         names = {id(m): n for n, m in model.named_modules()}
         # Weights, gradients and the optimizer's state and work at the meta model's size,
