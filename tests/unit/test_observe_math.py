@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import random
 import sys
+from collections.abc import Callable
 
 import pytest
 
@@ -250,11 +251,13 @@ def test_a_rank_slow_on_its_own_keeps_the_phase_it_is_slow_in() -> None:
         assert line is not None and "1.30x slower than its fastest peer in backward" in line
 
 
-def _starved(waits: tuple[float, float]) -> list[RankWindow]:
+def _measured(
+    slow: Callable[[int, int], tuple[float, float, float]], waits: tuple[float, float]
+) -> list[RankWindow]:
     """One window of 2 ranks as the ledger builds it from 10 steps (Series, summarize):
-    10 ms forward and 1 ms backward each, except that rank 1's backward waited 5 ms for
-    a CPU in 6 of the 10 steps, and rank 0 waited for it in the all-reduce after them.
-    `waits`: each rank's run-queue wait per step (the window's total over 10 steps)."""
+    10 ms forward, 1 ms backward and 0.2 ms all-reduce each, plus what `slow(rank, step)`
+    adds to them (forward, backward, comm); `waits`: each rank's run-queue wait per step
+    (the window's total over 10 steps)."""
     from scaletrain.observe.metrics.clocks import StepTimes
     from scaletrain.observe.metrics.series import Series
     from scaletrain.observe.metrics.window import summarize
@@ -263,16 +266,22 @@ def _starved(waits: tuple[float, float]) -> list[RankWindow]:
     for rank in (0, 1):
         series = Series()
         for step in range(10):
-            late = 5e-3 if step % 5 < 3 else 0.0  # 6 of 10 steps
+            more = slow(rank, step)
             seconds = [0.0] * len(PHASES)
-            seconds[DATA], seconds[FORWARD], seconds[COMM] = 0.1e-3, 10e-3, 0.2e-3
-            seconds[PHASES.index("backward")] = 1e-3 + (late if rank == 1 else 0.0)
-            seconds[COMM] += late if rank == 0 else 0.0
+            seconds[DATA], seconds[FORWARD] = 0.1e-3, 10e-3 + more[0]
+            seconds[PHASES.index("backward")], seconds[COMM] = 1e-3 + more[1], 0.2e-3 + more[2]
             series.add(StepTimes(seconds, sum(seconds)), 0.0, None, None)
         reduced = series.reduce()
         ranks.append(summarize(reduced, rank=rank, peer_group=0, sample=None, flops=None,
                                host="h", cpu_wait=waits[rank]))  # fmt: skip
     return ranks
+
+
+def _starved(rank: int, step: int) -> tuple[float, float, float]:
+    """Rank 1's backward waited 5 ms for a CPU in 6 of 10 steps; rank 0 waited for it in
+    the all-reduce after them."""
+    late = 5e-3 if step % 5 < 3 else 0.0
+    return (0.0, late, 0.0) if rank == 1 else (0.0, 0.0, late)
 
 
 def test_a_rank_starved_in_most_steps_of_a_window_is_named_with_its_wait() -> None:
@@ -283,13 +292,31 @@ def test_a_rank_starved_in_most_steps_of_a_window_is_named_with_its_wait() -> No
     median, it was named "slow in backward (6.00x)" on a clean 2-rank run that a second
     test worker's load starved. A wait under the mean excess (2.5 ms) still names the
     phase."""
-    detector, named_at = _run([_starved((0.1e-3, 3.2e-3))] * 2)
+    detector, named_at = _run([_measured(_starved, (0.1e-3, 3.2e-3))] * 2)
     assert named_at == [1]
     s = detector.named[1]
     assert s.phase == "backward" and s.slower == pytest.approx(6.0)
     assert s.waited_for_cpu and s.cpu_wait_s == pytest.approx(3.2e-3)
-    detector, _ = _run([_starved((0.1e-3, 2.5e-3))] * 2)
+    detector, _ = _run([_measured(_starved, (0.1e-3, 2.5e-3))] * 2)
     assert not detector.named[1].waited_for_cpu
+
+
+def test_one_stall_of_a_peer_does_not_clear_a_rank_slow_in_every_step() -> None:
+    """Rank 1's forward is 3 ms slower in every step (its device), and it waited 1 ms per
+    step for a CPU; rank 0 stalled 40 ms once, which lifts its mean forward above rank
+    1's. Against its peer's median the rank is still 3 ms slower, more than its wait:
+    named for forward, not for the CPU."""
+
+    def slow(rank: int, step: int) -> tuple[float, float, float]:
+        if rank == 1:
+            return 3e-3, 0.0, 0.0
+        return (40e-3 if step == 4 else 0.0), 0.0, 3e-3
+
+    detector, named_at = _run([_measured(slow, (0.1e-3, 1e-3))] * 2)
+    assert named_at == [1]
+    s = detector.named[1]
+    assert s.phase == "forward" and not s.waited_for_cpu
+    assert s.excess_s == pytest.approx(3e-3)
 
 
 def test_the_kernel_gives_this_threads_run_queue_wait_on_linux() -> None:

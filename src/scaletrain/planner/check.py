@@ -2,8 +2,8 @@
 prediction for its own layout (RUN/config.json) on a hardware file (the one given,
 else this machine's calibration).
 
-From the run's step ledger (RUN/observe/): the median training work per step on the
-slowest rank (its wall time less the phases a plan does not predict), and memory on
+From the run's step ledger (RUN/observe/): the training work per step on the slowest
+rank (its median step less the medians of the phases a plan does not predict), and memory on
 the busiest rank: on a GPU the CUDA peak allocated, which the plan's peak predicts;
 on a CPU the RSS growth after setup (the peak less the parameters that existed before).
 """

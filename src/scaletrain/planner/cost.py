@@ -36,8 +36,9 @@ COMPILED_BYTES). Communication is alpha-beta over the link each group spans
   With CPU offload each unit's shard is copied in before its gather and its
   gradients' shard out after their reduce-scatter (`Host.bandwidth`), in the same
   stream, and the optimizer steps on the host (`Host.memory_bandwidth`), exposed.
-- Tensor parallel: its collectives sit between a block's matmuls and are exposed
-  (twice in the forward where full checkpointing recomputes it). With sequence
+- Tensor parallel: its collectives sit between a block's matmuls and are exposed, in
+  the forward and the backward (and the forward's again where full checkpointing
+  recomputes it). With sequence
   parallel each all-reduce becomes a reduce-scatter, and each colwise layer
   all-gathers its input.
 - A pipeline's step is its schedule simulated (planner.schedule) with the sends

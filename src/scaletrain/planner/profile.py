@@ -176,17 +176,19 @@ def _between_blocks() -> Any:
     the activations. Ctrl-C: raised inside torch's dispatch (the fake step's kernels) it
     crosses C++ frames and aborts the process, so it is held until a boundary."""
     paused, main = gc.isenabled(), threading.current_thread() is threading.main_thread()
-    gc.collect()
-    gc.disable()
-    previous = signal.signal(signal.SIGINT, lambda *_: _INTERRUPTED.append(1)) if main else None
+    previous: Any = False  # no handler installed (signal.signal may return None)
     try:
+        gc.collect()
+        gc.disable()
+        if main:
+            previous = signal.signal(signal.SIGINT, lambda *_: _INTERRUPTED.append(1))
         yield
     finally:
-        if main:
+        if previous is not False:
             signal.signal(signal.SIGINT, previous)
         if paused:
             gc.enable()
-        if _INTERRUPTED:
+        if main and _INTERRUPTED:
             _INTERRUPTED.clear()
             raise KeyboardInterrupt
 

@@ -247,10 +247,14 @@ class StragglerDetector:
         larger of its excess in its slow phase and in all its own work (the phases it does
         alone) over its typical peer, and at least `min_cost` of the step.
 
-        The wait is a window's total over its steps, so the excesses it is held against
-        are of means, not of the medians that found the slow phase: a host that starves a
-        rank in 6 steps of 10 makes the median step a starved one, whose excess is 1.7x
-        the wait per step, and would blame the phase it fell in."""
+        The wait is a window's total over its steps, so it is held against the rank's
+        mean, not the median that found the slow phase: a host that starves a rank in 6
+        steps of 10 makes its median step a starved one, 1.7x the wait per step over its
+        peer's, and would blame the phase the wait fell in. Its peers' part stays their
+        median, which one stall of a peer's does not move (a peer's mean would, and clear
+        a rank slow on every step). The wait is over every step since the last window,
+        warm-up and compiling ones too, the means over the counted ones: close, not exact,
+        in the first window."""
         opts = self.options
         if math.isnan(w.cpu_wait):
             return None, None, False
@@ -260,7 +264,7 @@ class StragglerDetector:
 
         def excess(indices: tuple[int, ...]) -> float:
             mine = sum(w.mean_of(i) for i in indices)
-            return mine - statistics.median(sum(p.mean_of(i) for i in indices) for p in others)
+            return mine - statistics.median(sum(p.phases[i] for i in indices) for p in others)
 
         in_phase = excess(COMPUTE_PHASES if phase == _COMPUTE else (PHASES.index(phase),))
         slower_by = max(in_phase, excess(STRAGGLER_PHASES))

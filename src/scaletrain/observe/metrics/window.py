@@ -1,7 +1,7 @@
 """What one rank contributes to a window's gather, and the cross-rank view built from it.
 
-Every K steps each rank packs a few numbers about its last window (medians per phase,
-memory, FLOPs) into one small float vector; ONE all-gather gives every rank every
+Every K steps each rank packs a few numbers about its last window (medians and means
+per phase, memory, FLOPs) into one small float vector; ONE all-gather gives every rank every
 rank's vector (a few hundred bytes each), so every rank computes the same min / median
 / max per phase, with the rank that holds each extreme, without a second collective.
 """
@@ -25,7 +25,7 @@ _NAN = float("nan")
 
 @dataclass(slots=True)
 class RankWindow:
-    """One rank's numbers for a window (medians over its steps)."""
+    """One rank's numbers for a window (medians over its steps, and `means`)."""
 
     rank: int
     peer_group: int
