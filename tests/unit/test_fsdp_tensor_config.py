@@ -357,3 +357,22 @@ def test_tensor_needs_a_tp_mesh_dimension() -> None:
     with pytest.raises(ConfigError, match=r"needs a 'tp' dimension, but the mesh is \{'dp': 2\}"):
         TensorParallel().validate(_topo(world_size=2, mesh_shape={"dp": 2}))
     TensorParallel().validate(_topo(world_size=2))
+
+
+def test_cpu_offload_in_one_process_on_a_gpu_says_it_offloads_nothing() -> None:
+    """One process trains unwrapped: FSDP(cpu_offload=True) there leaves every state on
+    the GPU, which the user asked to move off it; it says so before training. On a CPU
+    the states are in host memory already, and at 2 processes it shards: no warning."""
+    import warnings
+
+    def topo(world: int, device: str) -> Topology:
+        return Topology(world_size=world, local_world_size=world, device=torch.device(device),
+                        backend="nccl" if device == "cuda" else "gloo")  # fmt: skip
+
+    with pytest.warns(UserWarning, match=r"cpu_offload=True\) in one process on cuda"):
+        FSDP(cpu_offload=True).validate(topo(1, "cuda"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        FSDP(cpu_offload=True).validate(topo(1, "cpu"))
+        FSDP(cpu_offload=True).validate(topo(2, "cuda"))
+        FSDP().validate(topo(1, "cuda"))

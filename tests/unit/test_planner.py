@@ -304,9 +304,7 @@ def test_cpu_offload_moves_the_states_to_the_host_and_pays_for_it() -> None:
     assert offloaded.params == offloaded.grads == offloaded.optimizer == 0
     assert offloaded.host == pytest.approx(on_device.params + on_device.grads + on_device.optimizer)
     assert offloaded.activations == on_device.activations
-    # One device too gathers each unit (from the host) to compute it.
-    alone = memory(Layout("fsdp", dp=1, offload=True), m, 32)
-    assert alone.buffers == offloaded.buffers > 0
+    assert offloaded.buffers == on_device.buffers > 0  # the units in flight
     assert offloaded.total < on_device.total
     # Each unit's shard crosses the host's link twice a step, and the optimizer steps
     # on the host: slower, and slower still over a slower link.
@@ -322,18 +320,28 @@ def test_cpu_offload_moves_the_states_to_the_host_and_pays_for_it() -> None:
 
 
 def test_offload_is_a_row_where_the_hardware_has_a_host(tmp_path: Path) -> None:
-    with_host = st.plan("gpt", devices=1, hardware="h100-sxm")
-    assert [r.layout.label for r in with_host.rows] == ["ddp dp=1", "fsdp dp=1 offload"]
-    assert with_host.recommended is with_host.row("ddp dp=1")  # it fits: offload only costs
-    # A model one device cannot hold fits it with offload.
-    ddp, off = (with_host.row(x).memory.total for x in ("ddp dp=1", "fsdp dp=1 offload"))
-    hw = replace(with_host.hardware, memory=int((ddp + off) / 2))
-    small = st.plan("gpt", devices=1, hardware=str(write(hw, tmp_path / "small.toml")))
-    assert [r.fits for r in small.rows] == [False, True]
+    """At 2 devices or more: one process trains unwrapped, its states on the device (a
+    one-device offload row promised what FSDP does not do in one process)."""
+    assert [r.layout.label for r in st.plan("gpt", devices=1, hardware="h100-sxm").rows] == [
+        "ddp dp=1"
+    ]
+    with pytest.raises(ConfigError, match=r"dp=1, offload=True\): .* one process trains"):
+        Layout("fsdp", offload=True)
+    with_host = st.plan("gpt", devices=2, hardware="h100-sxm")
+    assert with_host.row("fsdp dp=2 offload")
+    assert with_host.recommended is not with_host.row("fsdp dp=2 offload")  # offload costs
+    # A model the devices cannot hold otherwise fits them with offload.
+    fsdp, off = (with_host.row(x).memory.total for x in ("fsdp dp=2", "fsdp dp=2 offload"))
+    hw = replace(with_host.hardware, memory=int((fsdp + off) / 2))
+    small = st.plan("gpt", devices=2, hardware=str(write(hw, tmp_path / "small.toml")))
+    data_parallel = [r for r in small.rows if r.layout.tp == r.layout.pp == 1]
+    assert [r.layout.label for r in data_parallel if r.fits] == ["fsdp dp=2 offload"]
     cpu_file = cpu_hardware_file(tmp_path / "cpu.toml")  # a CPU's memory is its host's
     without = st.plan("gpt", devices=2, hardware=str(cpu_file))
     assert not any(r.layout.offload for r in without.rows)
-    with pytest.raises(ConfigError, match=r"Layout\('ddp', offload=True\): offload is FSDP's"):
+    with pytest.raises(
+        ConfigError, match=r"Layout\('ddp', dp=2, offload=True\): offload is FSDP's"
+    ):
         Layout("ddp", dp=2, offload=True)
     cpu = _hw(device="cpu", host=None)
     with pytest.raises(

@@ -301,7 +301,7 @@ def memory(layout: Layout, model: Model, batch: int) -> Memory:
     states = states_for(prec, p.optimizer_bytes / max(1, p.params))
     s = model_states(psi, layout.dp, layout.stage, states, max(units or [0.0]) * par)
     buffers = 0.0
-    if layout.sharded and layout.stage == 3:  # a unit and the next, or every unit kept
+    if layout.dp > 1 and layout.stage == 3:  # a unit and the next, or every unit kept
         buffers = (sum(units) if layout.keeps else sum(sorted(units)[-2:])) * par * COMPUTE[prec]
     acts = p.activation_bytes * p.per_sample(batch / m)
     if layout.tp > 1:
@@ -453,7 +453,7 @@ def step_time(layout: Layout, model: Model, hw: Hardware, batch: int) -> StepTim
     if host := _host(layout, hw):  # the host's kernels: bound by its memory, no launches
         opt_s = p.optimizer.bytes * par / layout.dp / host.memory_bandwidth
     work, comm, exposed, bubble = fwd_s + bwd_s, 0.0, 0.0, 0.0
-    if layout.sharded:
+    if layout.dp > 1:
         comm, exposed = (
             _ddp(layout, model, hw, bwd_s)
             if layout.stage == 0

@@ -52,11 +52,12 @@ class Layout:
                 "parallel replicates, and this layout has tp=1. Fix: tp=2 or more, or sp=False.",
                 field="layouts",
             )
-        if self.offload and STRATEGIES.get(self.strategy) != 3:
+        if self.offload and (STRATEGIES.get(self.strategy) != 3 or self.dp == 1):
             raise ConfigError(
-                f"Layout({self.strategy!r}, offload=True): offload is FSDP's CPU offload, "
-                "of the shards of a fully sharded strategy. Fix: strategy 'fsdp' or "
-                "'fsdp x tp', or offload=False.",
+                f"Layout({self.strategy!r}, dp={self.dp}, offload=True): offload is FSDP's "
+                "CPU offload, of the shards of a fully sharded strategy, and one process "
+                "trains unwrapped (its states on the device). Fix: strategy 'fsdp' or "
+                "'fsdp x tp' with dp=2 or more, or offload=False.",
                 field="layouts",
             )
 
@@ -69,12 +70,6 @@ class Layout:
     def keeps(self) -> bool:
         """Whether FSDP keeps each unit gathered from its forward to its backward."""
         return self.strategy == "fsdp-keep"
-
-    @property
-    def sharded(self) -> bool:
-        """Whether its data parallelism runs: ranks to share with, or FSDP's units
-        gathered from the host (offload, at one device too)."""
-        return self.dp > 1 or self.offload
 
     @property
     def devices(self) -> int:
@@ -116,11 +111,12 @@ def layouts_for(
     """Every layout of `devices` this model can run: tensor parallel where it has a
     plan (`tensor`), each also sequence parallel where its blocks allow (`sequence`), a
     pipeline of pp stages where it has pp layers and a microbatch count that divides
-    `batch`, FSDP offloading to the host where there is one (`offload`: on one device
-    too, the way to fit what a device cannot hold)."""
-    spill = [Layout("fsdp", dp=devices, offload=True)] if offload else []
+    `batch`, FSDP offloading to the host where there is one (`offload`) and it shards:
+    one process trains unwrapped, its states on the device, so one device has no such
+    row."""
     if devices == 1:
-        return [Layout("ddp"), *spill]
+        return [Layout("ddp")]
+    spill = [Layout("fsdp", dp=devices, offload=True)] if offload else []
     rows = [*(Layout(s, dp=devices) for s in ("ddp", "fsdp-keep", "fsdp")), *spill]
     sp = (False, True) if sequence else (False,)
     if tensor:

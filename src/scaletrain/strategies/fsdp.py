@@ -14,6 +14,7 @@ its parameters become DTensors, so `unwrap` is the module itself.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -88,7 +89,17 @@ class FSDP(Strategy):
         # still works (measured on Gloo), and one config file serves a laptop and a GPU
         # cluster. Pinning needs an accelerator ("Cannot access accelerator device when
         # none is available"), so _setup_module asks for it on CUDA only.
-        return None
+        if self.cpu_offload and topo.world_size == 1 and topo.device.type != "cpu":
+            # One process trains unwrapped (nothing to shard): its states stay on the
+            # device, which is what a user who asks for offload cannot afford.
+            warnings.warn(
+                f"FSDP(cpu_offload=True) in one process on {topo.device.type}: one process "
+                "trains the model unwrapped (FSDP has nothing to shard), so its parameters, "
+                "gradients and optimizer state stay on the device, not in host memory. "
+                "Offload takes 2 processes or more (torchrun --nproc-per-node 2).",
+                UserWarning,
+                stacklevel=3,
+            )
 
     def _check_model(self, module: nn.Module, topo: Topology) -> None:
         wrap_targets(module, self.wrap)
