@@ -322,3 +322,22 @@ def test_the_default_loss_is_taken_in_fp32() -> None:
     assert torch.equal(loss, want)
     wide = torch.randn(2, 8, 64, dtype=torch.float64)  # wider than fp32 stays as it is
     assert get_recipe("llama").loss(wide, targets).dtype == torch.float64
+
+
+def test_evaluation_sums_the_loss_in_fp32() -> None:
+    """Evaluation's sums took bf16 logits as they came under sharded FSDP (no autocast),
+    summing in bf16; one process's autocast sums in fp32. The sum, not only each term,
+    is fp32: the same as one process's to the bit."""
+    from scaletrain.train.loop import cross_entropy_sums
+
+    logits = torch.randn(4, 256, 64).to(torch.bfloat16)
+    targets = torch.randint(0, 64, (4, 256))
+    total, correct, counted = cross_entropy_sums(logits, targets)
+    assert total.dtype == torch.float32
+    flat = logits.float().reshape(-1, 64)
+    assert torch.equal(
+        total, nn.functional.cross_entropy(flat, targets.reshape(-1), reduction="sum")
+    )
+    assert int(counted) == 1024 and int(correct) == int(
+        (flat.argmax(1) == targets.reshape(-1)).sum()
+    )

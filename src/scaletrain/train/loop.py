@@ -252,8 +252,12 @@ def cross_entropy_sums(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(cross-entropy summed, argmax hits, targets counted) over one batch: over the last
     dimension of the outputs (or of their `logits`), targets of -100 not counted (the
-    padding Hugging Face's labels mark)."""
+    padding Hugging Face's labels mark). Summed in fp32 at least, as Recipe.loss takes
+    it: autocast computes cross-entropy so, and a sharded FSDP evaluation, which runs
+    without autocast, hands it bf16 logits (a bf16 sum of a thousand losses near 2 is
+    off by whole units)."""
     logits = logits_of(outputs)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     flat = logits.reshape(-1, logits.shape[-1])
     y = targets.reshape(-1).to(flat.device, non_blocking=True)
     keep = y != -100
