@@ -8,7 +8,6 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from scaletrain.cachedir import cache_dir
 from scaletrain.errors import ConfigError, spell, unknown
@@ -47,13 +46,6 @@ def load_hardware(hardware: str | None) -> Hardware:
             field="hardware",
         )
     return load(str(mine))
-
-
-def _whole(key: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(
-            f"{spell(key, value)} must be a whole number >= 1, e.g. {spell(key, 4)}.", field=key
-        )
 
 
 @dataclass(slots=True)
@@ -98,9 +90,10 @@ class Plan:
     def table(self) -> str:
         big = max((r.memory.total for r in self.rows), default=0) > 16 * 2**30
         unit, scale = ("GiB", 2**30) if big else ("MiB", 2**20)
-        rate = "tok/s/dev" if self.profile.tokens != self.profile.batch_size else "samples/s"
+        tokens = self.profile.tokens != self.profile.batch_size
         sizes = " ".join(f"{c:>7}" for c in ("params", "grads", "optim", "acts", "buffers", "peak"))
         times = " ".join(f"{c:>8}" for c in ("compute", "comm", "bubble", "step"))
+        rate = "tok/s/dev" if tokens else "samples/s"
         head = f"{'layout':<30} {'fits':<4} {sizes} | {times} {rate:>10} {'mfu':>5}"
         lines = [
             f"{self.model} on {self.devices} device(s), {self.nodes} node(s) of "
@@ -115,7 +108,7 @@ class Plan:
             parts = (m.params, m.grads, m.optimizer, m.activations, m.buffers, m.total)
             sizes = " ".join(f"{v / scale:7.1f}" for v in parts)
             times = " ".join(f"{v * 1e3:8.1f}" for v in (t.compute, t.exposed, t.bubble, t.total))
-            thr = self.tokens_per_device(r) if rate == "tok/s/dev" else self.throughput(r)
+            thr = self.tokens_per_device(r) if tokens else self.throughput(r)
             lines.append(
                 f"{r.layout.label + ('*' if r is self.recommended else ''):<30} "
                 f"{'yes' if r.fits else 'NO':<4} {sizes} | {times} {thr:10,.0f} "
@@ -125,6 +118,13 @@ class Plan:
         lines.append(f"recommended: {self.reason}")
         lines.extend(f"assumption: {a}" for a in self.assumptions)
         return "\n".join(lines)
+
+
+def _whole(key: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(
+            f"{spell(key, value)} must be a whole number >= 1, e.g. {spell(key, 4)}.", field=key
+        )
 
 
 def _recommend(plan: Plan) -> tuple[Estimate | None, str]:
@@ -165,8 +165,7 @@ def plan(
         raise ConfigError(unknown("precision", precision, PRECISIONS), field="precision")
     precision = canonical(precision)
     check_levers("plan(...)", ac, ac_every, compile)
-    layouts = None if layouts is None else list(layouts)
-    if layouts is not None and not layouts:
+    if layouts is not None and not (layouts := list(layouts)):
         raise ConfigError(
             "plan(..., layouts=[]) picks no row to plan. Fix: give at least one Layout, or "
             "leave out layouts for every layout of the devices.",
@@ -174,38 +173,29 @@ def plan(
         )
     hw = load_hardware(hardware)
     planned = resolve_model(recipe, model, seq_len=seq_len, batch_size=batch_size)
-    batch, net = planned.batch_size if batch_size is None else batch_size, planned.net
-    layers, units = list_layers(net), list(planned.blocks)
+    batch, net, seq = batch_size or planned.batch_size, planned.net, planned.seq_len or 0
     # A declared plan names modules by pattern ("layers.*.self_attn.q_proj"), as
     # parallelize_module matches them; the formulas price modules by name.
-    tp_plan = {
-        name: style
-        for key, style in (planned.tp_plan or {}).items()
-        for name in matching_modules(net, key)
-    } or None
-
+    tp_plan = {n: s for k, s in (planned.tp_plan or {}).items() for n in matching_modules(net, k)}
     try:  # sequence parallel splits the tokens between the blocks of one ModuleList
-        sp_blocks = sequence_parallel_blocks(net, tp_plan or {}) if planned.seq_len else []
+        sp_blocks = sequence_parallel_blocks(net, tp_plan) if seq else []
     except ConfigError:
         sp_blocks = []
 
-    def splits(tp: int) -> bool:  # sequence parallel runs: its blocks, tokens tp divides
-        return bool(sp_blocks) and (planned.seq_len or 0) % tp == 0
-
-    def accepts(x: Layout) -> bool:
+    def accepts(x: Layout) -> bool:  # its tp divides the plan's layers (and sp's tokens)
         try:
-            check_tp_plan(net, tp_plan or {}, x.tp)
+            check_tp_plan(net, tp_plan, x.tp)
         except ConfigError:
             return False
-        return not x.sp or splits(x.tp)
+        return not x.sp or (bool(sp_blocks) and seq % x.tp == 0)
 
     for x in layouts or ():  # before the profile, which takes minutes for a large model
-        if x.sp and not splits(x.tp):
+        if x.sp and not (sp_blocks and seq % x.tp == 0):
             why = (
-                "takes no sequence" if not planned.seq_len
+                "takes no sequence" if not seq
                 else "has no blocks of one nn.ModuleList or nn.Sequential around its "
                 "tensor-parallel layers" if not sp_blocks
-                else f"has {planned.seq_len} tokens per sample, which tp={x.tp} does not divide"
+                else f"has {seq} tokens per sample, which tp={x.tp} does not divide"
             )  # fmt: skip
             raise ConfigError(
                 f"plan(..., layouts=[...]): {x.label} is sequence parallel, and "
@@ -214,7 +204,7 @@ def plan(
             )
     if layouts is None:
         rows = layouts_for(
-            devices, batch=batch, layers=len(layers), tensor=bool(tp_plan),
+            devices, batch=batch, layers=len(list_layers(net)), tensor=bool(tp_plan),
             offload=hw.host is not None, sequence=bool(sp_blocks),
         )  # fmt: skip
         layouts = [x for x in rows if x.tp == 1 or accepts(x)]
@@ -227,7 +217,7 @@ def plan(
                 precision=precision, ac=ac, ac_every=ac_every, name=planned.name,
                 gathered=kind,
             ),
-            layers, units, tp_plan, compiled=bool(compile), precision=precision,
+            list_layers(net), planned.blocks, tp_plan, compiled=bool(compile), precision=precision,
             sp_blocks=sp_blocks,
         )
         for kind in sorted({gathered(x, precision) for x in layouts})

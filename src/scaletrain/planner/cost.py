@@ -1,48 +1,40 @@
-"""The analytic core: `memory(...)` and `step_time(...)` of one layout, from the
-model's profile and a hardware file.
+"""The analytic core: `memory` and `step_time` of one layout, from the model's
+profile (profile.py) and a hardware file.
 
 Memory per device:
 
-- Model states: bytes per parameter that data parallelism shards from a ZeRO stage
-  on (`States`): the optimizer's state (and any fp32 master copy) from stage 1,
-  gradients from 2, parameters from 3 (each strategy's stage: layout.STRATEGIES).
-  Tensor parallel divides the parameters its plan shards, a pipeline stage holds
-  its own layers'.
-- Activations: the profile's peak at the per-device batch, less the share tensor
-  parallel divides (what its attention and MLP modules hold; with sequence parallel,
-  all that its blocks hold, plus the inputs its colwise layers gather whole and keep);
-  a pipeline stage holds its share for every microbatch in
-  flight (at most pp on the first stage with 1F1B, all of them with GPipe).
-- Buffers: FSDP's gathered units in the compute dtype (a unit and the next with
-  prefetch, at most the two largest; every unit at once where FSDP keeps them
-  gathered, fsdp-keep), a pipeline's send and receive buffers.
-- The peak is the larger of the backward's (activations and the gradients alive
-  then) and the optimizer step's (every gradient and its temporaries).
-- CPU offload (FSDP's): the shards of every state live in host memory (`Memory.host`,
-  against `Host.memory`); the device holds the units in flight and activations.
+- Model states (`States`): data parallelism shards the optimizer's state (and any fp32
+  master copy) from ZeRO stage 1 on, gradients from 2, parameters from 3 (each
+  strategy's stage: layout.STRATEGIES). Tensor parallel divides the parameters its plan
+  shards, a pipeline stage holds its own layers'.
+- Activations: the profile's peak at the per-device batch, less what tensor parallel
+  divides (what its attention and MLP modules hold; with sequence parallel all its
+  blocks hold, plus the inputs its colwise layers gather whole and keep). A pipeline
+  stage holds its share for each microbatch in flight (at most pp with 1F1B, all with
+  GPipe).
+- Buffers: FSDP's gathered units in the compute dtype (a unit and the next, at most
+  the two largest; every unit where it keeps them gathered, fsdp-keep), a pipeline's
+  send and receive buffers.
+- The peak is the larger of the backward's (activations and the gradients alive then)
+  and the optimizer step's (every gradient and its temporaries). With FSDP's CPU
+  offload the states' shards live in host memory (`Memory.host`).
 
-Step time: a device's compute is its matmul FLOPs at the hardware's achieved
-FLOP/s plus the bytes its other kernels move at its memory bandwidth, and no less
-than its kernels' launches (`Hardware.launch` each: a GPU overlaps them with its
-work, so it takes the larger of the two, a CPU their sum; compiled, see
-COMPILED_BYTES). Communication is alpha-beta over the link each group spans
-(hardware.Link); what overlaps with compute:
+Step time: matmul FLOPs at the hardware's achieved FLOP/s plus the bytes the other
+kernels move at its memory bandwidth, and no less than their launches
+(`Hardware.launch` each: a GPU overlaps them with its work, a CPU adds them; compiled,
+see COMPILED_BYTES). Communication is alpha-beta over the link each group spans
+(hardware.Link), exposed where it outlasts what hides it:
 
-- DDP: gradient buckets all-reduce during the backward; the step waits for what
-  outlasts the backward, and at least for the last bucket.
+- DDP: gradient buckets all-reduce during the backward; at least the last is exposed.
 - FSDP: the next unit's all-gather runs during this unit's compute (prefetch); the
-  first gather of each pass, what outlasts the compute and the last reduce-scatter
-  are exposed.
-  With CPU offload each unit's shard is copied in before its gather and its
-  gradients' shard out after their reduce-scatter (`Host.bandwidth`), in the same
-  stream, and the optimizer steps on the host (`Host.memory_bandwidth`), exposed.
-- Tensor parallel: its collectives sit between a block's matmuls and are exposed, in
-  the forward and the backward (and the forward's again where full checkpointing
-  recomputes it). With sequence
-  parallel each all-reduce becomes a reduce-scatter, and each colwise layer
-  all-gathers its input.
-- A pipeline's step is its schedule simulated (planner.schedule) with the sends
-  between stages; its bubble is the step less the busiest rank's work.
+  first gather of each pass, what outlasts the compute and the last reduce-scatter are
+  exposed. With CPU offload each shard is copied in before its gather and out after
+  its reduce-scatter (`Host.bandwidth`), and the optimizer steps on the host, exposed.
+- Tensor parallel: its collectives sit between a block's matmuls, exposed, in the
+  forward, the backward and any recomputation. Sequence parallel makes each all-reduce
+  a reduce-scatter and all-gathers each colwise layer's input.
+- Pipeline: its schedule simulated (schedule.py) with the sends between stages; the
+  bubble is the step less the busiest rank's work.
 """
 
 from __future__ import annotations
@@ -58,22 +50,8 @@ from scaletrain.planner.profile import ModelProfile, Work
 from scaletrain.planner.schedule import simulate
 from scaletrain.strategies.partition import Layer, split_layers
 
-__all__ = [
-    "COMPILED_BYTES",
-    "COMPILED_KERNELS",
-    "DDP_BUCKET",
-    "Estimate",
-    "Memory",
-    "Model",
-    "States",
-    "StepTime",
-    "estimate",
-    "gathered",
-    "memory",
-    "model_states",
-    "states_for",
-    "step_time",
-]
+__all__ = ["COMPILED_BYTES", "COMPILED_KERNELS", "DDP_BUCKET", "Estimate", "Memory", "Model",
+           "States", "StepTime", "estimate", "gathered", "memory", "model_states", "step_time"]  # fmt: skip
 
 DDP_BUCKET = 25 * 2**20
 """PyTorch DDP's default bucket_cap_mb (25 MiB)."""
@@ -86,22 +64,19 @@ COMPILED_KERNELS = 1 / 4
 """The kernels of a compiled step against eager's: a block's ~30 elementwise
 kernels become a few fused ones."""
 MULTI_TENSOR = 64
-"""Tensors one launch of a foreach (multi-tensor) optimizer kernel covers on a GPU:
-its per-parameter ops launch once per chunk of the parameter list."""
+"""Tensors one launch of a foreach (multi-tensor) optimizer kernel covers on a GPU."""
 MASTER = {"32": 4.0, "bf16-mixed": 4.0, "fp16-mixed": 4.0, "bf16-true": 2.0}
-"""Bytes per parameter of the weights a precision trains (mixed precision keeps fp32
-weights and casts for the matmuls; bf16-true holds them in bf16)."""
+"""Bytes per parameter of the weights (and gradients) a precision trains: mixed
+precision keeps fp32 weights and casts for the matmuls."""
 COMPUTE = {"32": 4.0, "bf16-mixed": 2.0, "fp16-mixed": 2.0, "bf16-true": 2.0}
-"""Bytes per parameter of the weights the matmuls read (what FSDP all-gathers under
-its mixed-precision policy)."""
+"""Bytes per parameter the matmuls read (what FSDP gathers under its mixed precision)."""
 DTYPE = {"32": "fp32", "bf16-mixed": "bf16", "fp16-mixed": "fp16", "bf16-true": "bf16"}
 
 
 def gathered(layout: Layout, precision: str) -> bool:
-    """Whether `layout` runs a mixed precision as sharded FSDP does: the weights cast
-    to the compute dtype as they are gathered, and no autocast, so its activations are
-    all in the compute dtype (its model's profile is taken so: profile_model's
-    `gathered`)."""
+    """Whether `layout` runs a mixed precision as sharded FSDP does: the weights cast to
+    the compute dtype as they are gathered, no autocast, every activation in the compute
+    dtype (its profile is taken so: profile_model's `gathered`)."""
     return layout.dp > 1 and layout.stage >= 2 and MASTER[precision] > COMPUTE[precision]
 
 
@@ -116,14 +91,6 @@ class States:
     """Bytes per parameter of the unit being computed held whole once its state is
     sharded: stage 3's gathered weights (and a DeepSpeed-style optimizer's
     low-precision gradients of that unit)."""
-
-
-def states_for(precision: str, optimizer_per_param: float) -> States:
-    """This package's training: weights and gradients at the precision's bytes (the
-    gradients in the weights' dtype), the optimizer's state as measured. (FSDP's
-    gathered units are buffers, counted by `memory`.)"""
-    w = MASTER[precision]
-    return States((("params", w, 3), ("grads", w, 2), ("optimizer", optimizer_per_param, 1)))
 
 
 def model_states(
@@ -144,8 +111,8 @@ def model_states(
 @dataclass(frozen=True, slots=True)
 class Model:
     """What the formulas need of a model beyond its profile: its layers (for pipeline
-    stages), the units FSDP shards, what tensor parallel divides and the blocks
-    sequence parallel splits (none where it cannot)."""
+    stages), the units FSDP shards, tensor parallel's plan (module name: style) and the
+    blocks sequence parallel splits (none where it cannot)."""
 
     profile: ModelProfile
     layers: Sequence[Layer]
@@ -167,56 +134,52 @@ class Model:
         ]
         return int(self._sum(names, "activation_bytes"))
 
+    def _holders(self) -> list[str]:
+        return sorted({n.rpartition(".")[0] for n in self.tp_plan or {}})
+
     def tp_shares(self) -> tuple[float, float]:
         """Fractions of the parameters and FLOPs tensor parallel divides: its planned
-        layers' parameters, and the FLOPs of the modules holding them (attention and
-        MLP blocks: their heads and hidden width split)."""
+        layers', and the FLOPs of the (attention and MLP) modules holding them."""
         if not self.tp_plan:
             return 0.0, 0.0
         p = self.profile
         params = self._sum(list(self.tp_plan), "param_bytes") / max(1, p.param_bytes)
-        flops = self._sum(self._holders(), "flops") / max(1.0, p.flops)
-        return min(params, 1.0), min(flops, 1.0)
-
-    def _holders(self) -> list[str]:
-        return sorted({n.rpartition(".")[0] for n in self.tp_plan or {}})
+        return min(params, 1.0), min(self._sum(self._holders(), "flops") / max(1.0, p.flops), 1.0)
 
     def tp_split(self, sp: bool = False) -> float:
         """Bytes of the peak (at the profile's batch) tensor parallel divides: what the
-        modules holding its layers keep for the backward; with sequence parallel
-        (`sp`), all that the blocks keep. The rest (embeddings, head, the loss's
-        temporaries) is whole on every rank."""
+        modules holding its layers keep for the backward; with sequence parallel, all
+        the blocks keep. The rest (embeddings, head, the loss) is whole on every rank."""
         if not self.tp_plan:
             return 0.0
         return self._sum(list(self.sp_blocks) if sp else self._holders(), "activation_bytes")
 
     def tp_messages(self, sp: bool = False) -> tuple[int, int, float]:
-        """Collectives per forward and the bytes of each: one per rowwise layer (its
-        output all-reduced, or with sequence parallel reduce-scattered), and with
-        sequence parallel one all-gather per colwise layer (TensorParallel gives each
-        `input_layouts=Shard(1)`: each gathers its input whole). The backward runs the
-        same collectives on the gradients."""
+        """Collectives per forward (the backward runs as many) and the bytes of each: one
+        per rowwise layer (its output all-reduced, or with sequence parallel
+        reduce-scattered), and with sequence parallel one all-gather per colwise layer
+        (TensorParallel gives each `input_layouts=Shard(1)`: it gathers its input)."""
         if not self.tp_plan:
             return 0, 0, 0.0
         rows = [n for n, s in self.tp_plan.items() if s == "rowwise"]
         cols = sum(s == "colwise" for s in self.tp_plan.values()) if sp else 0
         return len(rows), cols, self._sum(rows, "output_bytes") / max(1, len(rows))
 
-    def stages(self, pp: int) -> list[list[Layer]]:
-        return split_layers(self.layers, pp)
+    def edge(self, pp: int) -> int:
+        """Bytes (at the profile's batch) of the largest send between pp stages."""
+        stages = split_layers(self.layers, pp)[:-1]
+        return max(self.profile.modules[s[-1].members[-1]].output_bytes for s in stages)
 
     def stage_shares(self, pp: int) -> list[tuple[float, float, float]]:
         """Each stage's shares of (parameters, work, held activations); what sits
         outside the layers goes to the first stage's parameters and the last stage's
         work (the loss)."""
-        members = [[m for x in s for m in x.members] for s in self.stages(pp)]
-        par, work, acts = (
-            [self._sum(ms, attr) for ms in members]
-            for attr in ("param_bytes", "flops", "activation_bytes")
-        )
+        members = [[m for x in s for m in x.members] for s in split_layers(self.layers, pp)]
+        attrs = ("param_bytes", "flops", "activation_bytes")
+        par, work, acts = ([self._sum(ms, a) for ms in members] for a in attrs)
         par[0] += max(0.0, self.profile.param_bytes - sum(par))
         work[-1] += max(0.0, self.profile.flops - sum(work))
-        total = (max(1.0, sum(par)), max(1.0, sum(work)), max(1.0, sum(acts)))
+        total = [max(1.0, sum(x)) for x in (par, work, acts)]
         return [
             (a / total[0], b / total[1], c / total[2])
             for a, b, c in zip(par, work, acts, strict=True)
@@ -280,8 +243,7 @@ def _local(model: Model, layout: Layout) -> tuple[float, float]:
     par, work = 1 - tp_p * cut, 1 - tp_f * cut
     if layout.pp > 1:
         shares = model.stage_shares(layout.pp)
-        par *= max(x[0] for x in shares)
-        work *= max(x[1] for x in shares)
+        par, work = par * max(x[0] for x in shares), work * max(x[1] for x in shares)
     return par, work
 
 
@@ -295,31 +257,31 @@ def memory(layout: Layout, model: Model, batch: int) -> Memory:
             field="layouts",
         )
     p, prec, pp, m = model.profile, model.precision, layout.pp, layout.microbatches or 1
-    par, _ = _local(model, layout)
+    par, per = _local(model, layout)[0], p.per_sample(batch / m)
     psi = p.params * par
     units = [u / max(1e-9, p.param_bytes / max(1, p.params)) for u in model.unit_params()]
-    states = states_for(prec, p.optimizer_bytes / max(1, p.params))
+    w, adam = MASTER[prec], p.optimizer_bytes / max(1, p.params)  # gradients in the weights' dtype
+    states = States((("params", w, 3), ("grads", w, 2), ("optimizer", adam, 1)))
     s = model_states(psi, layout.dp, layout.stage, states, max(units or [0.0]) * par)
     buffers = 0.0
     if layout.dp > 1 and layout.stage == 3:  # a unit and the next, or every unit kept
         buffers = (sum(units) if layout.keeps else sum(sorted(units)[-2:])) * par * COMPUTE[prec]
-    acts = p.activation_bytes * p.per_sample(batch / m)
+    acts = p.activation_bytes * per
     if layout.tp > 1:
         # What a module held after its forward counts its output too: at most the peak.
-        acts -= min(acts, model.tp_split(layout.sp) * p.per_sample(batch / m)) * (1 - 1 / layout.tp)
+        acts -= min(acts, model.tp_split(layout.sp) * per) * (1 - 1 / layout.tp)
         if layout.sp and not p.ac.startswith("full"):  # the gathered inputs, kept whole
             _, gathers, each = model.tp_messages(sp=True)
-            acts += gathers * each * p.per_sample(batch / m)
+            acts += gathers * each * per
     if pp > 1:
         shares = model.stage_shares(pp)
         inflight = [m if layout.schedule == "gpipe" else min(m, pp - r) for r in range(pp)]
-        held = model.held_activations() * p.per_sample(batch / m)
+        held = model.held_activations() * per
         rest = max(0.0, acts - held)  # the loss's and the step's temporaries
         acts = max(
             shares[r][2] * held * inflight[r] + (rest if r == pp - 1 else 0.0) for r in range(pp)
         )
-        edge = max(p.modules[s[-1].members[-1]].output_bytes for s in model.stages(pp)[:-1])
-        buffers += 2 * edge * p.per_sample(batch / m)
+        buffers += 2 * model.edge(pp) * per
     alive = p.peak_grad_bytes / max(1, p.param_bytes)
     at_peak = s["grads"] if (layout.dp > 1 and layout.stage == 0) else s["grads"] * min(1.0, alive)
     temp, host = p.optimizer_temp_bytes * par, 0.0
@@ -335,9 +297,8 @@ def memory(layout: Layout, model: Model, batch: int) -> Memory:
 def _seconds(work: Work, hw: Hardware, dtype: str, compiled: bool) -> tuple[float, bool]:
     """(seconds, launch-bound) of `work` on one device (module docstring)."""
     moved = work.bytes * (COMPILED_BYTES if compiled else 1.0)
-    kernels = work.kernels * (COMPILED_KERNELS if compiled else 1.0)
     busy = work.flops / hw.matmul_flops(dtype) + moved / hw.memory_bandwidth
-    launches = kernels * hw.launch
+    launches = work.kernels * (COMPILED_KERNELS if compiled else 1.0) * hw.launch
     if hw.device == "cpu":
         return busy + launches, False
     return max(busy, launches), launches > busy
@@ -347,6 +308,18 @@ def _link(hw: Hardware, inner: int) -> Link:
     """The link a group spans: inside a node while it and the dimensions inside it fit
     on one (tensor parallel innermost, then data parallel, then pipeline stages)."""
     return hw.intra if inner <= hw.devices_per_node else hw.inter
+
+
+def _host(layout: Layout, hw: Hardware) -> Host | None:
+    """The host `layout` offloads to (None: it does not offload)."""
+    if layout.offload and hw.host is None:
+        raise ConfigError(
+            f"the layout {layout.label} offloads to the host, and {hw.name}'s hardware file "
+            "has no [host] table. Fix: add one (memory, bandwidth, memory_bandwidth), or "
+            "plan the layout without offload.",
+            field="hardware",
+        )
+    return hw.host if layout.offload else None
 
 
 def _ddp(layout: Layout, model: Model, hw: Hardware, bwd_s: float) -> tuple[float, float]:
@@ -363,38 +336,16 @@ def _fsdp(
     """(communication, exposed) of FSDP (module docstring): each unit gathered in the
     compute dtype, again for the backward unless it keeps them."""
     prec, link, n = model.precision, _link(hw, layout.dp * layout.tp), layout.dp
-    down = COMPUTE[prec] / MASTER[prec]
-    par = _local(model, layout)[0]
-    units = [u * par for u in model.unit_params()]
     host = _host(layout, hw)
-
-    def copy(u: float) -> float:  # a unit's shard to or from the host
-        return u / n / host.bandwidth if host else 0.0
-
-    def gather_s(u: float) -> float:
-        return link.time("all_gather", u * down, n) + copy(u)
-
-    def scatter_s(u: float) -> float:
-        return link.time("reduce_scatter", u, n) + copy(u)
-
-    gather, scatter = sum(map(gather_s, units)), sum(map(scatter_s, units))
+    units = [u * _local(model, layout)[0] for u in model.unit_params()]
+    copies = [u / n / host.bandwidth if host else 0.0 for u in units]  # a shard to or from the host
+    pairs = list(zip(units, copies, strict=True))
+    gathers = [link.time("all_gather", u * COMPUTE[prec] / MASTER[prec], n) + c for u, c in pairs]
+    scatters = [link.time("reduce_scatter", u, n) + c for u, c in pairs]
+    gather, scatter = sum(gathers), sum(scatters)
     again = 0.0 if layout.keeps else gather
-    first, last = gather_s(units[0]), scatter_s(units[-1])
-    return gather + again + scatter, first + max(0.0, gather - fwd_s) + max(
-        last, again + scatter - bwd_s
-    )
-
-
-def _host(layout: Layout, hw: Hardware) -> Host | None:
-    """The host `layout` offloads to (None: it does not offload)."""
-    if layout.offload and hw.host is None:
-        raise ConfigError(
-            f"the layout {layout.label} offloads to the host, and {hw.name}'s hardware file "
-            "has no [host] table. Fix: add one (memory, bandwidth, memory_bandwidth), or "
-            "plan the layout without offload.",
-            field="hardware",
-        )
-    return hw.host if layout.offload else None
+    exposed = gathers[0] + max(0.0, gather - fwd_s) + max(scatters[-1], again + scatter - bwd_s)
+    return gather + again + scatter, exposed
 
 
 def _tensor(layout: Layout, model: Model, hw: Hardware, batch: int, share: float) -> float:
@@ -402,12 +353,8 @@ def _tensor(layout: Layout, model: Model, hw: Hardware, batch: int, share: float
     p, link, n = model.profile, _link(hw, layout.tp), layout.tp
     rows, gathers, each = model.tp_messages(layout.sp)
     each *= p.per_sample(batch) * share
-    if layout.sp:
-        one = rows * link.time("reduce_scatter", each, n) + gathers * link.time(
-            "all_gather", each, n
-        )
-    else:
-        one = rows * link.time("all_reduce", each, n)
+    one = rows * link.time("reduce_scatter" if layout.sp else "all_reduce", each, n)
+    one += gathers * link.time("all_gather", each, n) if gathers else 0.0
     return one * (3 if p.ac.startswith("full") else 2)
 
 
@@ -416,14 +363,13 @@ def _pipeline(
 ) -> tuple[float, float, float]:
     """(the busiest rank's work, communication, bubble) of a pipeline: its schedule
     simulated with each stage's share of the work per microbatch, and the sends."""
-    p, m = model.profile, layout.microbatches or 1
+    m, virtual = layout.microbatches or 1, 2 if layout.schedule == "interleaved-1f1b" else 1
     shares = model.stage_shares(layout.pp)
-    virtual = 2 if layout.schedule == "interleaved-1f1b" else 1
     per_f, per_b = fwd_s / share / m, bwd_s / share / m  # the whole model, one microbatch
     f = [per_f * x[1] / virtual for x in shares for _ in range(virtual)]
     b = [per_b * x[1] / virtual for x in shares for _ in range(virtual)]
-    edge = max(p.modules[s[-1].members[-1]].output_bytes for s in model.stages(layout.pp)[:-1])
-    hop = _link(hw, layout.devices).time("send", edge * p.per_sample(batch / m), 2)
+    edge = model.edge(layout.pp) * model.profile.per_sample(batch / m)
+    hop = _link(hw, layout.devices).time("send", edge, 2)
     tl = simulate(
         f, b, schedule=layout.schedule or "1f1b", microbatches=m, virtual=virtual, hop=hop
     )
@@ -434,8 +380,7 @@ def _pipeline(
 def step_time(layout: Layout, model: Model, hw: Hardware, batch: int) -> StepTime:
     """Seconds of one step of `layout` at `batch` samples per replica on `hw`: the
     device's own work, then each parallelism's communication (the functions above)."""
-    p, prec, compiled = model.profile, model.precision, model.compiled
-    dtype = DTYPE[prec]
+    p, dtype, compiled = model.profile, DTYPE[model.precision], model.compiled
     par, share = _local(model, layout)
     # Every tensor-parallel rank launches every kernel of its stage: only a pipeline
     # stage has fewer of them.
@@ -446,36 +391,28 @@ def step_time(layout: Layout, model: Model, hw: Hardware, batch: int) -> StepTim
     bwd_s, bwd_floor = _seconds(p.backward.scaled(scale, launches) + fixed, hw, dtype, compiled)
     opt_work = p.optimizer.scaled(par / (layout.dp if layout.stage >= 1 else 1))
     if hw.device == "cuda":  # foreach kernels: one launch per op and chunk of tensors
-        per_tensor = p.optimizer.kernels / max(1, p.tensors)
-        chunks = math.ceil(p.tensors * par / MULTI_TENSOR)
-        opt_work = Work(0.0, opt_work.bytes, math.ceil(per_tensor * chunks))
+        per_tensor, chunks = p.optimizer.kernels / max(1, p.tensors), p.tensors * par / MULTI_TENSOR
+        opt_work = Work(0.0, opt_work.bytes, math.ceil(per_tensor * math.ceil(chunks)))
     opt_s, _ = _seconds(opt_work, hw, "fp32", False)
     if host := _host(layout, hw):  # the host's kernels: bound by its memory, no launches
         opt_s = p.optimizer.bytes * par / layout.dp / host.memory_bandwidth
     work, comm, exposed, bubble = fwd_s + bwd_s, 0.0, 0.0, 0.0
     if layout.dp > 1:
-        comm, exposed = (
-            _ddp(layout, model, hw, bwd_s)
-            if layout.stage == 0
-            else _fsdp(layout, model, hw, fwd_s, bwd_s)
-        )
+        sharded = _fsdp(layout, model, hw, fwd_s, bwd_s) if layout.stage else None
+        comm, exposed = sharded or _ddp(layout, model, hw, bwd_s)
     if layout.tp > 1:
         tp = _tensor(layout, model, hw, batch, share)
         comm, exposed = comm + tp, exposed + tp
     if layout.pp > 1:
         work, sends, bubble = _pipeline(layout, model, hw, batch, fwd_s, bwd_s, share)
         comm += sends
-    return StepTime(
-        compute=work + opt_s, comm=comm, exposed=exposed, bubble=bubble,
-        floor=fwd_floor and bwd_floor,
-    )  # fmt: skip
+    return StepTime(work + opt_s, comm, exposed, bubble, floor=fwd_floor and bwd_floor)
 
 
 def estimate(layout: Layout, model: Model, hw: Hardware, batch: int) -> Estimate:
     """One row of a plan: `layout`'s memory and step time, and whether it fits."""
     mem, time = memory(layout, model, batch), step_time(layout, model, hw, batch)
     host = _host(layout, hw)
-    fits = mem.total <= hw.memory and (host is None or mem.host <= host.memory)
     notes = []
     if mem.total > hw.memory:
         over = (mem.total - hw.memory) / 2**30
@@ -488,4 +425,5 @@ def estimate(layout: Layout, model: Model, hw: Hardware, batch: int) -> Estimate
         notes.append("sequence parallel: st.TensorParallel(sequence_parallel=True), from Python")
     if time.floor:
         notes.append("kernel launches, not the arithmetic, set this step's pace")
+    fits = mem.total <= hw.memory and (host is None or mem.host <= host.memory)
     return Estimate(layout, mem, time, fits, notes)

@@ -12,20 +12,12 @@ from scaletrain.planner.schedule import SCHEDULES
 
 __all__ = ["SCHEDULES", "STRATEGIES", "Layout", "layouts_for"]
 
-STRATEGIES = {
-    "ddp": 0,
-    "fsdp": 3,
-    "fsdp-keep": 3,
-    "tensor": 0,
-    "pipeline": 0,
-    "fsdp x tp": 3,
-    "ddp x pp": 0,
-}
+STRATEGIES = {"ddp": 0, "fsdp": 3, "fsdp-keep": 3, "tensor": 0, "pipeline": 0, "fsdp x tp": 3,
+              "ddp x pp": 0}  # fmt: skip
 """Each row's strategy and the ZeRO stage its data parallelism is: DDP replicates
 everything (0); FSDP shards parameters, gradients and optimizer state (3), with
-reshard_after_forward=False ("fsdp-keep", `Layout.keeps`) too: it keeps each unit's
-gathered parameters from its forward to its backward, one all-gather per unit, and
-every unit gathered when the backward begins."""
+reshard_after_forward=False too ("fsdp-keep", `Layout.keeps`): each unit stays
+gathered from its forward to its backward, one all-gather per unit."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,20 +92,14 @@ def _microbatches(pp: int, batch: int, layers: int) -> int | None:
 
 
 def layouts_for(
-    devices: int,
-    *,
-    batch: int,
-    layers: int,
-    tensor: bool,
-    offload: bool = False,
+    devices: int, *, batch: int, layers: int, tensor: bool, offload: bool = False,
     sequence: bool = False,
-) -> list[Layout]:
+) -> list[Layout]:  # fmt: skip
     """Every layout of `devices` this model can run: tensor parallel where it has a
     plan (`tensor`), each also sequence parallel where its blocks allow (`sequence`), a
     pipeline of pp stages where it has pp layers and a microbatch count that divides
-    `batch`, FSDP offloading to the host where there is one (`offload`) and it shards:
-    one process trains unwrapped, its states on the device, so one device has no such
-    row."""
+    `batch`, FSDP offloading to the host where there is one (`offload`) at 2 devices
+    or more (one process trains unwrapped, its states on the device)."""
     if devices == 1:
         return [Layout("ddp")]
     spill = [Layout("fsdp", dp=devices, offload=True)] if offload else []

@@ -124,17 +124,10 @@ def resolve_model(
         kinds = set(getattr(net, "_no_split_modules", None) or ())
         blocks = [n for n, m in net.named_modules() if type(m).__name__ in kinds]
     return PlannedModel(
-        name=name,
-        build=r.build,
-        example=example,
-        loss=r.loss,
-        optimizer=partial(r.optimizer, lr=r.lr),
-        batch_size=batch_size or per_replica,
-        seq_len=tokens,
-        tp_plan=_tp_plan(net),
-        blocks=tuple(blocks),
-        net=net,
-    )
+        name=name, build=r.build, example=example, loss=r.loss,
+        optimizer=partial(r.optimizer, lr=r.lr), batch_size=batch_size or per_replica,
+        seq_len=tokens, tp_plan=_tp_plan(net), blocks=tuple(blocks), net=net,
+    )  # fmt: skip
 
 
 def _tokens_of(name: str, net: nn.Module, seq_len: int | None, default: int) -> int:

@@ -1,22 +1,20 @@
-"""What one training step of a model costs, measured on the model without memory.
+"""What one training step of a model costs, measured without memory.
 
-`profile_model` builds the model on the meta device (parameter and buffer sizes) and
-again under a FakeTensorMode, where it runs one forward, backward and optimizer step
-at the real batch shape with the levers applied as training applies them
-(activation checkpointing recomputes in the backward, so its FLOPs and its smaller
-activations are measured, not modelled):
+`profile_model` builds the model on the meta device (parameter sizes) and again under
+a FakeTensorMode, where it runs one forward, backward and optimizer step at the real
+batch shape with the levers applied as training applies them (activation
+checkpointing's recomputation and smaller activations are measured, not modelled):
 
-- FLOPs of the matrix products (mm, convolutions, attention): the ledger's own
-  counter (observe.metrics.flops.FlopCounter), so a plan's MFU and a run's count the same
-  arithmetic; per module for tensor-parallel and pipeline splits.
-- Every other kernel is memory-bound: the bytes it reads and writes. Each kernel is
-  one launch (views and bare allocations none).
-- Memory: PyTorch's MemTracker: the forward/backward's peak split into gradients
-  and activations (saved tensors and temporaries), per module what its forward
-  leaves alive, and the optimizer step's temporaries and state.
+- FLOPs of the matrix products: the ledger's own counter
+  (observe.metrics.flops.FlopCounter), so a plan's MFU and a run's count alike; per
+  module, for tensor-parallel and pipeline splits.
+- Every other kernel is memory-bound: the bytes it reads and writes, one launch each.
+- Memory (PyTorch's MemTracker): the peak split into gradients and activations (saved
+  tensors and temporaries), what each module's forward leaves alive, and the optimizer
+  step's temporaries and state.
 
-Activations, FLOPs and elementwise bytes grow in proportion to the batch (every
-op of a step is per sample or per token), so one profile prices any batch.
+Activations, FLOPs and elementwise bytes grow with the batch (every op of a step is
+per sample or per token), so one profile prices any batch.
 """
 
 from __future__ import annotations
@@ -167,14 +165,11 @@ def _collect(*_: Any) -> None:
 @contextlib.contextmanager
 def _between_blocks() -> Any:
     """Python's cycle collector and Ctrl-C act only at block boundaries (`_collect`, a
-    hook on each block's forward and backward) for the block.
-
-    The collector: what reference cycles hold (activation checkpointing's
-    recomputations leave some) is freed block by block, as a run's collector frees it,
-    at the same points every call. Left to run at times of its own, the same step's peak
-    moved by a fifth between calls; paused, the cycles' garbage piled up to more than
-    the activations. Ctrl-C: raised inside torch's dispatch (the fake step's kernels) it
-    crosses C++ frames and aborts the process, so it is held until a boundary."""
+    hook on each block's forward and backward). The collector frees what reference
+    cycles hold (checkpointing's recomputations leave some) at the same points every
+    call, as a run's would: left to its own times, the peak it measures moves between
+    calls; paused, the garbage outgrows the activations. A Ctrl-C raised inside torch's
+    dispatch crosses C++ frames and aborts the process, so it waits for a boundary."""
     paused, main = gc.isenabled(), threading.current_thread() is threading.main_thread()
     previous: Any = False  # no handler installed (signal.signal may return None)
     try:
@@ -216,18 +211,17 @@ def _module_costs(
     root, forward = type(model).__name__, (_ModState.PRE_FW, _ModState.POST_FW)
     out: dict[str, ModuleCost] = {}
     for name, module in model.named_modules():
-        held = 0
         stats = tracker.memory_tracking.get(module)
         pre, post = (stats.snapshots.get(k) if stats else None for k in forward)
+        held = 0
         if pre and post:  # activations alive after its forward less those before it
             acts = [sum(s.get(d, {}).get(_MemRefType.ACT, 0) for d in s) for s in (pre[0], post[0])]
             held = max(0, int(acts[1] - acts[0]))
         out[name] = ModuleCost(
             param_bytes=round(scale * sum(_nbytes(p) for p in module.parameters())),
             flops=int(sum(counts.get(f"{root}.{name}" if name else root, {}).values())),
-            activation_bytes=held,
-            output_bytes=io.get(name, 0),
-        )
+            activation_bytes=held, output_bytes=io.get(name, 0),
+        )  # fmt: skip
     return out
 
 
@@ -326,12 +320,9 @@ def profile_model(
     batch = int(inputs.shape[0])
     sequence = inputs.dim() == 2 and not inputs.is_floating_point()
     return ModelProfile(
-        model=name or type(model).__name__,
-        batch_size=batch,
+        model=name or type(model).__name__, batch_size=batch,
         tokens=int(inputs.shape[0] * inputs.shape[1]) if sequence else batch,
-        params=params,
-        tensors=len(unique),
-        param_bytes=param_bytes,
+        params=params, tensors=len(unique), param_bytes=param_bytes,
         optimizer_bytes=round(state * scale),
         optimizer_temp_bytes=round(step_kinds.get(_MemRefType.TEMP, 0) * scale),
         activation_bytes=int(kinds.get(_MemRefType.ACT, 0) + kinds.get(_MemRefType.TEMP, 0)),
@@ -340,6 +331,5 @@ def profile_model(
         backward=Work(float(flops_all - flops_fwd), bwd.work.bytes, bwd.work.kernels),
         fixed=fwd.fixed + bwd.fixed,
         optimizer=(step.work + step.fixed).scaled(scale),
-        ac=ac if ac_every is None else f"{ac} every {ac_every}",
-        modules=modules,
-    )
+        ac=ac if ac_every is None else f"{ac} every {ac_every}", modules=modules,
+    )  # fmt: skip

@@ -1,16 +1,15 @@
 """A pipeline's step, simulated: every stage's forward and backward of every microbatch
-in its schedule's order, each waiting for the stage it depends on.
+in its schedule's order, each waiting for the stage it depends on (the textbook
+bubble, (pp-1)/M of a stage's work, holds for equal stages only; a model has an
+embedding and a head at its ends).
 
-The textbook bubble ((pp-1)/M of a stage's work, over the chunks per rank for
-interleaved 1F1B) holds for equal stages only; real models have unequal ones (an
-embedding and a head at the ends). Each rank runs its actions in the order of
-PyTorch's own schedule (torch.distributed.pipelining: `Schedule1F1B` warms up with
-pp - stage forwards, then alternates a backward and a forward; `ScheduleGPipe` runs
-every forward, then every backward; `ScheduleInterleaved1F1B` holds `virtual`
-stages per rank, loop placed, ordered as its `_calculate_single_rank_operations`
-orders them). A forward waits for the previous stage's forward of its microbatch, a
-backward for the next stage's backward of it, each `hop` seconds (the send) after it
-ended.
+Each rank runs its actions in the order of torch.distributed.pipelining's schedule:
+`Schedule1F1B` warms up with pp - stage forwards, then alternates a backward and a
+forward; `ScheduleGPipe` runs every forward, then every backward;
+`ScheduleInterleaved1F1B` holds `virtual` stages per rank, loop placed, in its
+`_calculate_single_rank_operations` order. A forward waits for the previous stage's
+forward of its microbatch, a backward for the next stage's backward, each `hop`
+seconds (the send) after it ended.
 """
 
 from __future__ import annotations
@@ -46,8 +45,7 @@ def actions(schedule: str, rank: int, pp: int, microbatches: int, virtual: int =
                 f"interleaved 1F1B over {pp} ranks runs {m} microbatches in rounds of "
                 f"{pp}: they must be divisible by the number of rounds ({rounds})"
             )
-        per_round = m // rounds
-        total = m * virtual
+        per_round, total = m // rounds, m * virtual
         warmup = min((virtual - 1) * per_round + 2 * (pp - 1 - rank), total)
 
         def nth(step: int) -> tuple[int, int]:
@@ -97,8 +95,7 @@ def simulate(
     pp = stages // virtual
     orders = [actions(schedule, r, pp, microbatches, virtual) for r in range(pp)]
     ended: dict[Action, float] = {}
-    free = [0.0] * pp
-    pos = [0] * pp
+    free, pos = [0.0] * pp, [0] * pp
     while any(pos[r] < len(orders[r]) for r in range(pp)):
         moved = False
         for r in range(pp):
