@@ -74,3 +74,25 @@ def test_bf16_mixed_trains_close_to_float32_with_fp32_weights(strategy: str) -> 
             assert got["autocast"] is True
         # bf16 keeps 8 bits of mantissa: close to float32, not equal.
         assert got["losses"] == pytest.approx(_fp32_losses(rank), rel=3e-2)
+
+
+def _tensor_only(mesh: dict[str, int]) -> dict[str, Any]:
+    import scaletrain as st
+    from scaletrain.train.models import GPT, GPTConfig
+
+    rt = st.init(strategy="fsdp", mesh=mesh, precision="bf16-mixed")
+    torch.manual_seed(0)
+    bare = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=4, vocab_size=64, block_size=16))
+    model, _ = rt.setup(bare, torch.optim.SGD(bare.parameters(), lr=0.1))
+    logits = rt.predict(model, torch.randint(0, 64, (2, 16), generator=torch.Generator()))
+    result = {"out_dtype": logits.dtype, "autocast": rt.precision.autocast}
+    rt.shutdown()
+    return result
+
+
+def test_bf16_mixed_computes_in_bf16_on_a_mesh_without_data_parallel_ranks() -> None:
+    """A mesh of dp=1 x tp=2 applies tensor parallel and no FSDP: autocast, not FSDP's
+    policy, casts there. It was turned off as if FSDP would cast, and the run computed
+    in float32 under bf16-mixed."""
+    for got in run_ranks(_tensor_only, 2, {"dp": 1, "tp": 2}, timeout=150):
+        assert got == {"out_dtype": torch.bfloat16, "autocast": True}

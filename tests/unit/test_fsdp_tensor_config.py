@@ -17,6 +17,7 @@ from scaletrain.strategies.base import (
     resolve_strategy,
 )
 from scaletrain.strategies.fsdp import FSDP, auto_wrap_targets, wrap_targets
+from scaletrain.strategies.mesh import FSDPxTP
 from scaletrain.strategies.tensor import (
     TensorParallel,
     check_tp_plan,
@@ -362,17 +363,40 @@ def test_tensor_needs_a_tp_mesh_dimension() -> None:
 def test_cpu_offload_in_one_process_on_a_gpu_says_it_offloads_nothing() -> None:
     """One process trains unwrapped: FSDP(cpu_offload=True) there leaves every state on
     the GPU, which the user asked to move off it; it says so before training. On a CPU
-    the states are in host memory already, and at 2 processes it shards: no warning."""
+    the states are in host memory already, and at 2 data-parallel ranks it shards: no
+    warning."""
     import warnings
 
-    def topo(world: int, device: str) -> Topology:
+    def topo(world: int, device: str, mesh: dict[str, int] | None = None) -> Topology:
         return Topology(world_size=world, local_world_size=world, device=torch.device(device),
-                        backend="nccl" if device == "cuda" else "gloo")  # fmt: skip
+                        backend="nccl" if device == "cuda" else "gloo",
+                        mesh_shape=mesh or {}, mesh_given=mesh is not None)  # fmt: skip
 
-    with pytest.warns(UserWarning, match=r"cpu_offload=True\) in one process on cuda"):
+    with pytest.warns(UserWarning, match=r"cpu_offload=True\) with one data-parallel rank on cuda"):
         FSDP(cpu_offload=True).validate(topo(1, "cuda"))
+    # A mesh of dp=1 x tp=2 never applies FSDP either: two processes, nothing offloaded.
+    with pytest.warns(UserWarning, match=r"one data-parallel rank on cuda"):
+        FSDP(cpu_offload=True).validate(topo(2, "cuda", {"dp": 1, "tp": 2}))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         FSDP(cpu_offload=True).validate(topo(1, "cpu"))
         FSDP(cpu_offload=True).validate(topo(2, "cuda"))
         FSDP().validate(topo(1, "cuda"))
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "fp16-mixed"])
+def test_a_mesh_of_one_data_parallel_rank_keeps_autocast(precision: str) -> None:
+    """FSDP casts the weights itself (MixedPrecisionPolicy) only where it shards: a
+    mesh of dp=1 x tp=2 never applies FSDP, and turning autocast off there left the
+    mixed precision to nobody: the run trained in float32 as if asked for bf16."""
+    from scaletrain.precision import Precision
+
+    cuda = precision == "fp16-mixed"  # fp16 needs CUDA; its checks read only the device type
+    device = torch.device("cuda" if cuda else "cpu")
+    for shape, casts in (({"dp": 1, "tp": 2}, False), ({"dp": 2, "tp": 2}, True)):
+        world = shape["dp"] * shape["tp"]
+        topo = Topology(world_size=world, local_world_size=world, mesh_shape=shape,
+                        mesh_given=True, device=device)  # fmt: skip
+        mine = Precision(name=precision, device=device, scaler=object() if cuda else None)
+        FSDPxTP().adopt_precision(mine, topo)
+        assert mine.autocast is not casts, shape

@@ -89,14 +89,15 @@ class FSDP(Strategy):
         # still works (measured on Gloo), and one config file serves a laptop and a GPU
         # cluster. Pinning needs an accelerator ("Cannot access accelerator device when
         # none is available"), so _setup_module asks for it on CUDA only.
-        if self.cpu_offload and topo.world_size == 1 and topo.device.type != "cpu":
-            # One process trains unwrapped (nothing to shard): its states stay on the
-            # device, which is what a user who asks for offload cannot afford.
+        if self.cpu_offload and topo.size("dp") == 1 and topo.device.type != "cpu":
+            # One data-parallel rank (one process, or a mesh of dp=1) is never sharded:
+            # its states stay on the device, which a user who asks for offload cannot afford.
             warnings.warn(
-                f"FSDP(cpu_offload=True) in one process on {topo.device.type}: one process "
-                "trains the model unwrapped (FSDP has nothing to shard), so its parameters, "
-                "gradients and optimizer state stay on the device, not in host memory. "
-                "Offload takes 2 processes or more (torchrun --nproc-per-node 2).",
+                f"FSDP(cpu_offload=True) with one data-parallel rank on {topo.device.type}: "
+                "FSDP has nothing to shard there and leaves the model unwrapped, so its "
+                "parameters, gradients and optimizer state stay on the device, not in host "
+                "memory. Offload takes 2 data-parallel ranks or more (torchrun "
+                "--nproc-per-node 2, or a mesh with dp=2).",
                 UserWarning,
                 stacklevel=3,
             )
@@ -160,9 +161,10 @@ class FSDP(Strategy):
         policy = precision.fsdp_policy()
         if policy is not None and self.mixed_precision is None:
             self.mixed_precision = policy
-        # One process is never sharded: the precision the policy would have applied
-        # falls back to autocast there.
-        if self.mixed_precision is not None and topo.world_size > 1:
+        # One data-parallel rank (one process, or a mesh of dp=1 x tp) is never sharded
+        # (_setup_module, FSDPxTP): the precision the policy would have applied falls
+        # back to autocast there.
+        if self.mixed_precision is not None and topo.size("dp") > 1:
             precision.autocast = False
 
     def no_sync(self, module: nn.Module) -> contextlib.AbstractContextManager[None]:
