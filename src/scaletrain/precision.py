@@ -107,6 +107,24 @@ class Precision:
         # summing many ranks' gradients does not lose the small ones.
         return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
 
+    def share_overflow(self, group: Any) -> None:
+        """Under loss scaling, make the ranks of `group` (pipeline stages,
+        `Strategy.model_parallel_group`) step as one. Each holds its own plain gradients
+        and finds its own inf or NaN: ShardedGradScaler sums each step's finding over the
+        group first, or one stage skipped the step while the others took it and their
+        scales parted. Only the last stage computes the loss, and so scales it: the
+        others' scale is made here, or their first step found none and failed. (Sharded
+        DTensor gradients agree already: DTensor reduces the check over their mesh; data
+        parallel replicas' gradients are equal.)"""
+        if self.scaler is None or group is None:
+            return
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        shared = ShardedGradScaler(self.device.type, process_group=group)
+        shared.load_state_dict(self.scaler.state_dict())
+        shared.scale(torch.ones((), device=self.device))  # its scale, on this device
+        self.scaler = shared
+
     def loss_scale(self) -> torch.Tensor | float:
         """The factor scale() multiplies by, without a GPU sync (a tensor under fp16)."""
         if self.scaler is None:

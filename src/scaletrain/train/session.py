@@ -231,6 +231,8 @@ class Session:
         done.train_time = float(values.get("train_time", 0.0))
         done.compile_before = float(values.get("compile_time", 0.0))
         done.samples = int(values.get("samples", 0))
+        if (scaler := self.rt.precision.scaler) is not None and values.get("loss_scale"):
+            scaler.load_state_dict(values["loss_scale"])  # a run saved before: none
         if saved is not None and not lr_given:
             # The run's own peak learning rate, also at another data-parallel size
             # (where the recipe would scale it to the new global batch).
@@ -492,6 +494,11 @@ class Session:
             # the checkpoint alone, and refuses a bad one before any process starts.
             **self.length.at_checkpoint(done.step),
         }
+        if (scaler := self.rt.precision.scaler) is not None:
+            # fp16's loss scale and its count of clean steps toward the next growth: a
+            # resume without them starts over from the initial scale, and steps the
+            # uninterrupted run took are skipped for overflow (or the other way round).
+            values["loss_scale"] = scaler.state_dict()
         handle = self.manager.maybe_save(done.step, force=final, **self.state, **values)
         assert handle is not None
         path = handle if isinstance(handle, Path) else handle.path
