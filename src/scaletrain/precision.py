@@ -45,6 +45,11 @@ class Precision:
     """torch.amp.GradScaler for fp16-mixed, else None."""
     autocast: bool = True
     """False when the strategy casts itself (FSDP's MixedPrecisionPolicy)."""
+    shared: bool = field(default=False, init=False)
+    """The loss scaler's overflow check is summed over the ranks that hold different
+    gradients (`share_overflow`)."""
+    _unscaled: set[int] = field(default_factory=set, init=False, repr=False)
+    """Optimizers unscale() unscaled since their last step (by id)."""
 
     def __post_init__(self) -> None:
         self.name = canonical(self.name)
@@ -120,10 +125,10 @@ class Precision:
             return
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-        shared = ShardedGradScaler(self.device.type, process_group=group)
-        shared.load_state_dict(self.scaler.state_dict())
-        shared.scale(torch.ones((), device=self.device))  # its scale, on this device
-        self.scaler = shared
+        scaler = ShardedGradScaler(self.device.type, process_group=group)
+        scaler.load_state_dict(self.scaler.state_dict())
+        scaler.scale(torch.ones((), device=self.device))  # its scale, on this device
+        self.scaler, self.shared = scaler, True
 
     def loss_scale(self) -> torch.Tensor | float:
         """The factor scale() multiplies by, without a GPU sync (a tensor under fp16)."""
@@ -141,6 +146,11 @@ class Precision:
         if self.scaler is None:
             optimizer.step()
             return
+        if self.shared and id(optimizer) not in self._unscaled:
+            # A fused optimizer (fused=True) checks for overflow inside its own step, on
+            # this rank's gradients alone: unscale_ first sums the check over the group.
+            self.scaler.unscale_(optimizer)
+        self._unscaled.discard(id(optimizer))
         self.scaler.step(optimizer)
         self.scaler.update()
 
@@ -148,3 +158,4 @@ class Precision:
         """Make gradients true-sized before clipping (once per step)."""
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
+            self._unscaled.add(id(optimizer))

@@ -62,9 +62,10 @@ def test_a_resumed_run_continues_its_loss_scale(
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     data = write_fake_mnist(tmp_path / "data", n_train=200, n_test=20)
 
-    def train(out: Path, *extra: str) -> None:
+    def train(out: Path, *extra: str, steps: int = 8) -> None:
         args = ["train", "--nproc", "1", "--data-dir", str(data), "--batch-size", "20",
-                "--max-steps", "8", "--eval-batches", "0", "--out", str(out), *extra]  # fmt: skip
+                "--max-steps", str(steps), "--eval-batches", "0", "--out", str(out),
+                *extra]  # fmt: skip
         assert cli.main(args) == 0
 
     train(tmp_path / "whole")
@@ -73,9 +74,13 @@ def test_a_resumed_run_continues_its_loss_scale(
     whole, resumed = _loss_scale(tmp_path / "whole"), _loss_scale(tmp_path / "stopped")
     assert whole["scale"] == INIT_SCALE * 2 ** (8 // GROWTH_INTERVAL)
     assert resumed == whole
+    # A fork that takes the optimizer's state takes the scale with it: one more clean
+    # step completes the whole run's count (8 % 3 + 1 = 3) and doubles it.
+    train(tmp_path / "whole", "--fork", str(tmp_path / "fork"), "--fork-optimizer", steps=1)
+    assert _loss_scale(tmp_path / "fork")["scale"] == whole["scale"] * 2
 
 
-def _one_stage_overflows() -> dict[str, Any]:
+def _one_stage_overflows(fused: bool) -> dict[str, Any]:
     _with_a_cpu_scaler()
     import scaletrain as st
     from scaletrain.strategies.pipeline import Pipeline
@@ -83,7 +88,7 @@ def _one_stage_overflows() -> dict[str, Any]:
     rt = st.init(strategy=Pipeline(microbatches=2))
     torch.manual_seed(0)
     bare = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-    model, opt = rt.setup(bare, torch.optim.SGD(bare.parameters(), lr=0.1))
+    model, opt = rt.setup(bare, torch.optim.SGD(bare.parameters(), lr=0.1, fused=fused))
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(4, 8, generator=g), torch.randint(0, 4, (4,), generator=g)
     rt.forward_backward(model, x, y, nn.functional.cross_entropy)
@@ -100,11 +105,13 @@ def _one_stage_overflows() -> dict[str, Any]:
     return result
 
 
-def test_pipeline_stages_skip_an_overflowing_step_together() -> None:
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_pipeline_stages_skip_an_overflowing_step_together(fused: bool) -> None:
     """Each stage's GradScaler checked only its own gradients: the stage that overflowed
     skipped the step and halved its scale, the other stepped with its gradients and kept
-    its scale, and from then on the stages trained apart."""
-    results = run_ranks(_one_stage_overflows, 2, timeout=200)
+    its scale, and from then on the stages trained apart. A fused optimizer checks
+    inside its own step, where no group is asked."""
+    results = run_ranks(_one_stage_overflows, 2, fused, timeout=200)
     for rank, got in enumerate(results):
         assert got["stepped"] and not any(got["stepped"]), rank
         assert got["scale"] == INIT_SCALE / 2, rank

@@ -76,7 +76,8 @@ def init(
     rt = Runtime(env=cluster, strategy=strat, precision=prec, topology=topo)
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     _dist.init_process_group(cluster, backend=chosen, device=rt.device, timeout_s=timeout)
-    prec.share_overflow(strat.model_parallel_group(topo))
+    if prec.scaler is not None:
+        prec.share_overflow(strat.model_parallel_group(topo))
     from scaletrain.observe.metrics.attach import create_ledger
 
     rt.ledger = create_ledger(

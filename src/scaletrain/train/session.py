@@ -216,6 +216,8 @@ class Session:
                 state["optimizer"] = self.optimizer
             done.resumed = fork_from(self.rt, Path(cfg.out or ""), state, fork=cfg.fork)
             done.forked = done.resumed.path
+            if cfg.fork_optimizer:  # the loss scale goes with the optimizer's state
+                self._load_loss_scale(done.resumed.values)
             return
         lr_given = cfg.lr is not None
         if has_checkpoints(out):
@@ -231,12 +233,16 @@ class Session:
         done.train_time = float(values.get("train_time", 0.0))
         done.compile_before = float(values.get("compile_time", 0.0))
         done.samples = int(values.get("samples", 0))
-        if (scaler := self.rt.precision.scaler) is not None and values.get("loss_scale"):
-            scaler.load_state_dict(values["loss_scale"])  # a run saved before: none
+        self._load_loss_scale(values)
         if saved is not None and not lr_given:
             # The run's own peak learning rate, also at another data-parallel size
             # (where the recipe would scale it to the new global batch).
             self.lr = float(saved.get("lr", self.lr))
+
+    def _load_loss_scale(self, values: dict[str, Any]) -> None:
+        """fp16's loss scale as the checkpoint saved it (one saved before it was: none)."""
+        if (scaler := self.rt.precision.scaler) is not None and values.get("loss_scale"):
+            scaler.load_state_dict(values["loss_scale"])
 
     def _parent(self) -> dict[str, Any] | None:
         """Where a fork came from: the checkpoint (or model.pt), its step, and whether it
