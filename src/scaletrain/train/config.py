@@ -162,7 +162,7 @@ class TrainConfig:
     fork: str | None = None
     """Start a NEW run in this directory from the weights of OUT's newest checkpoint, with the settings given now."""
     fork_optimizer: bool = False
-    """With --fork: take the optimizer state (moments) too, to continue rather than fine-tune (this start only)."""
+    """With --fork: take the optimizer state (moments, and fp16-mixed's loss scale) too, to continue rather than fine-tune (this start only)."""
     overwrite: bool = False
     """Replace a finished run in OUT (or in the --fork directory) instead of refusing to touch it (this start only)."""
     ledger: bool = True
