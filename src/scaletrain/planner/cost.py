@@ -397,9 +397,10 @@ def step_time(layout: Layout, model: Model, hw: Hardware, batch: int) -> StepTim
     if host := _host(layout, hw):  # the host's kernels: bound by its memory, no launches
         opt_s = p.optimizer.bytes * par / layout.dp / host.memory_bandwidth
     work, comm, exposed, bubble = fwd_s + bwd_s, 0.0, 0.0, 0.0
-    if layout.dp > 1:
-        sharded = _fsdp(layout, model, hw, fwd_s, bwd_s) if layout.stage else None
-        comm, exposed = sharded or _ddp(layout, model, hw, bwd_s)
+    if layout.dp > 1 and layout.stage:
+        comm, exposed = _fsdp(layout, model, hw, fwd_s, bwd_s)
+    elif layout.dp > 1:
+        comm, exposed = _ddp(layout, model, hw, bwd_s)
     if layout.tp > 1:
         tp = _tensor(layout, model, hw, batch, share)
         comm, exposed = comm + tp, exposed + tp
