@@ -135,6 +135,17 @@ class FSDP(Strategy):
         if self.cpu_offload:
             kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=topo.device.type == "cuda")
         submodules = dict(module.named_modules())
+        policy = kwargs["mp_policy"]
+        if policy.param_dtype not in (None, torch.float32):
+            # BatchNorm keeps float32 weights beside its float32 running statistics, as
+            # FSDP1's MixedPrecision kept _BatchNorm out of its cast by default (FSDP2's
+            # policy has no such default): batch_norm refuses bf16 weights with float32
+            # statistics, and takes the bf16 activations beside float32 weights, as under
+            # autocast. Each is a unit of its own, innermost, with the policy's reduction.
+            keep = {**kwargs, "mp_policy": MixedPrecisionPolicy(reduce_dtype=policy.reduce_dtype)}
+            for norm in submodules.values():
+                if isinstance(norm, nn.modules.batchnorm._BatchNorm) and norm.affine:
+                    fully_shard(norm, **keep)
         # Innermost first: a unit's parameters belong to the innermost unit holding them,
         # and fully_shard must see nested units before the ones around them.
         for target in reversed(targets):
