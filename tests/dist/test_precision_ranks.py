@@ -135,3 +135,46 @@ def test_fsdp_bf16_mixed_trains_and_evaluates_a_model_with_batchnorm(sync_bn: bo
         assert got["eval_dtype"] == torch.bfloat16
         assert got["losses"] == pytest.approx(want["losses"], rel=3e-2)
         torch.testing.assert_close(got["eval"], want["eval"], rtol=5e-2, atol=5e-2)
+
+
+def _pipeline_first_loss(prepared: bool) -> float:
+    import scaletrain as st
+    from scaletrain.strategies.pipeline import Pipeline
+    from scaletrain.train.models import ConvNet
+
+    rt = st.init(strategy=Pipeline(microbatches=4), precision="bf16-mixed")
+    torch.manual_seed(0)
+    bare = ConvNet()
+    model, _ = rt.setup(bare, torch.optim.SGD(bare.parameters(), lr=0.01))
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(32, 1, 28, 28, generator=g), torch.randint(0, 10, (32,), generator=g)
+    if prepared:  # as `scaletrain train` does, to build the stages before a resume loads
+        rt.prepare(model, x)
+    loss = float(rt.forward_backward(model, x, y, nn.functional.cross_entropy))
+    rt.shutdown()
+    return loss
+
+
+def test_pipeline_stages_built_by_prepare_compute_under_the_runs_precision() -> None:
+    """rt.prepare traced the stages outside autocast, so they expected float32 between
+    them; under bf16-mixed the first stage sent bf16 and the next read the bytes as
+    float32: every `scaletrain train --strategy pipeline --precision bf16-mixed` step
+    computed from garbage (losses of 1e33). Built by prepare or by the first step, the
+    stages now give one process's loss, microbatch by microbatch under autocast."""
+    from scaletrain.train.models import ConvNet
+
+    torch.manual_seed(0)
+    one = ConvNet()
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(32, 1, 28, 28, generator=g), torch.randint(0, 10, (32,), generator=g)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        want = (
+            sum(
+                float(nn.functional.cross_entropy(one(a), b))
+                for a, b in zip(x.chunk(4), y.chunk(4), strict=True)
+            )
+            / 4
+        )
+    for prepared in (False, True):
+        for got in run_ranks(_pipeline_first_loss, 2, prepared, timeout=150):
+            assert got == pytest.approx(want, rel=1e-6), prepared

@@ -177,8 +177,12 @@ class Runtime:
 
     def prepare(self, model: nn.Module, example_inputs: Any) -> None:
         """Build lazily-built parts (pipeline stages) from an example batch now, e.g.
-        before rt.load(), whose optimizer state covers only this rank's stages."""
-        self.strategy.prepare(model, self.precision.convert_input(example_inputs))
+        before rt.load(), whose optimizer state covers only this rank's stages.
+
+        Under the run's autocast, as forward_backward runs them: a stage traced without
+        it expects float32 from the stage before, which sends bf16 under bf16-mixed."""
+        with self.precision.forward_context():
+            self.strategy.prepare(model, self.precision.convert_input(example_inputs))
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's module inside whatever wrapper setup() added."""
