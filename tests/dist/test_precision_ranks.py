@@ -99,14 +99,30 @@ def test_bf16_mixed_computes_in_bf16_on_a_mesh_without_data_parallel_ranks() -> 
         assert got == {"out_dtype": torch.bfloat16, "autocast": True}
 
 
-def _batchnorm_under_fsdp(sync_bn: bool, precision: str) -> dict[str, Any]:
+class _NormsAsUnits(nn.Module):
+    """A container of bare layers beside a compound block: FSDP's auto wrap makes every
+    member a unit, BatchNorms among them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        block = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU())
+        self.features = nn.Sequential(
+            nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), block, nn.BatchNorm2d(4)
+        )
+        self.head = nn.Linear(4 * 28 * 28, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x).flatten(1))
+
+
+def _batchnorm_under_fsdp(kind: str, precision: str) -> dict[str, Any]:
     import scaletrain as st
     from scaletrain.train.models import ConvNet
 
     rt = st.init(strategy="fsdp", precision=precision)
     torch.manual_seed(0)
-    bare = ConvNet()
-    if sync_bn:
+    bare = _NormsAsUnits() if kind == "norms-as-units" else ConvNet()
+    if kind == "sync-bn":
         bare = st.sync_batchnorm(bare)
     model, opt = rt.setup(bare, torch.optim.SGD(bare.parameters(), lr=0.01))
     g = torch.Generator().manual_seed(rt.rank)
@@ -122,16 +138,17 @@ def _batchnorm_under_fsdp(sync_bn: bool, precision: str) -> dict[str, Any]:
     return {"losses": losses, "eval_dtype": out.dtype, "eval": out.float()}
 
 
-@pytest.mark.parametrize("sync_bn", [False, True], ids=["batchnorm", "sync-bn"])
-def test_fsdp_bf16_mixed_trains_and_evaluates_a_model_with_batchnorm(sync_bn: bool) -> None:
+@pytest.mark.parametrize("kind", ["batchnorm", "sync-bn", "norms-as-units"])
+def test_fsdp_bf16_mixed_trains_and_evaluates_a_model_with_batchnorm(kind: str) -> None:
     """FSDP2's MixedPrecisionPolicy gathered BatchNorm's weights in bf16 beside its
     float32 running statistics, and batch_norm refused the mix ("expected scalar type
     BFloat16 but found Float"): the default recipe, convnet, failed at its first step
     under --strategy fsdp --precision bf16-mixed. BatchNorm keeps float32 weights, as
     FSDP1's MixedPrecision kept them, and takes the bf16 activations as autocast gives
-    them: the run follows float32's, as bf16 does."""
-    mixed = run_ranks(_batchnorm_under_fsdp, 2, sync_bn, "bf16-mixed", timeout=150)
-    full = run_ranks(_batchnorm_under_fsdp, 2, sync_bn, "32", timeout=150)
+    them: the run follows float32's, as bf16 does. A BatchNorm that is a unit already
+    (norms-as-units) is sharded once, with the float32 policy."""
+    mixed = run_ranks(_batchnorm_under_fsdp, 2, kind, "bf16-mixed", timeout=150)
+    full = run_ranks(_batchnorm_under_fsdp, 2, kind, "32", timeout=150)
     for got, want in zip(mixed, full, strict=True):
         assert got["eval_dtype"] == torch.bfloat16
         assert got["losses"] == pytest.approx(want["losses"], rel=3e-2)

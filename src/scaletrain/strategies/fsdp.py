@@ -135,21 +135,22 @@ class FSDP(Strategy):
         if self.cpu_offload:
             kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=topo.device.type == "cuda")
         submodules = dict(module.named_modules())
+        norms: list[str] = []
         policy = kwargs["mp_policy"]
         if policy.param_dtype not in (None, torch.float32):
             # BatchNorm keeps float32 weights beside its float32 running statistics, as
             # FSDP1's MixedPrecision kept _BatchNorm out of its cast by default (FSDP2's
             # policy has no such default): batch_norm refuses bf16 weights with float32
             # statistics, and takes the bf16 activations beside float32 weights, as under
-            # autocast. Each is a unit of its own, innermost, with the policy's reduction.
-            keep = {**kwargs, "mp_policy": MixedPrecisionPolicy(reduce_dtype=policy.reduce_dtype)}
-            for norm in submodules.values():
-                if isinstance(norm, nn.modules.batchnorm._BatchNorm) and norm.affine:
-                    fully_shard(norm, **keep)
+            # autocast. Each is a unit of its own (or is one already, as a target) with
+            # the policy's reduction; inside a compiled block, a graph break.
+            norms = [n for n, m in submodules.items() if n and _affine_norm(m)]
+        keep = {**kwargs, "mp_policy": MixedPrecisionPolicy(reduce_dtype=policy.reduce_dtype)}
         # Innermost first: a unit's parameters belong to the innermost unit holding them,
-        # and fully_shard must see nested units before the ones around them.
-        for target in reversed(targets):
-            fully_shard(submodules[target], **kwargs)
+        # and fully_shard must see nested units before the ones around them (a
+        # BatchNorm holds no other module's parameters).
+        for name in [n for n in norms if n not in targets] + targets[::-1]:
+            fully_shard(submodules[name], **(keep if name in norms else kwargs))
         # The root gathers what no unit claimed (embeddings, head, final norm) and
         # drives the schedule: it must be sharded last.
         fully_shard(module, **kwargs)
@@ -180,6 +181,10 @@ class FSDP(Strategy):
 
     def no_sync(self, module: nn.Module) -> contextlib.AbstractContextManager[None]:
         return _gradient_sync_off(module)
+
+
+def _affine_norm(module: nn.Module) -> bool:
+    return isinstance(module, nn.modules.batchnorm._BatchNorm) and module.affine
 
 
 @contextlib.contextmanager

@@ -169,9 +169,11 @@ class PipelineModule(nn.Module):
     def build(self, inputs: Any) -> None:
         """Trace and build this rank's stages for batches shaped like `inputs`, now.
 
-        Normally the first train step does it. Call it earlier when something needs the
-        stages before training: loading a checkpoint, whose optimizer state covers
-        only this rank's stages.
+        Normally the first train step does it. Build earlier when something needs the
+        stages before training (loading a checkpoint, whose optimizer state covers only
+        this rank's stages) through `rt.prepare`: it traces under the run's autocast, as
+        the steps run. Traced without it, under bf16-mixed, a stage would expect float32
+        from the stage before, which sends bf16.
         """
         batch = batch_size(inputs)
         if batch % self.microbatches == 0:
