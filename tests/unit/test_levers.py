@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any
 
@@ -54,6 +55,30 @@ def test_checkpointing_is_bitwise_no_checkpointing(ac: str, every: int | None) -
         assert all(torch.equal(a, b) for a, b in zip(grads, grads0, strict=True))
     # In place: the checkpoint keys are the model's own.
     assert list(model.state_dict()) == list(plain.state_dict())
+
+
+@pytest.mark.parametrize(("ac", "every"), [("full", None), ("selective", None), ("selective", 1)])
+def test_checkpointing_updates_batchnorms_running_statistics_once(
+    ac: str, every: int | None
+) -> None:
+    """The recomputation runs a block's forward again in training mode: its BatchNorms
+    updated their running statistics twice a step (num_batches_tracked counted 2), so
+    evaluation read other statistics than the run without checkpointing."""
+    from scaletrain.train.models import ConvNet
+
+    torch.manual_seed(0)
+    plain = ConvNet()
+    checkpointed = copy.deepcopy(plain)
+    apply_levers(checkpointed, ac=ac, ac_every=every, owner="test")
+    x, y = torch.randn(8, 1, 28, 28), torch.randint(0, 10, (8,))
+    for _ in range(2):
+        for model in (plain, checkpointed):
+            nn.functional.cross_entropy(model(x), y).backward()
+    for name, buffer in plain.named_buffers():
+        assert torch.equal(dict(checkpointed.named_buffers())[name], buffer), name
+    assert checkpointed.layer1[1].num_batches_tracked.item() == 2
+    for a, b in zip(plain.parameters(), checkpointed.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
 
 
 def test_checkpointing_saves_less_for_backward() -> None:

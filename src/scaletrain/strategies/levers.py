@@ -49,11 +49,12 @@ compiled graphs, overlapping with them.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import os
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -236,13 +237,24 @@ def selective_policy() -> Callable[[], Any]:
     return functools.partial(create_selective_checkpoint_contexts, policy)
 
 
-def _checkpoint(module: nn.Module, context_fn: Callable[[], Any] | None) -> None:
-    """Make `module`'s forward checkpointed, in place (its class and names unchanged)."""
+def _checkpoint(
+    module: nn.Module, context_fn: Callable[[], Any] | None, compiled: bool = False
+) -> None:
+    """Make `module`'s forward checkpointed, in place (its class and names unchanged).
+
+    The recomputation runs the forward again in training mode, and a BatchNorm in it
+    updated its running statistics a second time each step (momentum applied twice,
+    num_batches_tracked counting 2 a step): eager, they are put back as the
+    recomputation ends. (Compiled, the checkpoint takes no context of ours; the
+    compiler recomputes the graph's pure ops, not its buffer updates.)"""
     from torch.utils.checkpoint import checkpoint
 
     inner = module.forward
     options: dict[str, Any] = {"use_reentrant": False}
-    if context_fn is not None:
+    norms = [m for m in module.modules() if _tracks_stats(m)]
+    if norms and not compiled:
+        options["context_fn"] = functools.partial(_stats_kept, norms, context_fn)
+    elif context_fn is not None:
         options["context_fn"] = context_fn
 
     def forward(*args: Any, **kwargs: Any) -> Any:
@@ -252,6 +264,30 @@ def _checkpoint(module: nn.Module, context_fn: Callable[[], Any] | None) -> None
         return checkpoint(inner, *args, **options, **kwargs)
 
     module.forward = forward
+
+
+def _tracks_stats(module: nn.Module) -> bool:
+    return isinstance(module, nn.modules.batchnorm._BatchNorm) and module.track_running_stats
+
+
+def _stats_kept(norms: list[nn.Module], context_fn: Callable[[], Any] | None) -> Any:
+    """checkpoint's (forward, recompute) contexts: `context_fn`'s (or none), the
+    recomputation's also putting back the running statistics of `norms` as it ends."""
+    forward, recompute = context_fn() if context_fn is not None else (contextlib.nullcontext(),) * 2
+    return forward, _restored(norms, recompute)
+
+
+@contextlib.contextmanager
+def _restored(norms: list[nn.Module], inner: Any) -> Iterator[None]:
+    names = ("running_mean", "running_var", "num_batches_tracked")
+    saved = [(b, b.clone()) for m in norms for n in names if (b := getattr(m, n)) is not None]
+    try:
+        with inner:
+            yield
+    finally:  # also when the recomputation stops early, having made what it needs
+        with torch.no_grad():
+            for buffer, value in saved:
+                buffer.copy_(value)
 
 
 def lever_blocks(
@@ -297,17 +333,18 @@ def apply_levers(
         )
     names = lever_blocks(model, ac, blocks, owner)
     modules = dict(model.named_modules())
+    compiled = bool(compile)
     if ac == "full":
         for name in names:
-            _checkpoint(modules[name], None)
+            _checkpoint(modules[name], None, compiled)
     elif ac == "selective" and ac_every is not None:
         for i, name in enumerate(names):
             if i % ac_every == 0:
-                _checkpoint(modules[name], None)
+                _checkpoint(modules[name], None, compiled)
     elif ac == "selective":
         policy = selective_policy()
         for name in names:
-            _checkpoint(modules[name], policy)
+            _checkpoint(modules[name], policy, compiled)
     if compile:
         # Per block when there are blocks: one graph serves them all (the compiler
         # inlines the module and takes its parameters as inputs).
