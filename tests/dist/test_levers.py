@@ -193,3 +193,34 @@ def test_the_docs_commands_train_with_checkpointing_and_compile(tmp_path: Path) 
     assert 0 < summary["compile_time_s"] < summary["train_time_s"]
     assert summary["samples_per_s"] > STEPS * 32 / summary["train_time_s"]
     assert f"({summary['compile_time_s']:.1f} s of it compiling)" in said
+
+
+def _pipeline_statistics(ac: str) -> dict[str, torch.Tensor]:
+    import scaletrain as st
+    from scaletrain.strategies.pipeline import Pipeline
+    from scaletrain.train.models import ConvNet
+
+    rt = st.init(strategy=Pipeline(microbatches=2, ac=ac))
+    torch.manual_seed(0)
+    bare = ConvNet()
+    model, opt = rt.setup(bare, torch.optim.SGD(bare.parameters(), lr=0.01))
+    g = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        x, y = torch.randn(8, 1, 28, 28, generator=g), torch.randint(0, 10, (8,), generator=g)
+        opt.zero_grad()
+        rt.forward_backward(model, x, y, nn.functional.cross_entropy)
+        opt.step()
+    state = rt.full_state_dict(model)
+    rt.shutdown()
+    return {k: v for k, v in state.items() if "running" in k or "batches" in k}
+
+
+def test_a_checkpointed_pipeline_stage_updates_batchnorms_statistics_once() -> None:
+    """A pipeline stage is a traced graph, checkpointed whole: no BatchNorm module is
+    left in it, only its buffers, and the recomputation updated them a second time."""
+    plain = run_ranks(_pipeline_statistics, 2, "none", timeout=150)
+    checkpointed = run_ranks(_pipeline_statistics, 2, "full", timeout=150)
+    for got, want in zip(checkpointed, plain, strict=True):
+        assert want and got.keys() == want.keys()
+        for name, value in want.items():
+            assert torch.equal(got[name], value), name

@@ -245,15 +245,17 @@ def _checkpoint(
     The recomputation runs the forward again in training mode, and a BatchNorm in it
     updated its running statistics a second time each step (momentum applied twice,
     num_batches_tracked counting 2 a step): eager, they are put back as the
-    recomputation ends. (Compiled, the checkpoint takes no context of ours; the
-    compiler recomputes the graph's pure ops, not its buffer updates.)"""
+    recomputation ends. They are found by their buffers' names, which a traced
+    pipeline stage keeps ("layer1.1.running_mean") where no BatchNorm module is left.
+    (Compiled, the checkpoint takes no context of ours; the compiler recomputes the
+    graph's pure ops, not its buffer updates.)"""
     from torch.utils.checkpoint import checkpoint
 
     inner = module.forward
     options: dict[str, Any] = {"use_reentrant": False}
-    norms = [m for m in module.modules() if _tracks_stats(m)]
-    if norms and not compiled:
-        options["context_fn"] = functools.partial(_stats_kept, norms, context_fn)
+    stats = [b for n, b in module.named_buffers() if n.rpartition(".")[2] in _RUNNING_STATS]
+    if stats and not compiled:
+        options["context_fn"] = functools.partial(_stats_kept, stats, context_fn)
     elif context_fn is not None:
         options["context_fn"] = context_fn
 
@@ -266,21 +268,20 @@ def _checkpoint(
     module.forward = forward
 
 
-def _tracks_stats(module: nn.Module) -> bool:
-    return isinstance(module, nn.modules.batchnorm._BatchNorm) and module.track_running_stats
+_RUNNING_STATS = ("running_mean", "running_var", "num_batches_tracked")
+"""BatchNorm's buffers that its training-mode forward updates."""
 
 
-def _stats_kept(norms: list[nn.Module], context_fn: Callable[[], Any] | None) -> Any:
+def _stats_kept(stats: list[torch.Tensor], context_fn: Callable[[], Any] | None) -> Any:
     """checkpoint's (forward, recompute) contexts: `context_fn`'s (or none), the
-    recomputation's also putting back the running statistics of `norms` as it ends."""
+    recomputation's also putting back the buffers `stats` as it ends."""
     forward, recompute = context_fn() if context_fn is not None else (contextlib.nullcontext(),) * 2
-    return forward, _restored(norms, recompute)
+    return forward, _restored(stats, recompute)
 
 
 @contextlib.contextmanager
-def _restored(norms: list[nn.Module], inner: Any) -> Iterator[None]:
-    names = ("running_mean", "running_var", "num_batches_tracked")
-    saved = [(b, b.clone()) for m in norms for n in names if (b := getattr(m, n)) is not None]
+def _restored(stats: list[torch.Tensor], inner: Any) -> Iterator[None]:
+    saved = [(b, b.clone()) for b in stats]
     try:
         with inner:
             yield
