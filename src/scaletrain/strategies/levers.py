@@ -242,13 +242,10 @@ def _checkpoint(
 ) -> None:
     """Make `module`'s forward checkpointed, in place (its class and names unchanged).
 
-    The recomputation runs the forward again in training mode, and a BatchNorm in it
-    updated its running statistics a second time each step (momentum applied twice,
-    num_batches_tracked counting 2 a step): eager, they are put back as the
-    recomputation ends. They are found by their buffers' names, which a traced
-    pipeline stage keeps ("layer1.1.running_mean") where no BatchNorm module is left.
-    (Compiled, the checkpoint takes no context of ours; the compiler recomputes the
-    graph's pure ops, not its buffer updates.)"""
+    The recomputation reruns the forward in training mode: BatchNorm's running
+    statistics (found by buffer name, which a traced pipeline stage keeps) are put back
+    as it ends, or they were updated twice a step. Compiled, the checkpoint takes no
+    context of ours (the compiler recomputes pure ops, not buffer updates)."""
     from torch.utils.checkpoint import checkpoint
 
     inner = module.forward
@@ -334,18 +331,12 @@ def apply_levers(
         )
     names = lever_blocks(model, ac, blocks, owner)
     modules = dict(model.named_modules())
-    compiled = bool(compile)
-    if ac == "full":
-        for name in names:
-            _checkpoint(modules[name], None, compiled)
-    elif ac == "selective" and ac_every is not None:
-        for i, name in enumerate(names):
-            if i % ac_every == 0:
-                _checkpoint(modules[name], None, compiled)
-    elif ac == "selective":
-        policy = selective_policy()
-        for name in names:
-            _checkpoint(modules[name], policy, compiled)
+    # Full: every block whole. Selective: every block's cheap ops (the op policy), or
+    # with ac_every, every k-th block whole.
+    policy = selective_policy() if ac == "selective" and ac_every is None else None
+    for i, name in enumerate(names):
+        if ac == "full" or (ac == "selective" and (ac_every is None or i % ac_every == 0)):
+            _checkpoint(modules[name], policy, bool(compile))
     if compile:
         # Per block when there are blocks: one graph serves them all (the compiler
         # inlines the module and takes its parameters as inputs).
