@@ -189,10 +189,12 @@ class FlopCounter:
         from torch.utils.flop_counter import FlopCounterMode
 
         self._mode = FlopCounterMode(display=False)
+        if hasattr(self._mode, "mod_tracker"):
+            self._mode.mod_tracker = _recompute_free_tracker()
         registry = getattr(self._mode, "flop_registry", None)
         if isinstance(registry, dict):
-            self._mode.flop_registry = {op: self._guarded(op, f) for op, f in registry.items()}
-            self._mode.flop_registry.update(_cpu_attention())
+            guarded = {op: self._guarded(op, f) for op, f in registry.items()}
+            self._mode.flop_registry = _EveryOp({**guarded, **_cpu_attention()})
         self._eager = _force_eager()
         self._mode.__enter__()
         return True
@@ -238,6 +240,55 @@ class FlopCounter:
             eager.__exit__(None, None, None)
         self.total = int(mode.get_total_flops())
         return self.total
+
+
+class _EveryOp(dict[Any, Any]):
+    """FLOP formulas that hold every op: 0 FLOPs for an op without one.
+
+    FlopCounterMode runs an op it has no formula for as its decomposition where it has
+    one (silu_backward: sigmoid, mul, add...), so the counted step ran other kernels
+    than every other step, with more temporaries alive at its peak (a SwiGLU's
+    backward). Every op has a formula here, so each runs as itself. What this leaves
+    out is a matmul inside the decomposition of an op torch has no formula for; the
+    recipes' models have none (their counts are the same either way)."""
+
+    def __contains__(self, op: object) -> bool:
+        return True
+
+    def __missing__(self, op: object) -> Any:
+        return _no_flops
+
+
+def _no_flops(*args: Any, **kwargs: Any) -> int:
+    return 0
+
+
+def _recompute_free_tracker() -> Any:
+    """torch's ModuleTracker (what FlopCounterMode names each FLOP's modules by),
+    less the hooks it hangs on the outputs of a forward that runs inside the backward:
+    activation checkpointing's recomputation.
+
+    Its forward hooks register a gradient hook on each module's inputs and outputs, to
+    tell when the backward reaches that module, and keep every handle until the count
+    ends. A recomputed forward's outputs never see a backward, and those handles held
+    their autograd graph with its saved tensors: every checkpointed block's
+    recomputation stayed alive until the backward ended, so the counted step (a run's
+    first, for MFU; a plan's profile) took the memory of no checkpointing. Recomputed
+    ops still count, under the module recomputing them."""
+    from torch.utils.module_tracker import ModuleTracker
+
+    class Tracker(ModuleTracker):
+        def _fw_pre_hook(self, mod: Any, input: Any) -> None:
+            if not self.is_bw:
+                return super()._fw_pre_hook(mod, input)
+            self._get_append_fn(self._get_mod_name(mod), False)()
+
+        def _fw_post_hook(self, mod: Any, input: Any, output: Any) -> None:
+            if not self.is_bw:
+                return super()._fw_post_hook(mod, input, output)
+            self._get_pop_fn(self._get_mod_name(mod), False)()
+
+    return Tracker()
 
 
 def _in_compiled_region() -> bool:
