@@ -468,3 +468,50 @@ def test_fsdp_holds_a_unit_and_the_next_not_twice_the_largest() -> None:
     units = sorted(m.unit_params())
     assert units[-1] > 2 * units[-2]  # the root, and a block
     assert memory(Layout("fsdp", dp=4), m, 8).buffers == pytest.approx(units[-1] + units[-2])
+
+
+@pytest.mark.parametrize("ac", ["none", "selective", "full"])
+def test_fsdps_planned_memory_is_what_torchs_fsdp_tracker_counts(ac: str) -> None:
+    """A plan's memory per device for sharded FSDP at bf16-mixed is what torch's own
+    FSDPMemTracker counts when scaletrain's FSDP strategy shards the same model and
+    takes the same step: sharded states, gathered units, activations with each
+    checkpointing mode, the loss's temporaries. The 8 ranks are a fake process group
+    in this process (its collectives move nothing; the tracker counts what they
+    allocate), so nothing is spawned."""
+    import torch.distributed as dist
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from scaletrain.dist.mesh import device_mesh
+    from scaletrain.dist.topology import Topology
+    from scaletrain.planner.models import resolve_model
+    from scaletrain.strategies.fsdp import FSDP
+
+    n, batch, seq = 8, 16, 256
+    p = st.plan("llama", devices=n, hardware="h100-sxm", batch_size=batch, seq_len=seq,
+                precision="bf16-mixed", ac=ac, layouts=[Layout("fsdp", dp=n)])  # fmt: skip
+    planned = resolve_model("llama", None, seq_len=seq, batch_size=batch)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=n)
+    try:
+        topo = Topology(world_size=n)
+        device_mesh(topo, "dp")
+        bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        model = FSDP(ac=ac, mixed_precision=bf16)._setup_module(planned.build(), topo)
+        opt = planned.optimizer(model.parameters())
+        x, y = planned.example(batch)
+
+        def step() -> None:
+            planned.loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+
+        step()  # the optimizer's state exists from here on
+        tracker = FSDPMemTracker(model, opt)
+        tracker.track_inputs((x, y))
+        with tracker:
+            step()
+        peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    finally:
+        dist.destroy_process_group()
+    assert p.rows[0].memory.total == pytest.approx(peak, rel=0.02)
