@@ -317,3 +317,18 @@ def test_a_config_json_is_profiled_in_the_dtype_its_step_reads(tmp_path: Path) -
     block = planned.blocks[0]
     for p in (bf16, gathered):
         assert p.modules[block].output_bytes == fp32.modules[block].output_bytes // 2
+
+
+def test_a_model_modules_example_that_returns_no_pair_is_refused_with_the_fix(
+    tmp_path: Path,
+) -> None:
+    """example(batch_size) returns (inputs, targets); one that returns the inputs alone
+    was unpacked by the planner and raised a bare ValueError."""
+    path = tmp_path / "seqmodel.py"
+    text = SEQ_MODULE.format(config="None", seq_param="", seq="9").replace(
+        "return x, x", "return x"
+    )
+    path.write_text(text)
+    err = _refused(r"model='.*seqmodel.py:build': example\(1\) returned a Tensor; it must return "
+                   r"\(inputs, targets\).*Fix: return inputs, targets", model=f"{path}:build")  # fmt: skip
+    assert err.field == "model"

@@ -322,7 +322,19 @@ def _user_example(
     batch: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if example is not None:
-        return example(batch)
+        pair = example(batch)
+        if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
+            got = f"a {type(pair).__name__}" + (
+                f" of {len(pair)}" if isinstance(pair, (tuple, list)) else ""
+            )
+            raise ConfigError(
+                f"{spell(field, spec)}: example({batch}) returned {got}; it must return "
+                "(inputs, targets), a batch the model takes and what its loss compares "
+                "with. Fix: return inputs, targets (for next-token prediction, "
+                "tokens[:, :-1], tokens[:, 1:]).",
+                field=field,
+            )
+        return pair[0], pair[1]
     if datasets is None:
         _no_data(spec, field, None, "train")
     data = _user_data(datasets, spec, field, None, "train")  # type: ignore[arg-type]
