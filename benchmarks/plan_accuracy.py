@@ -24,7 +24,10 @@
    matmul, attention and reduce-scatter outputs kept, but every second matmul of a
    block recomputed), installed for the profile; `--part what-if` plans table 1's
    eager row with scaletrain's own policy instead (every matmul's output kept), which
-   is what `scaletrain train --ac selective` runs.
+   is what `scaletrain train --ac selective` runs. Each FSDP row is also counted by
+   torch's own FSDPMemTracker (`_tracked_gib`: the same step, sharded as torchtitan
+   shards it, on a fake process group in this process), a check of the plan that
+   needs no GPU; the 2-D row is not (a fake 256-rank mesh of DTensors, not tried).
 3. `--part here`: this machine calibrated (`scaletrain plan --calibrate`), then the
    recipes trained (on a CPU at 1 and 2 processes; on a GPU one process at fp32 and
    bf16-mixed) and each run's `plan --check`: predicted vs measured step time and
@@ -133,10 +136,11 @@ def torchtitan() -> None:
         config = Path(tmp) / "config.json"
         config.write_text(json.dumps(LLAMA_70B), encoding="utf-8")
         print(
-            "| table | model | GPUs | layout | batch x seq | AC | compile | "
-            "GiB published | GiB planned | error | tok/s/GPU published | planned | error |"
+            "| table | model | GPUs | layout | batch x seq | AC | compile | GiB published | "
+            "GiB planned | error | GiB torch's tracker | tok/s/GPU published | planned | error |"
         )
-        print("|---|---|---:|---|---|---|---|---:|---:|---:|---:|---:|---:|")
+        print("|---|---|---:|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
+        tracked: dict[tuple[object, ...], str] = {}
         plans: dict[tuple[object, ...], object] = {}
         for table, model, gpus, (strategy, dp, tp), batch, seq, ac, compiled, gib, tps in PUBLISHED:
             which = {"recipe": model} if model != "70b" else {"model": str(config)}
@@ -153,9 +157,12 @@ def torchtitan() -> None:
             want = Layout(strategy, dp=dp, tp=tp, sp=tp > 1)
             row = next(r for r in p.rows if r.layout == want)  # type: ignore[attr-defined]
             mem, rate = row.memory.total / GIB, p.tokens_per_device(row)  # type: ignore[attr-defined]
+            if tp == 1 and (model, dp) not in tracked:
+                tracked[model, dp] = f"{_tracked_gib(model, dp, batch, seq):.1f}"
             print(f"| {table} | {model} | {gpus} | {row.layout.label} | {batch} x {seq} | {ac} | "
                   f"{'yes' if compiled else 'no'} | {gib} | {mem:.1f} | {mem / gib - 1:+.1%} | "
-                  f"{tps:,} | {rate:,.0f} | {rate / tps - 1:+.1%} |", flush=True)  # fmt: skip
+                  f"{tracked.get((model, dp), '-')} | {tps:,} | {rate:,.0f} | {rate / tps - 1:+.1%} |",
+                  flush=True)  # fmt: skip
 
 
 def _torchtitans_tp(profile: object, layers: list[Any], units: object, tp_plan: Any,
@@ -183,6 +190,70 @@ def _torchtitans_tp(profile: object, layers: list[Any], units: object, tp_plan: 
         tp_plan = {**tp_plan, **{k: v for k, v in heads.items() if k not in tp_plan}}
         kw["sp_blocks"] = [m for x in layers for m in x.members]
     return Torchtitan(profile, layers, units, tp_plan, **kw)  # type: ignore[arg-type]
+
+
+def _tracked_gib(recipe: str, dp: int, batch: int, seq: int) -> float:
+    """Peak GiB per GPU of an FSDP row as torch's FSDPMemTracker counts it: the model
+    sharded as torchtitan shards it (each block a unit, resharded after its forward but
+    the last; the root; bf16 gathers, fp32 reductions; its selective policy), one eager
+    step under fake tensors on a fake process group of `dp` ranks in this process. The
+    step is torchtitan's: the logits dropped before the backward, AdamW's state
+    already there. Like the plan, it counts what the step allocates, not what CUDA's
+    caching allocator reserves around it."""
+    import torch
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from torch.utils.checkpoint import checkpoint
+
+    from scaletrain.train.recipes import get_recipe
+
+    policy = _torchtitans_selective()()  # type: ignore[operator]
+
+    class Checkpointed(torch.nn.Module):
+        def __init__(self, block: torch.nn.Module) -> None:
+            super().__init__()
+            self.block = block
+
+        def forward(self, *args: Any) -> Any:
+            return checkpoint(self.block, *args, use_reentrant=False, context_fn=policy)
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=dp)
+    try:
+        mesh = init_device_mesh("cpu", (dp,))  # outside fake tensors: it reads its ranks
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        with FakeTensorMode():
+            model = get_recipe(recipe).build()
+            blocks = model.layers
+            for i, block in enumerate(list(blocks)):
+                blocks[i] = Checkpointed(block)
+                fully_shard(blocks[i], mesh=mesh, mp_policy=mp,
+                            reshard_after_forward=i < len(blocks) - 1)  # fmt: skip
+            fully_shard(model, mesh=mesh, mp_policy=mp)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            tokens = torch.randint(0, model.config.vocab_size, (batch, seq + 1))
+            x, y = tokens[:, :-1], tokens[:, 1:]
+
+            def step() -> None:
+                logits = model(x)
+                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+                del logits
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+
+            step()
+            tracker = FSDPMemTracker(model, opt)
+            tracker.track_inputs((x, y))
+            with tracker:
+                step()
+            peak = tracker.get_tracker_snapshot("peak")
+        return float(next(iter(peak.values()))["Total"]) / GIB
+    finally:
+        dist.destroy_process_group()
 
 
 def _torchtitans_selective() -> object:
