@@ -113,3 +113,36 @@ def test_the_counted_step_peaks_where_every_other_step_does(ac: str) -> None:
     if ac == "full":  # the recomputation still counts: the blocks' forward twice
         plain = step(counted=True, ac="none")[1]
         assert 1.2 * plain < flops < 1.34 * plain
+
+
+def test_inference_and_reentrant_checkpointing_are_counted_by_their_modules() -> None:
+    """What the counted step's fixes must keep (found by a review of a first version,
+    which lost both): an op that is only a composition (linear under inference_mode)
+    still decomposes into the matmul that counts, and a reentrant checkpoint's
+    recomputation and the backward run on it are named by the module they run in
+    (before these fixes its backward was named by no module)."""
+    from torch import nn
+    from torch.utils.checkpoint import checkpoint
+
+    from scaletrain.observe.metrics.flops import FlopCounter
+
+    layer, x = nn.Linear(64, 32), torch.randn(8, 64)
+    counter = FlopCounter()
+    counter.start()
+    with torch.inference_mode():
+        layer(x)
+    assert counter.stop() == 2 * 8 * 64 * 32
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = nn.Linear(64, 64)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return checkpoint(self.inner, x, use_reentrant=True)
+
+    counter.start()
+    Net()(x.requires_grad_()).sum().backward()
+    counter.stop()
+    # forward, its recomputation, and the backward's two matmuls: 4 of 2 x 8 x 64 x 64
+    assert sum(counter.by_module()["Net.inner"].values()) == 4 * 2 * 8 * 64 * 64

@@ -194,7 +194,7 @@ class FlopCounter:
         registry = getattr(self._mode, "flop_registry", None)
         if isinstance(registry, dict):
             guarded = {op: self._guarded(op, f) for op, f in registry.items()}
-            self._mode.flop_registry = _EveryOp({**guarded, **_cpu_attention()})
+            self._mode.flop_registry = _Undecomposed({**guarded, **_cpu_attention()})
         self._eager = _force_eager()
         self._mode.__enter__()
         return True
@@ -242,51 +242,74 @@ class FlopCounter:
         return self.total
 
 
-class _EveryOp(dict[Any, Any]):
-    """FLOP formulas that hold every op: 0 FLOPs for an op without one.
+class _Undecomposed(dict[Any, Any]):
+    """FLOP formulas, which also hold (for FlopCounterMode's one question, whether to
+    decompose an op) every op that has a kernel of its own.
 
-    FlopCounterMode runs an op it has no formula for as its decomposition where it has
-    one (silu_backward: sigmoid, mul, add...), so the counted step ran other kernels
-    than every other step, with more temporaries alive at its peak (a SwiGLU's
-    backward). Every op has a formula here, so each runs as itself. What this leaves
-    out is a matmul inside the decomposition of an op torch has no formula for; the
-    recipes' models have none (their counts are the same either way)."""
+    FlopCounterMode asks of each op it runs whether it holds a formula for it (by
+    overload, where formulas are held by op packet, so the answer is no) and runs an
+    op that has a decomposition as that: silu_backward as sigmoid, mul, add..., so the
+    counted step ran other kernels than every other step, with more temporaries alive
+    at its peak (a SwiGLU's backward). Here an op with a kernel of its own runs as itself (it counts
+    what it counted before: nothing, having no formula); an op that is only a
+    composition (linear or matmul under inference_mode) still decomposes into the
+    matmuls that count."""
 
     def __contains__(self, op: object) -> bool:
-        return True
+        if super().__contains__(op):
+            return True
+        has = getattr(op, "has_kernel_for_dispatch_key", None)
+        if has is None:  # an op packet (FlopCounterMode's question of a formula)
+            return False
+        import torch
 
-    def __missing__(self, op: object) -> Any:
-        return _no_flops
-
-
-def _no_flops(*args: Any, **kwargs: Any) -> int:
-    return 0
+        keys = torch._C.DispatchKey
+        try:
+            return any(has(k) for k in (keys.CPU, keys.CUDA, keys.CompositeExplicitAutograd))
+        except RuntimeError:  # an op the dispatcher does not hold (prim::device)
+            return False
 
 
 def _recompute_free_tracker() -> Any:
-    """torch's ModuleTracker (what FlopCounterMode names each FLOP's modules by),
-    less the hooks it hangs on the outputs of a forward that runs inside the backward:
-    activation checkpointing's recomputation.
+    """torch's ModuleTracker (what FlopCounterMode names each FLOP's modules by), whose
+    hooks on a forward run inside the backward (activation checkpointing's
+    recomputation) keep nothing alive.
 
-    Its forward hooks register a gradient hook on each module's inputs and outputs, to
-    tell when the backward reaches that module, and keep every handle until the count
-    ends. A recomputed forward's outputs never see a backward, and those handles held
-    their autograd graph with its saved tensors: every checkpointed block's
-    recomputation stayed alive until the backward ended, so the counted step (a run's
-    first, for MFU; a plan's profile) took the memory of no checkpointing. Recomputed
-    ops still count, under the module recomputing them."""
+    Its forward hooks register a gradient hook on each module's inputs and outputs
+    (to tell when the backward reaches the module) in torch's "all" mode, whose hook
+    holds the tensors' autograd nodes, and with them the graph and its saved tensors,
+    until the hook is removed: when the count ends. The recomputed
+    forward of a non-reentrant checkpoint never sees a backward of its own, so every
+    recomputed block's saved tensors stayed alive until the count ended: the counted
+    step (a run's first, for MFU; a plan's profile) took the memory of no
+    checkpointing. Inside the backward the hooks are registered in "any" mode, which
+    holds no node and still fires where a backward does run (a reentrant checkpoint)."""
+    import torch
+    from torch.autograd.graph import register_multi_grad_hook
+    from torch.utils._pytree import tree_leaves
     from torch.utils.module_tracker import ModuleTracker
 
     class Tracker(ModuleTracker):
+        def _hook(self, values: Any, fn: Any) -> None:
+            grads = [
+                t for t in tree_leaves(values) if isinstance(t, torch.Tensor) and t.requires_grad
+            ]
+            if grads:
+                self._hooks.append(register_multi_grad_hook(grads, fn, mode="any"))
+
         def _fw_pre_hook(self, mod: Any, input: Any) -> None:
             if not self.is_bw:
                 return super()._fw_pre_hook(mod, input)
-            self._get_append_fn(self._get_mod_name(mod), False)()
+            name = self._get_mod_name(mod)
+            self._get_append_fn(name, False)()
+            self._hook(input, self._get_pop_fn(name, True))
 
         def _fw_post_hook(self, mod: Any, input: Any, output: Any) -> None:
             if not self.is_bw:
                 return super()._fw_post_hook(mod, input, output)
-            self._get_pop_fn(self._get_mod_name(mod), False)()
+            name = self._get_mod_name(mod)
+            self._get_pop_fn(name, False)()
+            self._hook(output, self._get_append_fn(name, True))
 
     return Tracker()
 
