@@ -81,6 +81,25 @@ def test_checkpointing_updates_batchnorms_running_statistics_once(
         assert torch.equal(a.grad, b.grad)
 
 
+def test_compiled_checkpointing_updates_batchnorms_running_statistics_once() -> None:
+    """Compiled, a checkpoint takes none of the levers' contexts (the recomputation's
+    restore of BatchNorm's statistics among them): the compiler recomputes in its own
+    backward graph, and must update the statistics once a step too."""
+    from scaletrain.train.models import ConvNet
+
+    torch.manual_seed(0)
+    plain = ConvNet()
+    compiled = copy.deepcopy(plain)
+    apply_levers(compiled, ac="full", compile=True, owner="test")
+    x, y = torch.randn(8, 1, 28, 28), torch.randint(0, 10, (8,))
+    for _ in range(2):
+        for model in (plain, compiled):
+            nn.functional.cross_entropy(model(x), y).backward()
+    for name, buffer in plain.named_buffers():
+        torch.testing.assert_close(dict(compiled.named_buffers())[name], buffer, msg=name)
+    assert compiled.layer1[1].num_batches_tracked.item() == 2
+
+
 def test_checkpointing_saves_less_for_backward() -> None:
     """What autograd keeps for backward, counted by the saved-tensor hooks: full keeps
     each block's input only, selective more than full and less than none."""
