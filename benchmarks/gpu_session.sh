@@ -86,7 +86,8 @@ fi
 if want plan; then
 	# Issue 29: this GPU calibrated into a hardware file (kept in OUT, to check in), and
 	# the recipes' one-GPU runs beside their plans on it (target: 10% in step time and
-	# CUDA peak).
+	# CUDA peak allocated; the reserved peak beside it is the caching allocator's share,
+	# which published runs' memory figures hold and plans do not).
 	step plan 180 $PY benchmarks/plan_accuracy.py --part here --steps 40 --keep "$OUT/gpu.toml"
 fi
 

@@ -305,6 +305,7 @@ def here(steps: int, keep: str | None) -> None:
     import torch
 
     from scaletrain import cli
+    from scaletrain.observe.metrics.records import peak_memory
     from scaletrain.planner.check import check_run
 
     gpu = torch.cuda.is_available()
@@ -318,11 +319,13 @@ def here(steps: int, keep: str | None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         hw = Path(keep) if keep else Path(tmp) / "this-machine.toml"
         assert cli.main(["plan", "--calibrate", str(hw)]) == 0
+        # On a GPU, CUDA's reserved peak beside the allocated one the plan predicts: the
+        # caching allocator's share, which published runs' figures (max reserved) hold.
         print(
             "| recipe | processes | strategy | precision | step ms predicted | measured | "
-            "error | memory MiB predicted | measured | error |"
+            "error | memory MiB predicted | measured | error |" + (" reserved MiB |" if gpu else "")
         )
-        print("|---|---:|---|---|---:|---:|---:|---:|---:|---:|")
+        print("|---|---:|---|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if gpu else ""))
         for recipe in ("convnet", "gpt", "split-net"):
             for nproc, strategy, precision in runs:
                 run = Path(tmp) / f"{recipe}-{nproc}-{strategy}-{precision}"
@@ -343,8 +346,12 @@ def here(steps: int, keep: str | None) -> None:
                     if c.memory
                     else "- | -"
                 )
+                reserved = max(
+                    (p["reserved_peak"] or 0 for p in peak_memory(run).values()), default=0
+                )
                 print(f"| {recipe} | {nproc} | {strategy} | {precision} | {t * 1e3:.1f} | "
-                      f"{c.step_s * 1e3:.1f} | {t / c.step_s - 1:+.0%} | {mem} |")  # fmt: skip
+                      f"{c.step_s * 1e3:.1f} | {t / c.step_s - 1:+.0%} | {mem} |"
+                      + (f" {reserved / 2**20:.1f} |" if gpu else ""))  # fmt: skip
 
 
 def main() -> None:
