@@ -517,14 +517,19 @@ def test_fsdps_planned_memory_is_what_torchs_fsdp_tracker_counts(ac: str) -> Non
     assert p.rows[0].memory.total == pytest.approx(peak, rel=0.02)
 
 
+@pytest.mark.parametrize("ac", ["none", "full", "selective"])
 @pytest.mark.parametrize("sp", [False, True])
-def test_tensor_parallels_planned_memory_is_near_what_torchs_tracker_counts(sp: bool) -> None:
+def test_tensor_parallels_planned_memory_is_near_what_torchs_tracker_counts(
+    sp: bool, ac: str
+) -> None:
     """A plan's memory per device for tensor parallel (with and without sequence
-    parallel) against torch's MemTracker when scaletrain's TensorParallel splits the
-    same model over 2 fake ranks in this process and takes the same step. The plan
-    divides what the split modules hold (their activations as a whole-model profile
-    measured them), not the step's temporaries: within 8% without checkpointing.
-    (With checkpointing the plan is high: the recomputed block's split goes uncounted.)"""
+    parallel, each checkpointing mode) against torch's MemTracker when scaletrain's
+    TensorParallel splits the same model over 2 fake ranks in this process and takes
+    the same step. The plan divides what the split modules keep, less a rowwise layer's
+    output (whole on every rank), and under checkpointing one block's recomputation; it
+    does not divide the backward's temporaries inside them, so with checkpointing it is
+    high: within 8% without, 30% with (the plan of the code before divided no
+    recomputation and every module's output: -6% without, up to +42% with)."""
     import torch.distributed as dist
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -535,14 +540,14 @@ def test_tensor_parallels_planned_memory_is_near_what_torchs_tracker_counts(sp: 
     from scaletrain.strategies.tensor import TensorParallel
 
     n, batch, seq = 2, 16, 256
-    p = st.plan("llama", devices=n, hardware="h100-sxm", batch_size=batch, seq_len=seq,
+    p = st.plan("llama", devices=n, hardware="h100-sxm", batch_size=batch, seq_len=seq, ac=ac,
                 layouts=[Layout("tensor", tp=n, sp=sp)])  # fmt: skip
     planned = resolve_model("llama", None, seq_len=seq, batch_size=batch)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=n)
     try:
         topo = Topology(world_size=n)
         device_mesh(topo, "tp")
-        model = TensorParallel(sequence_parallel=sp)._setup_module(planned.build(), topo)
+        model = TensorParallel(ac=ac, sequence_parallel=sp)._setup_module(planned.build(), topo)
         opt = planned.optimizer(model.parameters())
         x, y = planned.example(batch)
 
@@ -559,4 +564,4 @@ def test_tensor_parallels_planned_memory_is_near_what_torchs_tracker_counts(sp: 
         peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
     finally:
         dist.destroy_process_group()
-    assert p.rows[0].memory.total == pytest.approx(peak, rel=0.08)
+    assert p.rows[0].memory.total == pytest.approx(peak, rel=0.08 if ac == "none" else 0.3)

@@ -8,8 +8,9 @@ Memory per device:
   strategy's stage: layout.STRATEGIES). Tensor parallel divides the parameters its plan
   shards, a pipeline stage holds its own layers'.
 - Activations: the profile's peak at the per-device batch, less what tensor parallel
-  divides (what its attention and MLP modules hold; with sequence parallel all its
-  blocks hold, plus the inputs its colwise layers gather whole and keep). A pipeline
+  divides (what its attention and MLP modules hold, less their rowwise outputs; with
+  sequence parallel all its blocks hold, plus the inputs its colwise layers gather
+  whole and keep; under checkpointing also one block's recomputation). A pipeline
   stage holds its share for each microbatch in flight (at most pp with 1F1B, all with
   GPipe).
 - Buffers: FSDP's gathered units in the compute dtype (a unit and the next, at most
@@ -148,11 +149,26 @@ class Model:
 
     def tp_split(self, sp: bool = False) -> float:
         """Bytes of the peak (at the profile's batch) tensor parallel divides: what the
-        modules holding its layers keep for the backward; with sequence parallel, all
-        the blocks keep. The rest (embeddings, head, the loss) is whole on every rank."""
+        modules holding its layers keep for the backward, less their outputs (a rowwise
+        layer's, whole on every rank); with sequence parallel, all the blocks keep. Under
+        checkpointing also one block's recomputation (what its modules hold when run
+        again in the backward). The rest (embeddings, head, the loss) is whole."""
         if not self.tp_plan:
             return 0.0
-        return self._sum(list(self.sp_blocks) if sp else self._holders(), "activation_bytes")
+        mods, whole = self.profile.modules, 0 if sp else 1  # a rowwise output is whole
+
+        def part(names: Sequence[str], attr: str) -> float:
+            return sum(max(0, getattr(mods[n], attr) - whole * mods[n].output_bytes)
+                       for n in names if n in mods)  # fmt: skip
+
+        if sp:
+            kept = part(self.sp_blocks, "activation_bytes")
+            groups = [[c for c in mods if c.rpartition(".")[0] == b] for b in self.sp_blocks]
+        else:
+            holders = self._holders()
+            kept = part(holders, "activation_bytes")
+            groups = [[h for h in holders if h.startswith(u + ".")] for u in self.units]
+        return kept + max((part(g, "recomputed_bytes") for g in groups), default=0.0)
 
     def tp_messages(self, sp: bool = False) -> tuple[int, int, float]:
         """Collectives per forward (the backward runs as many) and the bytes of each: one

@@ -46,6 +46,9 @@ class ModuleCost:
     activation_bytes: int
     """Bytes its forward leaves alive for the backward."""
     output_bytes: int
+    recomputed_bytes: int = 0
+    """What its forward leaves alive when activation checkpointing runs it again in the
+    backward (0 where nothing recomputes it)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,19 +211,25 @@ def _module_costs(
 ) -> dict[str, ModuleCost]:
     from torch.distributed._tools.mem_tracker import _MemRefType, _ModState
 
-    root, forward = type(model).__name__, (_ModState.PRE_FW, _ModState.POST_FW)
+    root = type(model).__name__
     out: dict[str, ModuleCost] = {}
+
+    def held(stats: Any, before: Any, after: Any) -> int:
+        """Activations alive after a forward less those before it."""
+        pre, post = (stats.snapshots.get(k) if stats else None for k in (before, after))
+        if not (pre and post):
+            return 0
+        acts = [sum(s.get(d, {}).get(_MemRefType.ACT, 0) for d in s) for s in (pre[0], post[0])]
+        return max(0, int(acts[1] - acts[0]))
+
     for name, module in model.named_modules():
         stats = tracker.memory_tracking.get(module)
-        pre, post = (stats.snapshots.get(k) if stats else None for k in forward)
-        held = 0
-        if pre and post:  # activations alive after its forward less those before it
-            acts = [sum(s.get(d, {}).get(_MemRefType.ACT, 0) for d in s) for s in (pre[0], post[0])]
-            held = max(0, int(acts[1] - acts[0]))
         out[name] = ModuleCost(
             param_bytes=round(scale * sum(_nbytes(p) for p in module.parameters())),
             flops=int(sum(counts.get(f"{root}.{name}" if name else root, {}).values())),
-            activation_bytes=held, output_bytes=io.get(name, 0),
+            activation_bytes=held(stats, _ModState.PRE_FW, _ModState.POST_FW),
+            output_bytes=io.get(name, 0),
+            recomputed_bytes=held(stats, _ModState.PRE_FW_AC, _ModState.POST_FW_AC),
         )  # fmt: skip
     return out
 
