@@ -470,34 +470,27 @@ def test_fsdp_holds_a_unit_and_the_next_not_twice_the_largest() -> None:
     assert memory(Layout("fsdp", dp=4), m, 8).buffers == pytest.approx(units[-1] + units[-2])
 
 
-@pytest.mark.parametrize("ac", ["none", "selective", "full"])
-def test_fsdps_planned_memory_is_what_torchs_fsdp_tracker_counts(ac: str) -> None:
-    """A plan's memory per device for sharded FSDP at bf16-mixed is what torch's own
-    FSDPMemTracker counts when scaletrain's FSDP strategy shards the same model and
-    takes the same step: sharded states, gathered units, activations with each
-    checkpointing mode, the loss's temporaries. The 8 ranks are a fake process group
+def _tracked_peak(strategy: object, dim: str, n: int, batch: int, seq: int) -> float:
+    """Peak bytes torch's memory tracker counts for one step of the llama recipe set up
+    by `strategy` (its `_setup_module`) on `n` ranks along `dim`: a fake process group
     in this process (its collectives move nothing; the tracker counts what they
-    allocate), so nothing is spawned."""
+    allocate), so nothing is spawned. FSDP's tracker for FSDP, MemTracker otherwise."""
     import torch.distributed as dist
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed.fsdp import FSDPModule
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from scaletrain.dist.mesh import device_mesh
     from scaletrain.dist.topology import Topology
     from scaletrain.planner.models import resolve_model
-    from scaletrain.strategies.fsdp import FSDP
 
-    n, batch, seq = 8, 16, 256
-    p = st.plan("llama", devices=n, hardware="h100-sxm", batch_size=batch, seq_len=seq,
-                precision="bf16-mixed", ac=ac, layouts=[Layout("fsdp", dp=n)])  # fmt: skip
     planned = resolve_model("llama", None, seq_len=seq, batch_size=batch)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=n)
     try:
         topo = Topology(world_size=n)
-        device_mesh(topo, "dp")
-        bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        model = FSDP(ac=ac, mixed_precision=bf16)._setup_module(planned.build(), topo)
+        device_mesh(topo, dim)
+        model = strategy._setup_module(planned.build(), topo)  # type: ignore[attr-defined]
         opt = planned.optimizer(model.parameters())
         x, y = planned.example(batch)
 
@@ -507,13 +500,34 @@ def test_fsdps_planned_memory_is_what_torchs_fsdp_tracker_counts(ac: str) -> Non
             opt.zero_grad()
 
         step()  # the optimizer's state exists from here on
-        tracker = FSDPMemTracker(model, opt)
-        tracker.track_inputs((x, y))
+        if isinstance(model, FSDPModule):
+            tracker: MemTracker = FSDPMemTracker(model, opt)
+            tracker.track_inputs((x, y))
+        else:
+            tracker = MemTracker()
+            tracker.track_external(model, opt)
         with tracker:
             step()
-        peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+        return float(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("ac", ["none", "selective", "full"])
+def test_fsdps_planned_memory_is_what_torchs_fsdp_tracker_counts(ac: str) -> None:
+    """A plan's memory per device for sharded FSDP at bf16-mixed is what torch's own
+    FSDPMemTracker counts when scaletrain's FSDP strategy shards the same model on 8
+    fake ranks and takes the same step: sharded states, gathered units, activations
+    with each checkpointing mode, the loss's temporaries."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from scaletrain.strategies.fsdp import FSDP
+
+    n, batch, seq = 8, 16, 256
+    p = st.plan("llama", devices=n, hardware="h100-sxm", batch_size=batch, seq_len=seq,
+                precision="bf16-mixed", ac=ac, layouts=[Layout("fsdp", dp=n)])  # fmt: skip
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    peak = _tracked_peak(FSDP(ac=ac, mixed_precision=bf16), "dp", n, batch, seq)
     assert p.rows[0].memory.total == pytest.approx(peak, rel=0.02)
 
 
@@ -524,44 +538,16 @@ def test_tensor_parallels_planned_memory_is_near_what_torchs_tracker_counts(
 ) -> None:
     """A plan's memory per device for tensor parallel (with and without sequence
     parallel, each checkpointing mode) against torch's MemTracker when scaletrain's
-    TensorParallel splits the same model over 2 fake ranks in this process and takes
-    the same step. The plan divides what the split modules keep, less a rowwise layer's
-    output (whole on every rank), and under checkpointing one block's recomputation; it
-    does not divide the backward's temporaries inside them, so with checkpointing it is
-    high: within 8% without, 30% with (the plan of the code before divided no
-    recomputation and every module's output: -6% without, up to +42% with)."""
-    import torch.distributed as dist
-    from torch.distributed._tools.mem_tracker import MemTracker
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from scaletrain.dist.mesh import device_mesh
-    from scaletrain.dist.topology import Topology
-    from scaletrain.planner.models import resolve_model
+    TensorParallel splits the same model over 2 fake ranks and takes the same step.
+    The plan divides what the split modules keep, less a rowwise layer's output (whole
+    on every rank), and under checkpointing one block's recomputation; it does not
+    divide the backward's temporaries inside them, so with checkpointing it is high:
+    within 8% without, 30% with (the plan of the code before divided no recomputation
+    and every module's output: -6% without, up to +42% with)."""
     from scaletrain.strategies.tensor import TensorParallel
 
     n, batch, seq = 2, 16, 256
     p = st.plan("llama", devices=n, hardware="h100-sxm", batch_size=batch, seq_len=seq, ac=ac,
                 layouts=[Layout("tensor", tp=n, sp=sp)])  # fmt: skip
-    planned = resolve_model("llama", None, seq_len=seq, batch_size=batch)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=n)
-    try:
-        topo = Topology(world_size=n)
-        device_mesh(topo, "tp")
-        model = TensorParallel(ac=ac, sequence_parallel=sp)._setup_module(planned.build(), topo)
-        opt = planned.optimizer(model.parameters())
-        x, y = planned.example(batch)
-
-        def step() -> None:
-            planned.loss(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
-
-        step()
-        tracker = MemTracker()
-        tracker.track_external(model, opt)
-        with tracker:
-            step()
-        peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
-    finally:
-        dist.destroy_process_group()
+    peak = _tracked_peak(TensorParallel(ac=ac, sequence_parallel=sp), "tp", n, batch, seq)
     assert p.rows[0].memory.total == pytest.approx(peak, rel=0.08 if ac == "none" else 0.3)
