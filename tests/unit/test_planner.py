@@ -541,13 +541,14 @@ def test_tensor_parallels_planned_memory_is_near_what_torchs_tracker_counts(
     TensorParallel splits the same model over 2 fake ranks and takes the same step.
     The plan divides what the split modules keep, less a rowwise layer's output (whole
     on every rank), and under checkpointing one block's recomputation; it does not
-    divide the backward's temporaries inside them, so with checkpointing it is high:
-    within 8% without, 30% with (the plan of the code before divided no recomputation
-    and every module's output: -6% without, up to +42% with)."""
+    divide the backward's temporaries inside them, so with checkpointing it is mostly
+    high: within 8% without; with, from 8% low to 30% high (on this model -4% to +27%;
+    the plan of the code before divided no recomputation and every module's output:
+    -6% without, up to +42% with)."""
     from scaletrain.strategies.tensor import TensorParallel
 
     n, batch, seq = 2, 16, 256
     p = st.plan("llama", devices=n, hardware="h100-sxm", batch_size=batch, seq_len=seq, ac=ac,
                 layouts=[Layout("tensor", tp=n, sp=sp)])  # fmt: skip
     peak = _tracked_peak(TensorParallel(ac=ac, sequence_parallel=sp), "tp", n, batch, seq)
-    assert p.rows[0].memory.total == pytest.approx(peak, rel=0.08 if ac == "none" else 0.3)
+    assert -0.08 <= p.rows[0].memory.total / peak - 1 <= (0.08 if ac == "none" else 0.3)

@@ -151,8 +151,10 @@ class Model:
         """Bytes of the peak (at the profile's batch) tensor parallel divides: what the
         modules holding its layers keep for the backward, less their outputs (a rowwise
         layer's, whole on every rank); with sequence parallel, all the blocks keep. Under
-        checkpointing also one block's recomputation (what its modules hold when run
-        again in the backward). The rest (embeddings, head, the loss) is whole."""
+        checkpointing also one block's recomputation: what those modules (with sequence
+        parallel, the block's children) hold when run again, less their outputs likewise.
+        Where a holder is the block itself, its recomputation is not seen and counts
+        whole. The rest (embeddings, head, the loss) is whole."""
         if not self.tp_plan:
             return 0.0
         mods, whole = self.profile.modules, 0 if sp else 1  # a rowwise output is whole

@@ -48,7 +48,10 @@ class ModuleCost:
     output_bytes: int
     recomputed_bytes: int = 0
     """What its forward leaves alive when activation checkpointing runs it again in the
-    backward (0 where nothing recomputes it)."""
+    backward, up to where the recomputation stops (selective checkpointing takes kept
+    outputs from its cache). 0 where nothing recomputes it, and for a checkpointed block
+    itself: the recomputation calls its forward, not the module, so only its children
+    are seen."""
 
 
 @dataclass(frozen=True, slots=True)
