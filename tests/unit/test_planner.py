@@ -3,6 +3,7 @@ layout, the small-model floor, and the plan's rows and refusals. No processes.""
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -470,10 +471,10 @@ def test_fsdp_holds_a_unit_and_the_next_not_twice_the_largest() -> None:
     assert memory(Layout("fsdp", dp=4), m, 8).buffers == pytest.approx(units[-1] + units[-2])
 
 
-def _tracked_peak(strategy: object, dim: str, n: int, batch: int, seq: int) -> float:
+def _tracked_peak(strategy: object, mesh: dict[str, int], batch: int, seq: int) -> float:
     """Peak bytes torch's memory tracker counts for one step of the llama recipe set up
-    by `strategy` (its `_setup_module`) on `n` ranks along `dim`: a fake process group
-    in this process (its collectives move nothing; the tracker counts what they
+    by `strategy` (its `_setup_module`) on ranks laid out as `mesh`: a fake process
+    group in this process (its collectives move nothing; the tracker counts what they
     allocate), so nothing is spawned. FSDP's tracker for FSDP, MemTracker otherwise."""
     import torch.distributed as dist
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
@@ -481,15 +482,20 @@ def _tracked_peak(strategy: object, dim: str, n: int, batch: int, seq: int) -> f
     from torch.distributed.fsdp import FSDPModule
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from scaletrain.dist.mesh import device_mesh
+    from scaletrain.dist.mesh import device_mesh, full_mesh
     from scaletrain.dist.topology import Topology
     from scaletrain.planner.models import resolve_model
 
     planned = resolve_model("llama", None, seq_len=seq, batch_size=batch)
+    n = math.prod(mesh.values())
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=n)
     try:
-        topo = Topology(world_size=n)
-        device_mesh(topo, dim)
+        # The meshes are made before the strategy asks (they read the group's ranks).
+        topo = Topology(world_size=n, mesh_shape=mesh, mesh_given=len(mesh) > 1)
+        if len(mesh) > 1:
+            full_mesh(topo)
+        else:
+            device_mesh(topo, next(iter(mesh)))
         model = strategy._setup_module(planned.build(), topo)  # type: ignore[attr-defined]
         opt = planned.optimizer(model.parameters())
         x, y = planned.example(batch)
@@ -527,28 +533,41 @@ def test_fsdps_planned_memory_is_what_torchs_fsdp_tracker_counts(ac: str) -> Non
     p = st.plan("llama", devices=n, hardware="h100-sxm", batch_size=batch, seq_len=seq,
                 precision="bf16-mixed", ac=ac, layouts=[Layout("fsdp", dp=n)])  # fmt: skip
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    peak = _tracked_peak(FSDP(ac=ac, mixed_precision=bf16), "dp", n, batch, seq)
+    peak = _tracked_peak(FSDP(ac=ac, mixed_precision=bf16), {"dp": n}, batch, seq)
     assert p.rows[0].memory.total == pytest.approx(peak, rel=0.02)
 
 
 @pytest.mark.parametrize("ac", ["none", "full", "selective"])
 @pytest.mark.parametrize("sp", [False, True])
+@pytest.mark.parametrize("dp", [1, 2])
 def test_tensor_parallels_planned_memory_is_near_what_torchs_tracker_counts(
-    sp: bool, ac: str
+    dp: int, sp: bool, ac: str
 ) -> None:
     """A plan's memory per device for tensor parallel (with and without sequence
-    parallel, each checkpointing mode) against torch's MemTracker when scaletrain's
-    TensorParallel splits the same model over 2 fake ranks and takes the same step.
+    parallel, each checkpointing mode; alone, and in a dp=2 x tp=2 mesh with FSDP at
+    bf16-mixed) against torch's tracker when scaletrain's TensorParallel (FSDPxTP)
+    splits the same model over 2 (4) fake ranks and takes the same step.
     The plan divides what the split modules keep, less a rowwise layer's output (whole
     on every rank), and under checkpointing one block's recomputation; it does not
     divide the backward's temporaries inside them, so with checkpointing it is mostly
     high: within 8% without; with, from 8% low to 30% high (on this model -4% to +27%;
     the plan of the code before divided no recomputation and every module's output:
     -6% without, up to +42% with)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from scaletrain.strategies.fsdp import FSDP
+    from scaletrain.strategies.mesh import FSDPxTP
     from scaletrain.strategies.tensor import TensorParallel
 
-    n, batch, seq = 2, 16, 256
-    p = st.plan("llama", devices=n, hardware="h100-sxm", batch_size=batch, seq_len=seq, ac=ac,
-                layouts=[Layout("tensor", tp=n, sp=sp)])  # fmt: skip
-    peak = _tracked_peak(TensorParallel(ac=ac, sequence_parallel=sp), "tp", n, batch, seq)
+    tp, batch, seq = 2, 16, 256
+    layout = Layout("fsdp x tp", dp=dp, tp=tp, sp=sp) if dp > 1 else Layout("tensor", tp=tp, sp=sp)
+    p = st.plan("llama", devices=dp * tp, hardware="h100-sxm", batch_size=batch, seq_len=seq,
+                precision="bf16-mixed" if dp > 1 else "32", ac=ac, layouts=[layout])  # fmt: skip
+    if dp > 1:
+        bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        strategy: object = FSDPxTP(fsdp=FSDP(ac=ac, mixed_precision=bf16),
+                                   tensor=TensorParallel(sequence_parallel=sp))  # fmt: skip
+        peak = _tracked_peak(strategy, {"dp": dp, "tp": tp}, batch, seq)
+    else:
+        peak = _tracked_peak(TensorParallel(ac=ac, sequence_parallel=sp), {"tp": tp}, batch, seq)
     assert -0.08 <= p.rows[0].memory.total / peak - 1 <= (0.08 if ac == "none" else 0.3)
