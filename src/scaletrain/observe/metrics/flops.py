@@ -250,10 +250,10 @@ class _Undecomposed(dict[Any, Any]):
     overload, where formulas are held by op packet, so the answer is no) and runs an
     op that has a decomposition as that: silu_backward as sigmoid, mul, add..., so the
     counted step ran other kernels than every other step, with more temporaries alive
-    at its peak (a SwiGLU's backward). Here an op with a kernel of its own runs as itself (it counts
-    what it counted before: nothing, having no formula); an op that is only a
-    composition (linear or matmul under inference_mode) still decomposes into the
-    matmuls that count."""
+    at its peak (a SwiGLU's backward). Here an op with a kernel of its own runs as
+    itself (it counts what it counted before: nothing, having no formula); an op that
+    is only a composition (linear or matmul under inference_mode) still decomposes
+    into the matmuls that count."""
 
     def __contains__(self, op: object) -> bool:
         if super().__contains__(op):
@@ -278,12 +278,12 @@ def _recompute_free_tracker() -> Any:
     Its forward hooks register a gradient hook on each module's inputs and outputs
     (to tell when the backward reaches the module) in torch's "all" mode, whose hook
     holds the tensors' autograd nodes, and with them the graph and its saved tensors,
-    until the hook is removed: when the count ends. The recomputed
-    forward of a non-reentrant checkpoint never sees a backward of its own, so every
-    recomputed block's saved tensors stayed alive until the count ended: the counted
-    step (a run's first, for MFU; a plan's profile) took the memory of no
-    checkpointing. Inside the backward the hooks are registered in "any" mode, which
-    holds no node and still fires where a backward does run (a reentrant checkpoint)."""
+    until the hook is removed: when the count ends. The recomputed forward of a
+    non-reentrant checkpoint never sees a backward of its own, so every recomputed
+    block's saved tensors stayed alive until the count ended: the counted step (a run's
+    first, for MFU; a plan's profile) took the memory of no checkpointing. Inside the
+    backward the hooks are registered in "any" mode, which holds no node and still
+    fires where a backward does run (a reentrant checkpoint)."""
     import torch
     from torch.autograd.graph import register_multi_grad_hook
     from torch.utils._pytree import tree_leaves
