@@ -271,7 +271,7 @@ def test_the_8b_builds_under_the_planner_s_fake_tensors() -> None:
 
 
 def test_the_head_s_truncation_holds_and_its_spread_is_the_normal_s() -> None:
-    from scaletrain.train.models import _truncated_normal_
+    from scaletrain.train.llama import _truncated_normal_
 
     w = torch.empty(200_000)
     torch.manual_seed(0)
