@@ -111,8 +111,8 @@ def write_sbatch(spec: JobSpec, opts: SbatchOptions) -> str:
     # No --kill-on-bad-exit: with it, the first rank to exit 75 after the agreed save
     # gets the others killed while they exit, and the script sees 143, not 75. The
     # ranks end together without it: a failed rank's peers fail on the closed
-    # connection, rank 0 stops waiting for ranks that never joined after 300 s, and
-    # the watchdog ends a hang (exit 86).
+    # connection, rank 0 stops waiting for ranks that never joined when its store's
+    # join timeout ends, and the watchdog ends a hang (exit 86).
     srun = ["srun", *(["--whole"] if launchers else []), *train]
     lines = [
         "#!/bin/bash",
