@@ -13,9 +13,14 @@ Each host's /etc/hosts is what Debian writes by default: the host's own name on
 address the hostname resolves to and tells its peers to connect there: 127.0.1.1,
 which no peer can reach. The cluster tests run in exactly that setting.
 
-Everything is named after the test process's pid, so two test sessions on one
-machine never share a namespace or a bridge, and `close()` deletes only what this
-one made (namespaces take their processes' sockets, veths and routes with them).
+Everything is named after the test process's pid, and `close()` deletes only what
+this session made (namespaces take their processes' sockets, veths and routes with
+them). A session killed before its teardown leaves its bridge, namespaces and subnet
+behind, and pids repeat (a recycled pid, a container's pid namespace): a network
+therefore claims a bridge name that does not exist yet and a subnet that no address
+or route of this machine uses. A second bridge on a subnet in use would leave the
+kernel two routes to it, and the hosts' packets to the gateway would be answered
+through the other bridge and never arrive.
 """
 
 from __future__ import annotations
@@ -36,6 +41,12 @@ _PREFIX = "st"
 def _ip(*args: str, netns: str | None = None) -> None:
     cmd = ["ip", *(("-n", netns) if netns else ()), *args]
     subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=20)
+
+
+def _ip_out(*args: str) -> str:
+    return subprocess.run(
+        ["ip", *args], check=True, capture_output=True, text=True, timeout=20
+    ).stdout
 
 
 def netns_available() -> str | None:
@@ -111,22 +122,58 @@ class Network:
         pid = os.getpid()
         Network._made += 1
         serial = Network._made
-        # 10.213.X.0/24, X from the pid and a serial: concurrent sessions, and several
-        # networks of one session, get different subnets and device names.
-        self.subnet = 16 + (pid * 7 + serial) % 200
-        self.tag = f"{_PREFIX}{pid % 100000}{chr(ord('a') + serial % 26)}"
-        self.bridge = f"{self.tag}br"
-        self.gateway = f"10.213.{self.subnet}.254"
+        # 10.213.X.0/24, X first tried from the pid and a serial, so concurrent sessions
+        # and several networks of one session mostly start apart; `__enter__` moves on
+        # from any name or subnet already taken.
+        self._first_subnet = 16 + (pid * 7 + serial) % 200
+        self._first_tag = f"{_PREFIX}{pid % 100000}{chr(ord('a') + serial % 26)}"
+        self.subnet = -1
+        self.tag = self.bridge = self.gateway = ""
         self.workdir = workdir
         self.hosts: list[Host] = []
         self._made_bridge = False
 
     def __enter__(self) -> Network:
-        _ip("link", "add", self.bridge, "type", "bridge")
-        self._made_bridge = True
-        _ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
-        _ip("link", "set", self.bridge, "up")
+        try:
+            self._claim_bridge()
+            _ip("link", "set", self.bridge, "up")  # the kernel routes an up device's subnet
+            self._claim_subnet()
+        except BaseException:
+            self.close()
+            raise
         return self
+
+    def _claim_bridge(self) -> None:
+        """Make the bridge under the first free tag: `ip link add` is the atomic claim,
+        and the tag must also name no namespace (a leaked one outlives its bridge)."""
+        namespaces = _ip_out("netns", "list")
+        for attempt in range(26):
+            tag = self._first_tag if attempt == 0 else f"{self._first_tag}{chr(97 + attempt)}"
+            if f"{tag}h" in namespaces:
+                continue
+            try:
+                _ip("link", "add", f"{tag}br", "type", "bridge")
+            except subprocess.CalledProcessError:
+                continue  # the name exists: a leaked or concurrent session's
+            self.tag, self.bridge, self._made_bridge = tag, f"{tag}br", True
+            return
+        raise RuntimeError(f"no free bridge name from {self._first_tag}; `ip link` lists them")
+
+    def _claim_subnet(self) -> None:
+        """Put the gateway on the first 10.213.X.0/24 no address or route here uses, then
+        check that no other device took it meanwhile (a concurrent session)."""
+        for step in range(256):
+            subnet = (self._first_subnet + step) % 256
+            prefix = f"10.213.{subnet}."
+            if prefix in _ip_out("-4", "addr", "show") or prefix in _ip_out("-4", "route"):
+                continue
+            _ip("addr", "add", f"{prefix}254/24", "dev", self.bridge)
+            routes = _ip_out("-4", "route", "show", f"{prefix}0/24").splitlines()
+            if len(routes) == 1 and f"dev {self.bridge} " in f"{routes[0]} ":
+                self.subnet, self.gateway = subnet, f"{prefix}254"
+                return
+            _ip("addr", "del", f"{prefix}254/24", "dev", self.bridge)
+        raise RuntimeError("every 10.213.X.0/24 subnet is in use here; `ip -4 route` lists them")
 
     def __exit__(self, *exc: object) -> None:
         self.close()

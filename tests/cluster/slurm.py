@@ -163,7 +163,11 @@ PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
             if len(lines) == len(self.hosts) and all(s == "idle" for _, s in lines):
                 return
             time.sleep(0.2)
-        raise RuntimeError(f"Slurm nodes not idle after {timeout:g}s: {states!r}\n{self.logs()}")
+        routes = subprocess.run(["ip", "-4", "route"], capture_output=True, text=True).stdout
+        raise RuntimeError(
+            f"Slurm nodes not idle after {timeout:g}s: {states!r}\n"
+            f"--- ip -4 route (slurmctld on {self.network.gateway}) ---\n{routes}{self.logs()}"
+        )
 
     def logs(self) -> str:
         parts = []
