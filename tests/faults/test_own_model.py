@@ -188,11 +188,14 @@ def test_a_model_module_that_breaks_the_protocol_is_refused_before_any_process(
         "def not_a_model():\n    return 3\n"
         "def datasets(split):\n    return None\n"
     )
+    (project / "badimport.py").write_text("import torch\nimport no_such_pkg_xyz\n")
     cases = {
         "badmod:nope": "badmod has no 'nope'. Its functions and classes: build, datasets",
         "badmod:build": "its factory takes arguments (width)",
         "badmod:not_a_model": "the factory returned a int; expected a torch.nn.Module",
         "nosuchmod:build": "no module 'nosuchmod' on the Python path",
+        "badimport:build": "importing badimport raised ModuleNotFoundError: No module named "
+        "'no_such_pkg_xyz'",
     }
     # That a file path works as well as a module name, the docs' own commands show
     # (test_the_docs_own_model_runs_as_written: mymodel.py:build at 2 processes).

@@ -18,7 +18,7 @@ from scaletrain.data import ShardedLoader, ShardedSampler
 from scaletrain.dist.mesh import device_mesh, full_mesh
 from scaletrain.dist.topology import Topology
 from scaletrain.env.base import ClusterEnv
-from scaletrain.errors import ConfigError
+from scaletrain.errors import ConfigError, say
 from scaletrain.observe.metrics import phases as _phases
 from scaletrain.observe.metrics.ledger import StepLedger, in_phase
 from scaletrain.precision import Precision
@@ -227,7 +227,7 @@ class Runtime:
         mult = self._accumulation.scale
 
         def scaled_loss(outputs: Any, target: torch.Tensor) -> torch.Tensor:
-            return self.precision.scale(loss_fn(outputs, target) * mult)
+            return self.precision.scale(_one_number(loss_fn(outputs, target), loss_fn) * mult)
 
         with self.precision.forward_context():
             loss = self.strategy.forward_backward(
@@ -242,7 +242,7 @@ class Runtime:
 
         For loops that call the model themselves instead of rt.forward_backward.
         """
-        self.precision.scale(loss * self._accumulation.scale).backward()
+        self.precision.scale(_one_number(loss, None) * self._accumulation.scale).backward()
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """optimizer.step(), through the GradScaler under fp16-mixed."""
@@ -599,6 +599,32 @@ class Runtime:
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
         self.shutdown(failed=exc_type is not None)
+
+
+def _one_number(loss: Any, loss_fn: Any) -> torch.Tensor:
+    """`loss` if it is one number to backpropagate (a tensor of one element), else the
+    error that names what the loss function returned: a per-sample loss
+    (`reduction="none"`) otherwise fails deep in autograd, naming no function."""
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+        return loss
+    what = (
+        f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor)
+        else f"a {type(loss).__name__}"
+    )  # fmt: skip
+    name = getattr(loss_fn, "__qualname__", None) or type(loss_fn).__name__
+    where = getattr(loss_fn, "__module__", None)
+    source = say(
+        api=f"the loss_fn given to rt.forward_backward ({name})"
+        if loss_fn
+        else "rt.backward's loss",
+        cli=f"the model module's loss ({where}.{name})" if loss_fn else "the loss",
+    )
+    raise ConfigError(
+        f"{source} is {what}; backpropagation needs one number per batch (a tensor with "
+        'one element). Fix: reduce it, e.g. loss.mean(), or reduction="mean" for torch\'s '
+        "losses.",
+        field="loss",
+    )
 
 
 def _by_name(call: str, path: Any, unnamed: tuple[Any, ...]) -> None:

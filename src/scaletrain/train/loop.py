@@ -6,6 +6,7 @@ rt.predict, rt.reduce), so a user's own loop can call them as they are.
 
 from __future__ import annotations
 
+import functools
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -95,6 +96,7 @@ def train_step(
         # microbatches: a sum over N is what those means must come to.
         scale = float(rt.dp_size * accumulate * rt.strategy.batch_splits())
 
+        @functools.wraps(loss_fn)  # an error about the loss names the user's function
         def scaled(outputs: Any, targets: torch.Tensor) -> torch.Tensor:
             return loss_fn(outputs, targets, num_items=num_items) * scale
 

@@ -11,6 +11,7 @@ import importlib.util
 import inspect
 import os
 import sys
+import traceback
 from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
@@ -165,6 +166,8 @@ def check_recipe(recipe: Recipe, *, field: str = "model", training: bool = True)
             "datasets(split). Fix: define one of them there.",
             field=field,
         )
+    if isinstance(recipe.data, partial) and recipe.data.func is _user_data:
+        _check_datasets_signature(recipe.data.args[0], recipe.dataset)
     required = [
         p
         for p in inspect.signature(recipe.build).parameters.values()
@@ -178,14 +181,46 @@ def check_recipe(recipe: Recipe, *, field: str = "model", training: bool = True)
             "return MyModel(...)).",
             field=field,
         )
-    with torch.device("meta"):
-        model = recipe.build()
+    try:
+        with torch.device("meta"):
+            model = recipe.build()
+    except Exception as exc:
+        raise user_code_error(
+            exc,
+            f"{spell(field, recipe.spec)}: its factory, called on the meta device (scaletrain "
+            "checks the model there first, with no memory),",
+            field,
+            "A factory runs on the meta device, where tensors have no values: build the "
+            "modules there, and read weights or values (torch.load, .item()) outside it",
+        ) from None
     if not isinstance(model, nn.Module):
         raise ConfigError(
             f"{spell(field, recipe.spec)}: the factory returned a {type(model).__name__}; "
             "expected a torch.nn.Module. Fix: return the model itself from it.",
             field=field,
         )
+
+
+def _check_datasets_signature(datasets: Callable[..., Any], label: str) -> None:
+    """datasets(split) or datasets(split, data_dir) must be callable so: one or two
+    positional parameters without defaults, as _user_data calls it."""
+    try:
+        params = list(inspect.signature(datasets).parameters.values())
+    except (TypeError, ValueError):
+        return  # a builtin or C function: its call is the check
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in positional if p.default is p.empty]
+    varargs = any(p.kind is p.VAR_POSITIONAL for p in params)
+    if len(required) <= 2 and (positional or varargs):
+        return
+    names = ", ".join(p.name for p in params)
+    raise ConfigError(
+        f"the datasets function {label} takes ({names}); scaletrain calls it as "
+        "datasets(split) or datasets(split, data_dir), split being 'train' or 'test'. "
+        f"Fix: give it those parameters, or name one that has them "
+        f"({spell('data', _module_part(label) + ':datasets')}).",
+        field="data",
+    )
 
 
 def _callable_or_none(value: Any) -> Any:
@@ -234,9 +269,9 @@ def _import(where: str, *, spec: str, field: str) -> ModuleType:
         sys.modules[name] = module
         try:
             loader.loader.exec_module(module)
-        except Exception:
+        except Exception as exc:
             del sys.modules[name]
-            raise
+            raise user_code_error(exc, f"{spell(field, spec)}: importing {where}", field) from None
         return module
     if os.getcwd() not in sys.path and "" not in sys.path:
         # The `scaletrain` command's own directory is first on its path, not the user's:
@@ -250,10 +285,43 @@ def _import(where: str, *, spec: str, field: str) -> ModuleType:
                 f"{spell(field, spec)}: no module {where!r} on the Python path (looked in "
                 f"{os.getcwd()} too). Fix: run from the directory that holds it, add its "
                 f"directory to PYTHONPATH, or give the .py file's path "
-                f"({spell(field, 'path/to/model.py:build')}).",
+                f"({spell(field, 'path/to/model.py:' + ('datasets' if field == 'data' else 'build'))}).",
                 field=field,
             ) from None
-        raise
+        raise user_code_error(exc, f"{spell(field, spec)}: importing {where}", field) from None
+    except Exception as exc:
+        raise user_code_error(exc, f"{spell(field, spec)}: importing {where}", field) from None
+
+
+def user_code_error(exc: BaseException, doing: str, field: str, fix: str = "") -> ConfigError:
+    """A ConfigError for an exception the user's own code raised while `doing`: its type
+    and message, and the traceback from the first frame outside scaletrain and Python's
+    import machinery (the user's code and what it called), so the one message printed
+    points at their line rather than at ours."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    ours = (str(Path(__file__).resolve().parents[1]), "<frozen ", "importlib")
+    first = next(
+        (i for i, f in enumerate(frames) if not any(m in f.filename for m in ours)), len(frames)
+    )
+    shown = "".join(traceback.format_list(frames[first:][-8:]))
+    if isinstance(exc, SyntaxError) and exc.filename:  # its own place: no frame shows it
+        shown += f'  File "{exc.filename}", line {exc.lineno}\n    {(exc.text or "").strip()}\n'
+    # The user's own line: the deepest frame outside installed packages (torch's, say).
+    installed = {sys.prefix, sys.base_prefix, *(p for p in sys.path if "-packages" in p)}
+    own = [f for f in frames[first:] if not any(f.filename.startswith(i) for i in installed)]
+    at = f"{own[-1].filename}, line {own[-1].lineno}" if own else "the traceback above"
+    if isinstance(exc, SyntaxError) and exc.filename:
+        at = f"{exc.filename}, line {exc.lineno}"
+    missing = getattr(exc, "name", None) if isinstance(exc, ModuleNotFoundError) else None
+    fix = (
+        f"install {missing!r} into the Python that runs scaletrain ({sys.executable})"
+        if missing
+        else f"correct your code at {at}" + (f". {fix}" if fix else "")
+    )
+    return ConfigError(
+        f"{doing} raised {type(exc).__name__}: {exc}\n{shown.rstrip()}\nFix: {fix}.",
+        field=field,
+    )
 
 
 def _resolve(spec: str, *, field: str) -> tuple[ModuleType, str, Any]:
@@ -290,11 +358,26 @@ def _user_data(
 ) -> Any:
     params = inspect.signature(datasets).parameters
     takes_dir = "data_dir" in params or len(params) >= 2
-    dataset = datasets(split, data_dir) if takes_dir else datasets(split)
+    name = getattr(datasets, "__name__", "datasets")
+    try:
+        dataset = datasets(split, data_dir) if takes_dir else datasets(split)
+    except Exception as exc:
+        raise user_code_error(exc, f"{spell(field, spec)}: {name}({split!r})", field) from None
     if dataset is None or not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
         raise ConfigError(
-            f"{spell(field, spec)}: datasets({split!r}) returned {type(dataset).__name__}; "
+            f"{spell(field, spec)}: {name}({split!r}) returned {type(dataset).__name__}; "
             "expected a map-style Dataset (len() and [i]) of (inputs, targets) pairs.",
+            field=field,
+        )
+    first = dataset[0] if len(dataset) else None
+    if first is not None and not (isinstance(first, (tuple, list)) and len(first) == 2):
+        got = f"a {type(first).__name__}" + (
+            f" of {len(first)}" if isinstance(first, (tuple, list)) else ""
+        )
+        raise ConfigError(
+            f"{spell(field, spec)}: {name}({split!r})[0] is {got}; each sample must be an "
+            "(inputs, targets) pair: what the model takes and what its loss compares with. "
+            "Fix: return inputs, targets from the Dataset's __getitem__.",
             field=field,
         )
     return dataset

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import time
 from collections.abc import Iterator
@@ -401,6 +402,9 @@ class Session:
         window_steps = 0
         window_start = epoch_start = time.perf_counter()
         epoch_samples = 0
+        loss_fn: Any = self.recipe.loss
+        if self.recipe.loss_fn is not None:  # an error about the loss names the module's
+            loss_fn = functools.wraps(self.recipe.loss_fn)(functools.partial(loss_fn))
         while done.step < epoch_end:
             start, waited = time.perf_counter(), batches.wait_s
             lr = self._lr(done.step)
@@ -410,7 +414,7 @@ class Session:
                 self.model,
                 self.optimizer,
                 batches,
-                self.recipe.loss,
+                loss_fn,
                 accumulate=cfg.accumulate,
                 clip_grad=cfg.clip_grad,
                 token_loss=self.recipe.token_loss,

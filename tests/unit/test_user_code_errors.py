@@ -1,0 +1,136 @@
+"""Mistakes in a user's own model module, data and loss: each refused once, in the words
+of the interface, naming the user's file and line, before any process where it can be.
+
+Each case used to end in a traceback through scaletrain's own frames (importlib's,
+the preflight's, autograd's), or in an error naming no function of the user's.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import scaletrain as st
+from scaletrain.errors import ConfigError, use_cli_names
+from scaletrain.testing import launcher_variables
+from scaletrain.train.model_module import check_recipe, load_recipe
+
+GOOD = """
+import torch
+from torch import nn
+
+def build():
+    return nn.Linear(4, 3)
+
+def datasets(split):
+    return [(torch.zeros(4), i % 3) for i in range(8)]
+"""
+
+
+@pytest.fixture
+def module(tmp_path: Path) -> Iterator[Path]:
+    yield tmp_path / "usermod.py"
+    for name in [n for n in sys.modules if "usermod" in n]:
+        del sys.modules[name]
+
+
+def _refused(spec: str, **kw: object) -> str:
+    with pytest.raises(ConfigError) as got:
+        check_recipe(load_recipe(spec, **kw))  # type: ignore[arg-type]
+    said = str(got.value)
+    assert "scaletrain/train" not in said and "importlib" not in said, said
+    return said
+
+
+@pytest.mark.parametrize(
+    ("source", "line", "words"),
+    [
+        ("import torch\nimport no_such_pkg_xyz\n", 2, "install 'no_such_pkg_xyz' into the Python"),
+        ("import torch\ndef build(:\n    pass\n", 2, "correct your code at"),
+        ("import torch\nraise RuntimeError('no GPU here')\n", 2, "correct your code at"),
+    ],
+    ids=["missing-package", "syntax", "raises"],
+)
+def test_a_module_that_fails_to_import_names_its_line(
+    module: Path, source: str, line: int, words: str
+) -> None:
+    module.write_text(source)
+    said = _refused(f"{module}:build")
+    assert said.startswith(f"model='{module}:build': importing {module} raised ")
+    assert f'File "{module}", line {line}' in said and words in said, said
+
+
+def test_a_factory_that_raises_names_its_line_and_the_meta_device(module: Path) -> None:
+    module.write_text(GOOD + "\ndef broken():\n    return nn.Linear(4, int('x'))\n")
+    said = _refused(f"{module}:broken")
+    assert "its factory, called on the meta device" in said and "ValueError" in said
+    assert f"correct your code at {module}, line 12" in said, said
+
+
+def test_a_datasets_function_of_the_wrong_form_is_refused_before_it_is_called(
+    module: Path,
+) -> None:
+    module.write_text(GOOD + "\ndef nothing():\n    return []\n")
+    said = _refused(f"{module}:build", data=f"{module}:nothing")
+    assert f"the datasets function {module}:nothing takes ()" in said
+    assert "datasets(split) or datasets(split, data_dir)" in said, said
+
+
+@pytest.mark.parametrize(
+    ("data", "words"),
+    [
+        ("def data(split):\n    return [torch.zeros(4)] * 8\n", "data('train')[0] is a Tensor"),
+        ("def data(split):\n    return [(1, 2, 3)] * 8\n", "data('train')[0] is a tuple of 3"),
+        ("def data(split):\n    return open('/no/such/file')\n", "raised FileNotFoundError"),
+    ],
+    ids=["inputs-only", "triples", "raises"],
+)
+def test_data_that_is_not_pairs_or_raises_is_refused_with_its_name(
+    module: Path, data: str, words: str
+) -> None:
+    module.write_text(GOOD + "\n" + data)
+    recipe = load_recipe(f"{module}:build", data=f"{module}:data")
+    with pytest.raises(ConfigError) as got:
+        recipe.data(None, "train")
+    assert words in str(got.value), got.value
+
+
+def test_a_missing_data_module_is_refused_with_a_data_fix(module: Path) -> None:
+    module.write_text(GOOD)
+    use_cli_names()
+    try:
+        with pytest.raises(ConfigError) as got:
+            load_recipe(f"{module}:build", data="no_such_module_xyz:ds")
+    finally:
+        use_cli_names(False)
+    assert "--data path/to/model.py:datasets" in str(got.value), got.value
+
+
+@pytest.fixture
+def rt(monkeypatch: pytest.MonkeyPatch) -> Iterator[st.Runtime]:
+    for var in launcher_variables():
+        monkeypatch.delenv(var)
+    runtime = st.init()
+    yield runtime
+    runtime.shutdown()
+
+
+def test_a_loss_of_more_than_one_number_names_the_loss_function(rt: st.Runtime) -> None:
+    def per_sample(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(outputs, targets, reduction="none")
+
+    model = rt.setup(nn.Linear(4, 3))
+    x, y = torch.randn(8, 4), torch.arange(8) % 3
+    with pytest.raises(ConfigError) as got:
+        rt.forward_backward(model, x, y, per_sample)
+    said = str(got.value)
+    assert "the loss_fn given to rt.forward_backward" in said and "per_sample" in said
+    assert "a tensor of shape (8,)" in said and "loss.mean()" in said, said
+    with pytest.raises(ConfigError, match=r"rt.backward's loss is a tensor of shape \(8,\)"):
+        rt.backward(per_sample(model(x), y))
+    rt.backward(per_sample(model(x), y).mean())  # one number: as before
