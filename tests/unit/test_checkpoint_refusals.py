@@ -302,3 +302,28 @@ def test_checkpoint_latest_says_which_newer_checkpoints_it_skipped(
         use_cli_names(False)
     assert code == 2 and "`scaletrain checkpoint latest RUN`" in err, err
     assert "latest_checkpoint" not in err and err.count(str(bad.parent)) == 1, err
+
+
+def test_loading_a_run_or_its_checkpoints_folder_says_it_is_not_a_checkpoint(
+    rt: st.Runtime, tmp_path: Path
+) -> None:
+    """rt.load of a run's directory (or its checkpoints/) said the checkpoint was
+    "incomplete ... its save never finished (crash, kill ...)": nothing had crashed; it
+    is not a checkpoint, and the message says where one is."""
+    run = tmp_path / "run"
+    _run_with_checkpoints(rt, run, (1, 2))
+    cases = {
+        run: "is a run's directory (it holds checkpoints/)",
+        run / "checkpoints": "holds checkpoints (step-000001, step-000002)",
+    }
+    for path, words in cases.items():
+        with pytest.raises(CheckpointError) as got:
+            rt.load(path, model=_net(8))
+        said = str(got.value)
+        assert f"{path} is not a checkpoint: it {words}" in said, said
+        assert "never finished" not in said and "CheckpointManager(rt, RUN).resume" in said
+    # A save that never finished (an empty directory: killed at once) is still told so.
+    unfinished = run / "checkpoints" / "step-000003"
+    unfinished.mkdir()
+    with pytest.raises(CheckpointError, match="never finished"):
+        rt.load(unfinished, model=_net(8))

@@ -244,19 +244,27 @@ def sha256_file(path: Path) -> FileEntry:
 def read_manifest(ckpt: Path) -> Manifest:
     """The manifest of checkpoint directory `ckpt`, or a CheckpointError saying why not."""
     ckpt = Path(ckpt)
+    where = say(
+        api="Pass a directory rt.save wrote (e.g. runs/x/checkpoints/step-000100); "
+        "CheckpointManager(rt, RUN).resume(...) finds the newest one of a run.",
+        cli="Pass a checkpoint directory (RUN/checkpoints/step-000100); "
+        "`scaletrain checkpoint latest RUN` prints the newest one of a run.",
+    )
     if not ckpt.is_dir():
         what = "is a file, not a directory" if ckpt.exists() else "does not exist"
-        raise CheckpointError(
-            f"checkpoint {ckpt} {what}. "
-            + say(
-                api="Pass a directory rt.save wrote (e.g. runs/x/checkpoints/step-000100); "
-                "CheckpointManager(rt, RUN).resume(...) finds the newest one of a run.",
-                cli="Pass a checkpoint directory (RUN/checkpoints/step-000100); "
-                "`scaletrain checkpoint latest RUN` prints the newest one of a run.",
-            )
-        )
+        raise CheckpointError(f"checkpoint {ckpt} {what}. {where}")
     path = ckpt / MANIFEST
     if not path.is_file():
+        inside = sorted(p.name for p in ckpt.iterdir())
+        steps = [n for n in inside if n.startswith("step-")]
+        if "checkpoints" in inside or steps:
+            # A run's directory or its checkpoints/: no save began here. (An empty one
+            # may be a save a kill cut short: that is said below.)
+            what = (
+                "is a run's directory (it holds checkpoints/)" if "checkpoints" in inside
+                else f"holds checkpoints ({', '.join(steps[-2:])})"
+            )  # fmt: skip
+            raise CheckpointError(f"{ckpt} is not a checkpoint: it {what}. {where}")
         unfinished = (
             f"it has no {MANIFEST}, which is written last, so its save never finished "
             "(crash, kill, or an async save still running)"
