@@ -118,3 +118,23 @@ def test_a_runs_config_json_replays_it(tmp_path: Path) -> None:
     assert a == b
     losses = [[r["loss"] for r in _records(p) if r["event"] == "train"] for p in (first, second)]
     assert losses[0] == losses[1]
+
+
+def test_max_steps_past_the_epochs_says_where_the_run_stops(tmp_path: Path) -> None:
+    # A model module's default is one epoch: --max-steps 5 on 2 steps an epoch trained
+    # 2 steps and said nothing.
+    (tmp_path / "tiny.py").write_text(
+        "import torch\nfrom torch import nn\nbatch_size = 4\n"
+        "def build():\n    return nn.Linear(4, 3)\n"
+        "def datasets(split):\n    return [(torch.zeros(4), i % 3) for i in range(8)]\n"
+    )
+    done = run_cli(
+        "train", "--model", "tiny:build", "--nproc", "1", "--max-steps", "5",
+        "--out", str(tmp_path / "run"), cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "1 epoch, 2 steps" in done.stdout
+    assert (
+        "--max-steps 5 is past the end of 1 epoch (2 steps): the run stops at step 2. "
+        "For 5, add --epochs 3." in done.stdout
+    ), done.stdout

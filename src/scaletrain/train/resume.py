@@ -167,7 +167,8 @@ def resume_lines(
     if saved_dp is not None and saved_dp != dp_size:
         lines.append(
             f"  data-parallel size {saved_dp} -> {dp_size}: the rest of the epoch is dealt "
-            f"over {dp_size} replicas; the batch per replica and the peak learning rate stay"
+            f"over {dp_size} replica{'s' if dp_size != 1 else ''}; the batch per replica and "
+            "the peak learning rate stay"
         )
     return lines
 

@@ -176,6 +176,16 @@ class Session:
             else None,
         )
         self.total_steps, self.epochs = self.length.total_steps, self.length.epochs
+        if cfg.max_steps is not None and self.total_steps < cfg.max_steps:
+            # The epochs end the run first: said, since a step count asked for reads as
+            # the run's length (a model module's default is one epoch).
+            more = -(-(cfg.max_steps - self.total_steps) // self.steps_per_epoch)
+            self.notes.append(
+                f"{spell('max_steps', cfg.max_steps)} is past the end of "
+                f"{_plural(self.epochs_wanted, 'epoch')} ({self.total_steps} steps): the run "
+                f"stops at step {self.total_steps}. For {cfg.max_steps}, add "
+                f"{spell('epochs', self.epochs_wanted + more)}."
+            )
 
     def _resolved(self) -> dict[str, Any]:
         rt, recipe = self.rt, self.recipe
@@ -285,7 +295,7 @@ class Session:
             f"{_plural(rt.world_size, 'process', 'processes')} x {rt.backend} on "
             f"{rt.device.type}, batch {self.batch_size}/replica x {rt.dp_size}{micro} (global "
             f"{self.global_batch}), {self._describe_lr()}, {_plural(self.epochs, 'epoch')}, "
-            f"{self.total_steps} steps" + (f", {', '.join(extras)}" if extras else ""),
+            f"{_plural(self.total_steps, 'step')}" + (f", {', '.join(extras)}" if extras else ""),
         ]
         header += [f"  {note}" for note in self.notes]
         header += resume_lines(
