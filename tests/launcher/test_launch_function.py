@@ -255,4 +255,6 @@ def test_ctrl_c_ends_the_ranks(tmp_path: Path) -> None:
     assert proc.returncode == 3 and out == "interrupted\n", (out, err)
     assert "st.launch: Ctrl-C: asking the workers to stop" in err, err
     assert "Traceback" not in err, err
+    # The agent's warnings repeated that line, one per worker.
+    assert "death signal" not in err and "closing signal" not in err, err
     assert not [pid for pid in ranks if _alive(pid)]

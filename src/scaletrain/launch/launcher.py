@@ -205,6 +205,7 @@ class _Interrupts:
         self.count = 0
         self._previous: Any = None
         self._others: dict[signal.Signals, Any] = {}
+        self._hushed: list[tuple[Any, int]] = []
 
     def __enter__(self) -> _Interrupts:
         if threading.current_thread() is threading.main_thread():
@@ -219,6 +220,8 @@ class _Interrupts:
             signal.signal(signal.SIGINT, self._previous)
         for sig, handler in self._others.items():
             signal.signal(sig, handler)
+        for logger, level in self._hushed:
+            logger.setLevel(level)
 
     @staticmethod
     def _stop(signum: int, frame: Any) -> None:
@@ -240,6 +243,11 @@ class _Interrupts:
                     file=sys.stderr,
                     flush=True,
                 )
+            # That line says it: the agent's warnings that it got the signal and passes
+            # it on (one per worker) would say it again. Its errors still show.
+            import logging
+
+            self._hushed = _raise_levels(logging.ERROR)
             raise SignalException("Ctrl-C", sigval=signal.SIGINT)
         for pid in self.workers():
             with contextlib.suppress(OSError):
@@ -265,21 +273,31 @@ def _quiet_agent(
         return
     import logging
 
-    # torch gives each elastic module a logger with its own level, so the parent's
-    # level is not enough: every one of them is raised, and restored afterwards.
+    saved = _raise_levels(logging.CRITICAL, prefixes)
+    try:
+        yield
+    finally:
+        for logger, level in saved:
+            logger.setLevel(level)
+
+
+def _raise_levels(
+    level: int, prefixes: Sequence[str] = ("torch.distributed.elastic",)
+) -> list[tuple[Any, int]]:
+    """Set the loggers under `prefixes` to `level`; (logger, its level before) to restore.
+    torch gives each elastic module a logger with its own level, so the parent's level
+    is not enough: every one of them is raised."""
+    import logging
+
     loggers = [logging.getLogger(prefix) for prefix in prefixes] + [
         logger
         for name, logger in logging.Logger.manager.loggerDict.items()
         if name.startswith(tuple(p + "." for p in prefixes)) and isinstance(logger, logging.Logger)
     ]
-    levels = [logger.level for logger in loggers]
+    saved = [(logger, logger.level) for logger in loggers]
     for logger in loggers:
-        logger.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        for logger, level in zip(loggers, levels, strict=True):
-            logger.setLevel(level)
+        logger.setLevel(max(level, logger.level))
+    return saved
 
 
 def agent_config(plan: Plan, cfg: LaunchConfig) -> Any:
