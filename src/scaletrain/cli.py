@@ -47,9 +47,11 @@ def _add_train(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
     p = sub.add_parser(
         "train",
-        help="train a recipe (default: the seeds' ConvNet on Fashion-MNIST) with DDP",
+        help="train a recipe, or your own model (--model), with any strategy",
         description=(
-            "Train a recipe on this machine: one process per GPU, or 2 on CPU. Under "
+            "Train a recipe (default: the ConvNet on Fashion-MNIST), your own model module "
+            "(--model MODULE:NAME) or a Hugging Face config.json (--model config.json) on "
+            "this machine: one process per GPU, or 2 on CPU. Under "
             "torchrun, srun or mpirun each process joins the job it was started in. "
             "Settings come from the flags below, or a --config file holding the same names "
             "(flags win)."

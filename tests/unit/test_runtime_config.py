@@ -67,6 +67,9 @@ def test_no_public_strategy_method_only_forwards_to_a_hook() -> None:
 def test_unknown_strategy_names_the_choices() -> None:
     with pytest.raises(st.ConfigError, match=r"strategy='warp'.*expected one of.*ddp"):
         resolve_strategy("warp")
+    # A near spelling gets its fix, as the CLI's --strategy does.
+    with pytest.raises(st.ConfigError, match=r"Fix: strategy='fsdp'"):
+        resolve_strategy("fdsp")
 
 
 @pytest.mark.parametrize(
@@ -188,6 +191,9 @@ def test_library_mistakes_are_refused_in_the_apis_words(monkeypatch: pytest.Monk
                 call("runs/x", model)
             with pytest.raises(st.ConfigError, match=rf"rt.{name}\(Linear, ...\): the first"):
                 call(model, model=model)  # type: ignore[arg-type]
+        # rt.loader named its class (ShardedLoader) and gave no fix.
+        with pytest.raises(st.ConfigError, match=r"^batch_size=0: .*Fix: batch_size=32"):
+            rt.loader([(torch.zeros(2), 0)] * 4, batch_size=0)
         with pytest.raises(st.CheckpointError) as info:
             rt.load("runs/nowhere/checkpoints/step-000100", model=model)
         message = str(info.value)

@@ -57,7 +57,10 @@ class ShardedLoader:
     ) -> None:
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ConfigError(
-                f"ShardedLoader: batch_size must be an int >= 1 (per rank), received {batch_size!r}"
+                f"batch_size={batch_size!r}: the samples per batch on each rank must be a whole "
+                "number >= 1. Fix: batch_size=32, say (the global batch is that times the "
+                "data-parallel size).",
+                field="batch_size",
             )
         if not isinstance(sampler, ShardedSampler):
             raise ConfigError(

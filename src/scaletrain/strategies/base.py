@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from scaletrain.dist.replicas import first_replica_values
-from scaletrain.errors import ConfigError
+from scaletrain.errors import ConfigError, near_fix
 from scaletrain.strategies.levers import (
     apply_levers,
     check_compiler,
@@ -440,6 +440,8 @@ def resolve_strategy(
     raise ConfigError(
         f"strategy={spec!r} is not known; expected one of {', '.join(sorted(STRATEGIES))} "
         "or a strategy object such as st.DDP(bucket_cap_mb=50)."
+        + near_fix("strategy", spec, sorted(STRATEGIES)),
+        field="strategy",
     )
 
 

@@ -288,6 +288,13 @@ def _restored(stats: list[torch.Tensor], inner: Any) -> Iterator[None]:
                 buffer.copy_(value)
 
 
+_BLOCKS = (
+    "A block is a module of its own with layers inside, kept with its likes in an "
+    "nn.ModuleList or nn.Sequential (a transformer's layers); bare layers (Linear, Conv2d) "
+    "in a container are not blocks."
+)
+
+
 def lever_blocks(
     model: nn.Module, ac: str, blocks: Sequence[str] | None = None, owner: str = "strategy"
 ) -> list[str]:
@@ -298,9 +305,8 @@ def lever_blocks(
     if ac != "none" and not names:
         raise ConfigError(
             f"{say(api=f'{owner}: ', cli='')}{spell('ac', ac)} checkpoints a model's "
-            f"repeated blocks, and this {type(model).__name__} has none (no ModuleList or "
-            "Sequential of blocks holding parameters). Fix: keep its blocks in an "
-            f"nn.ModuleList, or train with {spell('ac', 'none')}.",
+            f"repeated blocks, and this {type(model).__name__} has none. {_BLOCKS} Fix: "
+            f"group its layers into such blocks, or train with {spell('ac', 'none')}.",
             field="ac",
         )
     return names
@@ -418,9 +424,8 @@ def float8_layers(
     if not names:
         raise ConfigError(
             f"{where}{spell('float8', True)} converts the Linear layers of a model's repeated "
-            f"blocks, and this {type(model).__name__} has none (no ModuleList or Sequential "
-            "of blocks holding parameters). Fix: keep its blocks in an nn.ModuleList, or "
-            f"train without {spell('float8')}.",
+            f"blocks, and this {type(model).__name__} has none. {_BLOCKS} Fix: group its "
+            f"layers into such blocks, or train without {spell('float8')}.",
             field="float8",
         )
     prefixes = tuple(f"{n}." for n in names if n)
