@@ -8,9 +8,10 @@ what it needs when it runs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from scaletrain import __version__
@@ -514,7 +515,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_ABORTED
 
 
+@contextlib.contextmanager
+def _warnings_in_our_voice() -> Iterator[None]:
+    """scaletrain's own warnings print as one line, `scaletrain: warning: ...`, while a
+    command runs: Python's format adds the file and source line of the warn() call, which
+    mean nothing to a user of the command. Other warnings keep Python's format."""
+    import warnings
+
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    default = warnings.formatwarning
+
+    def fmt(message: Any, category: Any, filename: str, lineno: int, line: Any = None) -> str:
+        if os.path.abspath(filename).startswith(package):
+            return f"scaletrain: warning: {message}\n"
+        return default(message, category, filename, lineno, line)
+
+    warnings.formatwarning = fmt
+    try:
+        yield
+    finally:
+        warnings.formatwarning = default
+
+
 def _main(argv: Sequence[str] | None) -> int:
+    with _warnings_in_our_voice():
+        return _command(argv)
+
+
+def _command(argv: Sequence[str] | None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     use_cli_names()
     # The first word names the command; anything else (--help, a typo) gets the whole CLI.

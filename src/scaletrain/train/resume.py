@@ -159,12 +159,19 @@ def resume_lines(
         taken = "weights and optimizer state" if fork else "weights"
         return [*lines, f"  forked from {resumed.path}: its {taken}, from step 0"]
     saved_total = values.get("total_steps")
-    words = length_words(
-        resumed.path, int(values["step"]), int(saved_total) if saved_total else None, total
-    )
-    lines.append(f"  {words}")
     saved_dp = (values.get("config") or {}).get("run", {}).get("data_parallel_size")
-    if saved_dp is not None and saved_dp != dp_size:
+    regrouped = saved_dp is not None and saved_dp != dp_size
+    step = int(values["step"])
+    if regrouped and saved_total and int(saved_total) != total:
+        # Not an extension asked for: the same epochs take another number of steps.
+        words = (
+            f"resumed at step {step} from {resumed.path}; the run now ends at step {total} "
+            f"(it was {saved_total}: the global batch changed with the data-parallel size)"
+        )
+    else:
+        words = length_words(resumed.path, step, int(saved_total) if saved_total else None, total)
+    lines.append(f"  {words}")
+    if regrouped:
         lines.append(
             f"  data-parallel size {saved_dp} -> {dp_size}: the rest of the epoch is dealt "
             f"over {dp_size} replica{'s' if dp_size != 1 else ''}; the batch per replica and "
