@@ -25,6 +25,8 @@ if TYPE_CHECKING:
 __all__ = ["build_parser", "main", "train_config"]
 
 _SUPERVISED = "SCALETRAIN_SUPERVISED"
+_EXIT_BROKEN_PIPE = 128 + 13
+"""A shell's code for a command ended by SIGPIPE, which is what a broken pipe is."""
 """Set by `scaletrain train` for the workers it launches: they record errors in their
 error files and leave the printing to it (once, for the first rank that failed)."""
 
@@ -513,6 +515,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not os.environ.get(_SUPERVISED):
             print("\nscaletrain: interrupted.", file=sys.stderr)
         return EXIT_ABORTED
+    except BrokenPipeError:
+        # The reader went away (`scaletrain plan ... | head`): stop quietly, as `ls | head`
+        # does. Python would flush stdout again at exit and print a second error: stdout
+        # is pointed at /dev/null first.
+        with contextlib.suppress(AttributeError, OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return _EXIT_BROKEN_PIPE
 
 
 @contextlib.contextmanager

@@ -70,6 +70,48 @@ def test_without_hardware_or_a_calibration_the_fix_is_named(
     assert "--calibrate once to measure it" in err and "--hardware h100-sxm" in err
 
 
+def test_calibrate_makes_its_own_default_directory(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a fresh machine `plan --calibrate` (the docs' command) refused: "cannot write
+    ~/.cache/scaletrain/hardware/HOST.toml: its directory does not exist". The
+    measurement itself is replaced here (it spawns processes); its own check of the
+    target runs."""
+    from types import SimpleNamespace
+
+    import scaletrain.hardware.calibrate as calibration
+
+    monkeypatch.setenv("SCALETRAIN_CACHE_DIR", str(tmp_path / "fresh"))
+    written: list[Path] = []
+
+    def measured(path: str, **_: object) -> object:
+        calibration._check_target(Path(path), False)
+        written.append(Path(path))
+        return SimpleNamespace(description="measured")
+
+    monkeypatch.setattr(calibration, "calibrate", measured)
+    assert cli.main(["plan", "--calibrate"]) == 0, capsys.readouterr().err
+    assert written and written[0].parent == tmp_path / "fresh" / "hardware"
+    assert f"wrote {written[0]}: measured" in capsys.readouterr().out
+
+
+def test_a_reader_that_goes_away_ends_the_plan_quietly(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`scaletrain plan ... | head -6` ended in a 10-line BrokenPipeError traceback."""
+    import io
+    import sys
+
+    class Gone(io.StringIO):
+        def write(self, text: str) -> int:
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(sys, "stdout", Gone())
+    code = cli.main(["plan", "--devices", "2", "--hardware", "h100-sxm", "--recipe", "split-net"])
+    assert code == 141
+    assert capsys.readouterr().err == ""
+
+
 def test_recipe_and_model_together_are_refused_by_the_parser(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

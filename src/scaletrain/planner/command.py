@@ -68,6 +68,8 @@ def run_plan(ns: argparse.Namespace) -> int:
         from scaletrain.hardware.calibrate import calibrate
         from scaletrain.planner.api import calibrated_path
 
+        if not ns.calibrate:  # scaletrain's own place for it: made on first use
+            calibrated_path().parent.mkdir(parents=True, exist_ok=True)
         path = ns.calibrate or str(calibrated_path())
         hw = calibrate(path)
         print(f"wrote {path}: {hw.description}")
