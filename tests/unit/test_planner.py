@@ -571,3 +571,36 @@ def test_tensor_parallels_planned_memory_is_near_what_torchs_tracker_counts(
     else:
         peak = _tracked_peak(TensorParallel(ac=ac, sequence_parallel=sp), {"tp": tp}, batch, seq)
     assert -0.08 <= p.rows[0].memory.total / peak - 1 <= (0.08 if ac == "none" else 0.3)
+
+
+def test_a_cpu_machines_processes_share_its_memory(tmp_path: Path) -> None:
+    """A CPU machine's memory is its node's, shared by its processes: a plan of 2 that
+    each need 0.75 of it said "fits" (a calibrated file of 22.6 GiB passed two ranks of
+    21.4 GiB each)."""
+    from scaletrain.hardware import load
+
+    hw = load(str(cpu_hardware_file(tmp_path / "cpu.toml")))
+    kw = {"batch_size": 4, "layouts": [Layout("ddp", dp=1), Layout("ddp", dp=2)]}
+    peak = st.plan("split-net", devices=2, hardware=str(tmp_path / "cpu.toml"), **kw).rows[1]
+    need = peak.memory.total
+    write(replace(hw, name="tight", memory=int(1.5 * need)), tmp_path / "tight.toml")
+    p = st.plan("split-net", devices=2, hardware=str(tmp_path / "tight.toml"), **kw)
+    one, two = p.rows
+    assert one.fits and not two.fits
+    assert any("2 processes of" in n for n in two.notes), two.notes
+
+
+def test_the_recommendation_offloads_only_what_fits_no_other_way() -> None:
+    """A small model on 8 H100s was recommended "fsdp dp=8 offload ... 1.06x ddp": its
+    host step is priced by bandwidth alone, so it looked free. And among rows of equal
+    time the larger peak won (fsdp-keep over fsdp, at "1.00x")."""
+    p = st.plan("convnet", devices=8, hardware="h100-sxm", batch_size=256)
+    assert any(r.fits for r in p.rows if r.layout.offload)
+    assert p.recommended is not None and not p.recommended.layout.offload, p.reason
+    # Launch-bound on an H100, both take the same time; fsdp-keep holds more.
+    tie = st.plan("llama", devices=8, hardware="h100-sxm", batch_size=1, seq_len=256,
+                  layouts=[Layout("fsdp-keep", dp=8), Layout("fsdp", dp=8)])  # fmt: skip
+    keep, fsdp = tie.rows
+    assert keep.time.total == fsdp.time.total and keep.memory.total > fsdp.memory.total
+    assert tie.recommended is fsdp and "the same time, less memory" in tie.reason, tie.reason
+    assert "tokens/s per device" in tie.reason, tie.reason  # the table's unit

@@ -433,9 +433,13 @@ def estimate(layout: Layout, model: Model, hw: Hardware, batch: int) -> Estimate
     mem, time = memory(layout, model, batch), step_time(layout, model, hw, batch)
     host = _host(layout, hw)
     notes = []
-    if mem.total > hw.memory:
-        over = (mem.total - hw.memory) / 2**30
-        notes.append(f"does not fit: {over:.2f} GiB over {hw.memory / 2**30:.1f} GiB")
+    # A CPU machine's memory is its node's, shared by the processes on it.
+    sharing = min(layout.devices, hw.devices_per_node) if hw.device == "cpu" else 1
+    needed = mem.total * sharing
+    if needed > hw.memory:
+        over, of = (needed - hw.memory) / 2**30, hw.memory / 2**30
+        each = f" ({sharing} processes of {mem.total / 2**30:.2f} GiB)" if sharing > 1 else ""
+        notes.append(f"does not fit: {over:.2f} GiB over {of:.1f} GiB{each}")
     if host:
         full = f", over its {host.memory / 2**30:.1f} GiB" if mem.host > host.memory else ""
         held = f"{mem.host / 2**30:.1f} GiB" if mem.host >= 2**30 else f"{mem.host / 2**20:.1f} MiB"
@@ -444,5 +448,5 @@ def estimate(layout: Layout, model: Model, hw: Hardware, batch: int) -> Estimate
         notes.append("sequence parallel: st.TensorParallel(sequence_parallel=True), from Python")
     if time.floor:
         notes.append("kernel launches, not the arithmetic, set this step's pace")
-    fits = mem.total <= hw.memory and (host is None or mem.host <= host.memory)
+    fits = needed <= hw.memory and (host is None or mem.host <= host.memory)
     return Estimate(layout, mem, time, fits, notes)
