@@ -128,14 +128,26 @@ def _whole(key: str, value: object) -> None:
 
 
 def _recommend(plan: Plan) -> tuple[Estimate | None, str]:
-    fitting = sorted((r for r in plan.rows if r.fits), key=lambda r: -plan.throughput(r))
+    """The fastest row that fits, the smaller peak among equals. CPU offload only where
+    nothing fits without it: it trades the step's time for device memory, and its host
+    optimizer step is priced by memory bandwidth alone (PyTorch's CPU optimizer also
+    pays a per-tensor cost), which can make it look fastest for a small model."""
+    fitting = [r for r in plan.rows if r.fits]
+    fitting = [r for r in fitting if not r.layout.offload] or fitting
+    fitting.sort(key=lambda r: (-round(plan.throughput(r), 9), r.memory.total))
     if not fitting:
         return None, "nothing fits: every layout overflows a device (the rows marked NO)"
     best = fitting[0]
-    why = f"{best.layout.label}: the highest throughput that fits, {plan.throughput(best):,.1f} samples/s"
+    tokens = plan.profile.tokens != plan.profile.batch_size
+    rate = (
+        f"{plan.tokens_per_device(best):,.0f} tokens/s per device" if tokens
+        else f"{plan.throughput(best):,.1f} samples/s"
+    )  # fmt: skip
+    why = f"{best.layout.label}: the highest throughput that fits, {rate}"
     if len(fitting) > 1:
         ratio = plan.throughput(best) / max(plan.throughput(fitting[1]), 1e-12)
-        why += f", {ratio:.2f}x {fitting[1].layout.label}"
+        same = " (the same time, less memory)" if f"{ratio:.2f}" == "1.00" else ""
+        why += f", {ratio:.2f}x {fitting[1].layout.label}{same}"
     return best, why
 
 
