@@ -134,3 +134,17 @@ def test_a_loss_of_more_than_one_number_names_the_loss_function(rt: st.Runtime) 
     with pytest.raises(ConfigError, match=r"rt.backward's loss is a tensor of shape \(8,\)"):
         rt.backward(per_sample(model(x), y))
     rt.backward(per_sample(model(x), y).mean())  # one number: as before
+
+
+def test_a_model_without_parameters_and_a_missing_name_speak_of_the_users_file(
+    module: Path,
+) -> None:
+    # A model of no parameters failed later, in torch's optimizer ("optimizer got an
+    # empty parameter list"); a missing name was said of "scaletrain_user__tmp_..._usermod",
+    # the name the file was imported under, which was also the default run directory's.
+    module.write_text(GOOD + "\ndef relu():\n    return nn.ReLU()\n")
+    said = _refused(f"{module}:relu")
+    assert "the factory's ReLU has no parameters, so there is nothing to train" in said
+    said = _refused(f"{module}:nosuch")
+    assert f"{module} has no 'nosuch'" in said and "scaletrain_user" not in said, said
+    assert load_recipe(f"{module}:build").name == "usermod"

@@ -69,7 +69,7 @@ def load_recipe(spec: str, *, data: str | None = None, field: str = "model") -> 
     if target is None:
         shown = ", ".join(_callables(module)) or "none"
         raise ConfigError(
-            f"{spell(field, spec)}: {module.__name__} has no {name!r}. Its functions and "
+            f"{spell(field, spec)}: {_module_part(spec)} has no {name!r}. Its functions and "
             f"classes: {shown}. Fix: {spell(field, _module_part(spec) + ':FACTORY')} naming "
             "the function (or class) that builds the nn.Module.",
             field=field,
@@ -102,7 +102,7 @@ def load_recipe(spec: str, *, data: str | None = None, field: str = "model") -> 
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
             raise ConfigError(
                 f"{spell(field, spec)}: its {key} is {value!r}; expected a number. Fix: "
-                f"{key} = {kind(_DEFAULTS.get(key, 32))} in {module.__name__}, or leave it out.",
+                f"{key} = {kind(_DEFAULTS.get(key, 32))} in {_module_part(spec)}, or leave it out.",
                 field=field,
             )
     loss = _callable_or_none(find("loss"))
@@ -113,7 +113,12 @@ def load_recipe(spec: str, *, data: str | None = None, field: str = "model") -> 
     label = data if data is not None else f"{_module_part(spec)}:datasets"
     if datasets is not None and not callable(datasets):
         datasets = None
-    run_name = name if name != "build" else Path(module.__name__.replace(".", "/")).name
+    where = _module_part(spec)
+    run_name = (
+        name
+        if name != "build"
+        else Path(where.replace(".", "/") if not where.endswith(".py") else where).stem
+    )
     return Recipe(
         name=_safe_name(run_name),
         spec=spec,
@@ -197,6 +202,13 @@ def check_recipe(recipe: Recipe, *, field: str = "model", training: bool = True)
         raise ConfigError(
             f"{spell(field, recipe.spec)}: the factory returned a {type(model).__name__}; "
             "expected a torch.nn.Module. Fix: return the model itself from it.",
+            field=field,
+        )
+    if next(model.parameters(), None) is None:
+        raise ConfigError(
+            f"{spell(field, recipe.spec)}: the factory's {type(model).__name__} has no "
+            "parameters, so there is nothing to train. Fix: return the model with its "
+            "layers (a module whose parameters() are not empty).",
             field=field,
         )
 
@@ -342,10 +354,10 @@ def _resolve(spec: str, *, field: str) -> tuple[ModuleType, str, Any]:
 
 
 def _resolve_data(spec: str) -> Callable[..., Any]:
-    module, name, target = _resolve(spec, field="data")
+    _, name, target = _resolve(spec, field="data")
     if not callable(target):
         raise ConfigError(
-            f"{spell('data', spec)}: {module.__name__} has no function {name!r}. Fix: "
+            f"{spell('data', spec)}: {_module_part(spec)} has no function {name!r}. Fix: "
             f"{spell('data', _module_part(spec) + ':datasets')} naming a function "
             "(split, data_dir=None) -> Dataset of (inputs, targets).",
             field="data",
