@@ -172,6 +172,10 @@ def test_your_model_extends_forks_and_is_reported_and_checked(project: Path) -> 
     check = run_cli("plan", "--check", str(run), "--hardware", hardware, cwd=project)
     assert check.returncode == 0, check.stdout + check.stderr
     assert "check: ddp" in check.stdout and "step time" in check.stdout
+    # From another directory: the model is the one the run named, found where the run
+    # was started ("usermod:build" was refused there: "no module 'usermod'").
+    elsewhere = run_cli("plan", "--check", str(run), "--hardware", hardware, cwd=project.parent)
+    assert elsewhere.returncode == 0, elsewhere.stdout + elsewhere.stderr
     # Export writes Hugging Face directories; a plain nn.Module is pointed to consolidate.
     export = run_cli("checkpoint", "export", str(run), "hf", cwd=project)
     assert export.returncode == 2, export.stdout + export.stderr

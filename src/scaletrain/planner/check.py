@@ -10,7 +10,10 @@ on a CPU the RSS growth after setup (the peak less the parameters that existed b
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,6 +96,17 @@ def measured(run: str | Path) -> tuple[float, int | None, bool]:
     return work, max((p["rss_growth"] for p in peaks if p["rss_growth"]), default=None), False
 
 
+@contextlib.contextmanager
+def _working_directory(path: str) -> Iterator[None]:
+    """contextlib.chdir, which Python 3.10 lacks."""
+    before = os.getcwd()
+    os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(before)
+
+
 def check_run(run: str | Path, hardware: str | None = None) -> Check:
     """Predict the run's own layout (its config.json) and compare with its ledger."""
     from scaletrain.train.hf_config import config_file
@@ -112,16 +126,33 @@ def check_run(run: str | Path, hardware: str | None = None) -> Check:
     step, memory, on_gpu = measured(base)
     layout = layout_of(cfg.get("strategy", "ddp"), cfg.get("mesh"), world)
     model = cfg.get("model")
-    seq_len = None
-    if model and config_file(model) is not None:
-        # A config.json run trained at its recipe's sequence (or its data's), not at the
-        # longer one a plan of a config.json assumes.
-        seq_len = int(load_recipe(model, data=cfg.get("data")).example(1)[0].shape[1])
-    result = plan(
-        None if model else cfg.get("recipe"), model=model, devices=world, hardware=hardware,
-        batch_size=int(cfg["batch_size"]), seq_len=seq_len,
-        precision=str(cfg.get("precision", "32")),
-        ac=str(cfg.get("ac", "none")), ac_every=cfg.get("ac_every"),
-        compile=bool(cfg.get("compile", False)), layouts=[layout],
-    )  # fmt: skip
+    if hardware is not None and Path(hardware).is_file():
+        hardware = str(Path(hardware).resolve())  # before the move to the run's directory
+    # The model (and data) module as the run named it: a relative path or module name is
+    # the run's directory's, where it was started.
+    started = cfg.get("run", {}).get("directory")
+    here = started if model and started and Path(started).is_dir() else os.getcwd()
+    try:
+        with _working_directory(here):
+            seq_len = None
+            if model and config_file(model) is not None:
+                # A config.json run trained at its recipe's sequence (or its data's), not
+                # at the longer one a plan of a config.json assumes.
+                seq_len = int(load_recipe(model, data=cfg.get("data")).example(1)[0].shape[1])
+            result = plan(
+                None if model else cfg.get("recipe"), model=model, devices=world,
+                hardware=hardware, batch_size=int(cfg["batch_size"]), seq_len=seq_len,
+                precision=str(cfg.get("precision", "32")),
+                ac=str(cfg.get("ac", "none")), ac_every=cfg.get("ac_every"),
+                compile=bool(cfg.get("compile", False)), layouts=[layout],
+            )  # fmt: skip
+    except ConfigError as exc:
+        if exc.field not in ("model", "data"):
+            raise
+        raise ConfigError(
+            f"{spell('check', str(run))}: the model its config.json names could not be built "
+            f"in {here}{'' if started else ' (the run does not say where it was started)'}: "
+            f"{exc}",
+            field="check",
+        ) from None
     return Check(layout, result.rows[0], step, memory, on_gpu)

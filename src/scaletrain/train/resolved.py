@@ -6,6 +6,7 @@ Replayed with `scaletrain train --config RUN/config.json`, it trains the same ru
 
 from __future__ import annotations
 
+import os
 import platform
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +29,9 @@ def resolved_config(config: TrainConfig, rt: Runtime, **values: Any) -> dict[str
         "data_parallel_size": rt.dp_size,
         "device": rt.device.type,
         "environment": rt.env.kind,
+        # Where it was started: a model or data module named by a relative path
+        # (`--model mymodel.py:build`) is found from there again (`plan --check`).
+        "directory": os.getcwd(),
         "versions": {
             "scaletrain": _version(),
             "torch": torch.__version__,
