@@ -161,3 +161,25 @@ def test_check_puts_a_tiny_run_beside_its_prediction(
     assert "check: ddp dp=1" in out
     assert "ms predicted" in out and "ms measured (" in out and "%)" in out
     assert "MiB measured (" in out and "RSS growth after setup" in out
+
+
+def test_the_table_says_what_was_planned_and_what_to_do_when_nothing_fits(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The header named neither the model's size nor its sequence (a config.json of
+    defaults planned a 7B model unseen), the `*` had no legend, and "nothing fits" said
+    nothing of what to change."""
+    from dataclasses import replace
+
+    from scaletrain.hardware import load, write
+
+    assert cli.main(["plan", "--recipe", "gpt", "--devices", "2", "--hardware", "h100-sxm"]) == 0
+    head = capsys.readouterr().out.splitlines()[0]
+    assert "(867,072 parameters, 64 tokens a sample) on 2 device(s)" in head, head
+    assert "* the recommended row" in head
+    small = replace(load(str(cpu_hardware_file(tmp_path / "cpu.toml"))), name="tiny", memory=1)
+    write(small, tmp_path / "tiny.toml")
+    hw = str(tmp_path / "tiny.toml")
+    assert cli.main(["plan", "--recipe", "split-net", "--devices", "2", "--hardware", hw]) == 0
+    out = capsys.readouterr().out
+    assert "nothing fits" in out and "Fix: more devices, a smaller --batch-size" in out, out

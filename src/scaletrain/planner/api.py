@@ -95,11 +95,15 @@ class Plan:
         times = " ".join(f"{c:>8}" for c in ("compute", "comm", "bubble", "step"))
         rate = "tok/s/dev" if tokens else "samples/s"
         head = f"{'layout':<30} {'fits':<4} {sizes} | {times} {rate:>10} {'mfu':>5}"
+        prof = self.profile
+        seq = f", {prof.tokens // prof.batch_size:,} tokens a sample" if tokens else ""
         lines = [
-            f"{self.model} on {self.devices} device(s), {self.nodes} node(s) of "
-            f"{self.hardware.name} ({self.hardware.description}); precision {self.precision}, "
-            f"batch {self.batch_size} per replica, activation checkpointing {self.profile.ac}; "
-            f"memory in {unit} per device, time in ms per step (comm: the part not hidden)",
+            f"{self.model} ({_count(prof.params)} parameters{seq}) on {self.devices} "
+            f"device(s), {self.nodes} node(s) of {self.hardware.name} "
+            f"({self.hardware.description}); precision {self.precision}, batch "
+            f"{self.batch_size} per replica, activation checkpointing {prof.ac}; memory in "
+            f"{unit} per device, time in ms per step (comm: the part not hidden); * the "
+            "recommended row",
             head,
             "-" * len(head),
         ]
@@ -120,6 +124,13 @@ class Plan:
         return "\n".join(lines)
 
 
+def _count(n: int) -> str:
+    """1,235.8M, 3.2B, 5,130: a parameter count as people say it."""
+    if n >= 10**9:
+        return f"{n / 1e9:,.1f}B"
+    return f"{n / 1e6:,.1f}M" if n >= 10**6 else f"{n:,}"
+
+
 def _whole(key: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(
@@ -136,7 +147,12 @@ def _recommend(plan: Plan) -> tuple[Estimate | None, str]:
     fitting = [r for r in fitting if not r.layout.offload] or fitting
     fitting.sort(key=lambda r: (-round(plan.throughput(r), 9), r.memory.total))
     if not fitting:
-        return None, "nothing fits: every layout overflows a device (the rows marked NO)"
+        return None, (
+            "nothing fits: every layout overflows a device (the rows marked NO). Fix: more "
+            f"devices, a smaller {spell('batch_size')}, {spell('ac', 'full')} or "
+            f"{spell('precision', 'bf16-mixed')} (smaller activations), or a hardware file "
+            "with a [host] table (FSDP's CPU offload)"
+        )
     best = fitting[0]
     tokens = plan.profile.tokens != plan.profile.batch_size
     rate = (
