@@ -72,6 +72,21 @@ def test_workers_without_our_records_get_the_generic_summary(tmp_path: Path) -> 
     assert "No error file" in summary
 
 
+def test_a_peer_the_agent_ends_after_a_preempted_exit_is_not_a_failure(tmp_path: Path) -> None:
+    """Signalled workers save together and exit 75; when one exits first, the agent ends
+    the other (SIGTERM: -15) while it is still closing. The launcher said "worker rank 1
+    exited with code 75 ... No error file ... decorate its entry point" (seen in a CI
+    run of tests/faults/test_own_loop.py)."""
+    first = errors.ProcessFailure(local_rank=1, pid=8, exitcode=75, error_file=str(tmp_path / "a"))
+    ended = errors.ProcessFailure(local_rank=0, pid=7, exitcode=-15, error_file=str(tmp_path / "b"))
+    summary, code = summarize_failure(errors.ChildFailedError("loop.py", {1: first, 0: ended}))
+    assert code == 75 and "stopped on a signal after saving" in summary, summary
+    # A real failure beside a 75 is still one.
+    crashed = errors.ProcessFailure(local_rank=0, pid=7, exitcode=1, error_file=str(tmp_path / "c"))
+    summary, code = summarize_failure(errors.ChildFailedError("loop.py", {1: first, 0: crashed}))
+    assert "stopped on a signal after saving" not in summary and "No error file" in summary
+
+
 def _unrecorded(rank: int, exitcode: int, tmp_path: Path) -> object:
     return errors.ProcessFailure(
         local_rank=rank, pid=200 + rank, exitcode=exitcode, error_file=str(tmp_path / f"no{rank}")
