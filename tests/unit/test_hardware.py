@@ -149,6 +149,10 @@ def test_the_fixes_say_how() -> None:
 def test_a_typo_in_a_file_gets_the_near_spelling(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"Fix: write it as `memory`"):
         load(_profile(tmp_path, "memroy = ", r"^memory = "))
+    # Inside a table the fix is the key as written there: `host.bandwidth` written in
+    # [host] is host.host.bandwidth.
+    with pytest.raises(ConfigError, match=r"Fix: write it as `bandwidth` in \[host\]"):
+        load(_profile(tmp_path, "bandwith = ", r"^bandwidth = (?=5\.12e\+10)"))
     with pytest.raises(ConfigError, match=r'Fix: write `peaks = "h100-sxm"`\.'):
         load(_profile(tmp_path, 'peaks = "h100-sx"', r"^peaks = .*$"))
     with pytest.raises(

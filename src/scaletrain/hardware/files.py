@@ -168,7 +168,9 @@ class _Fields:
                 raise _refuse(
                     self.where,
                     f"`{self._name(key)}` is not a field of {what}; expected {', '.join(allowed)}",
-                    f"write it as `{self._name(near[0])}`" if near else "remove it",
+                    (f"write it as `{near[0]}`" + (f" in [{self.table}]" if self.table else ""))
+                    if near
+                    else "remove it",
                 )
 
 
