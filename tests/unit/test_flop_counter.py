@@ -94,7 +94,7 @@ def test_the_counted_step_peaks_where_every_other_step_does(ac: str) -> None:
     planned = resolve_model("llama", None, seq_len=256, batch_size=16)
     x, y = planned.example(16)
 
-    def step(counted: bool, ac: str) -> tuple[float, int]:
+    def step(counted: bool, ac: str) -> tuple[float, int, int]:
         model = planned.build()
         if ac != "none":
             apply_levers(model, ac=ac, owner="test")
@@ -105,14 +105,18 @@ def test_the_counted_step_peaks_where_every_other_step_does(ac: str) -> None:
                 counter.start()
             planned.loss(model(x), y).backward()
             flops = counter.stop() if counted else 0
-        return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"], flops
+        peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+        return peak, flops, counter.recomputed
 
-    uncounted, _ = step(counted=False, ac=ac)
-    counted, flops = step(counted=True, ac=ac)
+    uncounted, _, _ = step(counted=False, ac=ac)
+    counted, flops, recomputed = step(counted=True, ac=ac)
     assert counted == uncounted
+    plain = step(counted=True, ac="none")[1]
     if ac == "full":  # the recomputation still counts: the blocks' forward twice
-        plain = step(counted=True, ac="none")[1]
         assert 1.2 * plain < flops < 1.34 * plain
+    # ... as time, not as the model's FLOPs (MFU's): those are the same either way. They
+    # were not told apart, so --ac full raised the MFU it slowed (a hardware utilisation).
+    assert flops - recomputed == plain
 
 
 def test_inference_and_reentrant_checkpointing_are_counted_by_their_modules() -> None:

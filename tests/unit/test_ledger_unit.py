@@ -620,3 +620,33 @@ def test_a_compiled_model_shows_its_compile_time_as_the_compile_phase(
     steps = {s.step: s for s in read_run(after).ranks[0].steps}
     assert steps[1].phases["compile"] > 0 and "compile" in steps[1].flags
     assert steps[2].phases["compile"] == steps[3].phases["compile"] == 0
+
+
+def test_the_ledgers_flops_are_the_models_with_or_without_checkpointing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first step's count, for MFU, held full checkpointing's recomputed forward:
+    `--ac full` reported a higher MFU for a slower step."""
+    import torch
+
+    import scaletrain as st
+    from scaletrain.planner.models import resolve_model
+    from scaletrain.testing import launcher_variables
+
+    for var in launcher_variables():
+        monkeypatch.delenv(var)
+    planned = resolve_model("llama", None, seq_len=64, batch_size=4)
+    x, y = planned.example(4)
+    counted = {}
+    for ac in ("none", "full"):
+        torch.manual_seed(0)
+        with st.init(strategy=st.DDP(ac=ac)) as rt:
+            net = planned.build()
+            model, opt = rt.setup(net, torch.optim.AdamW(net.parameters()))
+            for _ in range(2):
+                rt.forward_backward(model, x, y, planned.loss)
+                rt.step(opt)
+                opt.zero_grad()
+            assert rt.ledger is not None
+            counted[ac] = rt.ledger.flops_per_step
+    assert counted["none"] and counted["full"] == counted["none"], counted

@@ -604,3 +604,15 @@ def test_the_recommendation_offloads_only_what_fits_no_other_way() -> None:
     assert keep.time.total == fsdp.time.total and keep.memory.total > fsdp.memory.total
     assert tie.recommended is fsdp and "the same time, less memory" in tie.reason, tie.reason
     assert "tokens/s per device" in tie.reason, tie.reason  # the table's unit
+
+
+def test_mfu_counts_the_models_flops_not_the_recomputation() -> None:
+    """--ac full slowed the planned step and raised its MFU (gpt, 64 a batch: 32% ->
+    34%): the recomputed forward counted as the model's FLOPs, a hardware utilisation.
+    The step's time still pays for it."""
+    kw = {"devices": 1, "hardware": "h100-sxm", "batch_size": 64, "layouts": [Layout("ddp")]}
+    none, full = (st.plan("gpt", ac=ac, **kw) for ac in ("none", "full"))  # type: ignore[arg-type]
+    assert full.profile.flops > none.profile.flops  # the recomputation's time is priced
+    assert full.profile.model_flops == none.profile.model_flops
+    assert full.rows[0].time.total > none.rows[0].time.total
+    assert full.mfu(full.rows[0]) < none.mfu(none.rows[0])  # type: ignore[operator]

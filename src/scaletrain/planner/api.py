@@ -84,7 +84,7 @@ class Plan:
         peak = self.hardware.peak_flops.get(DTYPE[self.precision])
         if not peak:
             return None
-        flops = self.profile.flops * self.batch_size / self.profile.batch_size
+        flops = self.profile.model_flops * self.batch_size / self.profile.batch_size
         return flops * row.layout.dp / row.time.total / (peak * row.layout.devices)
 
     def table(self) -> str:

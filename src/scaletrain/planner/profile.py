@@ -102,10 +102,18 @@ class ModelProfile:
     optimizer: Work
     ac: str = "none"
     modules: dict[str, ModuleCost] = field(default_factory=dict)
+    recomputed_flops: float = 0.0
+    """Of the backward's FLOPs, those of activation checkpointing's recomputation (at the
+    profile's batch, as `backward`): time, but not the model's FLOPs an MFU counts."""
 
     @property
     def flops(self) -> float:
         return self.forward.flops + self.backward.flops
+
+    @property
+    def model_flops(self) -> float:
+        """The step's FLOPs without any recomputation: what MFU counts, as the ledger's."""
+        return self.flops - self.recomputed_flops
 
     def per_sample(self, samples: float) -> float:
         """The factor from this profile's batch to `samples` per device."""
@@ -344,4 +352,5 @@ def profile_model(
         fixed=fwd.fixed + bwd.fixed,
         optimizer=(step.work + step.fixed).scaled(scale),
         ac=ac if ac_every is None else f"{ac} every {ac_every}", modules=modules,
+        recomputed_flops=float(counter.recomputed),
     )  # fmt: skip

@@ -172,6 +172,11 @@ class FlopCounter:
         self._eager: Any = None
         self._last: Any = None
         self.total: int | None = None
+        self.recomputed = 0
+        """FLOPs of forwards activation checkpointing ran again in the backward: in
+        `total` (they take time), not in the model's FLOPs an MFU counts (PaLM's
+        definition: a step's FLOPs without rematerialisation; with them it is the
+        hardware FLOPs utilisation, which checkpointing raises as it slows the step)."""
         self.problems: list[str] = []
         """"aten.op: the error" for each op whose FLOPs were not counted."""
 
@@ -189,12 +194,14 @@ class FlopCounter:
         from torch.utils.flop_counter import FlopCounterMode
 
         self._mode = FlopCounterMode(display=False)
+        self.recomputed = 0
         if hasattr(self._mode, "mod_tracker"):
             self._mode.mod_tracker = _recompute_free_tracker()
         registry = getattr(self._mode, "flop_registry", None)
         if isinstance(registry, dict):
-            guarded = {op: self._guarded(op, f) for op, f in registry.items()}
-            self._mode.flop_registry = _Undecomposed({**guarded, **_cpu_attention()})
+            formulas = {**registry, **_cpu_attention()}
+            guarded = {op: self._guarded(op, f) for op, f in formulas.items()}
+            self._mode.flop_registry = _Undecomposed(guarded)
         self._eager = _force_eager()
         self._mode.__enter__()
         return True
@@ -203,6 +210,12 @@ class FlopCounter:
         name = str(getattr(op, "__name__", op)).split(".")[0]
 
         def count(*args: Any, **kwargs: Any) -> int:
+            flops = counted(*args, **kwargs)
+            if getattr(getattr(self._mode, "mod_tracker", None), "recomputing", 0):
+                self.recomputed += flops
+            return flops
+
+        def counted(*args: Any, **kwargs: Any) -> int:
             try:
                 return int(formula(*args, **kwargs))
             except Exception as exc:
@@ -286,10 +299,26 @@ def _recompute_free_tracker() -> Any:
     fires where a backward does run (a reentrant checkpoint)."""
     import torch
     from torch.autograd.graph import register_multi_grad_hook
+    from torch.nn.modules.module import register_module_forward_hook
     from torch.utils._pytree import tree_leaves
     from torch.utils.module_tracker import ModuleTracker
 
     class Tracker(ModuleTracker):
+        recomputing = 0
+        """How deep this is in modules' forwards run inside the backward (>0: the ops
+        now running are a checkpoint's recomputation)."""
+
+        def __enter__(self) -> Any:
+            super().__enter__()
+            # The post hook also runs when a forward raises: a checkpoint's recomputation
+            # stops early by raising inside a module (torch's early stop), and the depth
+            # must come back down with it.
+            self._fw_post_handle.remove()
+            self._fw_post_handle = register_module_forward_hook(
+                self._fw_post_hook, always_call=True
+            )
+            return self
+
         def _hook(self, values: Any, fn: Any) -> None:
             grads = [
                 t for t in tree_leaves(values) if isinstance(t, torch.Tensor) and t.requires_grad
@@ -300,6 +329,7 @@ def _recompute_free_tracker() -> Any:
         def _fw_pre_hook(self, mod: Any, input: Any) -> None:
             if not self.is_bw:
                 return super()._fw_pre_hook(mod, input)
+            self.recomputing += 1
             name = self._get_mod_name(mod)
             self._get_append_fn(name, False)()
             self._hook(input, self._get_pop_fn(name, True))
@@ -307,6 +337,7 @@ def _recompute_free_tracker() -> Any:
         def _fw_post_hook(self, mod: Any, input: Any, output: Any) -> None:
             if not self.is_bw:
                 return super()._fw_post_hook(mod, input, output)
+            self.recomputing = max(0, self.recomputing - 1)
             name = self._get_mod_name(mod)
             self._get_pop_fn(name, False)()
             self._hook(output, self._get_append_fn(name, True))

@@ -367,7 +367,8 @@ class StepLedger:
             self._loading_steps += 1
             return
         if self.flops is not None and self.flops.active:
-            self.flops_per_step = float(self.flops.stop())
+            # The model's FLOPs, for MFU: a checkpoint's recomputation left out.
+            self.flops_per_step = float(self.flops.stop() - getattr(self.flops, "recomputed", 0))
             self._flags.append("flops")
             self._write_flops()
             for problem in getattr(self.flops, "problems", ()):
