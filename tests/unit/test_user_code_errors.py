@@ -148,3 +148,16 @@ def test_a_model_without_parameters_and_a_missing_name_speak_of_the_users_file(
     said = _refused(f"{module}:nosuch")
     assert f"{module} has no 'nosuch'" in said and "scaletrain_user" not in said, said
     assert load_recipe(f"{module}:build").name == "usermod"
+
+
+def test_a_file_that_is_not_python_and_a_spec_of_two_colons_say_what_is_expected(
+    module: Path,
+) -> None:
+    # A text file was tried as a module name ("no module 'notes.txt' on the Python
+    # path"); MODULE:NAME:x looked for a module named 'MODULE:NAME'.
+    notes = module.parent / "notes.txt"
+    notes.write_text("hello\n")
+    said = _refused(str(notes))
+    assert "is neither Python (a .py file) nor a Hugging Face config.json" in said, said
+    module.write_text(GOOD)
+    assert "expected MODULE:NAME" in _refused(f"{module}:build:x")

@@ -261,7 +261,7 @@ def _callables(module: ModuleType) -> list[str]:
 def _import(where: str, *, spec: str, field: str) -> ModuleType:
     """A module by dotted name (importable from the working directory, as `python -m`
     makes it) or by the path of a .py file."""
-    if where.endswith(".py") or os.sep in where or "/" in where:
+    if where.endswith(".py") or os.sep in where or "/" in where or Path(where).is_file():
         path = Path(where)
         if not path.is_file():
             raise ConfigError(
@@ -276,7 +276,13 @@ def _import(where: str, *, spec: str, field: str) -> ModuleType:
             return sys.modules[name]
         loader = importlib.util.spec_from_file_location(name, path)
         if loader is None or loader.loader is None:
-            raise ConfigError(f"{spell(field, spec)}: cannot load {where} as Python.", field=field)
+            raise ConfigError(
+                f"{spell(field, spec)}: {where} is neither Python (a .py file) nor a Hugging "
+                "Face config.json. Fix: the .py file that builds the model "
+                f"({spell(field, 'path/to/model.py:build')}), a module name "
+                f"({spell(field, 'mymodels:build')}) or a config.json.",
+                field=field,
+            )
         module = importlib.util.module_from_spec(loader)
         sys.modules[name] = module
         try:
@@ -338,7 +344,7 @@ def user_code_error(exc: BaseException, doing: str, field: str, fix: str = "") -
 
 def _resolve(spec: str, *, field: str) -> tuple[ModuleType, str, Any]:
     where, colon, name = spec.rpartition(":") if ":" in spec else (spec, "", "build")
-    if not where or (colon and not name):
+    if not where or (colon and not name) or ":" in where.replace(":\\", ""):
         raise ConfigError(
             f"{spell(field, spec)}: expected MODULE:NAME, e.g. {spell(field, 'mymodels:build')} "
             f"or {spell(field, 'train/model.py:build')}.",
