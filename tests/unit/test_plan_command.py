@@ -183,3 +183,16 @@ def test_the_table_says_what_was_planned_and_what_to_do_when_nothing_fits(
     assert cli.main(["plan", "--recipe", "split-net", "--devices", "2", "--hardware", hw]) == 0
     out = capsys.readouterr().out
     assert "nothing fits" in out and "Fix: more devices, a smaller --batch-size" in out, out
+
+
+def test_the_help_names_every_recipe_and_precision(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--recipe R: a recipe (default convnet)` named none of them; the help's lists are
+    written out (the registries import torch), so this keeps them whole."""
+    from scaletrain.precision import PRECISIONS
+    from scaletrain.train.recipes import RECIPES
+
+    with pytest.raises(SystemExit):
+        cli.main(["plan", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"a recipe: {', '.join(sorted(RECIPES))} (default convnet)" in text, text
+    assert all(p in text for p in PRECISIONS)

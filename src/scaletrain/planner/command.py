@@ -23,13 +23,20 @@ def add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         ),
     )
     which = p.add_mutually_exclusive_group()
-    which.add_argument("--recipe", metavar="R", default=None, help="a recipe (default convnet)")
+    # Named here, not read from the registries: those import torch, which `--help` need not.
+    which.add_argument(
+        "--recipe", metavar="R", default=None,
+        help="a recipe: convnet, gpt, llama, llama-1b, llama-8b, split-net, wrn (default convnet)",
+    )  # fmt: skip
     which.add_argument(
         "--model", metavar="MODEL", default=None,
         help="MODULE:FACTORY (the model protocol of scaletrain train), or a Hugging Face "
         "config.json (or its directory): built on the meta device, nothing downloaded",
     )  # fmt: skip
-    p.add_argument("--devices", metavar="N", type=int, default=None, help="devices in all")
+    p.add_argument(
+        "--devices", metavar="N", type=int, default=None,
+        help="devices in all (required, but for --check and --calibrate)",
+    )  # fmt: skip
     p.add_argument(
         "--hardware", metavar="NAME|FILE", default=None,
         help="a shipped profile (h100-sxm, h100-96gb, h200, a100-sxm, a100-pcie, ethernet) "
@@ -37,7 +44,10 @@ def add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )  # fmt: skip
     p.add_argument("--batch-size", metavar="B", type=int, default=None, help="per replica")
     p.add_argument("--seq-len", metavar="T", type=int, default=None, help="tokens per sample")
-    p.add_argument("--precision", metavar="P", default="32", help="32, bf16-mixed, ...")
+    p.add_argument(
+        "--precision", metavar="P", default="32",
+        help="32, bf16-mixed, fp16-mixed or bf16-true (default: 32)",
+    )  # fmt: skip
     p.add_argument(
         "--ac", choices=("none", "full", "selective"), default="none",
         help="activation checkpointing, as scaletrain train takes it (default: none)",
