@@ -111,29 +111,25 @@ def test_a_missing_data_module_is_refused_with_a_data_fix(module: Path) -> None:
     assert "--data path/to/model.py:datasets" in str(got.value), got.value
 
 
-@pytest.fixture
-def rt(monkeypatch: pytest.MonkeyPatch) -> Iterator[st.Runtime]:
-    for var in launcher_variables():
-        monkeypatch.delenv(var)
-    runtime = st.init()
-    yield runtime
-    runtime.shutdown()
-
-
-def test_a_loss_of_more_than_one_number_names_the_loss_function(rt: st.Runtime) -> None:
+def test_a_loss_of_more_than_one_number_names_the_loss_function(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     def per_sample(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return nn.functional.cross_entropy(outputs, targets, reduction="none")
 
-    model = rt.setup(nn.Linear(4, 3))
+    for var in launcher_variables():
+        monkeypatch.delenv(var)
     x, y = torch.randn(8, 4), torch.arange(8) % 3
-    with pytest.raises(ConfigError) as got:
-        rt.forward_backward(model, x, y, per_sample)
-    said = str(got.value)
-    assert "the loss_fn given to rt.forward_backward" in said and "per_sample" in said
-    assert "a tensor of shape (8,)" in said and "loss.mean()" in said, said
-    with pytest.raises(ConfigError, match=r"rt.backward's loss is a tensor of shape \(8,\)"):
-        rt.backward(per_sample(model(x), y))
-    rt.backward(per_sample(model(x), y).mean())  # one number: as before
+    with st.init() as rt:
+        model = rt.setup(nn.Linear(4, 3))
+        with pytest.raises(ConfigError) as got:
+            rt.forward_backward(model, x, y, per_sample)
+        said = str(got.value)
+        assert "the loss_fn given to rt.forward_backward" in said and "per_sample" in said
+        assert "a tensor of shape (8,)" in said and "loss.mean()" in said, said
+        with pytest.raises(ConfigError, match=r"rt.backward's loss is a tensor of shape \(8,\)"):
+            rt.backward(per_sample(model(x), y))
+        rt.backward(per_sample(model(x), y).mean())  # one number: as before
 
 
 def test_a_model_without_parameters_and_a_missing_name_speak_of_the_users_file(
