@@ -124,6 +124,8 @@ def test_extending_20_to_40_equals_a_straight_40(
     code, log = _train(run, data, "--max-steps", "40", *lr)
     assert code == 0, log
     assert "resumed at step 20, extending to 40" in log
+    # The closing line's count and time are this start's ("done: 40 steps in" said both).
+    assert "done: 20 steps (steps 21-40, resumed at 20) in " in log, log
     # Inside the warm-up, or constant, the rate does not depend on the length: nothing
     # to say about it.
     assert "learning rate at step" not in log, log

@@ -91,8 +91,14 @@ class ProgressPrinter(LoopObserver):
                 f"; kept the last checkpoint to extend or fork the run ({summary['checkpoint']}, "
                 f"{_size(int(summary.get('checkpoint_bytes') or 0))}; --no-save-last skips it)"
             )
+        # A resumed start trained from where it resumed: its time is that part's.
+        end, start = int(summary["steps"]), int(summary.get("started_at") or 0)
+        trained = (
+            f"{end - start} steps (steps {start + 1}-{end}, resumed at {start})" if start
+            else f"{end} steps"
+        )  # fmt: skip
         self.progress.print(
-            f"done: {summary['steps']} steps in {summary['train_time_s']:.1f} s"
+            f"done: {trained} in {summary['train_time_s']:.1f} s"
             + (
                 f" ({summary['compile_time_s']:.1f} s of it compiling)"
                 if summary.get("compile_time_s")

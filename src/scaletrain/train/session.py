@@ -578,6 +578,7 @@ class Session:
             "backend": rt.backend,
             "device": rt.device.type,
             "steps": done.step,
+            "started_at": self.run_start_step,
             "epochs": self.epochs,
             "train_time_s": done.train_time,
             "compile_time_s": self._compile_time(),
