@@ -180,9 +180,14 @@ def test_a_killed_node_leaves_and_the_job_resumes_smaller(
     code, out = procs.wait(node0, timeout=180)
     assert code == 0, out
     assert time.monotonic() - start < 150  # not the 300 s exit barrier
-    # "resumed at step 60, extending to 540 (it was 300) from ...": one replica takes
-    # more steps for the same epochs; the run goes on to its new end.
-    resumed = re.search(r"resumed (?:from \S+ at step \d+/|at step \d+, \w+ to )(\d+)", out)
+    # "resumed at step 60 from ...; the run now ends at step 540 (it was 300: the global
+    # batch changed ...)": one replica takes more steps for the same epochs; the run goes
+    # on to its new end.
+    resumed = re.search(
+        r"resumed (?:from \S+ at step \d+/|at step \d+ from \S+; the run now ends at step )"
+        r"(\d+)",
+        out,
+    )
     assert resumed, out
     assert json.loads((run / "config.json").read_text())["run"]["world_size"] == 1
     assert max(_steps(run)) == int(resumed.group(1))
