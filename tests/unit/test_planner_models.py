@@ -332,3 +332,20 @@ def test_a_model_modules_example_that_returns_no_pair_is_refused_with_the_fix(
     err = _refused(r"model='.*seqmodel.py:build': example\(1\) returned a Tensor; it must return "
                    r"\(inputs, targets\).*Fix: return inputs, targets", model=f"{path}:build")  # fmt: skip
     assert err.field == "model"
+
+
+def test_a_pipeline_that_cannot_split_the_blocks_says_so(tmp_path: Path) -> None:
+    """A Hugging Face model's top-level layers are `model` and `lm_head`: a pipeline row
+    put every block in one stage (params 3.9 GiB of DDP's 4.1, no bubble, half the
+    throughput) and said nothing."""
+    import scaletrain as st
+    from scaletrain.planner.layout import Layout
+
+    folder = _config(tmp_path, LLAMA)
+    p = st.plan(model=str(folder / "config.json"), devices=2, hardware="h100-sxm",
+                layouts=[Layout("pipeline", pp=2, microbatches=2)])  # fmt: skip
+    notes = p.rows[0].notes
+    assert any("of the parameters: stages are whole top-level layers (model, lm_head)" in n
+               for n in notes), notes  # fmt: skip
+    mine = st.plan("gpt", devices=2, hardware="h100-sxm", layouts=[Layout("pipeline", pp=2)])
+    assert not any("top-level layers" in n for n in mine.rows[0].notes)  # its blocks split

@@ -444,6 +444,14 @@ def estimate(layout: Layout, model: Model, hw: Hardware, batch: int) -> Estimate
         full = f", over its {host.memory / 2**30:.1f} GiB" if mem.host > host.memory else ""
         held = f"{mem.host / 2**30:.1f} GiB" if mem.host >= 2**30 else f"{mem.host / 2**20:.1f} MiB"
         notes.append(f"{held} of states in host memory per device{full}")
+    if layout.pp > 1 and (top := max(x[0] for x in model.stage_shares(layout.pp))) > 0.75:
+        # Stages are whole top-level layers (as the pipeline strategy cuts them): a model
+        # whose blocks sit inside one of them (a Hugging Face model's `model`) is not split.
+        names = ", ".join(m for x in model.layers for m in x.members)
+        notes.append(
+            f"one stage holds {top:.0%} of the parameters: stages are whole top-level layers "
+            f"({names}), and this model's blocks sit inside one of them"
+        )
     if layout.sp:
         notes.append("sequence parallel: st.TensorParallel(sequence_parallel=True), from Python")
     if time.floor:
