@@ -25,10 +25,10 @@ if TYPE_CHECKING:
 __all__ = ["build_parser", "main", "train_config"]
 
 _SUPERVISED = "SCALETRAIN_SUPERVISED"
-_EXIT_BROKEN_PIPE = 128 + 13
-"""A shell's code for a command ended by SIGPIPE, which is what a broken pipe is."""
 """Set by `scaletrain train` for the workers it launches: they record errors in their
 error files and leave the printing to it (once, for the first rank that failed)."""
+_EXIT_BROKEN_PIPE = 128 + 13
+"""A shell's code for a command ended by SIGPIPE, which is what a broken pipe is."""
 
 
 _TRAIN_ELSEWHERE = {
@@ -516,12 +516,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("\nscaletrain: interrupted.", file=sys.stderr)
         return EXIT_ABORTED
     except BrokenPipeError:
-        # The reader went away (`scaletrain plan ... | head`): stop quietly, as `ls | head`
-        # does. Python would flush stdout again at exit and print a second error: stdout
-        # is pointed at /dev/null first.
-        with contextlib.suppress(AttributeError, OSError, ValueError):
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return _EXIT_BROKEN_PIPE
+        # The reader of stdout went away (`scaletrain plan ... | head`): stop quietly, as
+        # `ls | head` does. Only stdout's: another pipe or socket (the user's code's) is
+        # an error to show. Python would flush stdout again at exit and print a second
+        # error: stdout is pointed at /dev/null first.
+        try:
+            sys.stdout.flush()
+        except BrokenPipeError:
+            with contextlib.suppress(AttributeError, OSError, ValueError):
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return _EXIT_BROKEN_PIPE
+        raise
 
 
 @contextlib.contextmanager

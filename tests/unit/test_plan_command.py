@@ -106,10 +106,19 @@ def test_a_reader_that_goes_away_ends_the_plan_quietly(
         def write(self, text: str) -> int:
             raise BrokenPipeError(32, "Broken pipe")
 
+        def flush(self) -> None:  # as a real pipe's, which still holds what was written
+            raise BrokenPipeError(32, "Broken pipe")
+
     monkeypatch.setattr(sys, "stdout", Gone())
     code = cli.main(["plan", "--devices", "2", "--hardware", "h100-sxm", "--recipe", "split-net"])
     assert code == 141
     assert capsys.readouterr().err == ""
+    # A broken pipe that is not stdout's (the user's code's socket) is an error to show.
+    monkeypatch.setattr(sys, "stdout", io.StringIO())
+    monkeypatch.setattr("scaletrain.cli._command", lambda argv: (_ for _ in ()).throw(
+        BrokenPipeError(32, "Broken pipe")))  # fmt: skip
+    with pytest.raises(BrokenPipeError):
+        cli.main(["plan"])
 
 
 def test_recipe_and_model_together_are_refused_by_the_parser(

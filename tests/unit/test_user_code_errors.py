@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import scaletrain as st
-from scaletrain.errors import ConfigError, use_cli_names
+from scaletrain.errors import ConfigError, DatasetError, use_cli_names
 from scaletrain.testing import launcher_variables
 from scaletrain.train.model_module import check_recipe, load_recipe
 
@@ -157,3 +157,57 @@ def test_a_file_that_is_not_python_and_a_spec_of_two_colons_say_what_is_expected
     assert "is neither Python (a .py file) nor a Hugging Face config.json" in said, said
     module.write_text(GOOD)
     assert "expected MODULE:NAME" in _refused(f"{module}:build:x")
+
+
+@pytest.mark.parametrize(
+    "signature",
+    ["split, *, data_dir=None", "split, data_dir", "split, data_dir=None", "split, **kw",
+     "split, download=True", "*args"],
+)  # fmt: skip
+def test_each_datasets_form_the_check_accepts_is_called_so(module: Path, signature: str) -> None:
+    # A keyword-only data_dir passed the check, then was called positionally
+    # ("takes 1 positional argument but 2 were given"); a second parameter of another
+    # name with a default (download=True) was handed the data directory.
+    module.write_text(
+        GOOD + f"\ndef data({signature}):\n"
+        "    got = locals()\n"
+        "    assert got.get('download', True) is True and not got.get('args', ('train',))[1:]\n"
+        "    return [(torch.zeros(4), 0)] * 4\n"
+    )
+    recipe = load_recipe(f"{module}:build", data=f"{module}:data")
+    check_recipe(recipe)
+    assert len(recipe.data(None, "train")) == 4
+
+
+def test_scaletrains_own_errors_inside_user_code_keep_their_words(module: Path) -> None:
+    # A corpus reader's DatasetError, raised inside the user's datasets, was wrapped:
+    # two Fix lines, the second ("correct your code") wrong.
+    module.write_text(
+        GOOD + "\nfrom scaletrain.errors import DatasetError\n"
+        "def data(split):\n    raise DatasetError('no corpus at /x. Fix: --data-dir DIR.')\n"
+    )
+    with pytest.raises(DatasetError) as got:
+        load_recipe(f"{module}:build", data=f"{module}:data").data(None, "train")
+    assert str(got.value) == "no corpus at /x. Fix: --data-dir DIR."
+
+
+def test_the_first_sample_is_read_without_moving_the_random_state(module: Path) -> None:
+    module.write_text(
+        GOOD + "\nclass Noisy(torch.utils.data.Dataset):\n"
+        "    def __len__(self):\n        return 4\n"
+        "    def __getitem__(self, i):\n        return torch.rand(4), 0\n"
+        "def data(split):\n    return Noisy()\n"
+    )
+    recipe = load_recipe(f"{module}:build", data=f"{module}:data")
+    torch.manual_seed(0)
+    recipe.data(None, "train")
+    after = torch.rand(1)
+    torch.manual_seed(0)
+    assert torch.equal(after, torch.rand(1))
+
+
+def test_a_windows_path_with_forward_slashes_is_a_path() -> None:
+    from scaletrain.train.model_module import _resolve
+
+    with pytest.raises(ConfigError, match="is not a file"):
+        _resolve("C:/Users/me/model.py:build", field="model")

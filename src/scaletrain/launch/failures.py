@@ -218,11 +218,13 @@ def summarize_failure(
     ours = {r: d for r, f in exc.failures.items() if (d := _ours(f)) is not None}
     unrecorded = {r: f for r, f in exc.failures.items() if r not in ours}
     codes = [int(f.exitcode) for f in exc.failures.values()]
-    if EXIT_PREEMPTED in codes and all(c == EXIT_PREEMPTED or c < 0 for c in codes):
+    ended = (EXIT_PREEMPTED, -int(signal.SIGTERM), -int(signal.SIGKILL))  # the agent's
+    if EXIT_PREEMPTED in codes and all(c in ended for c in codes):
         # Saved and stopped on a signal (scaletrain train's workers, rt.should_stop()
         # loops): not a failure. A rank that exits 75 has seen the save through on every
         # rank (it is collective); a peer still finishing when the agent noticed that
-        # exit was then ended by the agent's signal (a negative code), losing nothing.
+        # exit was then ended by the agent's SIGTERM (or its SIGKILL after), losing
+        # nothing. Any other signal (a segfault, an abort) is a failure.
         # scaletrain train's rank 0 has said so itself.
         return ("" if workers_record else preempted_note(prog)), EXIT_PREEMPTED
     only_echoes = not any(not d.get("consequence") for d in ours.values())

@@ -245,9 +245,10 @@ class _Interrupts:
                 )
             # That line says it: the agent's warnings that it got the signal and passes
             # it on (one per worker) would say it again. Its errors still show.
-            import logging
+            if not self.quiet:  # quiet: the agent's loggers are hidden already
+                import logging
 
-            self._hushed = _raise_levels(logging.ERROR)
+                self._hushed = _raise_levels(logging.ERROR)
             raise SignalException("Ctrl-C", sigval=signal.SIGINT)
         for pid in self.workers():
             with contextlib.suppress(OSError):

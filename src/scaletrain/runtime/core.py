@@ -611,13 +611,11 @@ def _one_number(loss: Any, loss_fn: Any) -> torch.Tensor:
         f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor)
         else f"a {type(loss).__name__}"
     )  # fmt: skip
-    name = getattr(loss_fn, "__qualname__", None) or type(loss_fn).__name__
-    where = getattr(loss_fn, "__module__", None)
+    name = getattr(loss_fn, "__qualname__", None) or type(loss_fn).__qualname__
+    given = loss_fn is not None
     source = say(
-        api=f"the loss_fn given to rt.forward_backward ({name})"
-        if loss_fn
-        else "rt.backward's loss",
-        cli=f"the model module's loss ({where}.{name})" if loss_fn else "the loss",
+        api=f"the loss_fn given to rt.forward_backward ({name})" if given else "rt.backward's loss",
+        cli=f"the model module's loss ({name})" if given else "the loss",
     )
     raise ConfigError(
         f"{source} is {what}; backpropagation needs one number per batch (a tensor with "

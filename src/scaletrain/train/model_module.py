@@ -10,6 +10,7 @@ import importlib
 import importlib.util
 import inspect
 import os
+import re
 import sys
 import traceback
 from collections.abc import Callable
@@ -22,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from scaletrain.errors import ConfigError, spell
+from scaletrain.errors import ConfigError, ScaletrainError, spell
 from scaletrain.train.recipes import Recipe
 
 __all__ = ["check_recipe", "load_recipe"]
@@ -189,6 +190,8 @@ def check_recipe(recipe: Recipe, *, field: str = "model", training: bool = True)
     try:
         with torch.device("meta"):
             model = recipe.build()
+    except ScaletrainError:
+        raise
     except Exception as exc:
         raise user_code_error(
             exc,
@@ -213,19 +216,31 @@ def check_recipe(recipe: Recipe, *, field: str = "model", training: bool = True)
         )
 
 
-def _check_datasets_signature(datasets: Callable[..., Any], label: str) -> None:
-    """datasets(split) or datasets(split, data_dir) must be callable so: one or two
-    positional parameters without defaults, as _user_data calls it."""
+def _datasets_call(datasets: Callable[..., Any]) -> str | None:
+    """How datasets is called: "keyword" (datasets(split, data_dir=...): it has a
+    parameter of that name), "positional" (datasets(split, data_dir): a second required
+    positional parameter), "split" (datasets(split)); None where it cannot take
+    a split alone (no positional parameter, or more than two required ones). A callable
+    whose signature cannot be read is called with the split alone."""
     try:
         params = list(inspect.signature(datasets).parameters.values())
     except (TypeError, ValueError):
-        return  # a builtin or C function: its call is the check
+        return "split"
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     required = [p for p in positional if p.default is p.empty]
     varargs = any(p.kind is p.VAR_POSITIONAL for p in params)
-    if len(required) <= 2 and (positional or varargs):
+    if len(required) > 2 or not (positional or varargs):
+        return None
+    if any(p.name == "data_dir" and p.kind is not p.POSITIONAL_ONLY for p in params):
+        return "keyword"
+    return "positional" if len(required) == 2 else "split"
+
+
+def _check_datasets_signature(datasets: Callable[..., Any], label: str) -> None:
+    """datasets must take the split, and at most the data directory besides."""
+    if _datasets_call(datasets) is not None:
         return
-    names = ", ".join(p.name for p in params)
+    names = ", ".join(inspect.signature(datasets).parameters)
     raise ConfigError(
         f"the datasets function {label} takes ({names}); scaletrain calls it as "
         "datasets(split) or datasets(split, data_dir), split being 'train' or 'test'. "
@@ -287,6 +302,9 @@ def _import(where: str, *, spec: str, field: str) -> ModuleType:
         sys.modules[name] = module
         try:
             loader.loader.exec_module(module)
+        except ScaletrainError:
+            del sys.modules[name]
+            raise
         except Exception as exc:
             del sys.modules[name]
             raise user_code_error(exc, f"{spell(field, spec)}: importing {where}", field) from None
@@ -307,44 +325,64 @@ def _import(where: str, *, spec: str, field: str) -> ModuleType:
                 field=field,
             ) from None
         raise user_code_error(exc, f"{spell(field, spec)}: importing {where}", field) from None
+    except ScaletrainError:
+        raise
     except Exception as exc:
         raise user_code_error(exc, f"{spell(field, spec)}: importing {where}", field) from None
 
 
 def user_code_error(exc: BaseException, doing: str, field: str, fix: str = "") -> ConfigError:
     """A ConfigError for an exception the user's own code raised while `doing`: its type
-    and message, and the traceback from the first frame outside scaletrain and Python's
-    import machinery (the user's code and what it called), so the one message printed
-    points at their line rather than at ours."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    ours = (str(Path(__file__).resolve().parents[1]), "<frozen ", "importlib")
-    first = next(
-        (i for i, f in enumerate(frames) if not any(m in f.filename for m in ours)), len(frames)
+    and message, and the traceback from the first frame that is neither scaletrain's nor
+    Python's import machinery (the user's code and what it called), so the one message
+    printed points at their line rather than at ours. Frames are told apart by their
+    module's name, not their file's path (symlinks, a project inside its virtualenv)."""
+    import sysconfig
+
+    frames = [
+        (frame, lineno, str(frame.f_globals.get("__name__", "")))
+        for frame, lineno in traceback.walk_tb(exc.__traceback__)
+    ]
+
+    def ours(module: str, filename: str) -> bool:
+        return (
+            module == "scaletrain" or module.startswith(("scaletrain.", "importlib.", "_frozen"))
+            or module == "importlib" or filename.startswith("<frozen ")
+        )  # fmt: skip
+
+    user = [(f, n, m) for f, n, m in frames if not ours(m, f.f_code.co_filename)]
+    summary = traceback.StackSummary.extract((f, n) for f, n, _ in user)
+    shown = "".join(summary.format()[-8:])
+    # The user's own line: the deepest of those frames outside installed packages.
+    libraries = tuple(
+        os.path.join(sysconfig.get_paths()[k], "") for k in ("stdlib", "purelib", "platlib")
     )
-    shown = "".join(traceback.format_list(frames[first:][-8:]))
+    own = [f for f in summary if not f.filename.startswith(libraries)]
+    at = f"{own[-1].filename}, line {own[-1].lineno}" if own else ""
     if isinstance(exc, SyntaxError) and exc.filename:  # its own place: no frame shows it
         shown += f'  File "{exc.filename}", line {exc.lineno}\n    {(exc.text or "").strip()}\n'
-    # The user's own line: the deepest frame outside installed packages (torch's, say).
-    installed = {sys.prefix, sys.base_prefix, *(p for p in sys.path if "-packages" in p)}
-    own = [f for f in frames[first:] if not any(f.filename.startswith(i) for i in installed)]
-    at = f"{own[-1].filename}, line {own[-1].lineno}" if own else "the traceback above"
-    if isinstance(exc, SyntaxError) and exc.filename:
         at = f"{exc.filename}, line {exc.lineno}"
     missing = getattr(exc, "name", None) if isinstance(exc, ModuleNotFoundError) else None
-    fix = (
-        f"install {missing!r} into the Python that runs scaletrain ({sys.executable})"
-        if missing
-        else f"correct your code at {at}" + (f". {fix}" if fix else "")
-    )
+    if missing:
+        fix = (
+            f"install {missing!r} into the Python that runs scaletrain ({sys.executable}), "
+            "or, if it is a module of your own, add its directory to PYTHONPATH"
+        )
+    else:
+        fix = (f"correct your code at {at}" if at else "correct your code") + (
+            f". {fix}" if fix else ""
+        )
     return ConfigError(
-        f"{doing} raised {type(exc).__name__}: {exc}\n{shown.rstrip()}\nFix: {fix}.",
+        f"{doing} raised {type(exc).__name__}: {exc}\n{shown.rstrip()}\nFix: {fix}.".replace(
+            "\n\n", "\n"
+        ),
         field=field,
     )
 
 
 def _resolve(spec: str, *, field: str) -> tuple[ModuleType, str, Any]:
     where, colon, name = spec.rpartition(":") if ":" in spec else (spec, "", "build")
-    if not where or (colon and not name) or ":" in where.replace(":\\", ""):
+    if not where or (colon and not name) or ":" in re.sub(r"^[A-Za-z]:[\\/]", "", where):
         raise ConfigError(
             f"{spell(field, spec)}: expected MODULE:NAME, e.g. {spell(field, 'mymodels:build')} "
             f"or {spell(field, 'train/model.py:build')}.",
@@ -374,11 +412,17 @@ def _resolve_data(spec: str) -> Callable[..., Any]:
 def _user_data(
     datasets: Callable[..., Any], spec: str, field: str, data_dir: str | None, split: str
 ) -> Any:
-    params = inspect.signature(datasets).parameters
-    takes_dir = "data_dir" in params or len(params) >= 2
+    how = _datasets_call(datasets)
     name = getattr(datasets, "__name__", "datasets")
     try:
-        dataset = datasets(split, data_dir) if takes_dir else datasets(split)
+        if how == "keyword":
+            dataset = datasets(split, data_dir=data_dir)
+        elif how == "positional":
+            dataset = datasets(split, data_dir)
+        else:
+            dataset = datasets(split)
+    except ScaletrainError:
+        raise  # scaletrain's own (a corpus reader's), which says its own fix
     except Exception as exc:
         raise user_code_error(exc, f"{spell(field, spec)}: {name}({split!r})", field) from None
     if dataset is None or not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
@@ -387,7 +431,7 @@ def _user_data(
             "expected a map-style Dataset (len() and [i]) of (inputs, targets) pairs.",
             field=field,
         )
-    first = dataset[0] if len(dataset) else None
+    first = _first_sample(dataset, spec, field, name, split)
     if first is not None and not (isinstance(first, (tuple, list)) and len(first) == 2):
         got = f"a {type(first).__name__}" + (
             f" of {len(first)}" if isinstance(first, (tuple, list)) else ""
@@ -399,6 +443,29 @@ def _user_data(
             field=field,
         )
     return dataset
+
+
+def _first_sample(dataset: Any, spec: str, field: str, name: str, split: str) -> Any:
+    """dataset[0], to check its form, with every random generator as it was (a random
+    augmentation must not shift the model's initial weights); None where the Dataset
+    has no samples or reads only in batches (__getitems__, which the DataLoader prefers)."""
+    import random
+
+    import numpy as np
+
+    if not len(dataset) or callable(getattr(type(dataset), "__getitems__", None)):
+        return None
+    state = random.getstate(), np.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            return dataset[0]
+    except ScaletrainError:
+        raise
+    except Exception as exc:
+        raise user_code_error(exc, f"{spell(field, spec)}: {name}({split!r})[0]", field) from None
+    finally:
+        random.setstate(state[0])
+        np.random.set_state(state[1])
 
 
 def _no_data(spec: str, field: str, data_dir: str | None, split: str) -> Any:

@@ -414,7 +414,9 @@ class Session:
         epoch_samples = 0
         loss_fn: Any = self.recipe.loss
         if self.recipe.loss_fn is not None:  # an error about the loss names the module's
-            loss_fn = functools.wraps(self.recipe.loss_fn)(functools.partial(loss_fn))
+            loss_fn = functools.partial(loss_fn)
+            own = self.recipe.loss_fn
+            loss_fn.__qualname__ = getattr(own, "__qualname__", type(own).__qualname__)
         while done.step < epoch_end:
             start, waited = time.perf_counter(), batches.wait_s
             lr = self._lr(done.step)
