@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from scaletrain.train.models import (
+from scaletrain.train.llama import (
     LLAMA_SHAPES,
     LLAMA_TP_PLAN,
     Llama,

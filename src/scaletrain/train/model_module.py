@@ -12,7 +12,6 @@ import inspect
 import os
 import re
 import sys
-import traceback
 from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
@@ -25,6 +24,7 @@ from torch import nn
 
 from scaletrain.errors import ConfigError, ScaletrainError, spell
 from scaletrain.train.recipes import Recipe
+from scaletrain.train.user_code import user_code_error
 
 __all__ = ["check_recipe", "load_recipe"]
 
@@ -329,55 +329,6 @@ def _import(where: str, *, spec: str, field: str) -> ModuleType:
         raise
     except Exception as exc:
         raise user_code_error(exc, f"{spell(field, spec)}: importing {where}", field) from None
-
-
-def user_code_error(exc: BaseException, doing: str, field: str, fix: str = "") -> ConfigError:
-    """A ConfigError for an exception the user's own code raised while `doing`: its type
-    and message, and the traceback from the first frame that is neither scaletrain's nor
-    Python's import machinery (the user's code and what it called), so the one message
-    printed points at their line rather than at ours. Frames are told apart by their
-    module's name, not their file's path (symlinks, a project inside its virtualenv)."""
-    import sysconfig
-
-    frames = [
-        (frame, lineno, str(frame.f_globals.get("__name__", "")))
-        for frame, lineno in traceback.walk_tb(exc.__traceback__)
-    ]
-
-    def ours(module: str, filename: str) -> bool:
-        return (
-            module == "scaletrain" or module.startswith(("scaletrain.", "importlib.", "_frozen"))
-            or module == "importlib" or filename.startswith("<frozen ")
-        )  # fmt: skip
-
-    user = [(f, n, m) for f, n, m in frames if not ours(m, f.f_code.co_filename)]
-    summary = traceback.StackSummary.extract((f, n) for f, n, _ in user)
-    shown = "".join(summary.format()[-8:])
-    # The user's own line: the deepest of those frames outside installed packages.
-    libraries = tuple(
-        os.path.join(sysconfig.get_paths()[k], "") for k in ("stdlib", "purelib", "platlib")
-    )
-    own = [f for f in summary if not f.filename.startswith(libraries)]
-    at = f"{own[-1].filename}, line {own[-1].lineno}" if own else ""
-    if isinstance(exc, SyntaxError) and exc.filename:  # its own place: no frame shows it
-        shown += f'  File "{exc.filename}", line {exc.lineno}\n    {(exc.text or "").strip()}\n'
-        at = f"{exc.filename}, line {exc.lineno}"
-    missing = getattr(exc, "name", None) if isinstance(exc, ModuleNotFoundError) else None
-    if missing:
-        fix = (
-            f"install {missing!r} into the Python that runs scaletrain ({sys.executable}), "
-            "or, if it is a module of your own, add its directory to PYTHONPATH"
-        )
-    else:
-        fix = (f"correct your code at {at}" if at else "correct your code") + (
-            f". {fix}" if fix else ""
-        )
-    return ConfigError(
-        f"{doing} raised {type(exc).__name__}: {exc}\n{shown.rstrip()}\nFix: {fix}.".replace(
-            "\n\n", "\n"
-        ),
-        field=field,
-    )
 
 
 def _resolve(spec: str, *, field: str) -> tuple[ModuleType, str, Any]:
