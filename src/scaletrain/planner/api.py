@@ -230,6 +230,13 @@ def plan(
                 f"{planned.name} {why}. Fix: that layout with sp=False.",
                 field="layouts",
             )
+        if x.offload and hw.host is None:
+            raise ConfigError(
+                f"plan(..., layouts=[...]): {x.label} offloads to the host, and {hw.name}'s "
+                "hardware file has no [host] table. Fix: add one (memory, bandwidth, "
+                "memory_bandwidth), or that layout with offload=False.",
+                field="layouts",
+            )
     if layouts is None:
         rows = layouts_for(
             devices, batch=batch, layers=len(list_layers(net)), tensor=bool(tp_plan),

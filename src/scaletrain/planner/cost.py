@@ -44,8 +44,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from scaletrain.errors import ConfigError
-from scaletrain.hardware import Hardware, Host, Link
+from scaletrain.hardware import Hardware, Link
 from scaletrain.planner.layout import Layout
 from scaletrain.planner.profile import ModelProfile, Work
 from scaletrain.planner.schedule import simulate
@@ -267,13 +266,6 @@ def _local(model: Model, layout: Layout) -> tuple[float, float]:
 
 def memory(layout: Layout, model: Model, batch: int) -> Memory:
     """Bytes per device of `layout` at `batch` samples per data-parallel replica."""
-    if layout.sp and not model.sp_blocks:
-        raise ConfigError(
-            f"the layout {layout.label} is sequence parallel, which needs the model's "
-            "tensor-parallel layers inside blocks of one nn.ModuleList or nn.Sequential, "
-            "and this model has none. Fix: plan the layout with sp=False.",
-            field="layouts",
-        )
     p, prec, pp, m = model.profile, model.precision, layout.pp, layout.microbatches or 1
     par, per = _local(model, layout)[0], p.per_sample(batch / m)
     psi = p.params * par
@@ -328,18 +320,6 @@ def _link(hw: Hardware, inner: int) -> Link:
     return hw.intra if inner <= hw.devices_per_node else hw.inter
 
 
-def _host(layout: Layout, hw: Hardware) -> Host | None:
-    """The host `layout` offloads to (None: it does not offload)."""
-    if layout.offload and hw.host is None:
-        raise ConfigError(
-            f"the layout {layout.label} offloads to the host, and {hw.name}'s hardware file "
-            "has no [host] table. Fix: add one (memory, bandwidth, memory_bandwidth), or "
-            "plan the layout without offload.",
-            field="hardware",
-        )
-    return hw.host if layout.offload else None
-
-
 def _ddp(layout: Layout, model: Model, hw: Hardware, bwd_s: float) -> tuple[float, float]:
     """(communication, exposed) of DDP (module docstring)."""
     grads = model.profile.params * _local(model, layout)[0] * MASTER[model.precision]
@@ -354,7 +334,7 @@ def _fsdp(
     """(communication, exposed) of FSDP (module docstring): each unit gathered in the
     compute dtype, again for the backward unless it keeps them."""
     prec, link, n = model.precision, _link(hw, layout.dp * layout.tp), layout.dp
-    host = _host(layout, hw)
+    host = hw.host if layout.offload else None
     units = [u * _local(model, layout)[0] for u in model.unit_params()]
     copies = [u / n / host.bandwidth if host else 0.0 for u in units]  # a shard to or from the host
     pairs = list(zip(units, copies, strict=True))
@@ -412,7 +392,7 @@ def step_time(layout: Layout, model: Model, hw: Hardware, batch: int) -> StepTim
         per_tensor, chunks = p.optimizer.kernels / max(1, p.tensors), p.tensors * par / MULTI_TENSOR
         opt_work = Work(0.0, opt_work.bytes, math.ceil(per_tensor * math.ceil(chunks)))
     opt_s, _ = _seconds(opt_work, hw, "fp32", False)
-    if host := _host(layout, hw):  # the host's kernels: bound by its memory, no launches
+    if layout.offload and (host := hw.host):  # the host's kernels: bound by its memory, no launches
         opt_s = p.optimizer.bytes * par / layout.dp / host.memory_bandwidth
     work, comm, exposed, bubble = fwd_s + bwd_s, 0.0, 0.0, 0.0
     if layout.dp > 1 and layout.stage:
@@ -431,7 +411,7 @@ def step_time(layout: Layout, model: Model, hw: Hardware, batch: int) -> StepTim
 def estimate(layout: Layout, model: Model, hw: Hardware, batch: int) -> Estimate:
     """One row of a plan: `layout`'s memory and step time, and whether it fits."""
     mem, time = memory(layout, model, batch), step_time(layout, model, hw, batch)
-    host = _host(layout, hw)
+    host = hw.host if layout.offload else None
     notes = []
     # A CPU machine's memory is its node's, shared by the processes on it.
     sharing = min(layout.devices, hw.devices_per_node) if hw.device == "cpu" else 1
