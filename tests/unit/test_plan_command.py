@@ -142,7 +142,7 @@ def test_paper_plan_prints_a_table(capsys: pytest.CaptureFixture[str]) -> None:
 def test_a_calibrated_file_plans_this_machine(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from scaletrain.planner.api import calibrated_path
+    from scaletrain.hardware.calibrate import calibrated_path
 
     monkeypatch.setenv("SCALETRAIN_CACHE_DIR", str(tmp_path))
     mine = calibrated_path()

@@ -34,6 +34,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from scaletrain.cachedir import cache_dir
 from scaletrain.errors import ConfigError, spell
 from scaletrain.hardware import (
     COLLECTIVES,
@@ -52,9 +53,30 @@ from scaletrain.hardware.sweep import (
     sweep,
 )
 
-__all__ = ["SWEEP_TIMEOUT", "CalibrationError", "calibrate", "fit", "sweep"]
+__all__ = [
+    "SWEEP_TIMEOUT", "CalibrationError", "calibrate", "calibrated_path", "fit", "load_calibrated",
+    "sweep",
+]  # fmt: skip
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
+
+
+def calibrated_path() -> Path:
+    """Where `scaletrain plan --calibrate` keeps this machine's file by default."""
+    return cache_dir() / "hardware" / f"{socket.gethostname()}.toml"
+
+
+def load_calibrated() -> Hardware:
+    """This machine's calibration (`calibrated_path`), refused where it has none."""
+    mine = calibrated_path()
+    if not mine.is_file():
+        raise ConfigError(
+            f"no {spell('hardware')} given, and this machine has no calibration ({mine}). "
+            f"Fix: {spell('calibrate')} once to measure it (about a minute), or plan on "
+            f"paper with {spell('hardware', 'h100-sxm')} (or a file of your own).",
+            field="hardware",
+        )
+    return load(str(mine))
 
 
 def calibrate(

@@ -5,13 +5,11 @@ GPUs takes the seconds of one fake forward and backward (the model's profile).
 
 from __future__ import annotations
 
-import socket
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from scaletrain.cachedir import cache_dir
 from scaletrain.errors import ConfigError, spell, unknown
 from scaletrain.hardware import Hardware, load
+from scaletrain.hardware.calibrate import load_calibrated
 from scaletrain.planner.cost import DTYPE, Estimate, Model, estimate, gathered
 from scaletrain.planner.layout import Layout, layouts_for
 from scaletrain.planner.models import resolve_model
@@ -25,27 +23,7 @@ from scaletrain.strategies.tensor_plan import (
     sequence_parallel_blocks,
 )
 
-__all__ = ["PRECISIONS", "Plan", "calibrated_path", "load_hardware", "plan"]
-
-
-def calibrated_path() -> Path:
-    """Where `scaletrain plan --calibrate` keeps this machine's file by default."""
-    return cache_dir() / "hardware" / f"{socket.gethostname()}.toml"
-
-
-def load_hardware(hardware: str | None) -> Hardware:
-    """A shipped profile or a file; None: this machine's calibration, if it has one."""
-    if hardware is not None:
-        return load(hardware)
-    mine = calibrated_path()
-    if not mine.is_file():
-        raise ConfigError(
-            f"no {spell('hardware')} given, and this machine has no calibration ({mine}). "
-            f"Fix: {spell('calibrate')} once to measure it (about a minute), or plan on "
-            f"paper with {spell('hardware', 'h100-sxm')} (or a file of your own).",
-            field="hardware",
-        )
-    return load(str(mine))
+__all__ = ["PRECISIONS", "Plan", "plan"]
 
 
 @dataclass(slots=True)
@@ -199,7 +177,7 @@ def plan(
             "leave out layouts for every layout of the devices.",
             field="layouts",
         )
-    hw = load_hardware(hardware)
+    hw = load(hardware) if hardware is not None else load_calibrated()
     planned = resolve_model(recipe, model, seq_len=seq_len, batch_size=batch_size)
     batch, net, seq = batch_size or planned.batch_size, planned.net, planned.seq_len or 0
     # A declared plan names modules by pattern ("layers.*.self_attn.q_proj"), as

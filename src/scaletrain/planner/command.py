@@ -75,8 +75,7 @@ def run_plan(ns: argparse.Namespace) -> int:
                 "then plan with the file it writes.",
                 field="calibrate",
             )
-        from scaletrain.hardware.calibrate import calibrate
-        from scaletrain.planner.api import calibrated_path
+        from scaletrain.hardware.calibrate import calibrate, calibrated_path
 
         if not ns.calibrate:  # scaletrain's own place for it: made on first use
             calibrated_path().parent.mkdir(parents=True, exist_ok=True)
