@@ -605,12 +605,11 @@ def test_a_cpu_machines_processes_share_its_memory(tmp_path: Path) -> None:
     from scaletrain.hardware import load
 
     hw = load(str(cpu_hardware_file(tmp_path / "cpu.toml")))
-    kw = {"batch_size": 4, "layouts": [Layout("ddp", dp=1), Layout("ddp", dp=2)]}
-    peak = st.plan("split-net", devices=2, hardware=str(tmp_path / "cpu.toml"), **kw).rows[1]
-    need = peak.memory.total
+    kw = {"batch_size": 4, "devices": 2, "layouts": [Layout("ddp", dp=2)]}
+    need = st.plan("split-net", hardware=str(tmp_path / "cpu.toml"), **kw).rows[0].memory.total
     write(replace(hw, name="tight", memory=int(1.5 * need)), tmp_path / "tight.toml")
-    p = st.plan("split-net", devices=2, hardware=str(tmp_path / "tight.toml"), **kw)
-    one, two = p.rows
+    (two,) = st.plan("split-net", hardware=str(tmp_path / "tight.toml"), **kw).rows
+    (one,) = st.plan("split-net", batch_size=4, hardware=str(tmp_path / "tight.toml")).rows
     assert one.fits and not two.fits
     assert any("2 processes of" in n for n in two.notes), two.notes
 
@@ -641,3 +640,36 @@ def test_mfu_counts_the_models_flops_not_the_recomputation() -> None:
     assert full.profile.model_flops == none.profile.model_flops
     assert full.rows[0].time.total > none.rows[0].time.total
     assert full.mfu(full.rows[0]) < none.mfu(none.rows[0])  # type: ignore[operator]
+
+
+def test_layouts_a_plan_cannot_price_are_refused_before_the_profile(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Given layouts were priced whatever they were: an unknown strategy as DDP, a
+    tensor degree the heads do not divide, 4 devices in a plan of 8, a pipeline of
+    more stages than layers or of microbatches that do not divide the batch."""
+    for make, words in (
+        (lambda: Layout("nosuch", dp=2), r"Layout\('nosuch'\): strategy='nosuch' is not known"),
+        (lambda: Layout("ddp", tp=2), r"Layout\('ddp', tp=2\): the ddp strategy spans dp, "),
+        (lambda: Layout("fsdp", dp=0), r"Layout\('fsdp', dp=0\): .* a whole number >= 1"),
+        (lambda: Layout("pipeline", pp=2), r"schedule=None, microbatches=None\): a pipeline"),
+    ):
+        with pytest.raises(ConfigError, match=words):
+            make()
+    monkeypatch.setattr(api, "profile_model", lambda *a, **k: pytest.fail("profiled"))
+    for devices, layout, words in (
+        (8, Layout("ddp", dp=4), r"ddp dp=4 runs on 4 device\(s\), and the plan is of devices=8"),
+        (3, Layout("tensor", tp=3), r"tensor tp=3: tensor parallel cannot split layers\.0\."),
+        (
+            4, Layout("pipeline", pp=4, schedule="1f1b", microbatches=3),
+            r"pipeline pp=4 1f1b m=3: 3 microbatches do not divide batch_size=32\. Fix",
+        ),
+        (
+            8, Layout("pipeline", pp=8, schedule="1f1b", microbatches=8),
+            r"llama has 7 top-level layers, the most stages .* Fix: pp=7 or fewer",
+        ),
+    ):  # fmt: skip
+        with pytest.raises(ConfigError, match=words):
+            st.plan("llama", devices=devices, hardware="h100-sxm", layouts=[layout])
+    with pytest.raises(ConfigError, match=r"convnet has no layers tensor parallel splits\. Fix"):
+        st.plan("convnet", devices=2, hardware="h100-sxm", layouts=[Layout("tensor", tp=2)])

@@ -342,10 +342,11 @@ def test_a_pipeline_that_cannot_split_the_blocks_says_so(tmp_path: Path) -> None
     from scaletrain.planner.layout import Layout
 
     folder = _config(tmp_path, LLAMA)
-    p = st.plan(model=str(folder / "config.json"), devices=2, hardware="h100-sxm",
-                layouts=[Layout("pipeline", pp=2, microbatches=2)])  # fmt: skip
+    p = st.plan(model=str(folder / "config.json"), devices=2, hardware="h100-sxm", batch_size=2,
+                layouts=[Layout("pipeline", pp=2, schedule="1f1b", microbatches=2)])  # fmt: skip
     notes = p.rows[0].notes
     assert any("of the parameters: stages are whole top-level layers (model, lm_head)" in n
                for n in notes), notes  # fmt: skip
-    mine = st.plan("gpt", devices=2, hardware="h100-sxm", layouts=[Layout("pipeline", pp=2)])
+    mine = st.plan("gpt", devices=2, hardware="h100-sxm",
+                   layouts=[Layout("pipeline", pp=2, schedule="1f1b", microbatches=2)])  # fmt: skip
     assert not any("top-level layers" in n for n in mine.rows[0].notes)  # its blocks split

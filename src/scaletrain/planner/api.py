@@ -188,14 +188,27 @@ def plan(
     except ConfigError:
         sp_blocks = []
 
-    def accepts(x: Layout) -> bool:  # its tp divides the plan's layers (and sp's tokens)
+    def cannot(x: Layout) -> str | None:  # why the model cannot run x's tensor parallel
+        if x.tp == 1:
+            return None
+        if not tp_plan:
+            return f"{planned.name} has no layers tensor parallel splits. Fix: a layout with tp=1."
         try:
             check_tp_plan(net, tp_plan, x.tp)
-        except ConfigError:
-            return False
-        return not x.sp or (bool(sp_blocks) and seq % x.tp == 0)
+        except ConfigError as exc:
+            return str(exc)
+        return None
 
+    layers = len(list_layers(net))
     for x in layouts or ():  # before the profile, which takes minutes for a large model
+        where = f"plan(..., layouts=[...]): {x.label}"
+        if x.devices != devices:
+            raise ConfigError(
+                f"{where} runs on {x.devices} device(s), and the plan is of "
+                f"{spell('devices', devices)}. Fix: {spell('devices', x.devices)}, or a "
+                f"layout of {devices} devices.",
+                field="layouts",
+            )
         if x.sp and not (sp_blocks and seq % x.tp == 0):
             why = (
                 "takes no sequence" if not seq
@@ -208,6 +221,21 @@ def plan(
                 f"{planned.name} {why}. Fix: that layout with sp=False.",
                 field="layouts",
             )
+        if why := cannot(x):
+            raise ConfigError(f"{where}: {why}", field="layouts")
+        if x.pp > max(1, layers):
+            raise ConfigError(
+                f"{where}: {planned.name} has {layers} top-level layers, the most stages a "
+                f"pipeline cuts it into. Fix: pp={layers} or fewer.",
+                field="layouts",
+            )
+        if x.microbatches and batch % x.microbatches:
+            raise ConfigError(
+                f"{where}: {x.microbatches} microbatches do not divide "
+                f"{spell('batch_size', batch)}. Fix: microbatches that divide {batch}, or "
+                "another batch size.",
+                field="layouts",
+            )
         if x.offload and hw.host is None:
             raise ConfigError(
                 f"plan(..., layouts=[...]): {x.label} offloads to the host, and {hw.name}'s "
@@ -217,10 +245,10 @@ def plan(
             )
     if layouts is None:
         rows = layouts_for(
-            devices, batch=batch, layers=len(list_layers(net)), tensor=bool(tp_plan),
+            devices, batch=batch, layers=layers, tensor=bool(tp_plan),
             offload=hw.host is not None, sequence=bool(sp_blocks),
         )  # fmt: skip
-        layouts = [x for x in rows if x.tp == 1 or accepts(x)]
+        layouts = [x for x in rows if not cannot(x) and not (x.sp and seq % x.tp)]
     # A sharded FSDP row's step runs in the compute dtype (cost.gathered): a profile of
     # its own, taken only where a row needs it.
     shapes = {

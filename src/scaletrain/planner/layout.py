@@ -7,17 +7,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scaletrain.errors import ConfigError
+from scaletrain.errors import ConfigError, unknown
 from scaletrain.planner.schedule import SCHEDULES
 
 __all__ = ["SCHEDULES", "STRATEGIES", "Layout", "layouts_for"]
 
-STRATEGIES = {"ddp": 0, "fsdp": 3, "fsdp-keep": 3, "tensor": 0, "pipeline": 0, "fsdp x tp": 3,
-              "ddp x pp": 0}  # fmt: skip
-"""Each row's strategy and the ZeRO stage its data parallelism is: DDP replicates
-everything (0); FSDP shards parameters, gradients and optimizer state (3), with
-reshard_after_forward=False too ("fsdp-keep", `Layout.keeps`): each unit stays
-gathered from its forward to its backward, one all-gather per unit."""
+STRATEGIES = {"ddp": (0, "dp"), "fsdp": (3, "dp"), "fsdp-keep": (3, "dp"), "tensor": (0, "tp"),
+              "pipeline": (0, "pp"), "fsdp x tp": (3, "dp tp"), "ddp x pp": (0, "dp pp")}  # fmt: skip
+"""Each row's strategy: the ZeRO stage its data parallelism is, and the mesh dimensions
+it spans. DDP replicates everything (0); FSDP shards parameters, gradients and
+optimizer state (3), with reshard_after_forward=False too ("fsdp-keep",
+`Layout.keeps`): each unit stays gathered from its forward to its backward, one
+all-gather per unit."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,13 +39,38 @@ class Layout:
     activations between the sharded layers are split along the sequence too."""
 
     def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ConfigError(
+                f"Layout({self.strategy!r}): "
+                + unknown("strategy", self.strategy, list(STRATEGIES)),
+                field="layouts",
+            )
+        dims = {"dp": self.dp, "tp": self.tp, "pp": self.pp}
+        spans = STRATEGIES[self.strategy][1].split()
+        if bad := [f"{k}={v!r}" for k, v in dims.items() if (v != 1 and k not in spans) or
+                   isinstance(v, bool) or not isinstance(v, int) or v < 1]:  # fmt: skip
+            raise ConfigError(
+                f"Layout({self.strategy!r}, {', '.join(bad)}): the {self.strategy} strategy spans "
+                f"{' x '.join(spans)}, each a whole number >= 1. Fix: e.g. "
+                f"Layout({self.strategy!r}, {', '.join(f'{k}=2' for k in spans)}).",
+                field="layouts",
+            )
+        if self.pp > 1 and (self.schedule not in SCHEDULES or not self.microbatches or
+                            isinstance(self.microbatches, bool) or self.microbatches < 1):  # fmt: skip
+            raise ConfigError(
+                f"Layout({self.strategy!r}, pp={self.pp}, schedule={self.schedule!r}, "
+                f"microbatches={self.microbatches!r}): a pipeline runs a schedule ("
+                f"{', '.join(SCHEDULES)}) over microbatches, a whole number >= 1. Fix: e.g. "
+                f"Layout({self.strategy!r}, pp={self.pp}, schedule='1f1b', microbatches=4).",
+                field="layouts",
+            )
         if self.sp and self.tp == 1:
             raise ConfigError(
                 f"Layout({self.strategy!r}, sp=True): sequence parallel splits what tensor "
                 "parallel replicates, and this layout has tp=1. Fix: tp=2 or more, or sp=False.",
                 field="layouts",
             )
-        if self.offload and (STRATEGIES.get(self.strategy) != 3 or self.dp == 1):
+        if self.offload and (self.stage != 3 or self.dp == 1):
             raise ConfigError(
                 f"Layout({self.strategy!r}, dp={self.dp}, offload=True): offload is FSDP's "
                 "CPU offload, of the shards of a fully sharded strategy, and one process "
@@ -56,7 +82,7 @@ class Layout:
     @property
     def stage(self) -> int:
         """The ZeRO stage (0-3) of its data parallelism (STRATEGIES)."""
-        return STRATEGIES.get(self.strategy, 0)
+        return STRATEGIES[self.strategy][0]
 
     @property
     def keeps(self) -> bool:
