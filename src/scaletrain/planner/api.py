@@ -217,12 +217,12 @@ def plan(
                 else f"has {seq} tokens per sample, which tp={x.tp} does not divide"
             )  # fmt: skip
             raise ConfigError(
-                f"plan(..., layouts=[...]): {x.label} is sequence parallel, and "
-                f"{planned.name} {why}. Fix: that layout with sp=False.",
+                f"{where} is sequence parallel, and {planned.name} {why}. Fix: that layout "
+                "with sp=False.",
                 field="layouts",
             )
-        if why := cannot(x):
-            raise ConfigError(f"{where}: {why}", field="layouts")
+        if problem := cannot(x):
+            raise ConfigError(f"{where}: {problem}", field="layouts")
         if x.pp > max(1, layers):
             raise ConfigError(
                 f"{where}: {planned.name} has {layers} top-level layers, the most stages a "
