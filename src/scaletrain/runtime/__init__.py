@@ -1,8 +1,11 @@
 """`scaletrain.init()` and the Runtime it returns: the whole public training API.
 
-core.py holds the Runtime (the methods a training loop calls), start.py `init` (what
-builds it) and `sync_batchnorm` (which reads the current one); signals.py and stopping.py
-how a run stops on a signal (a stop request, then every rank's agreement on the step).
+core.py holds the Runtime (the methods a training loop calls), on its base classes
+place.py's Place (rank, device, mesh) and collectives.py's Collectives (reduce, gather,
+broadcast, any_rank, barrier; rows.py the rows the gathers send); arguments.py its checks
+of a loop's loss and checkpoint arguments. start.py holds `init` (what builds it) and
+`sync_batchnorm` (which reads the current one); signals.py and stopping.py how a run
+stops on a signal (a stop request, then every rank's agreement on the step).
 """
 
 from scaletrain.accumulation import AccumulationStep

@@ -1,4 +1,11 @@
-"""The Runtime `scaletrain.init()` returns: the whole public training API."""
+"""The Runtime `scaletrain.init()` returns: the whole public training API.
+
+It builds on two base classes, whose methods its API reference lists with its own:
+place.py's Place (rt.rank, rt.device, rt.device_mesh: where this process is in the
+job) and collectives.py's Collectives (rt.reduce, rt.gather, rt.any_rank, rt.barrier:
+what the ranks do together). arguments.py checks what a loop hands rt.forward_backward,
+rt.backward, rt.save and rt.load.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +13,7 @@ import contextlib
 import os
 import weakref
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, TypeVar, overload
+from typing import Any, TypeVar, overload
 
 import torch
 from torch import nn
@@ -15,19 +22,16 @@ from scaletrain import dist as _dist
 from scaletrain.accumulation import AccumulationStep, Accumulator
 from scaletrain.checkpoint import CheckpointScope
 from scaletrain.data import ShardedLoader, ShardedSampler
-from scaletrain.dist.mesh import device_mesh, full_mesh
 from scaletrain.dist.topology import Topology
 from scaletrain.env.base import ClusterEnv
-from scaletrain.errors import ConfigError, say
 from scaletrain.observe.metrics import phases as _phases
-from scaletrain.observe.metrics.ledger import StepLedger, in_phase
+from scaletrain.observe.metrics.ledger import StepLedger
 from scaletrain.precision import Precision
+from scaletrain.runtime.arguments import by_name, one_number
+from scaletrain.runtime.collectives import Collectives
 from scaletrain.runtime.signals import StopRequest
 from scaletrain.runtime.stopping import StopAgreement
 from scaletrain.strategies import Strategy
-
-if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["Runtime", "current"]
 
@@ -35,7 +39,7 @@ __all__ = ["Runtime", "current"]
 OptimizerT = TypeVar("OptimizerT", bound=torch.optim.Optimizer)
 
 
-class Runtime:
+class Runtime(Collectives):
     """This process's place in the job and the tools to train in it.
 
     Made by `scaletrain.init()`; holds the detected environment, the process group,
@@ -72,77 +76,6 @@ class Runtime:
         self._stopping: StopAgreement | None = None
         self._stop_reason: str | None = None
         self._loaders: weakref.WeakSet[ShardedLoader] = weakref.WeakSet()
-
-    def _phase(self, phase: int, *, mode: bool = False) -> contextlib.AbstractContextManager[None]:
-        return in_phase(self.ledger, phase, mode=mode)
-
-    # -- device meshes -------------------------------------------------------------
-    @property
-    def mesh_shape(self) -> dict[str, int] | None:
-        """The mesh given to st.init(mesh=...), ordered pp, dp, tp; None without one."""
-        return dict(self.topology.mesh_shape) if self.topology.mesh_given else None
-
-    @property
-    def mesh(self) -> DeviceMesh | None:
-        """The N-D DeviceMesh asked for with st.init(mesh=...), else None."""
-        return full_mesh(self.topology)
-
-    def device_mesh(self, dim: str) -> DeviceMesh:
-        """The 1-D mesh a strategy works on: dimension `dim` of st.init(mesh=...), or
-        every rank when no mesh was given (plain FSDP / tensor / pipeline parallel)."""
-        return device_mesh(self.topology, dim)
-
-    def mesh_coordinate(self, dim: str) -> int:
-        """This rank's index along `dim` of the mesh (0 if the mesh has no such dimension).
-
-        init_device_mesh lays ranks out row-major over the shape, outermost first.
-        """
-        return self.topology.coordinate(dim) if self.topology.mesh_given else 0
-
-    def mesh_size(self, dim: str) -> int:
-        """Ranks along `dim` of the mesh (1 if the mesh has no such dimension)."""
-        return self.topology.size(dim) if self.topology.mesh_given else 1
-
-    # -- where am I ------------------------------------------------------------
-    @property
-    def rank(self) -> int:
-        return self.topology.rank
-
-    @property
-    def local_rank(self) -> int:
-        return self.topology.local_rank
-
-    @property
-    def world_size(self) -> int:
-        return self.topology.world_size
-
-    @property
-    def node_rank(self) -> int:
-        return self.topology.node_rank
-
-    @property
-    def backend(self) -> str:
-        return self.topology.backend
-
-    @property
-    def device(self) -> torch.device:
-        """The device this process computes on: inputs go there."""
-        return self.topology.device
-
-    @property
-    def dp_rank(self) -> int:
-        """This rank's index among the data-parallel replicas (which shard of data it reads)."""
-        return self.topology.dp_rank
-
-    @property
-    def dp_size(self) -> int:
-        """Number of data-parallel replicas: the global batch is batch_size x dp_size."""
-        return self.topology.dp_size
-
-    @property
-    def is_main(self) -> bool:
-        """True on global rank 0: the one that prints, logs and writes files."""
-        return self.env.rank == 0
 
     def __repr__(self) -> str:
         return (
@@ -227,7 +160,7 @@ class Runtime:
         mult = self._accumulation.scale
 
         def scaled_loss(outputs: Any, target: torch.Tensor) -> torch.Tensor:
-            return self.precision.scale(_one_number(loss_fn(outputs, target), loss_fn) * mult)
+            return self.precision.scale(one_number(loss_fn(outputs, target), loss_fn) * mult)
 
         with self.precision.forward_context():
             loss = self.strategy.forward_backward(
@@ -242,7 +175,7 @@ class Runtime:
 
         For loops that call the model themselves instead of rt.forward_backward.
         """
-        self.precision.scale(_one_number(loss, None) * self._accumulation.scale).backward()
+        self.precision.scale(one_number(loss, None) * self._accumulation.scale).backward()
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """optimizer.step(), through the GradScaler under fp16-mixed."""
@@ -350,111 +283,6 @@ class Runtime:
         self._loaders.add(loader)
         return loader
 
-    # -- coordination -------------------------------------------------------------
-    def reduce(
-        self, values: Mapping[str, torch.Tensor | float | int], op: str = "sum"
-    ) -> dict[str, Any]:
-        """Reduce a dict of tensors/numbers over all ranks in one collective."""
-        device = self.device if self.backend == "nccl" else None
-        with self._phase(_phases.SYNC):
-            return _dist.reduce_values(values, op, device=device)
-
-    def gather(self, data: Any) -> Any:
-        """Every rank's tensor, concatenated along dim 0 in rank order: rank 0's rows,
-        then rank 1's, ... (Accelerate's `gather`). The first dimension may differ
-        between ranks (uneven shards); the other sizes and the dtype may not. A 0-d
-        tensor is one row. A dict, list or tuple of tensors gives the same structure,
-        each gathered. A collective: every rank calls it, with the same structure.
-
-        Under NCCL the rows travel on this rank's GPU, under Gloo on the CPU; each
-        result is on its tensor's device, detached. For metrics over a padded loader,
-        `rt.gather_for_metrics` counts every sample once.
-        """
-        leaves, problem = _tensors(data, "rt.gather")
-        return _rebuild(data, self._gather(leaves, "rt.gather", problem))
-
-    def gather_for_metrics(self, data: Any, loader: ShardedLoader | None = None) -> Any:
-        """`rt.gather` less the padding `rt.loader(pad=True)` added, so that every sample
-        of the dataset is counted once: predictions, labels, losses per sample.
-
-        `data` has one row per sample (dim 0) of the loader's last batch, called batch by
-        batch, or of every batch of its pass, concatenated after the loop. `loader`: the
-        loader the rows come from; by default the one of `rt.loader` that handed out a
-        batch last. (With pad=False or drop_last there is no padding: this is rt.gather.)
-        """
-        name = "rt.gather_for_metrics"
-        if loader is not None and not isinstance(loader, ShardedLoader):
-            raise ConfigError(
-                f"{name}(data, loader={type(loader).__name__}): expected the loader the rows "
-                "come from, as rt.loader(...) returned it, or no loader (the one that "
-                "handed out a batch last)."
-            )
-        leaves, problem = _tensors(data, name)
-        # `is None`, not `or`: a loader is falsy when it has no batches (len 0).
-        source = (
-            loader
-            if loader is not None
-            else max(self._loaders, key=lambda one: one.handed_out_at, default=None)
-        )
-        if problem is None and source is not None and source.handed_out_at:
-            try:
-                leaves = [_real_rows(t, source, name) for t in leaves]
-            except ConfigError as exc:
-                problem = str(exc)
-        return _rebuild(data, self._gather(leaves, name, problem))
-
-    def _gather(
-        self, leaves: list[torch.Tensor], name: str, problem: str | None
-    ) -> list[torch.Tensor]:
-        device = self.device if self.backend == "nccl" else None
-        with self._phase(_phases.SYNC):
-            return _dist.gather_rows(
-                leaves, world_size=self.world_size, device=device, name=name, problem=problem
-            )
-
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        """Rank `src`'s `obj` on every rank (pickled; plain data: numbers, strings, lists,
-        dicts, CPU tensors), e.g. a choice one rank makes for all. A collective; `src`
-        gets its own object back."""
-        if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < self.world_size:
-            raise ConfigError(
-                f"rt.broadcast_object(obj, src={src!r}): src is the rank that holds the object, "
-                f"an int from 0 to {self.world_size - 1} (world size {self.world_size}). "
-                "Fix: src=0, the rank that prints and writes files."
-            )
-        with self._phase(_phases.SYNC):
-            return _dist.broadcast_object(
-                obj, src, world_size=self.world_size, name="rt.broadcast_object"
-            )
-
-    def rank_zero_first(self, local: bool = True) -> contextlib.AbstractContextManager[None]:
-        """Local rank 0 of each node (or global rank 0) runs the block first, others wait."""
-        first = self.local_rank == 0 if local else self.rank == 0
-        return _dist.rank_first(first)
-
-    def any_rank(self, flag: bool) -> bool:
-        """True on every rank if `flag` is True on any: one tiny collective.
-
-        Runs on a CPU (Gloo) group even under NCCL: no GPU synchronisation.
-        """
-        with self._phase(_phases.SYNC):
-            return _dist.any_rank(flag, world_size=self.world_size)
-
-    def any_rank_async(self, flag: bool) -> _dist.PendingFlag:
-        """`any_rank` without waiting: returns at once; `.result()` is the same answer on
-        every rank. A loop that checks a flag every step starts step k's check and
-        collects it at step k+1, so the round trip is off its hot path (one step later)."""
-        with self._phase(_phases.SYNC):
-            return _dist.any_rank_async(
-                flag,
-                world_size=self.world_size,
-                around=lambda: self._phase(_phases.SYNC),
-            )
-
-    def barrier(self) -> None:
-        with self._phase(_phases.SYNC):
-            _dist.barrier(self.device)
-
     # -- stopping on a signal ---------------------------------------------------------
     def should_stop(self) -> bool:
         """True on every rank, after the same step, once SIGTERM, SIGUSR1 or a first
@@ -509,7 +337,7 @@ class Runtime:
         """
         from scaletrain.checkpoint import save_checkpoint
 
-        _by_name("save", path, unnamed)
+        by_name("save", path, unnamed)
         return save_checkpoint(
             self.checkpoint_scope(), path, keep=keep, async_save=async_save, **state
         )
@@ -522,7 +350,7 @@ class Runtime:
         """
         from scaletrain.checkpoint import load_checkpoint
 
-        _by_name("load", path, unnamed)
+        by_name("load", path, unnamed)
         return load_checkpoint(self.checkpoint_scope(), path, **state)
 
     def checkpoint_scope(self) -> CheckpointScope:
@@ -599,107 +427,6 @@ class Runtime:
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
         self.shutdown(failed=exc_type is not None)
-
-
-def _one_number(loss: Any, loss_fn: Any) -> torch.Tensor:
-    """`loss` if it is one number to backpropagate (a tensor of one element), else the
-    error that names what the loss function returned: a per-sample loss
-    (`reduction="none"`) otherwise fails deep in autograd, naming no function."""
-    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
-        return loss
-    what = (
-        f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor)
-        else f"a {type(loss).__name__}"
-    )  # fmt: skip
-    name = getattr(loss_fn, "__qualname__", None) or type(loss_fn).__qualname__
-    given = loss_fn is not None
-    source = say(
-        api=f"the loss_fn given to rt.forward_backward ({name})" if given else "rt.backward's loss",
-        cli=f"the model module's loss ({name})" if given else "the loss",
-    )
-    raise ConfigError(
-        f"{source} is {what}; backpropagation needs one number per batch (a tensor with "
-        'one element). Fix: reduce it, e.g. loss.mean(), or reduction="mean" for torch\'s '
-        "losses.",
-        field="loss",
-    )
-
-
-def _by_name(call: str, path: Any, unnamed: tuple[Any, ...]) -> None:
-    """rt.save / rt.load take the checkpoint directory, then every object by name: the
-    name is what a load matches a saved object by."""
-    example = f"rt.{call}('runs/x/checkpoints/step-000100', model=model, optimizer=optimizer" + (
-        ", step=step)" if call == "save" else ")"
-    )
-    if not isinstance(path, (str, os.PathLike)):
-        raise ConfigError(
-            f"rt.{call}({type(path).__name__}, ...): the first argument is the checkpoint "
-            f"directory, a str or Path. Fix: {example}."
-        )
-    if unnamed:
-        got = ", ".join(type(o).__name__ for o in unnamed)
-        raise ConfigError(
-            f"rt.{call}(path, {got}): objects are passed by name (a load matches them by "
-            f"name). Fix: {example}."
-        )
-
-
-def _tensors(data: Any, name: str) -> tuple[list[torch.Tensor], str | None]:
-    """The tensors in `data` (a tensor, or a dict/list/tuple of them, nested), in order;
-    or the problem, in the words of `name`, if something else is in it."""
-    leaves: list[torch.Tensor] = []
-
-    def walk(item: Any, path: str) -> str | None:
-        if isinstance(item, torch.Tensor):
-            leaves.append(item)
-            return None
-        if isinstance(item, Mapping):
-            children = [(f"{path}[{k!r}]", v) for k, v in item.items()]
-        elif isinstance(item, (list, tuple)):
-            children = [(f"{path}[{i}]", v) for i, v in enumerate(item)]
-        else:
-            where = f"data{path}" if path else "data"
-            return (
-                f"{name}(data): {where} is a {type(item).__name__}; expected a tensor, or a "
-                "dict, list or tuple of tensors. Fix: torch.tensor(x) for numbers (or "
-                "rt.reduce to sum them); rt.broadcast_object for other objects."
-            )
-        for child_path, child in children:
-            problem = walk(child, child_path)
-            if problem is not None:
-                return problem
-        return None
-
-    problem = walk(data, "")
-    return (leaves, None) if problem is None else ([], problem)
-
-
-def _rebuild(data: Any, leaves: list[torch.Tensor]) -> Any:
-    """`data` with its tensors replaced by `leaves`, in the order `_tensors` found them."""
-    it = iter(leaves)
-
-    def build(item: Any) -> Any:
-        if isinstance(item, torch.Tensor):
-            return next(it)
-        if isinstance(item, Mapping):
-            return {k: build(v) for k, v in item.items()}
-        if isinstance(item, tuple) and hasattr(item, "_fields"):
-            return type(item)(*(build(v) for v in item))  # a namedtuple
-        if isinstance(item, (list, tuple)):
-            return type(item)(build(v) for v in item)
-        return item
-
-    return build(data)
-
-
-def _real_rows(tensor: torch.Tensor, loader: ShardedLoader, name: str) -> torch.Tensor:
-    """`tensor`'s rows less those of the samples the loader added as padding."""
-    rows = tensor.reshape(1) if tensor.dim() == 0 else tensor
-    padding = loader.padding(rows.shape[0], caller=name)
-    if not bool(padding.any()):
-        return rows
-    keep = (~padding).nonzero().squeeze(1).to(rows.device)
-    return rows.index_select(0, keep)
 
 
 _CURRENT: Runtime | None = None
