@@ -1,7 +1,8 @@
 """One `scaletrain train` run inside one process: set up, resume, the epochs, the end.
 
 `Session.run()` is the loop with its seams: `train_step` and `evaluate` do the work
-(scaletrain.train.loop), observers hear about it (scaletrain.observe.events).
+(scaletrain.train.loop), observers hear about it (scaletrain.observe.events), and the
+header and summary they are told are scaletrain.train.announce's.
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ import torch
 from scaletrain.checkpoint import CheckpointManager, Resumed
 from scaletrain.checkpoint.full import save_file
 from scaletrain.errors import ConfigError, spell
-from scaletrain.observe.events import EvalEvent, EventBus, RunInfo, StepEvent
+from scaletrain.observe.events import EvalEvent, EventBus, StepEvent
 from scaletrain.runtime import Runtime, sync_batchnorm
 from scaletrain.runtime.signals import StopRequest
 from scaletrain.runtime.stopping import StopAgreement
+from scaletrain.train.announce import fork_parent, plural, run_info, run_summary
 from scaletrain.train.config import TrainConfig
 from scaletrain.train.length import RunLength
 from scaletrain.train.loop import TimedBatches, evaluate, seed_everything, train_step
@@ -35,7 +37,6 @@ from scaletrain.train.resume import (
     has_checkpoints,
     read_json,
     refuse_length,
-    resume_lines,
 )
 from scaletrain.train.rundir import PREEMPTED_MARKER
 from scaletrain.train.schedule import lr_at, set_lr
@@ -62,10 +63,6 @@ def _saves_finished(manager: CheckpointManager) -> Iterator[None]:
             manager.close()
         raise
     manager.close()
-
-
-def _plural(n: int, one: str, many: str | None = None) -> str:
-    return f"{n} {one if n == 1 else (many or one + 's')}"
 
 
 @dataclass(slots=True)
@@ -182,7 +179,7 @@ class Session:
             more = -(-(cfg.max_steps - self.total_steps) // self.steps_per_epoch)
             self.notes.append(
                 f"{spell('max_steps', cfg.max_steps)} is past the end of "
-                f"{_plural(self.epochs_wanted, 'epoch')} ({self.total_steps} steps): the run "
+                f"{plural(self.epochs_wanted, 'epoch')} ({self.total_steps} steps): the run "
                 f"stops at step {self.total_steps}. For {cfg.max_steps}, add "
                 f"{spell('epochs', self.epochs_wanted + more)}."
             )
@@ -255,112 +252,18 @@ class Session:
         if (scaler := self.rt.precision.scaler) is not None and values.get("loss_scale"):
             scaler.load_state_dict(values["loss_scale"])
 
-    def _parent(self) -> dict[str, Any] | None:
-        """Where a fork came from: the checkpoint (or model.pt), its step, and whether it
-        took the optimizer state; None for a run that is not a fork."""
-        resumed = self.done.resumed
-        if self.done.forked is None or resumed is None:
-            return None
-        step = resumed.values.get("step")
-        return {
-            "run": self.cfg.out,
-            "checkpoint": str(self.done.forked),
-            "step": int(step) if step is not None else None,
-            "optimizer": bool(self.cfg.fork_optimizer),
-        }
-
     def _announce(self) -> None:
-        cfg, rt, recipe = self.cfg, self.rt, self.recipe
         resolved = self._resolved()
-        parent = self._parent()
+        parent = fork_parent(self)
         if parent is not None:
             # A fact of this run, read by people (config.json's `run` section), so that
             # a fork's lineage survives the run it came from being pruned or moved.
             resolved["run"]["forked_from"] = parent
-        if rt.is_main:
+        if self.rt.is_main:
             # Written once the start is accepted: a refused resume leaves it as it was.
             (self.out / "config.json").write_text(json.dumps(resolved, indent=2) + "\n")
         self.resolved = resolved
-        layout = f"mesh {rt.mesh_shape}, " if rt.mesh_shape else ""
-        extras = [f"precision {cfg.precision}"] if cfg.precision != "32" else []
-        if cfg.accumulate > 1:
-            extras.append(f"accumulate {cfg.accumulate}")
-        micro = f" x {cfg.accumulate} micro-steps" if cfg.accumulate > 1 else ""
-        kind, what = ("model", recipe.spec) if recipe.spec else ("recipe", recipe.name)
-        header = [
-            f"scaletrain train: {kind} [bold]{what}[/] on {recipe.dataset} "
-            f"({len(self.train_set):,} train / {len(self.test_set):,} test samples"
-            f"{self._data_words()})",
-            f"  strategy {cfg.strategy}{' + sync-bn' if self.sync_bn else ''}, {layout}"
-            f"{_plural(rt.world_size, 'process', 'processes')} x {rt.backend} on "
-            f"{rt.device.type}, batch {self.batch_size}/replica x {rt.dp_size}{micro} (global "
-            f"{self.global_batch}), {self._describe_lr()}, {_plural(self.epochs, 'epoch')}, "
-            f"{_plural(self.total_steps, 'step')}" + (f", {', '.join(extras)}" if extras else ""),
-        ]
-        header += [f"  {note}" for note in self.notes]
-        header += resume_lines(
-            self.done.resumed,
-            self.done.values,
-            self.total_steps,
-            fork=cfg.fork_optimizer if cfg.fork else None,
-            dp_size=rt.dp_size,
-        )
-        header += self._lr_change()
-        self.observers.on_run_start(
-            RunInfo(
-                out=self.out,
-                rank=rt.rank,
-                world_size=rt.world_size,
-                start_step=self.done.step,
-                total_steps=self.total_steps,
-                steps_per_epoch=self.steps_per_epoch,
-                epochs=self.epochs,
-                global_batch=self.global_batch,
-                header=header,
-                config=resolved,
-            )
-        )
-
-    def _lr_change(self) -> list[str]:
-        """A resume at another length whose learning rate at the resumed step differs
-        from the one the checkpoint's run would have used there: both values, said."""
-        done, cfg = self.done, self.cfg
-        saved_total = done.values.get("total_steps")
-        if cfg.fork or done.resumed is None or done.resumed.path is None or not saved_total:
-            return []
-        saved_total = int(saved_total)
-        if saved_total == self.total_steps or done.step >= self.total_steps:
-            return []
-        was = lr_at(
-            done.step,
-            peak=self.lr,
-            total_steps=saved_total,
-            warmup=self.warmup,
-            schedule=cfg.schedule,
-        )
-        now = self._lr(done.step)
-        if abs(now - was) <= 1e-9 * max(abs(was), abs(now)):
-            return []
-        return [
-            f"  learning rate at step {done.step + 1}: {was:.3g} -> {now:.3g} (the "
-            f"{cfg.schedule} schedule now spans {self.total_steps} steps, not {saved_total})"
-        ]
-
-    def _data_words(self) -> str:
-        if self.recipe.spec is not None:
-            # A model module reads its own data; the directory given is passed to it.
-            return f"; data: {self.data_path}" if self.data_path else ""
-        return f"; data: {self.data_path or 'generated in memory'}"
-
-    def _describe_lr(self) -> str:
-        if self.total_steps <= self.warmup:
-            # Say it: a short trial never reaches the peak, which is by design.
-            return (
-                f"lr {self.lr:g} after a {self.warmup}-step warm-up (this "
-                f"{self.total_steps}-step run ends inside it, at lr "
-                f"{self._lr(self.total_steps - 1):.3g})"
-            )
-        return f"lr {self.lr:g} ({self.warmup} warm-up steps, then {self.cfg.schedule})"
+        self.observers.on_run_start(run_info(self, resolved))
 
     # -- training -------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -391,7 +294,7 @@ class Session:
                 return self._stopped()
             return self._finish()
 
-    def _lr(self, step: int) -> float:
+    def lr_at(self, step: int) -> float:
         return lr_at(
             step,
             peak=self.lr,
@@ -419,7 +322,7 @@ class Session:
             loss_fn.__qualname__ = getattr(own, "__qualname__", type(own).__qualname__)
         while done.step < epoch_end:
             start, waited = time.perf_counter(), batches.wait_s
-            lr = self._lr(done.step)
+            lr = self.lr_at(done.step)
             set_lr(self.optimizer, lr)
             loss = train_step(
                 rt,
@@ -497,7 +400,7 @@ class Session:
             self.done.stopped_by = reason
         return self.done.stopped_by is not None
 
-    def _compile_time(self) -> float:
+    def compile_time(self) -> float:
         """Seconds this rank spent in torch.compile inside the run's training time."""
         ledger = self.rt.ledger
         return self.done.compile_before + (ledger.compiled.seconds if ledger is not None else 0.0)
@@ -506,7 +409,7 @@ class Session:
         done = self.done
         values = {
             "train_time": done.train_time,
-            "compile_time": self._compile_time(),
+            "compile_time": self.compile_time(),
             "samples": done.samples,
             # What a later resume compares (settings that alter the run) and reports
             # (extending or shortening).
@@ -565,41 +468,11 @@ class Session:
         return {"event": "stopped", "step": done.step, "out": str(self.out)}
 
     def _finish(self) -> dict[str, Any]:
-        done, rt, recipe = self.done, self.rt, self.recipe
+        done, rt = self.done, self.rt
         if done.last_eval is None and self.cfg.eval_batches != 0:
             # Resumed after the last step: nothing left to train; evaluate once.
             done.last_eval = self._evaluate(max(self.epochs - 1, 0))
-        summary: dict[str, Any] = {
-            "event": "summary",
-            "recipe": recipe.name if recipe.spec is None else None,
-            "model": recipe.spec,
-            "task": recipe.task,
-            "strategy": self.cfg.strategy,
-            "mesh": rt.mesh_shape,
-            "world_size": rt.world_size,
-            "backend": rt.backend,
-            "device": rt.device.type,
-            "steps": done.step,
-            "started_at": self.run_start_step,
-            "epochs": self.epochs,
-            "train_time_s": done.train_time,
-            "compile_time_s": self._compile_time(),
-            # Throughput of training, not of compiling (the ledger leaves those steps out
-            # of its step time too).
-            "samples_per_s": done.samples / max(done.train_time - self._compile_time(), 1e-9),
-            "val_loss": done.last_eval.loss if done.last_eval else None,
-            "val_acc": done.last_eval.accuracy if done.last_eval else None,
-            "out": str(self.out),
-        }
-        parent = self._parent()
-        if parent is not None:
-            summary["forked_from"] = parent
-        if done.saved is not None and done.saved.name == f"step-{done.step:06d}":
-            # The last step's checkpoint (save_last) and what it costs on disk.
-            summary["checkpoint"] = str(done.saved)
-            summary["checkpoint_bytes"] = sum(
-                f.stat().st_size for f in done.saved.rglob("*") if f.is_file()
-            )
+        summary = run_summary(self)
         # A collective (it gathers shards and stages): every rank takes part.
         weights = rt.full_state_dict(self.model)
         if rt.is_main:
