@@ -1,7 +1,7 @@
 """float8 at 2 real Gloo ranks: FSDP's float8 all-gather and tensor parallel's float8 styles.
 
 A CPU has no float8 matmuls: the ranks turn on the test hook
-(`levers._float8_on_any_device`), with which torchao emulates the matmul of the
+(`strategies.float8._float8_on_any_device`), with which torchao emulates the matmul of the
 float8 values in high precision; everything else, the float8 all-gather of FSDP's
 weight shards, the scales computed after each optimizer step and the float8
 casts before tensor parallel's collectives, runs as on GPUs (real float8 on a GPU:
@@ -56,13 +56,13 @@ def _batches(dp_size: int) -> list[torch.Tensor]:
 
 def _one_process(dp_size: int) -> list[float]:
     """float8 in one process, the whole global batch of `dp_size` replicas at once."""
-    from scaletrain.strategies import levers
+    from scaletrain.strategies import float8
 
-    levers._float8_on_any_device = True
+    float8._float8_on_any_device = True
     try:
         torch.manual_seed(0)
         model = GPT(SMALL)
-        levers.convert_float8(model)
+        float8.convert_float8(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         losses = []
         for tokens in _batches(dp_size):
@@ -74,14 +74,14 @@ def _one_process(dp_size: int) -> list[float]:
             losses.append(float(loss.detach()))
         return losses
     finally:
-        levers._float8_on_any_device = False
+        float8._float8_on_any_device = False
 
 
 def _train(strategy: str, ckpt: str) -> dict[str, Any]:
     import scaletrain as st
-    from scaletrain.strategies import levers
+    from scaletrain.strategies import float8
 
-    levers._float8_on_any_device = True
+    float8._float8_on_any_device = True
     rt = st.init(strategy=strategy, ledger=False)
     out: dict[str, Any] = {}
     variants = [False, True] if strategy == "tensor" else [False]

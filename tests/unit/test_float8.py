@@ -1,7 +1,7 @@
 """float8 training in one process: which layers, the names, the math, the refusals.
 
 A CPU has no float8 matmuls, so these tests turn on the test hook
-(`levers._float8_on_any_device`): torchao emulates the matmul of the float8 values
+(`strategies.float8._float8_on_any_device`): torchao emulates the matmul of the float8 values
 in high precision, and everything around it (the conversion, the float8 casts and
 scales) runs as on a GPU. The device refusal itself is tested with the hook off.
 (2-process FSDP float8 all-gather and tensor parallel's float8 styles:
@@ -25,8 +25,9 @@ pytest.importorskip(
 import scaletrain as st
 from scaletrain import cli
 from scaletrain.errors import ConfigError, use_cli_names
-from scaletrain.strategies import levers, resolve_strategy
-from scaletrain.strategies.levers import convert_float8, float8_layers, float8_note
+from scaletrain.strategies import float8 as float8_lever
+from scaletrain.strategies import resolve_strategy
+from scaletrain.strategies.float8 import convert_float8, float8_layers, float8_note
 from scaletrain.strategies.mesh import FSDPxTP
 from scaletrain.train.config import TrainConfig
 from scaletrain.train.models import GPT, GPTConfig, SplitNet
@@ -44,7 +45,7 @@ BLOCK_LINEARS = ["attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.out_proj", "
 @pytest.fixture
 def anywhere(monkeypatch: pytest.MonkeyPatch) -> None:
     """float8 on the CPU, through the test hook."""
-    monkeypatch.setattr(levers, "_float8_on_any_device", True)
+    monkeypatch.setattr(float8_lever, "_float8_on_any_device", True)
 
 
 def _topology(world: int = 1) -> Any:
@@ -191,9 +192,9 @@ def test_refused_on_a_device_without_float8(monkeypatch: pytest.MonkeyPatch) -> 
         ConfigError,
         match=r"this run's device is cuda:0 \(NVIDIA A100-SXM4-80GB\) of compute capability 8\.0",
     ):
-        levers.check_float8(torch.device("cuda:0"))
+        float8_lever.check_float8(torch.device("cuda:0"))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=None: (9, 0))
-    levers.check_float8(torch.device("cuda:0"))  # an H100 is taken
+    float8_lever.check_float8(torch.device("cuda:0"))  # an H100 is taken
 
 
 def test_refused_without_torchao(monkeypatch: pytest.MonkeyPatch) -> None:

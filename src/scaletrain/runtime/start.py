@@ -20,7 +20,7 @@ from scaletrain.observe.metrics.ledger import LedgerConfig
 from scaletrain.precision import Precision
 from scaletrain.runtime.core import Runtime, current, set_current
 from scaletrain.strategies import Strategy, resolve_strategy
-from scaletrain.strategies.levers import float8_note
+from scaletrain.strategies.float8 import float8_note
 
 __all__ = ["init", "sync_batchnorm"]
 

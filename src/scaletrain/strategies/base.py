@@ -18,16 +18,8 @@ from torch import nn
 
 from scaletrain.dist.replicas import first_replica_values
 from scaletrain.errors import ConfigError, near_fix
-from scaletrain.strategies.levers import (
-    apply_levers,
-    check_compiler,
-    check_float8,
-    check_levers,
-    convert_float8,
-    float8_layers,
-    lever_blocks,
-    plain_tensor,
-)
+from scaletrain.strategies.float8 import check_float8, convert_float8, float8_layers, plain_tensor
+from scaletrain.strategies.levers import apply_levers, check_compiler, check_levers, lever_blocks
 
 if TYPE_CHECKING:
     from scaletrain.dist.topology import Topology

@@ -22,6 +22,13 @@ WrapSpec = str | type[nn.Module] | Sequence[str | type[nn.Module]] | None
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
+_BLOCKS = (
+    "A block is a module of its own with layers inside, kept with its likes in an "
+    "nn.ModuleList or nn.Sequential (a transformer's layers); bare layers (Linear, Conv2d) "
+    "in a container are not blocks."
+)
+"""What a block is, for the refusals of a model that has none (levers, float8)."""
+
 
 def normalise_wrap(wrap: object) -> str | tuple[type[nn.Module] | str, ...]:
     if wrap is None or wrap == "auto":

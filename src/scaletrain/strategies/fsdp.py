@@ -32,7 +32,7 @@ from scaletrain.strategies.base import (
     remember_parameter_names,
 )
 from scaletrain.strategies.blocks import WrapSpec, auto_wrap_targets, normalise_wrap, wrap_targets
-from scaletrain.strategies.levers import precompute_scales_after_steps
+from scaletrain.strategies.float8 import precompute_scales_after_steps
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy

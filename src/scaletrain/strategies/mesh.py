@@ -35,8 +35,8 @@ from scaletrain.strategies.base import (
     remember_parameter_names,
 )
 from scaletrain.strategies.ddp import DDP
+from scaletrain.strategies.float8 import precompute_scales_after_steps
 from scaletrain.strategies.fsdp import FSDP, wrap_targets
-from scaletrain.strategies.levers import precompute_scales_after_steps
 from scaletrain.strategies.pipeline import Pipeline, PipelineModule
 from scaletrain.strategies.pipeline.strategy import refuse_ac_every, refuse_float8
 from scaletrain.strategies.tensor import TensorParallel
