@@ -44,14 +44,8 @@ from scaletrain.launch.failures import (
     is_consequence,
     record_failure,
 )
-from scaletrain.launch.launcher import (
-    AGENT_SIGNALS,
-    _child_pids,
-    _Interrupts,
-    _launch_environ,
-    _quiet_agent,
-    agent_config,
-)
+from scaletrain.launch.interrupts import _child_pids, _Interrupts, _quiet_agent
+from scaletrain.launch.launcher import AGENT_SIGNALS, _launch_environ, agent_config
 from scaletrain.launch.plan import Plan, _default_nproc_per_node
 from scaletrain.launch.rendezvous import LOOPBACK
 

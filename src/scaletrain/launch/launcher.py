@@ -18,8 +18,7 @@ import os
 import shlex
 import signal
 import sys
-import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from scaletrain.errors import LaunchError
@@ -29,6 +28,7 @@ from scaletrain.launch.compat import exit_codes, watch_workers
 from scaletrain.launch.config import LaunchConfig
 from scaletrain.launch.failures import preempted_note, summarize_failure
 from scaletrain.launch.guard import guarded_command, sigint_held
+from scaletrain.launch.interrupts import _Interrupts, _quiet_agent
 from scaletrain.launch.plan import Plan, make_plan
 from scaletrain.launch.rendezvous import Rounds, agent_rendezvous, counted
 
@@ -51,7 +51,6 @@ __all__ = [
 ]
 
 _PROG = "scaletrain launch"
-_STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 AGENT_SIGNALS = "SIGTERM,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2"
 """What torch's agent forwards to the workers, waiting for them to end. Ctrl-C is not
 among them: it is the launcher's to handle (see _Interrupts); with torch's handler a
@@ -164,141 +163,6 @@ def _launch_environ(cfg: LaunchConfig, plan: Plan) -> Iterator[None]:
     finally:
         os.environ.clear()
         os.environ.update(saved)
-
-
-def _child_pids() -> list[int]:
-    """This process's children (the agent's workers), from /proc; [] where there is none."""
-    me = os.getpid()
-    children = []
-    with contextlib.suppress(OSError):
-        for entry in os.scandir("/proc"):
-            if not entry.name.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry.name}/stat", encoding="utf-8") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            # Fields after the ")" that closes the command name: state, ppid, ...
-            if int(stat.rpartition(")")[2].split()[1]) == me:
-                children.append(int(entry.name))
-    return children
-
-
-class _Interrupts:
-    """Ctrl-C in the launcher: the first asks the workers to stop, the second kills them.
-
-    The workers run in sessions of their own (torch starts them so), so a terminal's
-    Ctrl-C reaches only this process. The first one becomes torch's own shutdown with
-    SIGINT: the agent forwards it and waits for the workers (a scaletrain worker
-    finishes its step, saves and exits). The second one kills every worker's process
-    group at once: the user means now. `workers` lists the processes it kills (all of
-    this process's children by default) and `prog` names the launcher in its notice.
-    """
-
-    def __init__(
-        self, quiet: bool, *, prog: str = _PROG, workers: Callable[[], list[int]] | None = None
-    ) -> None:
-        self.quiet = quiet
-        self.prog = prog
-        self.workers = workers or _child_pids
-        self.count = 0
-        self._previous: Any = None
-        self._others: dict[signal.Signals, Any] = {}
-        self._hushed: list[tuple[Any, int]] = []
-
-    def __enter__(self) -> _Interrupts:
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
-            # Until torch installs its own handlers (when the workers start), a stop
-            # signal during the rendezvous would end this process silently.
-            self._others = {sig: signal.signal(sig, self._stop) for sig in _STOP_SIGNALS}
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-        for sig, handler in self._others.items():
-            signal.signal(sig, handler)
-        for logger, level in self._hushed:
-            logger.setLevel(level)
-
-    @staticmethod
-    def _stop(signum: int, frame: Any) -> None:
-        from torch.distributed.elastic.multiprocessing.api import SignalException
-
-        raise SignalException(
-            f"received {signal.Signals(signum).name}", sigval=signal.Signals(signum)
-        )
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        self.count += 1
-        if self.count == 1:
-            from torch.distributed.elastic.multiprocessing.api import SignalException
-
-            if not self.quiet:
-                print(
-                    f"\n{self.prog}: Ctrl-C: asking the workers to stop (Ctrl-C again to kill them "
-                    "now).",
-                    file=sys.stderr,
-                    flush=True,
-                )
-            # That line says it: the agent's warnings that it got the signal and passes
-            # it on (one per worker) would say it again. Its errors still show.
-            if not self.quiet:  # quiet: the agent's loggers are hidden already
-                import logging
-
-                self._hushed = _raise_levels(logging.ERROR)
-            raise SignalException("Ctrl-C", sigval=signal.SIGINT)
-        for pid in self.workers():
-            with contextlib.suppress(OSError):
-                os.killpg(pid, signal.SIGKILL)
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
-        print(
-            "\nscaletrain: second Ctrl-C: killed the workers; nothing more was saved.",
-            file=sys.stderr,
-            flush=True,
-        )
-
-
-@contextlib.contextmanager
-def _quiet_agent(
-    quiet: bool, prefixes: Sequence[str] = ("torch.distributed.elastic",)
-) -> Iterator[None]:
-    """Hide the elastic agent's own log lines (workers' closing signals, its failure
-    table) where the launcher prints its own summary of what happened; `prefixes` are
-    the loggers hidden, with every logger below them."""
-    if not quiet:
-        yield
-        return
-    import logging
-
-    saved = _raise_levels(logging.CRITICAL, prefixes)
-    try:
-        yield
-    finally:
-        for logger, level in saved:
-            logger.setLevel(level)
-
-
-def _raise_levels(
-    level: int, prefixes: Sequence[str] = ("torch.distributed.elastic",)
-) -> list[tuple[Any, int]]:
-    """Set the loggers under `prefixes` to `level`; (logger, its level before) to restore.
-    torch gives each elastic module a logger with its own level, so the parent's level
-    is not enough: every one of them is raised."""
-    import logging
-
-    loggers = [logging.getLogger(prefix) for prefix in prefixes] + [
-        logger
-        for name, logger in logging.Logger.manager.loggerDict.items()
-        if name.startswith(tuple(p + "." for p in prefixes)) and isinstance(logger, logging.Logger)
-    ]
-    saved = [(logger, logger.level) for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(max(level, logger.level))
-    return saved
 
 
 def agent_config(plan: Plan, cfg: LaunchConfig) -> Any:
