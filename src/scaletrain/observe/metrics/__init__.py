@@ -2,8 +2,9 @@
 
 - `phases`: the names of a step's phases (part of the on-disk format).
 - `clocks`: wall-clock and CUDA-event timelines of the phase switches.
-- `ledger`: the state machine the hooks drive; `hooks` puts it on a model, a loader and
-  an optimizer, `attach` gives a Runtime its ledger.
+- `ledger`: the state machine the hooks drive (`switching`: its phases and the hooks'
+  entry points); `hooks` puts it on a model, a loader and an optimizer, `attach` gives a
+  Runtime its ledger.
 - `series`, `window`: a window's per-step numbers and the one all-gather that shares
   them; `stragglers` names the rank that holds the job back; `runqueue` reads how long
   a thread waited for a CPU.

@@ -9,12 +9,10 @@ from the previous optimizer step's end to this one's). A switch costs one clock 
 the only collective is one small all-gather every K steps (and at steps 10 and 20, so a
 straggler is named early).
 
-Bracketed phases (data, optimizer, sync) sit on a stack over the loop's base phase
-(h2d -> forward -> backward -> comm -> other); evaluation and checkpoints are modes that
-absorb everything inside them (an evaluation's own loader waits and reductions count as
-eval). Compiling (torch.compile, told by dynamo's compile callbacks: see
-`compile_begin`) overrides them all: while torch compiles, nothing else runs on the
-thread, whichever phase it interrupted.
+Which phase the time belongs to, and how each hook switches it (bracketed phases,
+modes, compiling over them all), is the state machine's part, in
+scaletrain.observe.metrics.switching; this module holds the rest: the steps, the
+windows, the records and the end.
 
 A step that compiled is flagged "compile" and, like the warm-up step, left out of the
 statistics: window medians (so of the straggler scores), the run's means, the step time
@@ -38,15 +36,8 @@ from typing import Any, Literal
 
 from scaletrain.observe.metrics.clocks import CudaTimeline, StepTimes, Timeline, WallTimeline
 from scaletrain.observe.metrics.phases import (
-    BACKWARD,
-    CHECKPOINT,
-    COMM,
     COMPILE,
-    DATA,
     EVAL,
-    FORWARD,
-    H2D,
-    OPTIMIZER,
     OTHER,
     PHASES,
     SYNC,
@@ -61,6 +52,7 @@ from scaletrain.observe.metrics.records import (
 from scaletrain.observe.metrics.runqueue import RunQueueClock
 from scaletrain.observe.metrics.series import CompileTally, Reduced, Series, Totals, union_length
 from scaletrain.observe.metrics.stragglers import Straggler, StragglerDetector, StragglerOptions
+from scaletrain.observe.metrics.switching import PhaseMachine
 from scaletrain.observe.metrics.window import RankWindow, WindowStats, pack, summarize, unpack
 
 __all__ = ["EARLY_WINDOWS", "Gather", "LedgerConfig", "StepLedger", "in_phase"]
@@ -105,7 +97,7 @@ def in_phase(ledger: StepLedger | None, phase: int, *, mode: bool = False) -> It
         (ledger.end_mode if mode else ledger.pop)(phase)
 
 
-class StepLedger:
+class StepLedger(PhaseMachine):
     """One rank's ledger. Made by `st.init` (as `rt.ledger`); hooks drive it."""
 
     def __init__(
@@ -226,20 +218,6 @@ class StepLedger:
         """Optimizer steps done (resumed ones included)."""
         return self.start_step + self.closed
 
-    # -- switching --------------------------------------------------------------------
-    def _switch(self) -> None:
-        if self._compiling:
-            new = COMPILE
-        elif self._modes:
-            new = self._modes[-1]
-        elif self._stack:
-            new = self._stack[-1]
-        else:
-            new = self._base
-        if new != self._cur:
-            self._timeline.switch(self._cur)
-            self._cur = new
-
     def _activate(self) -> None:
         # Time before the first hook (building the model, loading data) is no step's.
         self._active = True
@@ -250,142 +228,6 @@ class StepLedger:
         self._cpu_last = time.process_time()
         if self.profile is not None:
             self.profile.maybe_start(self, self.step + 1)
-
-    def push(self, phase: int) -> None:
-        if self._finished:
-            return
-        if not self._active:
-            self._activate()
-        self._stack.append(phase)
-        self._switch()
-
-    def pop(self, phase: int) -> None:
-        if self._stack and self._stack[-1] == phase:
-            self._stack.pop()
-            self._switch()
-
-    def data_arrived(self) -> None:
-        """The loader handed out a batch: until forward starts, it is on its way (h2d)."""
-        if self._stack and self._stack[-1] == DATA:
-            self._stack.pop()
-            if self._base == OTHER:
-                self._base = H2D
-            self._switch()
-
-    def set_base(self, phase: int) -> None:
-        if self._finished:
-            return
-        if not self._active:
-            self._activate()
-        self._base = phase
-        self._switch()
-
-    def begin_mode(self, phase: int) -> None:
-        """Evaluation or a checkpoint: everything until end_mode counts as `phase`."""
-        if self._finished:
-            return
-        if not self._active:
-            self._activate()
-        self._modes.append(phase)
-        self._switch()
-
-    def end_mode(self, phase: int) -> None:
-        if phase in self._modes:
-            del self._modes[len(self._modes) - 1 - self._modes[::-1].index(phase)]
-            self._switch()
-
-    def compile_begin(self) -> None:
-        """torch.compile started compiling (dynamo's start callback, on the thread that
-        compiles: forward's, or the autograd engine's for a backward compiled lazily at
-        its first run): until `compile_end`, the time is compile's. The step is flagged
-        "compile" (left out of the statistics). Before the first hook (no step yet) and
-        after the end it is nobody's."""
-        if self._finished or not self._active:
-            return
-        self._compiling += 1
-        if self._compiling == 1:
-            if "compile" not in self._flags:
-                self._flags.append("compile")
-            self._switch()
-
-    def compile_end(self) -> None:
-        if self._compiling:
-            self._compiling -= 1
-            if not self._compiling:
-                self._switch()
-
-    # -- hook entry points ------------------------------------------------------------
-    def forward_begin(self, grad_enabled: bool) -> None:
-        if not grad_enabled:
-            # A forward without gradients in the training loop: evaluation, which lasts
-            # until the next training forward.
-            if not self._sticky_eval:
-                self._sticky_eval = True
-                self.begin_mode(EVAL)
-            return
-        if self._sticky_eval:
-            self._sticky_eval = False
-            self.end_mode(EVAL)
-        flops = self.flops
-        first = flops is not None and self.closed == 0 and not flops.active
-        if first and flops.total is None and not flops.start():
-            self.flops = None
-            self.say(
-                "scaletrain: no FLOP count, so no MFU: the model was compiled after "
-                "rt.setup, and counting inside torch.compile would keep it from ever "
-                "compiling. Fix: torch.compile(model) before rt.setup(model, ...) for MFU."
-            )
-        self.set_base(FORWARD)
-
-    def end_eval(self) -> None:
-        """Evaluation is over (the trainer says so; a plain loop's next training forward
-        does too)."""
-        if self._sticky_eval:
-            self._sticky_eval = False
-            self.end_mode(EVAL)
-
-    def backward_begin(self) -> None:
-        self._bwd_start = time.perf_counter()
-        self.set_base(BACKWARD)
-
-    def compute_end(self) -> None:
-        """Backward's last gradient is computed; what remains is waiting on collectives."""
-        self._spans.append((self._bwd_start, time.perf_counter()))
-        self.set_base(COMM)
-
-    def backward_end(self) -> None:
-        self.set_base(OTHER)
-
-    def bucket(self, ready: float, done: float) -> None:
-        """A gradient bucket's all-reduce ran from `ready` to `done` (perf_counter)."""
-        self._buckets.append((ready, done))
-
-    def optimizer_begin(self) -> None:
-        if CHECKPOINT in self._modes:
-            # Loading optimizer state runs a step of zero gradients to create it
-            # (torch.distributed.checkpoint's state-dict API): no training step.
-            self._loading_steps += 1
-            return
-        if self.flops is not None and self.flops.active:
-            # The model's FLOPs, for MFU: a checkpoint's recomputation left out.
-            self.flops_per_step = float(self.flops.stop() - getattr(self.flops, "recomputed", 0))
-            self._flags.append("flops")
-            self._write_flops()
-            for problem in getattr(self.flops, "problems", ()):
-                self.say(
-                    f"scaletrain: the FLOP count (for MFU) left out {problem}; the MFU shown "
-                    "is a lower bound."
-                )
-        self.push(OPTIMIZER)
-
-    def optimizer_end(self) -> None:
-        if self._loading_steps:
-            self._loading_steps -= 1
-            return
-        self.pop(OPTIMIZER)
-        self._base = OTHER
-        self._switch()
-        self._close_step()
 
     # -- steps and windows ------------------------------------------------------------
     def _close_step(self) -> None:
