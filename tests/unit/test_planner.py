@@ -673,3 +673,67 @@ def test_layouts_a_plan_cannot_price_are_refused_before_the_profile(
             st.plan("llama", devices=devices, hardware="h100-sxm", layouts=[layout])
     with pytest.raises(ConfigError, match=r"convnet has no layers tensor parallel splits\. Fix"):
         st.plan("convnet", devices=2, hardware="h100-sxm", layouts=[Layout("tensor", tp=2)])
+
+
+def test_the_table_speaks_per_device_and_says_what_it_left_out(tmp_path: Path) -> None:
+    """A model without a sequence showed samples/s of the whole job beside tokens/s per
+    device for the others; a note every row has was printed under each; tensor-parallel
+    degrees and pipelines left out were never explained; one link printed as "1 GB/s"
+    and the other as "1.3 GB/s" for the same 1.32 GB/s."""
+    from scaletrain.hardware import load
+
+    p = st.plan("convnet", devices=8, hardware="h100-sxm")
+    row, text = p.row("ddp dp=8"), p.table()
+    assert p.tokens_per_device(row) * 8 == pytest.approx(p.throughput(row))
+    assert "samples/s/dev" in text.splitlines()[1]
+    assert f"{p.tokens_per_device(p.recommended):,.0f} samples/s per device" in p.reason  # type: ignore[arg-type]
+    assert text.count("kernel launches, not the arithmetic") == 1
+    assert "\nevery row: kernel launches, not the arithmetic" in text
+    assert "not planned: pipeline pp=8: convnet has 5 top-level layers" in text
+    llama = st.plan("llama", devices=8, hardware="h100-sxm").table()
+    assert "not planned: tp=8: tensor parallel cannot split the attention heads" in llama
+    one = st.plan("gpt", devices=2, batch_size=1, hardware="h100-sxm").skipped
+    assert one == ["pipeline pp=2: no count of 2 or more microbatches divides batch_size=1. "
+                   "Fix: batch_size=2 or a multiple"]  # fmt: skip
+    slow = replace(load("h100-sxm"), intra=Link(5e-6, 1.32e9), inter=Link(5e-6, 1.32e9))
+    path = write(slow, tmp_path / "slow.toml")
+    assumptions = st.plan("gpt", devices=2, hardware=str(path)).assumptions
+    assert "links: 1.32 GB/s inside a node, 1.32 GB/s per device between nodes" in assumptions
+
+
+def test_nothing_fits_suggests_only_what_is_not_done_yet(tmp_path: Path) -> None:
+    from scaletrain.hardware import load
+
+    tiny = write(replace(load("h100-sxm"), memory=2**20), tmp_path / "tiny.toml")
+    p = st.plan("gpt", devices=1, batch_size=1, ac="full", precision="bf16-mixed",
+                hardware=str(tiny))  # fmt: skip
+    assert p.recommended is None
+    assert p.reason.endswith("Fix: more devices"), p.reason
+
+
+def test_a_small_models_offload_row_pays_its_host_optimizer_ops() -> None:
+    """PyTorch's CPU optimizer dispatches op by op: priced by the host's memory pace
+    alone, a convnet's offload row was faster than the same layout on the device."""
+    p = st.plan("convnet", devices=8, hardware="h100-sxm")
+    assert p.row("fsdp dp=8 offload").time.total > p.row("fsdp dp=8").time.total
+
+
+def test_plan_refuses_arguments_of_the_wrong_type_in_its_own_words() -> None:
+    for kw, words in (
+        ({"recipe": "gpt", "seq_len": "32"}, r"seq_len='32': expected a positive whole number"),
+        ({"recipe": "gpt", "seq_len": 32.5}, r"seq_len=32\.5: expected a positive whole number"),
+        ({"recipe": "gpt", "layouts": ["ddp"]}, r"layouts=\['ddp', \.\.\.\]\): expected Layout"),
+        ({"model": nn.Linear(4, 4)}, r"model=Linear\(.*\): expected a name, e.g\. recipe='gpt'"),
+    ):
+        with pytest.raises(ConfigError, match=words):
+            st.plan(devices=2, hardware="h100-sxm", **kw)  # type: ignore[arg-type]
+    with pytest.raises(KeyError, match=r"no row 'zero2'; the rows: ddp dp=2, fsdp-keep dp=2"):
+        st.plan("gpt", devices=2, hardware="h100-sxm").row("zero2")
+
+
+def test_the_python_example_of_the_docs_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.docblocks import example
+
+    exec(compile(example("plan-api"), "docs/plan.md", "exec"), {})
+    out = capsys.readouterr().out
+    assert "fsdp x tp dp=4,tp=2 sp" in out and "recommended: " in out

@@ -7,4 +7,6 @@ of N devices into a `Plan`, check.py sets a finished run beside its plan, comman
 is the CLI.
 """
 
-__all__: list[str] = []
+from scaletrain.planner.layout import Layout
+
+__all__ = ["Layout"]

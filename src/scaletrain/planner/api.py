@@ -5,6 +5,7 @@ GPUs takes the seconds of one fake forward and backward (the model's profile).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from scaletrain.errors import ConfigError, spell, unknown
@@ -41,12 +42,17 @@ class Plan:
     recommended: Estimate | None
     reason: str
     assumptions: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    """Layouts of the devices not planned, each with the reason."""
 
     def row(self, label: str) -> Estimate:
+        """The row of a layout's label ("fsdp dp=8") or strategy ("fsdp": its first)."""
         for r in self.rows:
             if r.layout.label == label or r.layout.strategy == label:
                 return r
-        raise KeyError(label)
+        raise KeyError(
+            f"no row {label!r}; the rows: {', '.join(r.layout.label for r in self.rows)}"
+        )
 
     def throughput(self, row: Estimate) -> float:
         """Samples per second of the whole job (every replica takes `batch_size`)."""
@@ -71,8 +77,8 @@ class Plan:
         tokens = self.profile.tokens != self.profile.batch_size
         sizes = " ".join(f"{c:>7}" for c in ("params", "grads", "optim", "acts", "buffers", "peak"))
         times = " ".join(f"{c:>8}" for c in ("compute", "comm", "bubble", "step"))
-        rate = "tok/s/dev" if tokens else "samples/s"
-        head = f"{'layout':<30} {'fits':<4} {sizes} | {times} {rate:>10} {'mfu':>5}"
+        rate = "tok/s/dev" if tokens else "samples/s/dev"
+        head = f"{'layout':<30} {'fits':<4} {sizes} | {times} {rate:>13} {'mfu':>5}"
         prof = self.profile
         seq = f", {prof.tokens // prof.batch_size:,} tokens a sample" if tokens else ""
         lines = [
@@ -85,18 +91,23 @@ class Plan:
             head,
             "-" * len(head),
         ]
+        # A note every row has (launch-bound steps, mostly) is said once, after them.
+        common = [n for n in self.rows[0].notes if all(n in r.notes for r in self.rows[1:])]
+        common = common if len(self.rows) > 1 else []
         for r in self.rows:
             m, t, mfu = r.memory, r.time, self.mfu(r)
             parts = (m.params, m.grads, m.optimizer, m.activations, m.buffers, m.total)
             sizes = " ".join(f"{v / scale:7.1f}" for v in parts)
             times = " ".join(f"{v * 1e3:8.1f}" for v in (t.compute, t.exposed, t.bubble, t.total))
-            thr = self.tokens_per_device(r) if tokens else self.throughput(r)
             lines.append(
                 f"{r.layout.label + ('*' if r is self.recommended else ''):<30} "
-                f"{'yes' if r.fits else 'NO':<4} {sizes} | {times} {thr:10,.0f} "
+                f"{'yes' if r.fits else 'NO':<4} {sizes} | {times} "
+                f"{self.tokens_per_device(r):13,.0f} "
                 f"{'' if mfu is None else f'{mfu:5.0%}'}"
             )
-            lines.extend(f"    {n}" for n in r.notes)
+            lines.extend(f"    {n}" for n in r.notes if n not in common)
+        lines.extend(f"every row: {n}" for n in common)
+        lines.extend(f"not planned: {s}" for s in self.skipped)
         lines.append(f"recommended: {self.reason}")
         lines.extend(f"assumption: {a}" for a in self.assumptions)
         return "\n".join(lines)
@@ -107,6 +118,31 @@ def _count(n: int) -> str:
     if n >= 10**9:
         return f"{n / 1e9:,.1f}B"
     return f"{n / 1e6:,.1f}M" if n >= 10**6 else f"{n:,}"
+
+
+def _skipped(
+    rows: list[Layout], cannot: Callable[[Layout], str | None], devices: int, layers: int,
+    batch: int, name: str,
+) -> list[str]:  # fmt: skip
+    """Why the tensor-parallel degrees and the pipeline of all the devices that a plan
+    leaves out are left out."""
+    out, seen = [], set()
+    for x in rows:
+        if (why := cannot(x)) and x.tp not in seen:
+            seen.add(x.tp)
+            out.append(f"tp={x.tp}: {why.partition('. Fix:')[0]}")
+    if devices > 1 and not any(x.strategy == "pipeline" for x in rows):
+        out.append(
+            f"pipeline pp={devices}: {name} has {layers} top-level layers" if layers < devices
+            else f"pipeline pp={devices}: no count of {devices} or more microbatches divides "
+            f"{spell('batch_size', batch)}. Fix: {spell('batch_size', devices)} or a multiple"
+        )  # fmt: skip
+    return out
+
+
+def _gbs(bandwidth: float) -> str:
+    """450, 12.5, 1.32: GB/s to three figures."""
+    return f"{bandwidth / 1e9:,.0f}" if bandwidth >= 1e11 else f"{bandwidth / 1e9:.3g}"
 
 
 def _whole(key: str, value: object) -> None:
@@ -125,18 +161,24 @@ def _recommend(plan: Plan) -> tuple[Estimate | None, str]:
     fitting = [r for r in fitting if not r.layout.offload] or fitting
     fitting.sort(key=lambda r: (-round(plan.throughput(r), 9), r.memory.total))
     if not fitting:
+        fixes = [
+            "more devices",
+            f"a smaller {spell('batch_size')}" if plan.batch_size > 1 else "",
+            spell("ac", "full") if not plan.profile.ac.startswith("full") else "",
+            spell("precision", "bf16-mixed") if plan.precision == "32" else "",
+            "a hardware file with a [host] table (FSDP's CPU offload)"
+            if plan.hardware.host is None and plan.devices > 1 else "",
+        ]  # fmt: skip
+        *most, last = [f for f in fixes if f]
         return None, (
-            "nothing fits: every layout overflows a device (the rows marked NO). Fix: more "
-            f"devices, a smaller {spell('batch_size')}, {spell('ac', 'full')} or "
-            f"{spell('precision', 'bf16-mixed')} (smaller activations), or a hardware file "
-            "with a [host] table (FSDP's CPU offload)"
+            "nothing fits: every layout overflows a device (the rows marked NO). Fix: "
+            + ", ".join(most)
+            + (", or " if most else "")
+            + last
         )
     best = fitting[0]
-    tokens = plan.profile.tokens != plan.profile.batch_size
-    rate = (
-        f"{plan.tokens_per_device(best):,.0f} tokens/s per device" if tokens
-        else f"{plan.throughput(best):,.1f} samples/s"
-    )  # fmt: skip
+    unit = "tokens" if plan.profile.tokens != plan.profile.batch_size else "samples"
+    rate = f"{plan.tokens_per_device(best):,.0f} {unit}/s per device"
     why = f"{best.layout.label}: the highest throughput that fits, {rate}"
     if len(fitting) > 1:
         ratio = plan.throughput(best) / max(plan.throughput(fitting[1]), 1e-12)
@@ -177,6 +219,12 @@ def plan(
             "leave out layouts for every layout of the devices.",
             field="layouts",
         )
+    if bad := [x for x in layouts or () if not isinstance(x, Layout)]:
+        raise ConfigError(
+            f"plan(..., layouts=[{bad[0]!r}, ...]): expected Layout objects. Fix: e.g. "
+            "layouts=[Layout('fsdp', dp=8)] (from scaletrain.planner import Layout).",
+            field="layouts",
+        )
     hw = load(hardware) if hardware is not None else load_calibrated()
     planned = resolve_model(recipe, model, seq_len=seq_len, batch_size=batch_size)
     batch, net, seq = batch_size or planned.batch_size, planned.net, planned.seq_len or 0
@@ -199,7 +247,7 @@ def plan(
             return str(exc)
         return None
 
-    layers = len(list_layers(net))
+    layers, skipped = len(list_layers(net)), []
     for x in layouts or ():  # before the profile, which takes minutes for a large model
         where = f"plan(..., layouts=[...]): {x.label}"
         if x.devices != devices:
@@ -249,6 +297,7 @@ def plan(
             offload=hw.host is not None, sequence=bool(sp_blocks),
         )  # fmt: skip
         layouts = [x for x in rows if not cannot(x) and not (x.sp and seq % x.tp)]
+        skipped = _skipped(rows, cannot, devices, layers, batch, planned.name)
     # A sharded FSDP row's step runs in the compute dtype (cost.gathered): a profile of
     # its own, taken only where a row needs it.
     shapes = {
@@ -268,7 +317,7 @@ def plan(
         hardware=hw, precision=precision, batch_size=batch,
         profile=next(iter(shapes.values())).profile,
         rows=[estimate(x, shapes[gathered(x, precision)], hw, batch) for x in layouts],
-        recommended=None, reason="",
+        recommended=None, reason="", skipped=skipped,
     )  # fmt: skip
     result.recommended, result.reason = _recommend(result)
     dtype = DTYPE[precision]
@@ -276,8 +325,8 @@ def plan(
         f"matmuls at {hw.matmul_flops(dtype) / 1e12:,.1f} TFLOP/s ({dtype}), other kernels at "
         f"{hw.memory_bandwidth / 1e9:,.0f} GB/s, {hw.launch * 1e6:.1f} us per kernel launch: "
         + hw.sources.get("flops", hw.sources.get("efficiency", "the hardware file")),
-        f"links: {hw.intra.bandwidth / 1e9:,.0f} GB/s inside a node, "
-        f"{hw.inter.bandwidth / 1e9:,.1f} GB/s per device between nodes",
+        f"links: {_gbs(hw.intra.bandwidth)} GB/s inside a node, "
+        f"{_gbs(hw.inter.bandwidth)} GB/s per device between nodes",
     ]
     if compile:
         fused = "planner.cost.COMPILED_BYTES, COMPILED_KERNELS"

@@ -30,7 +30,8 @@ see COMPILED_BYTES). Communication is alpha-beta over the link each group spans
 - FSDP: the next unit's all-gather runs during this unit's compute (prefetch); the
   first gather of each pass, what outlasts the compute and the last reduce-scatter are
   exposed. With CPU offload each shard is copied in before its gather and out after
-  its reduce-scatter (`Host.bandwidth`), and the optimizer steps on the host, exposed.
+  its reduce-scatter (`Host.bandwidth`), and the optimizer steps on the host, exposed:
+  its memory's pace (`Host.memory_bandwidth`) and a dispatch per op (`launch`).
 - Tensor parallel: its collectives sit between a block's matmuls, exposed, in the
   forward, the backward and any recomputation. Sequence parallel makes each all-reduce
   a reduce-scatter and all-gathers each colwise layer's input.
@@ -201,6 +202,14 @@ class Model:
             (a / total[0], b / total[1], c / total[2])
             for a, b, c in zip(par, work, acts, strict=True)
         ]
+
+    def blocks_in_one_stage(self, pp: int) -> bool:
+        """Whether one of pp stages holds every block (FSDP's units) of a model of
+        several: one of its top-level layers holds them all."""
+        stages = [[m for x in s for m in x.members] for s in split_layers(self.layers, pp)]
+        return len(self.units) > 1 and any(
+            all(any(u == m or u.startswith(m + ".") for m in s) for u in self.units) for s in stages
+        )
 
     def unit_params(self) -> list[float]:
         """Parameters (bytes at training precision) of each FSDP unit and of the root
@@ -392,8 +401,11 @@ def step_time(layout: Layout, model: Model, hw: Hardware, batch: int) -> StepTim
         per_tensor, chunks = p.optimizer.kernels / max(1, p.tensors), p.tensors * par / MULTI_TENSOR
         opt_work = Work(0.0, opt_work.bytes, math.ceil(per_tensor * math.ceil(chunks)))
     opt_s, _ = _seconds(opt_work, hw, "fp32", False)
-    if layout.offload and (host := hw.host):  # the host's kernels: bound by its memory, no launches
+    if layout.offload and (host := hw.host):
+        # PyTorch's CPU optimizer runs op by op, tensor by tensor (foreach is a GPU's):
+        # its memory's pace plus a dispatch per op, priced as a kernel's launch.
         opt_s = p.optimizer.bytes * par / layout.dp / host.memory_bandwidth
+        opt_s += p.optimizer.kernels * par * hw.launch
     work, comm, exposed, bubble = fwd_s + bwd_s, 0.0, 0.0, 0.0
     if layout.dp > 1 and layout.stage:
         comm, exposed = _fsdp(layout, model, hw, fwd_s, bwd_s)
@@ -424,10 +436,11 @@ def estimate(layout: Layout, model: Model, hw: Hardware, batch: int) -> Estimate
         full = f", over its {host.memory / 2**30:.1f} GiB" if mem.host > host.memory else ""
         held = f"{mem.host / 2**30:.1f} GiB" if mem.host >= 2**30 else f"{mem.host / 2**20:.1f} MiB"
         notes.append(f"{held} of states in host memory per device{full}")
-    if layout.pp > 1 and (top := max(x[0] for x in model.stage_shares(layout.pp))) > 0.75:
+    if layout.pp > 1 and model.blocks_in_one_stage(layout.pp):
         # Stages are whole top-level layers (as the pipeline strategy cuts them): a model
         # whose blocks sit inside one of them (a Hugging Face model's `model`) is not split.
         names = ", ".join(m for x in model.layers for m in x.members)
+        top = max(x[0] for x in model.stage_shares(layout.pp))
         notes.append(
             f"one stage holds {top:.0%} of the parameters: stages are whole top-level layers "
             f"({names}), and this model's blocks sit inside one of them"

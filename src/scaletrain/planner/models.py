@@ -74,8 +74,18 @@ def resolve_model(
             "Fix: give one of them.",
             field="model",
         )
+    for name, given in (("recipe", recipe), ("model", model)):
+        if given is not None and not isinstance(given, str):
+            raise ConfigError(
+                f"{spell(name, given)}: expected a name, e.g. {spell('recipe', 'gpt')}, "
+                f"{spell('model', 'mymodel.py:build')} or {spell('model', 'path/config.json')}. "
+                "Fix: the module and factory that build the model, not the model itself.",
+                field=name,
+            )
     for field, value in (("seq_len", seq_len), ("batch_size", batch_size)):
-        if value is not None and (isinstance(value, bool) or value <= 0):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value <= 0
+        ):
             raise ConfigError(
                 f"{spell(field, value)}: expected a positive whole number. Fix: "
                 f"{spell(field, 1)} or more, or leave it out for the model's default.",
