@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import os
 import sys
 from collections.abc import Iterator, Sequence
@@ -178,7 +179,12 @@ def _cmd_env() -> int:
     from scaletrain.env import detect
     from scaletrain.env.report import describe
 
-    console = Console()
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:
+            # rich's own exits with code 1; main() ends a closed stdout's command with 141.
+            raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))
+
+    console = _Console()
     env = detect()
     table = Table(title="scaletrain env", show_header=False, title_justify="left")
     table.add_column("what", style="bold")
@@ -218,7 +224,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             # Started with Ctrl-C held (launch/guard.py): one pressed while this worker
             # started raises KeyboardInterrupt here, below, not inside an import.
             release_sigint()
-        return _main(argv)
+        try:
+            code = _main(argv)
+        except SystemExit as exc:
+            # argparse's --help, --version and usage errors. What they printed is written
+            # here, where a reader gone away is seen, not by Python at exit (which says
+            # "Exception ignored ... BrokenPipeError" and exits 120); and argparse drops
+            # the broken pipe of a write it could not make (--help's exit code was 0).
+            if exc.code in (None, 0) and _stdout_is_gone():
+                return _end_quietly()
+            _flush_stdout()
+            raise
+        _flush_stdout()
+        return code
     except KeyboardInterrupt:
         # Ctrl-C before any worker started (or in a one-process command): no traceback.
         # A worker of `scaletrain train` stays quiet: its launcher says it, once.
@@ -228,15 +246,46 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         # The reader of stdout went away (`scaletrain plan ... | head`): stop quietly, as
         # `ls | head` does. Only stdout's: another pipe or socket (the user's code's) is
-        # an error to show. Python would flush stdout again at exit and print a second
-        # error: stdout is pointed at /dev/null first.
-        try:
-            sys.stdout.flush()
-        except BrokenPipeError:
-            with contextlib.suppress(AttributeError, OSError, ValueError):
-                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            return _EXIT_BROKEN_PIPE
+        # an error to show.
+        if _stdout_is_gone():
+            return _end_quietly()
         raise
+
+
+def _end_quietly() -> int:
+    """A closed stdout's exit code. Python would flush stdout again at exit and print a
+    second error: stdout is pointed at /dev/null first."""
+    with contextlib.suppress(AttributeError, OSError, ValueError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return _EXIT_BROKEN_PIPE
+
+
+def _flush_stdout() -> None:
+    """Write what stdout still holds; a broken pipe raises (a stdout that is None or
+    closed, nothing to write to, is left alone)."""
+    with contextlib.suppress(AttributeError, ValueError):
+        sys.stdout.flush()
+
+
+def _stdout_is_gone() -> bool:
+    """Whether stdout's reader went away: what it still holds cannot be written, or,
+    where the failed write left nothing to hold (an unbuffered stdout, a line longer
+    than the buffer), its pipe or socket says no one reads it (poll: POLLERR, POLLHUP)."""
+    try:
+        _flush_stdout()
+    except BrokenPipeError:
+        return True
+    except OSError:
+        return False
+    try:
+        import select
+
+        poller = select.poll()  # not on Windows: AttributeError
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        events = poller.poll(0)
+    except (AttributeError, OSError, ValueError):  # a StringIO, a closed stdout
+        return False
+    return any(mask & (select.POLLERR | select.POLLHUP) for _, mask in events)
 
 
 @contextlib.contextmanager

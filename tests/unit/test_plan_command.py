@@ -121,6 +121,62 @@ def test_a_reader_that_goes_away_ends_the_plan_quietly(
         cli.main(["plan"])
 
 
+def test_env_whose_reader_is_gone_ends_quietly_with_141_too(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`scaletrain env` prints through rich, whose own broken-pipe rule exited 1."""
+    import io
+    import sys
+
+    class Gone(io.StringIO):
+        def write(self, text: str) -> int:
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self) -> None:
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(sys, "stdout", Gone())
+    assert cli.main(["env"]) == 141
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("entry", ["python -m scaletrain", "scaletrain"])
+def test_every_command_ends_quietly_with_141_when_its_reader_is_gone(entry: str) -> None:
+    """`scaletrain plan ... | head -3` printed a BrokenPipeError traceback and exited 1
+    (an unbuffered stdout: the failed write left nothing for the rule's flush to fail
+    on), or "Exception ignored ... BrokenPipeError" and 120 (Python's flush at exit,
+    after main returned); --help exited 0 (argparse drops the error). Through a real
+    pipe whose reader closes first, with both entry points."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    import scaletrain
+
+    script = shutil.which("scaletrain", path=str(Path(sys.executable).parent))
+    if entry == "python -m scaletrain":
+        command = [sys.executable, "-m", "scaletrain"]
+    elif script is not None:
+        command = [script]
+    else:  # not installed: what the console script runs
+        command = [sys.executable, "-c", "import sys; from scaletrain.cli import main; "
+                   "sys.exit(main())"]  # fmt: skip
+    env = dict(os.environ)
+    src = str(Path(scaletrain.__file__).parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
+    plan = ["plan", "--recipe", "split-net", "--devices", "2", "--hardware", "h100-sxm"]
+    for args, unbuffered in [(plan, "1"), (plan, ""), (["--help"], "1"), (["--version"], "")]:
+        env["PYTHONUNBUFFERED"] = unbuffered
+        proc = subprocess.Popen(
+            [*command, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        assert proc.stdout is not None
+        proc.stdout.close()  # as `| head` does once it has read its lines
+        _, err = proc.communicate(timeout=120)
+        assert (proc.returncode, err.decode()) == (141, ""), (args, unbuffered)
+
+
 def test_recipe_and_model_together_are_refused_by_the_parser(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
