@@ -146,6 +146,20 @@ def test_the_fixes_say_how() -> None:
         load("h2000")
 
 
+@pytest.mark.parametrize("value", ["", "  "])
+def test_an_empty_or_blank_name_is_neither_a_profile_nor_a_file(value: str) -> None:
+    """`--hardware ''` said "--hardware : . is a directory": Path("") is the working
+    directory."""
+    with pytest.raises(ConfigError) as info:
+        load(value)
+    message = str(info.value)
+    assert message.startswith(f"hardware={value!r} is neither a shipped hardware profile nor")
+    assert all(name in message for name in shipped())
+    use_cli_names(True)
+    with pytest.raises(ConfigError, match=f"^--hardware '{value}' is neither a shipped hard"):
+        load(value)
+
+
 def test_a_typo_in_a_file_gets_the_near_spelling(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"Fix: write it as `memory`"):
         load(_profile(tmp_path, "memroy = ", r"^memory = "))

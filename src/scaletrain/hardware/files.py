@@ -32,13 +32,14 @@ import json
 import math
 import os
 import re
+import shlex
 import sys
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from scaletrain.errors import ConfigError, closest, near_fix, spell
+from scaletrain.errors import ConfigError, closest, near_fix, say, spell
 from scaletrain.hardware.datasheet import datasheets
 from scaletrain.hardware.spec import COLLECTIVES, DTYPES, Hardware, Host, Link
 
@@ -76,10 +77,16 @@ def load(name_or_path: str | os.PathLike[str]) -> Hardware:
         path = PROFILES_DIR / f"{value}.toml"
     else:
         path = Path(value).expanduser()
-        looks_like_a_path = os.sep in value or value.endswith(".toml") or path.exists()
+        # An empty (or blank) value names no file: Path("") is ".", the working directory.
+        looks_like_a_path = value.strip() != "" and (
+            os.sep in value or value.endswith(".toml") or path.exists()
+        )
         if not looks_like_a_path:
+            shown = spell("hardware", value)
+            if not value.strip():  # `--hardware ` shows no value: `--hardware ''` does
+                shown = say(api=shown, cli=f"{spell('hardware')} {shlex.quote(value)}")
             raise ConfigError(
-                f"{spell('hardware', value)} is neither a shipped hardware profile nor a "
+                f"{shown} is neither a shipped hardware profile nor a "
                 f"file; expected one of {', '.join(names)}, or the path of a .toml "
                 "hardware file (`scaletrain plan --calibrate FILE` writes one for this "
                 "machine)." + near_fix("hardware", value, names),
