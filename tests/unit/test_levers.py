@@ -174,6 +174,19 @@ def test_the_blocks_are_the_fsdp_units_and_a_model_without_says_so() -> None:
         st.FSDP(ac="full").check_model(net, _topology())
 
 
+def test_a_model_without_blocks_is_refused_in_the_words_of_its_caller() -> None:
+    """A plan's refusal ended "... or train with --ac none": a plan trains nothing."""
+    with torch.device("meta"):
+        net = SplitNet()
+    with pytest.raises(ConfigError, match=r"^FSDP\(\.\.\.\): .* or train with ac='none'\.$"):
+        st.FSDP(ac="full").check_model(net, _topology())
+    with pytest.raises(ConfigError, match=r"^plan\(\.\.\.\): .* or plan with ac='none'\.$"):
+        st.plan("split-net", devices=2, hardware="h100-sxm", ac="full")
+    use_cli_names(True)
+    with pytest.raises(ConfigError, match=r"^--ac full .* or plan with --ac none\.$"):
+        st.plan("split-net", devices=2, hardware="h100-sxm", ac="full")
+
+
 def test_levers_twice_are_refused() -> None:
     model = GPT(SMALL)
     apply_levers(model, ac="full")

@@ -299,7 +299,7 @@ def profile_model(
             for m in model.modules()
         ]
         if ac != "none":
-            apply_levers(model, ac=ac, ac_every=ac_every, owner="plan(...)")
+            apply_levers(model, ac=ac, ac_every=ac_every, owner="plan(...)", doing="plan")
         for block in auto_wrap_targets(model):
             module = model.get_submodule(block)
             hooks.append(module.register_forward_hook(_collect))

@@ -255,17 +255,22 @@ def _restored(stats: list[torch.Tensor], inner: Any) -> Iterator[None]:
 
 
 def lever_blocks(
-    model: nn.Module, ac: str, blocks: Sequence[str] | None = None, owner: str = "strategy"
+    model: nn.Module,
+    ac: str,
+    blocks: Sequence[str] | None = None,
+    owner: str = "strategy",
+    doing: str = "train",
 ) -> list[str]:
     """The blocks the levers act on (default: auto_wrap_targets); ConfigError when
     checkpointing is asked of a model that has none. Works on the meta device, so a
-    launcher refuses such a model before any process starts."""
+    launcher refuses such a model before any process starts. `doing`: what the caller
+    does with the model ("train", "plan"), in the refusal's fix."""
     names = list(auto_wrap_targets(model) if blocks is None else blocks)
     if ac != "none" and not names:
         raise ConfigError(
             f"{say(api=f'{owner}: ', cli='')}{spell('ac', ac)} checkpoints a model's "
             f"repeated blocks, and this {type(model).__name__} has none. {_BLOCKS} Fix: "
-            f"group its layers into such blocks, or train with {spell('ac', 'none')}.",
+            f"group its layers into such blocks, or {doing} with {spell('ac', 'none')}.",
             field="ac",
         )
     return names
@@ -279,12 +284,14 @@ def apply_levers(
     compile: bool | str = False,
     blocks: Sequence[str] | None = None,
     owner: str = "strategy",
+    doing: str = "train",
 ) -> list[str]:
     """Checkpoint and/or compile `model`'s blocks in place; returns the blocks acted on.
 
     `blocks` are qualified module names (default: auto_wrap_targets). Applying the
     levers twice to one model is refused: a block checkpointed twice would recompute
-    twice.
+    twice. `doing`: what the caller does with the model ("train", "plan"), in a
+    refusal's fix.
     """
     if ac == "none" and not compile:
         return []
@@ -294,7 +301,7 @@ def apply_levers(
             f"{owner}: this {type(model).__name__} already had activation checkpointing or "
             "compile applied; set them once, on the strategy that sets the model up."
         )
-    names = lever_blocks(model, ac, blocks, owner)
+    names = lever_blocks(model, ac, blocks, owner, doing)
     modules = dict(model.named_modules())
     # Full: every block whole. Selective: every block's cheap ops (the op policy), or
     # with ac_every, every k-th block whole.
