@@ -18,6 +18,7 @@ __all__ = [
     "PeerFailure",
     "RankError",
     "ScaletrainError",
+    "article",
     "closest",
     "interface",
     "near_fix",
@@ -63,6 +64,24 @@ def spell(field: str, value: Any = _UNSET) -> str:
 def say(*, api: str, cli: str) -> str:
     """The words for the interface in use: an API call or the equivalent command."""
     return cli if _INTERFACE == "cli" else api
+
+
+def article(name: object) -> str:
+    """`name` after its indefinite article, for a type's name in a message: "an int",
+    "an OrderedDict", "a Tensor", "a UserDict" and "a OneCycleLR" (said you, won); an
+    initialism by its first letter's name: "an SGD", "an LSTM", "a GRU"."""
+    text = str(name)
+    if text[:2].isalpha() and text[:2].isupper():
+        vowel = text[0] in _LETTERS_SAID_WITH_A_VOWEL
+    else:
+        low = text.lower()
+        vowel = low[:1] in _VOWELS and not low.startswith(_SAID_AS_CONSONANT)
+    return f"{'an' if vowel else 'a'} {text}"
+
+
+_VOWELS = frozenset("aeiou")
+_SAID_AS_CONSONANT = ("eu", "one", "uni", "usa", "use", "usu", "uti", "uu")
+_LETTERS_SAID_WITH_A_VOWEL = frozenset("AEFHILMNORSX")
 
 
 def closest(value: object, choices: Sequence[str]) -> list[str]:

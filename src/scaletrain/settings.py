@@ -36,7 +36,7 @@ from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, NoReturn, TypeVar, get_args, get_origin
 
-from scaletrain.errors import ConfigError, closest, several
+from scaletrain.errors import ConfigError, article, closest, several
 from scaletrain.exitcodes import EXIT_USAGE
 from scaletrain.spellings import ALIASES, canonical
 
@@ -315,7 +315,7 @@ def read_config_file(
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(
-            f"config file {file} holds a {type(data).__name__}; expected a mapping of "
+            f"config file {file} holds {article(type(data).__name__)}; expected a mapping of "
             "setting: value, e.g. `recipe: gpt` and `max_steps: 100` on separate lines."
         )
     specs = {s.name: s for s in field_specs(cls) if s.base is not object}

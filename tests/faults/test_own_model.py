@@ -196,7 +196,7 @@ def test_a_model_module_that_breaks_the_protocol_is_refused_before_any_process(
     cases = {
         "badmod:nope": "badmod has no 'nope'. Its functions and classes: build, datasets",
         "badmod:build": "its factory takes arguments (width)",
-        "badmod:not_a_model": "the factory returned a int; expected a torch.nn.Module",
+        "badmod:not_a_model": "the factory returned an int; expected a torch.nn.Module",
         "nosuchmod:build": "no module 'nosuchmod' on the Python path",
         "badimport:build": "importing badimport raised ModuleNotFoundError: No module named "
         "'no_such_pkg_xyz'",

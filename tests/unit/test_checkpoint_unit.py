@@ -378,7 +378,7 @@ def test_foreign_model_names_the_differences(rt: st.Runtime, tmp_path: Path) -> 
 def test_mismatched_objects_are_named(rt: st.Runtime, tmp_path: Path) -> None:
     run, ckpt = _saved(rt, tmp_path)
     fresh = _Run(rt, _sgd)
-    with pytest.raises(CheckpointError, match="holds a AdamW state for 'optimizer', but a SGD"):
+    with pytest.raises(CheckpointError, match="holds an AdamW state for 'optimizer', but an SGD"):
         load_checkpoint(rt, ckpt, model=fresh.model, optimizer=fresh.opt)
     with pytest.raises(CheckpointError, match="has no stateful named 'warmup'; it holds: model"):
         load_checkpoint(rt, ckpt, model=fresh.model, warmup=fresh.sched)

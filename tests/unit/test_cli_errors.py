@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from scaletrain import cli
-from scaletrain.errors import closest, unknown
+from scaletrain.errors import article, closest, unknown
 
 
 @pytest.mark.parametrize(
@@ -128,3 +128,16 @@ def test_a_flag_from_elsewhere_is_not_taken_for_a_typo(
     with pytest.raises(SystemExit):
         cli.main(args)
     assert wrong not in capsys.readouterr().err
+
+
+def test_a_types_name_in_a_message_takes_the_article_it_is_said_with() -> None:
+    """The messages that name a value's type said "a int", "a AdamW", "a OrderedDict"."""
+    names = ["int", "OrderedDict", "AdamW", "Tensor", "list", "UserDict", "OneCycleLR"]
+    assert [article(n) for n in names] == [
+        "an int", "an OrderedDict", "an AdamW", "a Tensor", "a list", "a UserDict",
+        "a OneCycleLR",
+    ]  # fmt: skip
+    # An initialism by its first letter's name.
+    assert [article(n) for n in ["SGD", "LSTM", "MSELoss", "GRU", "URL"]] == [
+        "an SGD", "an LSTM", "an MSELoss", "a GRU", "a URL",
+    ]  # fmt: skip

@@ -146,6 +146,16 @@ def test_a_model_without_parameters_and_a_missing_name_speak_of_the_users_file(
     assert load_recipe(f"{module}:build").name == "usermod"
 
 
+def test_a_factory_that_returns_no_model_says_what_it_returned_with_its_article(
+    module: Path,
+) -> None:
+    """It said "the factory returned a int"."""
+    module.write_text(GOOD + "\ndef three():\n    return 3\n\ndef table():\n    return {}\n")
+    said = _refused(f"{module}:three")
+    assert "the factory returned an int; expected a torch.nn.Module" in said, said
+    assert "the factory returned a dict; expected" in _refused(f"{module}:table")
+
+
 def test_a_file_that_is_not_python_and_a_spec_of_two_colons_say_what_is_expected(
     module: Path,
 ) -> None:

@@ -56,7 +56,7 @@ from scaletrain.checkpoint.state import (
     restore_rng,
 )
 from scaletrain.dist.agreement import agree, attempt, describe
-from scaletrain.errors import CheckpointError
+from scaletrain.errors import CheckpointError, article
 
 __all__ = ["holdings", "load_checkpoint", "load_weights", "load_with"]
 
@@ -84,9 +84,9 @@ def _check_request(path: Path, manifest: Manifest, parts: State) -> None:
         saved = manifest.objects[name]
         if saved["class"] != classname(opt):
             raise CheckpointError(
-                f"checkpoint {path} holds a {saved['class']} state for {name!r}, but a "
-                f"{classname(opt)} was given. Build the same optimizer class as the run "
-                "that saved it."
+                f"checkpoint {path} holds {article(saved['class'])} state for {name!r}, but "
+                f"{article(classname(opt))} was given. Build the same optimizer class as the "
+                "run that saved it."
             )
         if saved.get("model") != owner:
             raise CheckpointError(
@@ -98,8 +98,9 @@ def _check_request(path: Path, manifest: Manifest, parts: State) -> None:
         saved = manifest.objects[name]
         if saved["class"] != classname(obj):
             raise CheckpointError(
-                f"checkpoint {path} holds a {saved['class']} state for {name!r}, but a "
-                f"{classname(obj)} was given. Build the same class as the run that saved it."
+                f"checkpoint {path} holds {article(saved['class'])} state for {name!r}, but "
+                f"{article(classname(obj))} was given. Build the same class as the run that "
+                "saved it."
             )
 
 
@@ -118,7 +119,8 @@ def _check_models(
         saved = manifest.objects[name]
         if saved.get("fingerprint") == fingerprint(table):
             continue
-        what = f"{classname(scope.unwrap(parts.models[name]))} (it saved a {saved.get('class')})"
+        saved_as = article(saved.get("class"))
+        what = f"{classname(scope.unwrap(parts.models[name]))} (it saved {saved_as})"
         raise _model_mismatch(path, name, saved.get("table", {}), table, what)
 
 

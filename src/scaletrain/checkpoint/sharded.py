@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import ReadItem
 
 from scaletrain.checkpoint.manifest import load_earlier
-from scaletrain.errors import CheckpointError
+from scaletrain.errors import CheckpointError, article
 
 __all__ = [
     "METADATA",
@@ -119,7 +119,7 @@ def read_metadata(ckpt: Path) -> Metadata:
             f"damaged: {load_earlier()}."
         ) from exc
     if not isinstance(metadata, Metadata):
-        raise CheckpointError(f"{path} holds a {type(metadata).__name__}, not DCP Metadata.")
+        raise CheckpointError(f"{path} holds {article(type(metadata).__name__)}, not DCP Metadata.")
     return metadata
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from scaletrain.errors import DatasetError
+from scaletrain.errors import DatasetError, article
 
 __all__ = ["read_cifar_batch", "unpickle"]
 
@@ -114,7 +114,7 @@ def unpickle(path: Path, dataset: str) -> dict[str, Any]:
         ) from exc
     if not isinstance(obj, dict):
         raise DatasetError(
-            f"{dataset}: {path} holds a {type(obj).__name__}, expected a dict with keys "
+            f"{dataset}: {path} holds {article(type(obj).__name__)}, expected a dict with keys "
             "'data' and labels; replace it with the file from the official CIFAR tarball."
         )
     # Keys are bytes when written by Python 3 with bytes keys, str when the

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from scaletrain.errors import ConfigError, PeerFailure
+from scaletrain.errors import ConfigError, PeerFailure, article
 
 __all__ = [
     "REDUCE_OPS",
@@ -349,7 +349,7 @@ def broadcast_object(obj: Any, src: int, *, world_size: int, name: str) -> Any:
     if int(size.item()) < 0:
         if mine:
             raise ConfigError(
-                f"{name}: the object on rank {src}, a {type(obj).__name__}, cannot be "
+                f"{name}: the object on rank {src}, {article(type(obj).__name__)}, cannot be "
                 f"pickled ({problem}); expected plain data (numbers, strings, lists, dicts, "
                 "tensors on the CPU). Fix: broadcast what it is made from instead."
             )

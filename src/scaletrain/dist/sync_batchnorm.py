@@ -84,7 +84,7 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from scaletrain.errors import ConfigError
+from scaletrain.errors import ConfigError, article
 
 __all__ = ["IMPLEMENTATIONS", "SyncBatchNorm", "sync_batchnorm"]
 
@@ -353,7 +353,7 @@ def _convert(
     if isinstance(module, _BatchNorm):
         if any(isinstance(p, nn.parameter.UninitializedParameter) for p in module.parameters()):
             raise ConfigError(
-                f"sync_batchnorm() got a {type(module).__name__} whose parameters are not "
+                f"sync_batchnorm() got {article(type(module).__name__)} whose parameters are not "
                 "initialised yet (a lazy module); expected materialised BatchNorm layers. "
                 "Run one forward pass on a sample batch before converting."
             )

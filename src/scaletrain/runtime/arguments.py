@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from scaletrain.errors import ConfigError, say
+from scaletrain.errors import ConfigError, article, say
 
 __all__ = ["by_name", "one_number"]
 
@@ -22,7 +22,7 @@ def one_number(loss: Any, loss_fn: Any) -> torch.Tensor:
         return loss
     what = (
         f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor)
-        else f"a {type(loss).__name__}"
+        else article(type(loss).__name__)
     )  # fmt: skip
     name = getattr(loss_fn, "__qualname__", None) or type(loss_fn).__qualname__
     given = loss_fn is not None

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from scaletrain.data import ShardedLoader
+from scaletrain.errors import article
 
 __all__ = ["real_rows", "rebuild", "tensors"]
 
@@ -30,7 +31,7 @@ def tensors(data: Any, name: str) -> tuple[list[torch.Tensor], str | None]:
         else:
             where = f"data{path}" if path else "data"
             return (
-                f"{name}(data): {where} is a {type(item).__name__}; expected a tensor, or a "
+                f"{name}(data): {where} is {article(type(item).__name__)}; expected a tensor, or a "
                 "dict, list or tuple of tensors. Fix: torch.tensor(x) for numbers (or "
                 "rt.reduce to sum them); rt.broadcast_object for other objects."
             )

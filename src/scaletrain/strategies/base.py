@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from scaletrain.dist.replicas import first_replica_values
-from scaletrain.errors import ConfigError, near_fix
+from scaletrain.errors import ConfigError, article, near_fix
 from scaletrain.strategies.float8 import check_float8, convert_float8, float8_layers, plain_tensor
 from scaletrain.strategies.levers import apply_levers, check_compiler, check_levers, lever_blocks
 
@@ -349,7 +349,7 @@ def rebind_optimizer(
     """
     if any(optimizer.state.values()):
         raise ConfigError(
-            f"setup() got a {type(optimizer).__name__} that already has state (it has "
+            f"setup() got {article(type(optimizer).__name__)} that already has state (it has "
             "stepped). The strategy replaces the model's parameters, so that state cannot "
             "follow. Fix: call rt.setup(model, optimizer) before the first optimizer.step()."
         )

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from scaletrain.errors import ConfigError
+from scaletrain.errors import ConfigError, article
 from scaletrain.strategies.base import Strategy, register
 from scaletrain.strategies.devices import (
     check_device_map,
@@ -137,7 +137,7 @@ class DDP(Strategy):
             return module
         if not any(p.requires_grad for p in module.parameters()):
             raise ConfigError(
-                f"DDP got a {type(module).__name__} with no trainable parameters; DDP has "
+                f"DDP got {article(type(module).__name__)} with no trainable parameters; DDP has "
                 "nothing to synchronise. Check requires_grad, or use strategy='single'."
             )
         kwargs: dict[str, Any] = {

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
-from scaletrain.errors import ConfigError
+from scaletrain.errors import ConfigError, article
 from scaletrain.strategies.partition import list_layers, list_units, split_layers
 
 __all__ = [
@@ -73,7 +73,7 @@ def check_device_map(device_map: object, owner: str) -> None:
         return
     if not isinstance(device_map, Mapping):
         raise ConfigError(
-            f"{owner}(device_map=...) got a {type(device_map).__name__}; expected 'auto' or "
+            f"{owner}(device_map=...) got {article(type(device_map).__name__)}; expected 'auto' or "
             f"a dict of submodule names to devices, e.g. {example}."
         )
     if not device_map:

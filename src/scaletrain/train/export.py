@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from scaletrain.errors import CheckpointError, ConfigError
+from scaletrain.errors import CheckpointError, ConfigError, article
 
 __all__ = ["export_hf"]
 
@@ -52,7 +52,7 @@ def export_hf(run: str | Path, out: str | Path) -> tuple[Path, Path]:
     model = recipe.build()
     if not _is_hugging_face(model):
         raise ConfigError(
-            f"the run in {run} trained {spec}, a {type(model).__name__}, not a transformers "
+            f"the run in {run} trained {spec}, {article(type(model).__name__)}, not a transformers "
             "PreTrainedModel: export writes a Hugging Face model directory. Fix: scaletrain "
             f"checkpoint consolidate {run} model.pt for a plain state dict."
         )

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from scaletrain.errors import ConfigError
+from scaletrain.errors import ConfigError, article
 from scaletrain.runtime import Runtime
 
 __all__ = [
@@ -243,7 +243,7 @@ def logits_of(outputs: Any) -> torch.Tensor:
     if isinstance(logits, torch.Tensor):
         return logits
     raise ConfigError(
-        f"the model returned a {type(outputs).__name__}, which is neither a tensor of "
+        f"the model returned {article(type(outputs).__name__)}, which is neither a tensor of "
         "predictions nor holds `logits`. Fix: define loss(outputs, targets) and "
         "metrics(outputs, targets) in the model's module for outputs of that kind."
     )

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from scaletrain.errors import ConfigError, ScaletrainError, spell
+from scaletrain.errors import ConfigError, ScaletrainError, article, spell
 from scaletrain.train.recipes import Recipe
 from scaletrain.train.user_code import user_code_error
 
@@ -203,7 +203,7 @@ def check_recipe(recipe: Recipe, *, field: str = "model", training: bool = True)
         ) from None
     if not isinstance(model, nn.Module):
         raise ConfigError(
-            f"{spell(field, recipe.spec)}: the factory returned a {type(model).__name__}; "
+            f"{spell(field, recipe.spec)}: the factory returned {article(type(model).__name__)}; "
             "expected a torch.nn.Module. Fix: return the model itself from it.",
             field=field,
         )
@@ -384,7 +384,7 @@ def _user_data(
         )
     first = _first_sample(dataset, spec, field, name, split)
     if first is not None and not (isinstance(first, (tuple, list)) and len(first) == 2):
-        got = f"a {type(first).__name__}" + (
+        got = article(type(first).__name__) + (
             f" of {len(first)}" if isinstance(first, (tuple, list)) else ""
         )
         raise ConfigError(
@@ -443,7 +443,7 @@ def _user_example(
     if example is not None:
         pair = example(batch)
         if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
-            got = f"a {type(pair).__name__}" + (
+            got = article(type(pair).__name__) + (
                 f" of {len(pair)}" if isinstance(pair, (tuple, list)) else ""
             )
             raise ConfigError(
