@@ -261,3 +261,75 @@ def test_the_help_names_every_recipe_and_precision(capsys: pytest.CaptureFixture
     text = " ".join(capsys.readouterr().out.split())
     assert f"a recipe: {', '.join(sorted(RECIPES))} (default convnet)" in text, text
     assert all(p in text for p in PRECISIONS)
+
+
+def _ledger_run(
+    path: Path, *, device: str = "cpu", steps: int = 12, memory: bool = True, **config: object
+) -> Path:
+    """A finished run as `scaletrain train` leaves it, written out by hand (no training):
+    its config.json and rank 0's ledger, `steps` steps of 10 ms and, if `memory`, the
+    memory line a window writes."""
+    import json
+
+    from scaletrain.observe.metrics.phases import PHASES
+
+    (path / "observe").mkdir(parents=True)
+    settings = {"recipe": "split-net", "strategy": "ddp", "nproc": 1, "batch_size": 8,
+                "ledger_every": 50, "run": {"world_size": 1, "device": device}, **config}  # fmt: skip
+    (path / "config.json").write_text(json.dumps(settings))
+    header = {"kind": "run", "v": 1, "rank": 0, "world_size": 1, "device": device,
+              "every": 50, "phases": list(PHASES)}  # fmt: skip
+    lines: list[dict[str, object]] = [header]
+    forward = [0.0, 0.0, 0.004, 0.006] + [0.0] * (len(PHASES) - 4)
+    lines += [{"kind": "step", "step": s, "t": float(s), "wall": 0.01, "p": forward,
+               "flags": ["warmup"] if s == 1 else []} for s in range(1, steps + 1)]  # fmt: skip
+    if memory:
+        lines.append({"kind": "memory", "step": 10, "allocated_peak": None,
+                      "reserved_peak": None, "rss_peak": 300 * 2**20, "rss_setup": 200 * 2**20})  # fmt: skip
+    (path / "observe" / "rank0.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return path
+
+
+def test_check_refuses_a_hardware_file_of_another_device_before_any_plan(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run trained on a CPU, checked with --hardware h100-sxm, printed "0.9 ms predicted,
+    792 ms measured (-99.9%)" with no word that the H100 is not the machine it ran on."""
+    import scaletrain.planner.check as check
+
+    def no_plan(*a: object, **kw: object) -> None:
+        raise AssertionError("planned")
+
+    monkeypatch.setattr(check, "plan", no_plan)
+    run = _ledger_run(tmp_path / "run")
+    code, err = _plan(capsys, "--check", str(run), "--hardware", "h100-sxm")
+    assert code == 2 and err.count("scaletrain: error:") == 1, err
+    assert "the run trained on cpu, but --hardware h100-sxm is a cuda machine" in err, err
+    assert "the hardware file of the machine the run trained on" in err
+    assert "`scaletrain plan --calibrate`, then --check RUN without --hardware" in err
+    # This machine's calibration, when it is another device's than the run's.
+    monkeypatch.setenv("SCALETRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    from scaletrain.hardware import load, write
+    from scaletrain.hardware.calibrate import calibrated_path
+
+    calibrated_path().parent.mkdir(parents=True)
+    write(load("h100-sxm"), calibrated_path())
+    code, err = _plan(capsys, "--check", str(run))
+    assert code == 2 and "this machine's calibration (" in err and "is a cuda machine's" in err
+    # And a GPU run's on a CPU machine's file.
+    gpu = _ledger_run(tmp_path / "gpu", device="cuda")
+    hw = str(cpu_hardware_file(tmp_path / "cpu.toml"))
+    code, err = _plan(capsys, "--check", str(gpu), "--hardware", hw)
+    assert code == 2 and f"the run trained on cuda, but --hardware {hw} is a cpu machine" in err
+
+
+def test_check_says_what_it_planned(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """The check's first line named the layout alone, not the model, precision, batch
+    or hardware file its prediction was made for, as `scaletrain plan`'s header does."""
+    run = _ledger_run(tmp_path / "run")
+    hw = cpu_hardware_file(tmp_path / "cpu.toml")
+    assert cli.main(["plan", "--check", str(run), "--hardware", str(hw)]) == 0
+    head = capsys.readouterr().out.splitlines()[0]
+    assert head.startswith("check: ddp dp=1 (the run's layout) for split-net ("), head
+    assert "on 1 device(s), 1 node(s) of test-cpu" in head
+    assert "precision 32, batch 8 per replica, activation checkpointing none" in head

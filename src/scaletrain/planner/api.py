@@ -71,6 +71,19 @@ class Plan:
         flops = self.profile.model_flops * self.batch_size / self.profile.batch_size
         return flops * row.layout.dp / row.time.total / (peak * row.layout.devices)
 
+    def planned(self) -> str:
+        """What was planned: the model and its size, the devices, the hardware file, the
+        precision, the batch and the checkpointing (the table's first line says it)."""
+        prof = self.profile
+        tokens = prof.tokens != prof.batch_size
+        seq = f", {prof.tokens // prof.batch_size:,} tokens a sample" if tokens else ""
+        return (
+            f"{self.model} ({_count(prof.params)} parameters{seq}) on {self.devices} "
+            f"device(s), {self.nodes} node(s) of {self.hardware.name} "
+            f"({self.hardware.description}); precision {self.precision}, batch "
+            f"{self.batch_size} per replica, activation checkpointing {prof.ac}"
+        )
+
     def table(self) -> str:
         big = max((r.memory.total for r in self.rows), default=0) > 16 * 2**30
         unit, scale = ("GiB", 2**30) if big else ("MiB", 2**20)
@@ -79,15 +92,9 @@ class Plan:
         times = " ".join(f"{c:>8}" for c in ("compute", "comm", "bubble", "step"))
         rate = "tok/s/dev" if tokens else "samples/s/dev"
         head = f"{'layout':<30} {'fits':<4} {sizes} | {times} {rate:>13} {'mfu':>5}"
-        prof = self.profile
-        seq = f", {prof.tokens // prof.batch_size:,} tokens a sample" if tokens else ""
         lines = [
-            f"{self.model} ({_count(prof.params)} parameters{seq}) on {self.devices} "
-            f"device(s), {self.nodes} node(s) of {self.hardware.name} "
-            f"({self.hardware.description}); precision {self.precision}, batch "
-            f"{self.batch_size} per replica, activation checkpointing {prof.ac}; memory in "
-            f"{unit} per device, time in ms per step (comm: the part not hidden); * the "
-            "recommended row",
+            f"{self.planned()}; memory in {unit} per device, time in ms per step (comm: the "
+            "part not hidden); * the recommended row",
             head,
             "-" * len(head),
         ]

@@ -6,6 +6,8 @@ From the run's step ledger (RUN/observe/): the training work per step on the slo
 rank (its median step less the medians of the phases a plan does not predict), and memory on
 the busiest rank: on a GPU the CUDA peak allocated, which the plan's peak predicts;
 on a CPU the RSS growth after setup (the peak less the parameters that existed before).
+A run is checked on a hardware file of the device it trained on (its ledger's `device`):
+a CPU run's step priced on an H100 says nothing of either.
 """
 
 from __future__ import annotations
@@ -18,12 +20,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from scaletrain.errors import ConfigError, spell
-from scaletrain.observe.metrics.records import peak_memory, phase_medians, read_run
-from scaletrain.planner.api import plan
+from scaletrain.hardware import Hardware, load
+from scaletrain.hardware.calibrate import calibrated_path, load_calibrated
+from scaletrain.observe.metrics.records import (
+    OBSERVE_DIR,
+    peak_memory,
+    phase_medians,
+    read_run,
+)
+from scaletrain.planner.api import Plan, plan
 from scaletrain.planner.cost import Estimate
 from scaletrain.planner.layout import Layout
 
-__all__ = ["Check", "check_run", "layout_of", "measured"]
+__all__ = ["Check", "check_run", "layout_of", "measured", "run_device"]
 
 NOT_PLANNED = ("data", "h2d", "checkpoint", "eval", "compile")
 """Ledger phases a plan does not predict (input pipeline, saving, evaluating, compiling)."""
@@ -55,6 +64,8 @@ class Check:
     step_s: float
     memory: int | None
     on_gpu: bool
+    plan: Plan | None = None
+    """The plan made for the run's layout: what its header names."""
 
     @property
     def predicted_memory(self) -> float:
@@ -70,8 +81,9 @@ class Check:
             if self.memory
             else "not measured by the run"
         )
+        planned = f" (the run's layout) for {self.plan.planned()}" if self.plan else ""
         return (
-            f"check: {self.layout.label}\n"
+            f"check: {self.layout.label}{planned}\n"
             f"  step time   {p * 1e3:.1f} ms predicted, {self.step_s * 1e3:.1f} ms measured "
             f"({(p - self.step_s) / self.step_s:+.1%})\n"
             f"  memory      {mem / 2**20:.1f} MiB predicted, {got}"
@@ -94,6 +106,50 @@ def measured(run: str | Path) -> tuple[float, int | None, bool]:
     if allocated := [p["allocated_peak"] for p in peaks if p["allocated_peak"]]:
         return work, max(allocated), True
     return work, max((p["rss_growth"] for p in peaks if p["rss_growth"]), default=None), False
+
+
+def run_device(run: Path, config: dict[str, object]) -> str | None:
+    """The device type the run trained on ("cuda", "cpu"): its ledger's (the "run" line
+    that begins RUN/observe/rank<r>.jsonl), else its config.json's; None where neither
+    says."""
+    for path in sorted((run / OBSERVE_DIR).glob("rank*.jsonl")):
+        with path.open(encoding="utf-8") as f:
+            first = f.readline()
+        try:
+            header = json.loads(first)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(header, dict) and header.get("kind") == "run" and header.get("device"):
+            return str(header["device"]).split(":")[0]
+    recorded = config.get("run")
+    device = recorded.get("device") if isinstance(recorded, dict) else None
+    return str(device).split(":")[0] if device else None
+
+
+def _same_device(run: str | Path, device: str | None, hardware: str | None, hw: Hardware) -> None:
+    """Refuse a hardware file of another device than the run's: its prediction is of
+    another machine (a CPU run's 792 ms beside an H100's 0.9 ms, -99.9%)."""
+    if device is None or hw.device == device:
+        return
+    if hardware is not None:
+        named = f"{spell('hardware', hardware)} is a {hw.device} machine ({hw.description})"
+        fix = (
+            f"the hardware file of the machine the run trained on ({spell('hardware')} FILE); "
+            f"if it trained on this machine, its calibration: `scaletrain plan "
+            f"{spell('calibrate')}`, then {spell('check')} RUN without {spell('hardware')}"
+        )
+    else:
+        named = f"this machine's calibration ({calibrated_path()}) is a {hw.device} machine's"
+        fix = (
+            f"{spell('hardware')} FILE, the hardware file of the machine the run trained on "
+            f"(`scaletrain plan {spell('calibrate')} FILE` writes it there)"
+        )
+    raise ConfigError(
+        f"{spell('check', str(run))}: the run trained on {device}, but {named}: its "
+        f"prediction would be another machine's. Expected: the hardware file of a {device} "
+        f"machine, the one the run trained on. Fix: {fix}.",
+        field="hardware",
+    )
 
 
 @contextlib.contextmanager
@@ -122,12 +178,15 @@ def check_run(run: str | Path, hardware: str | None = None) -> Check:
             field="check",
         )
     cfg = json.loads(config.read_text(encoding="utf-8"))
+    given = hardware
+    if hardware is not None and Path(hardware).is_file():
+        hardware = str(Path(hardware).resolve())  # before the move to the run's directory
+    hw = load(hardware) if hardware is not None else load_calibrated()
+    _same_device(run, run_device(base, cfg), given, hw)
     world = int(cfg.get("run", {}).get("world_size", cfg.get("nproc") or 1))
     step, memory, on_gpu = measured(base)
     layout = layout_of(cfg.get("strategy", "ddp"), cfg.get("mesh"), world)
     model = cfg.get("model")
-    if hardware is not None and Path(hardware).is_file():
-        hardware = str(Path(hardware).resolve())  # before the move to the run's directory
     # The model (and data) module as the run named it: a relative path or module name is
     # the run's directory's, where it was started.
     started = cfg.get("run", {}).get("directory")
@@ -155,4 +214,4 @@ def check_run(run: str | Path, hardware: str | None = None) -> Check:
             f"{exc}",
             field="check",
         ) from None
-    return Check(layout, result.rows[0], step, memory, on_gpu)
+    return Check(layout, result.rows[0], step, memory, on_gpu, result)
