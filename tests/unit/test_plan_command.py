@@ -50,6 +50,17 @@ def _plan(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
             "is not a finished run with a ledger",
         ),
         (["--calibrate", "--devices", "2"], "--calibrate measures this machine and plans nothing"),
+        # --check took these and changed nothing (the run's config.json says them); a
+        # value equal to the plan's default is given all the same.
+        (["--check", "RUN", "--precision", "bf16-mixed"], "--precision bf16-mixed was given too"),
+        (["--check", "RUN", "--precision", "32"], "--precision 32 was given too"),
+        (["--check", "RUN", "--ac", "full"], "--ac full was given too"),
+        (["--check", "RUN", "--ac", "none"], "--ac none was given too"),
+        (["--check", "RUN", "--ac-every", "2"], "--ac-every 2 was given too"),
+        (
+            ["--calibrate", "/no/such/dir/hw.toml", "--precision", "bf16-mixed"],
+            "--precision bf16-mixed was given too",
+        ),
     ],
 )
 def test_bad_input_exits_2_before_any_work(
@@ -333,3 +344,15 @@ def test_check_says_what_it_planned(capsys: pytest.CaptureFixture[str], tmp_path
     assert head.startswith("check: ddp dp=1 (the run's layout) for split-net ("), head
     assert "on 1 device(s), 1 node(s) of test-cpu" in head
     assert "precision 32, batch 8 per replica, activation checkpointing none" in head
+
+
+def test_a_plan_without_precision_or_ac_plans_32_without_checkpointing(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """--precision and --ac default to None on the command line (so --check can refuse
+    them); a plan resolves them as before."""
+    assert (
+        cli.main(["plan", "--recipe", "split-net", "--devices", "1", "--hardware", "h100-sxm"]) == 0
+    )
+    head = capsys.readouterr().out.splitlines()[0]
+    assert "precision 32, batch" in head and "activation checkpointing none" in head, head

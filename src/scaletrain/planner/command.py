@@ -44,12 +44,14 @@ def add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )  # fmt: skip
     p.add_argument("--batch-size", metavar="B", type=int, default=None, help="per replica")
     p.add_argument("--seq-len", metavar="T", type=int, default=None, help="tokens per sample")
+    # --precision and --ac default to None, resolved where the plan is made ("32",
+    # "none"): `--check`, which takes them from the run, tells a given one apart.
     p.add_argument(
-        "--precision", metavar="P", default="32",
+        "--precision", metavar="P", default=None,
         help="32, bf16-mixed, fp16-mixed or bf16-true (default: 32)",
     )  # fmt: skip
     p.add_argument(
-        "--ac", choices=("none", "full", "selective"), default="none",
+        "--ac", choices=("none", "full", "selective"), default=None,
         help="activation checkpointing, as scaletrain train takes it (default: none)",
     )  # fmt: skip
     p.add_argument(
@@ -66,9 +68,10 @@ def add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def run_plan(ns: argparse.Namespace) -> int:
-    model_flags = ("recipe", "model", "devices", "batch_size", "seq_len", "compile")
+    model_flags = ("recipe", "model", "devices", "batch_size", "seq_len", "precision", "ac",
+                   "ac_every", "compile")  # fmt: skip
     if ns.calibrate is not None:
-        if given := [f for f in (*model_flags, "hardware", "check") if getattr(ns, f)]:
+        if given := [f for f in (*model_flags, "hardware", "check") if _given(ns, f)]:
             raise ConfigError(
                 f"{spell('calibrate')} measures this machine and plans nothing, but "
                 f"{spell(given[0], getattr(ns, given[0]))} was given too. Fix: calibrate first, "
@@ -84,11 +87,12 @@ def run_plan(ns: argparse.Namespace) -> int:
         print(f"wrote {path}: {hw.description}")
         return EXIT_OK
     if ns.check is not None:
-        if given := [f for f in model_flags if getattr(ns, f)]:
+        if given := [f for f in model_flags if _given(ns, f)]:
             raise ConfigError(
-                f"{spell('check', ns.check)} takes the model, devices and batch from the run's "
-                f"config.json, but {spell(given[0], getattr(ns, given[0]))} was given too. Fix: "
-                f"drop it, or plan without {spell('check')}.",
+                f"{spell('check', ns.check)} takes the model and how it trained (devices, "
+                "batch, sequence, precision, activation checkpointing, compile) from the run's "
+                f"config.json, but {spell(given[0], getattr(ns, given[0]))} was given too. "
+                f"Fix: drop it, or plan without {spell('check')}.",
                 field="check",
             )
         from scaletrain.planner.check import check_run
@@ -105,8 +109,16 @@ def run_plan(ns: argparse.Namespace) -> int:
 
     result = plan(
         ns.recipe, model=ns.model, devices=ns.devices, hardware=ns.hardware,
-        batch_size=ns.batch_size, seq_len=ns.seq_len, precision=ns.precision, ac=ns.ac,
-        ac_every=ns.ac_every, compile=ns.compile,
+        batch_size=ns.batch_size, seq_len=ns.seq_len,
+        precision="32" if ns.precision is None else ns.precision,
+        ac="none" if ns.ac is None else ns.ac, ac_every=ns.ac_every, compile=ns.compile,
     )  # fmt: skip
     print(result.table())
     return EXIT_OK
+
+
+def _given(ns: argparse.Namespace, flag: str) -> bool:
+    """Whether the command line gave `flag` (every default is None, or False for a switch;
+    a 0 given is given)."""
+    value = getattr(ns, flag)
+    return value is not None and value is not False
