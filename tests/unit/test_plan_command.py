@@ -275,7 +275,13 @@ def test_the_help_names_every_recipe_and_precision(capsys: pytest.CaptureFixture
 
 
 def _ledger_run(
-    path: Path, *, device: str = "cpu", steps: int = 12, memory: bool = True, **config: object
+    path: Path,
+    *,
+    device: str = "cpu",
+    steps: int = 12,
+    memory: bool = True,
+    every: int = 50,
+    **config: object,
 ) -> Path:
     """A finished run as `scaletrain train` leaves it, written out by hand (no training):
     its config.json and rank 0's ledger, `steps` steps of 10 ms and, if `memory`, the
@@ -289,7 +295,7 @@ def _ledger_run(
                 "ledger_every": 50, "run": {"world_size": 1, "device": device}, **config}  # fmt: skip
     (path / "config.json").write_text(json.dumps(settings))
     header = {"kind": "run", "v": 1, "rank": 0, "world_size": 1, "device": device,
-              "every": 50, "phases": list(PHASES)}  # fmt: skip
+              "every": every, "phases": list(PHASES)}  # fmt: skip
     lines: list[dict[str, object]] = [header]
     forward = [0.0, 0.0, 0.004, 0.006] + [0.0] * (len(PHASES) - 4)
     lines += [{"kind": "step", "step": s, "t": float(s), "wall": 0.01, "p": forward,
@@ -356,3 +362,18 @@ def test_a_plan_without_precision_or_ac_plans_32_without_checkpointing(
     )
     head = capsys.readouterr().out.splitlines()[0]
     assert "precision 32, batch" in head and "activation checkpointing none" in head, head
+
+
+def test_check_says_why_a_short_run_has_no_memory_figure(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A run of fewer than 10 steps was "not measured by the run", with no word that the
+    ledger writes its memory line as a window closes (steps 10, 20 and every K)."""
+    hw = str(cpu_hardware_file(tmp_path / "cpu.toml"))
+    for every, first in ((50, 10), (4, 4)):
+        run = _ledger_run(tmp_path / f"run{every}", steps=3, memory=False, every=every)
+        assert cli.main(["plan", "--check", str(run), "--hardware", hw]) == 0
+        line = capsys.readouterr().out.splitlines()[-1]
+        assert "not measured by the run: its ledger records memory as a window closes" in line
+        assert f"every {every} (--ledger-every)" in line and "last start trained 3 step(s)" in line
+        assert line.endswith(f"Fix: train at least {first} steps in one start"), line

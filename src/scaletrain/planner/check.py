@@ -22,6 +22,7 @@ from pathlib import Path
 from scaletrain.errors import ConfigError, spell
 from scaletrain.hardware import Hardware, load
 from scaletrain.hardware.calibrate import calibrated_path, load_calibrated
+from scaletrain.observe.metrics.ledger import EARLY_WINDOWS
 from scaletrain.observe.metrics.records import (
     OBSERVE_DIR,
     peak_memory,
@@ -32,7 +33,9 @@ from scaletrain.planner.api import Plan, plan
 from scaletrain.planner.cost import Estimate
 from scaletrain.planner.layout import Layout
 
-__all__ = ["Check", "check_run", "layout_of", "measured", "run_device"]
+__all__ = ["Check", "check_run", "layout_of", "measured", "run_device", "unmeasured"]
+
+NOT_MEASURED = "not measured by the run"
 
 NOT_PLANNED = ("data", "h2d", "checkpoint", "eval", "compile")
 """Ledger phases a plan does not predict (input pipeline, saving, evaluating, compiling)."""
@@ -66,6 +69,8 @@ class Check:
     on_gpu: bool
     plan: Plan | None = None
     """The plan made for the run's layout: what its header names."""
+    no_memory: str = NOT_MEASURED
+    """What the memory line says where the run measured none (`unmeasured`)."""
 
     @property
     def predicted_memory(self) -> float:
@@ -79,7 +84,7 @@ class Check:
             f"{self.memory / 2**20:.1f} MiB measured ({(mem - self.memory) / self.memory:+.1%}) "
             f"({what}, busiest rank)"
             if self.memory
-            else "not measured by the run"
+            else self.no_memory
         )
         planned = f" (the run's layout) for {self.plan.planned()}" if self.plan else ""
         return (
@@ -152,6 +157,30 @@ def _same_device(run: str | Path, device: str | None, hardware: str | None, hw: 
     )
 
 
+def unmeasured(run: str | Path) -> str:
+    """Why the run's ledger holds no memory figure, for the check's memory line: a ledger
+    writes one as a window closes, at a start's steps 10 and 20 (EARLY_WINDOWS) and every
+    `every` steps, so a start of fewer steps has none."""
+    try:
+        records = read_run(run)
+    except FileNotFoundError:
+        return NOT_MEASURED
+    if not records.ranks or any(rr.memory for rr in records.ranks.values()):
+        return NOT_MEASURED
+    every = max(int(rr.header.get("every") or 50) for rr in records.ranks.values())
+    first = min(EARLY_WINDOWS[0], every)
+    trained = max(
+        sum(1 for s in rr.steps if s.step > int(rr.header.get("start_step") or 0))
+        for rr in records.ranks.values()
+    )
+    at = " and ".join(str(n) for n in EARLY_WINDOWS)
+    return (
+        f"{NOT_MEASURED}: its ledger records memory as a window closes, at steps {at} of a "
+        f"start and every {every} ({spell('ledger_every')}), and the run's last start "
+        f"trained {trained} step(s). Fix: train at least {first} steps in one start"
+    )
+
+
 @contextlib.contextmanager
 def _working_directory(path: str) -> Iterator[None]:
     """contextlib.chdir, which Python 3.10 lacks."""
@@ -185,6 +214,7 @@ def check_run(run: str | Path, hardware: str | None = None) -> Check:
     _same_device(run, run_device(base, cfg), given, hw)
     world = int(cfg.get("run", {}).get("world_size", cfg.get("nproc") or 1))
     step, memory, on_gpu = measured(base)
+    no_memory = unmeasured(base) if memory is None else NOT_MEASURED
     layout = layout_of(cfg.get("strategy", "ddp"), cfg.get("mesh"), world)
     model = cfg.get("model")
     # The model (and data) module as the run named it: a relative path or module name is
@@ -214,4 +244,4 @@ def check_run(run: str | Path, hardware: str | None = None) -> Check:
             f"{exc}",
             field="check",
         ) from None
-    return Check(layout, result.rows[0], step, memory, on_gpu, result)
+    return Check(layout, result.rows[0], step, memory, on_gpu, result, no_memory)
