@@ -377,3 +377,22 @@ def test_check_says_why_a_short_run_has_no_memory_figure(
         assert "not measured by the run: its ledger records memory as a window closes" in line
         assert f"every {every} (--ledger-every)" in line and "last start trained 3 step(s)" in line
         assert line.endswith(f"Fix: train at least {first} steps in one start"), line
+
+
+def test_check_of_a_file_names_the_run_it_is_in(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--check RUN/config.json` said "expected RUN/config.json/config.json"."""
+    run = _ledger_run(tmp_path / "run")
+    for inside in (run / "config.json", run / "observe" / "rank0.jsonl", run / "observe"):
+        code, err = _plan(capsys, "--check", str(inside), "--hardware", "h100-sxm")
+        assert code == 2 and err.count("scaletrain: error:") == 1, err
+        assert f"is a {'file' if inside.is_file() else 'directory'} inside the run {run}" in err
+        assert f"Fix: --check {run}." in err and "config.json/config.json" not in err, err
+    monkeypatch.chdir(run)  # the run here: named by its path, not "."
+    here = Path.cwd()
+    code, err = _plan(capsys, "--check", "config.json", "--hardware", "h100-sxm")
+    assert code == 2 and f"inside the run {here}, not a run" in err and f"--check {here}." in err
+    # A file in no run.
+    code, err = _plan(capsys, "--check", str(cpu_hardware_file(tmp_path / "cpu.toml")))
+    assert code == 2 and "is a file, not a finished run" in err, err

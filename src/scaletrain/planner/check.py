@@ -113,6 +113,40 @@ def measured(run: str | Path) -> tuple[float, int | None, bool]:
     return work, max((p["rss_growth"] for p in peaks if p["rss_growth"]), default=None), False
 
 
+def _is_run(path: Path) -> bool:
+    """Whether `path` is a run's directory with a ledger (its config.json and observe/)."""
+    return (path / "config.json").is_file() and (path / OBSERVE_DIR).is_dir()
+
+
+def _not_a_run(run: str | Path, base: Path) -> ConfigError:
+    """The refusal of a --check path that is no run's directory: a file or directory
+    inside one (RUN/config.json) is pointed to the run it is in."""
+    home = next((p for p in base.parents if _is_run(p)), None) if base.exists() else None
+    what = spell("check", str(run))
+    if home is not None:
+        home = home.absolute() if home == Path() else home  # "the run ." says little
+        kind = "file" if base.is_file() else "directory"
+        return ConfigError(
+            f"{what} is a {kind} inside the run {home}, not a run: {spell('check')} takes a "
+            f"run's directory (the --out of `scaletrain train`). Fix: "
+            f"{spell('check', str(home))}.",
+            field="check",
+        )
+    if base.is_file():
+        return ConfigError(
+            f"{what} is a file, not a finished run: {spell('check')} takes a run's directory, "
+            "which holds its config.json and observe/. Fix: the --out directory of a "
+            "`scaletrain train` run (ledger on, the default).",
+            field="check",
+        )
+    return ConfigError(
+        f"{what} is not a finished run with a ledger: expected {base / 'config.json'} and "
+        f"{base / OBSERVE_DIR}/. Fix: the --out directory of a `scaletrain train` run "
+        "(ledger on, the default).",
+        field="check",
+    )
+
+
 def run_device(run: Path, config: dict[str, object]) -> str | None:
     """The device type the run trained on ("cuda", "cpu"): its ledger's (the "run" line
     that begins RUN/observe/rank<r>.jsonl), else its config.json's; None where neither
@@ -199,13 +233,8 @@ def check_run(run: str | Path, hardware: str | None = None) -> Check:
 
     base = Path(run)
     config = base / "config.json"
-    if not config.is_file() or not (base / "observe").is_dir():
-        raise ConfigError(
-            f"{spell('check', str(run))} is not a finished run with a ledger: expected "
-            f"{config} and {base / 'observe'}/. Fix: the --out directory of a "
-            "`scaletrain train` run (ledger on, the default).",
-            field="check",
-        )
+    if not _is_run(base):
+        raise _not_a_run(run, base)
     cfg = json.loads(config.read_text(encoding="utf-8"))
     given = hardware
     if hardware is not None and Path(hardware).is_file():
