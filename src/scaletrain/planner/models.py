@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from scaletrain.errors import ConfigError, spell
+from scaletrain.errors import ConfigError, article, spell
 from scaletrain.strategies.blocks import auto_wrap_targets
 from scaletrain.strategies.tensor_plan import declared_tp_plan, default_tp_plan
 
@@ -106,7 +106,7 @@ def resolve_model(
     inputs, _ = r.example(1)
     seq = isinstance(inputs, torch.Tensor) and inputs.dtype == torch.int64 and inputs.dim() == 2
     if seq_len is not None and not seq:
-        shown = f"a {type(inputs).__name__}"
+        shown = article(type(inputs).__name__)
         if isinstance(inputs, torch.Tensor):
             shown = f"{str(inputs.dtype).removeprefix('torch.')} of shape {tuple(inputs.shape)}"
         raise ConfigError(
