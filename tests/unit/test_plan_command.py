@@ -396,3 +396,15 @@ def test_check_of_a_file_names_the_run_it_is_in(
     # A file in no run.
     code, err = _plan(capsys, "--check", str(cpu_hardware_file(tmp_path / "cpu.toml")))
     assert code == 2 and "is a file, not a finished run" in err, err
+
+
+def test_check_of_a_run_whose_ledger_wrote_no_file_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run killed before its ledger's first line: its observe/ is empty, and --check
+    ended in a FileNotFoundError's traceback."""
+    (tmp_path / "run" / "observe").mkdir(parents=True)
+    (tmp_path / "run" / "config.json").write_text('{"recipe": "gpt", "batch_size": 8}')
+    code = cli.main(["plan", "--check", str(tmp_path / "run"), "--hardware", "h100-sxm"])
+    err = capsys.readouterr().err
+    assert code == 2 and "the run's ledger (RUN/observe/) holds no step. Fix:" in err, err

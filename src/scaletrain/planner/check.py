@@ -18,6 +18,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from scaletrain.errors import ConfigError, spell
 from scaletrain.hardware import Hardware, load
@@ -25,6 +26,7 @@ from scaletrain.hardware.calibrate import calibrated_path, load_calibrated
 from scaletrain.observe.metrics.ledger import EARLY_WINDOWS
 from scaletrain.observe.metrics.records import (
     OBSERVE_DIR,
+    RunRecords,
     peak_memory,
     phase_medians,
     read_run,
@@ -33,7 +35,7 @@ from scaletrain.planner.api import Plan, plan
 from scaletrain.planner.cost import Estimate
 from scaletrain.planner.layout import Layout
 
-__all__ = ["Check", "check_run", "layout_of", "measured", "run_device", "unmeasured"]
+__all__ = ["Check", "check_run", "layout_of", "measured"]
 
 NOT_MEASURED = "not measured by the run"
 
@@ -98,7 +100,10 @@ class Check:
 def measured(run: str | Path) -> tuple[float, int | None, bool]:
     """(seconds of training work per step, memory, whether that is a GPU's) from
     RUN/observe/, as the module docstring says."""
-    records = read_run(run)
+    try:
+        records = read_run(run)
+    except FileNotFoundError:  # an observe/ without a rank's file: no step
+        records = RunRecords(Path(run), {}, [], None)
     medians = phase_medians(records).values()
     if not medians:
         raise ConfigError(
@@ -118,13 +123,12 @@ def _is_run(path: Path) -> bool:
     return (path / "config.json").is_file() and (path / OBSERVE_DIR).is_dir()
 
 
-def _not_a_run(run: str | Path, base: Path) -> ConfigError:
+def _not_a_run(run: str | Path) -> ConfigError:
     """The refusal of a --check path that is no run's directory: a file or directory
     inside one (RUN/config.json) is pointed to the run it is in."""
-    home = next((p for p in base.parents if _is_run(p)), None) if base.exists() else None
-    what = spell("check", str(run))
+    base, what = Path(run), spell("check", str(run))
+    home = next((p for p in base.absolute().parents if _is_run(p)), None) if base.exists() else None
     if home is not None:
-        home = home.absolute() if home == Path() else home  # "the run ." says little
         kind = "file" if base.is_file() else "directory"
         return ConfigError(
             f"{what} is a {kind} inside the run {home}, not a run: {spell('check')} takes a "
@@ -132,44 +136,28 @@ def _not_a_run(run: str | Path, base: Path) -> ConfigError:
             f"{spell('check', str(home))}.",
             field="check",
         )
-    if base.is_file():
-        return ConfigError(
-            f"{what} is a file, not a finished run: {spell('check')} takes a run's directory, "
-            "which holds its config.json and observe/. Fix: the --out directory of a "
-            "`scaletrain train` run (ledger on, the default).",
-            field="check",
-        )
+    found = "is a file, not a finished run" if base.is_file() else (
+        f"is not a finished run with a ledger: expected {base / 'config.json'} and "
+        f"{base / OBSERVE_DIR}/"
+    )  # fmt: skip
     return ConfigError(
-        f"{what} is not a finished run with a ledger: expected {base / 'config.json'} and "
-        f"{base / OBSERVE_DIR}/. Fix: the --out directory of a `scaletrain train` run "
-        "(ledger on, the default).",
+        f"{what} {found}. Fix: the --out directory of a `scaletrain train` run (ledger on, "
+        "the default).",
         field="check",
     )
 
 
-def run_device(run: Path, config: dict[str, object]) -> str | None:
-    """The device type the run trained on ("cuda", "cpu"): its ledger's (the "run" line
-    that begins RUN/observe/rank<r>.jsonl), else its config.json's; None where neither
-    says."""
-    for path in sorted((run / OBSERVE_DIR).glob("rank*.jsonl")):
-        with path.open(encoding="utf-8") as f:
-            first = f.readline()
-        try:
-            header = json.loads(first)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(header, dict) and header.get("kind") == "run" and header.get("device"):
-            return str(header["device"]).split(":")[0]
-    recorded = config.get("run")
-    device = recorded.get("device") if isinstance(recorded, dict) else None
-    return str(device).split(":")[0] if device else None
+def _device(records: RunRecords, config: dict[str, Any]) -> str | None:
+    """The device type the run trained on ("cuda", "cpu"): its ledger's, else its
+    config.json's; None where neither says."""
+    said = [rr.header.get("device") for rr in records.ranks.values()]
+    said.append((config.get("run") or {}).get("device"))
+    return next((str(d).split(":")[0] for d in said if d), None)
 
 
-def _same_device(run: str | Path, device: str | None, hardware: str | None, hw: Hardware) -> None:
-    """Refuse a hardware file of another device than the run's: its prediction is of
-    another machine (a CPU run's 792 ms beside an H100's 0.9 ms, -99.9%)."""
-    if device is None or hw.device == device:
-        return
+def _refuse_other_device(run: str | Path, device: str, hardware: str | None, hw: Hardware) -> None:
+    """A hardware file of another device than the run's predicts another machine (a CPU
+    run's 792 ms beside an H100's 0.9 ms, -99.9%)."""
     if hardware is not None:
         named = f"{spell('hardware', hardware)} is a {hw.device} machine ({hw.description})"
         fix = (
@@ -191,27 +179,21 @@ def _same_device(run: str | Path, device: str | None, hardware: str | None, hw: 
     )
 
 
-def unmeasured(run: str | Path) -> str:
-    """Why the run's ledger holds no memory figure, for the check's memory line: a ledger
-    writes one as a window closes, at a start's steps 10 and 20 (EARLY_WINDOWS) and every
-    `every` steps, so a start of fewer steps has none."""
-    try:
-        records = read_run(run)
-    except FileNotFoundError:
+def _no_memory(records: RunRecords) -> str:
+    """Why the run's ledger holds no memory figure: a ledger writes one as a window
+    closes, at a start's steps 10 and 20 (EARLY_WINDOWS) and every `every` steps, so a
+    start of fewer steps has none."""
+    ranks = records.ranks.values()
+    if not ranks or any(rr.memory for rr in ranks):
         return NOT_MEASURED
-    if not records.ranks or any(rr.memory for rr in records.ranks.values()):
-        return NOT_MEASURED
-    every = max(int(rr.header.get("every") or 50) for rr in records.ranks.values())
-    first = min(EARLY_WINDOWS[0], every)
-    trained = max(
-        sum(1 for s in rr.steps if s.step > int(rr.header.get("start_step") or 0))
-        for rr in records.ranks.values()
-    )
-    at = " and ".join(str(n) for n in EARLY_WINDOWS)
+    every = max(int(rr.header.get("every") or 50) for rr in ranks)
+    start = {id(rr): int(rr.header.get("start_step") or 0) for rr in ranks}
+    trained = max(sum(s.step > start[id(rr)] for s in rr.steps) for rr in ranks)
     return (
-        f"{NOT_MEASURED}: its ledger records memory as a window closes, at steps {at} of a "
-        f"start and every {every} ({spell('ledger_every')}), and the run's last start "
-        f"trained {trained} step(s). Fix: train at least {first} steps in one start"
+        f"{NOT_MEASURED}: its ledger records memory as a window closes, at steps "
+        f"{' and '.join(map(str, EARLY_WINDOWS))} of a start and every {every} "
+        f"({spell('ledger_every')}), and the run's last start trained {trained} step(s). "
+        f"Fix: train at least {min(EARLY_WINDOWS[0], every)} steps in one start"
     )
 
 
@@ -232,18 +214,22 @@ def check_run(run: str | Path, hardware: str | None = None) -> Check:
     from scaletrain.train.model_module import load_recipe
 
     base = Path(run)
-    config = base / "config.json"
     if not _is_run(base):
-        raise _not_a_run(run, base)
-    cfg = json.loads(config.read_text(encoding="utf-8"))
+        raise _not_a_run(run)
+    cfg = json.loads((base / "config.json").read_text(encoding="utf-8"))
+    try:
+        records = read_run(base)
+    except FileNotFoundError:  # measured() says so
+        records = RunRecords(base, {}, [], None)
     given = hardware
     if hardware is not None and Path(hardware).is_file():
         hardware = str(Path(hardware).resolve())  # before the move to the run's directory
     hw = load(hardware) if hardware is not None else load_calibrated()
-    _same_device(run, run_device(base, cfg), given, hw)
+    if (device := _device(records, cfg)) and device != hw.device:
+        _refuse_other_device(run, device, given, hw)
     world = int(cfg.get("run", {}).get("world_size", cfg.get("nproc") or 1))
     step, memory, on_gpu = measured(base)
-    no_memory = unmeasured(base) if memory is None else NOT_MEASURED
+    no_memory = _no_memory(records) if memory is None else NOT_MEASURED
     layout = layout_of(cfg.get("strategy", "ddp"), cfg.get("mesh"), world)
     model = cfg.get("model")
     # The model (and data) module as the run named it: a relative path or module name is
