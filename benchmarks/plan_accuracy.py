@@ -144,12 +144,12 @@ def torchtitan() -> None:
         plans: dict[tuple[object, ...], object] = {}
         for table, model, gpus, (strategy, dp, tp), batch, seq, ac, compiled, gib, tps in PUBLISHED:
             which = {"recipe": model} if model != "70b" else {"model": str(config)}
-            key = (model, batch, seq, ac, compiled)
-            if key not in plans:  # one profile for every row of the same model and step
-                layouts = [Layout(s, dp=d, tp=t, sp=t > 1) for _, m, _, (s, d, t), *rest
-                           in PUBLISHED if (m, *rest[:4]) == key]  # fmt: skip
+            key = (model, gpus, batch, seq, ac, compiled)
+            if key not in plans:  # one plan for the rows of the same model, devices and step
+                layouts = [Layout(s, dp=d, tp=t, sp=t > 1) for _, m, g, (s, d, t), *rest
+                           in PUBLISHED if (m, g, *rest[:4]) == key]  # fmt: skip
                 plans[key] = st.plan(
-                    **which, devices=max(x.devices for x in layouts), hardware="h100-96gb",
+                    **which, devices=gpus, hardware="h100-96gb",
                     batch_size=batch, seq_len=seq, precision="bf16-mixed", ac=ac,
                     compile=compiled, layouts=layouts,
                 )  # fmt: skip
