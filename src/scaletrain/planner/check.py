@@ -156,8 +156,8 @@ def _device(records: RunRecords, config: dict[str, Any]) -> str | None:
 
 
 def _refuse_other_device(run: str | Path, device: str, hardware: str | None, hw: Hardware) -> None:
-    """A hardware file of another device than the run's predicts another machine (a CPU
-    run's 792 ms beside an H100's 0.9 ms, -99.9%)."""
+    """Refuse a hardware file of another device than the run's: it predicts another
+    machine's step, which says nothing of the run's (a CPU run's step priced on an H100)."""
     if hardware is not None:
         named = f"{spell('hardware', hardware)} is a {hw.device} machine ({hw.description})"
         fix = (
