@@ -226,13 +226,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             release_sigint()
         try:
             code = _main(argv)
-        except SystemExit as exc:
+        except SystemExit:
             # argparse's --help, --version and usage errors. What they printed is written
-            # here, where a reader gone away is seen, not by Python at exit (which says
-            # "Exception ignored ... BrokenPipeError" and exits 120); and argparse drops
-            # the broken pipe of a write it could not make (--help's exit code was 0).
-            if exc.code in (None, 0) and _stdout_is_gone():
-                return _end_quietly()
+            # here, where a reader gone away is seen (the BrokenPipeError below), not by
+            # Python at exit (which says "Exception ignored ... BrokenPipeError" and exits
+            # 120); a write argparse could not make raises (settings.Parser).
             _flush_stdout()
             raise
         _flush_stdout()

@@ -29,16 +29,20 @@ import functools
 import inspect
 import itertools
 import re
+import sys
 import textwrap
 import types
 import typing
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, NoReturn, TypeVar, get_args, get_origin
+from typing import TYPE_CHECKING, Any, Literal, NoReturn, TypeVar, get_args, get_origin
 
 from scaletrain.errors import ConfigError, article, closest, several
 from scaletrain.exitcodes import EXIT_USAGE
 from scaletrain.spellings import ALIASES, canonical
+
+if TYPE_CHECKING:
+    from _typeshed import SupportsWrite
 
 __all__ = [
     "RESERVED_FILE_KEYS",
@@ -399,6 +403,20 @@ class Parser(argparse.ArgumentParser):
     `--standalone`, another command's flag) -> the fix in this command's terms, said
     instead of the nearest spelling (`--log-dir` is not a misspelt `--log-every`).
     Keys are long flags with dashes; `--a_b` is looked up as `--a-b`."""
+
+    def _print_message(self, message: str, file: SupportsWrite[str] | None = None) -> None:
+        """argparse drops a write that fails; one to a stdout whose reader went away
+        (`--help | head`) is raised, for the command's own rule (cli.main: exit 141)."""
+        if not message:
+            return
+        file = file or sys.stderr
+        try:
+            file.write(message)
+        except BrokenPipeError:
+            if file is sys.stdout:
+                raise
+        except (AttributeError, OSError):
+            pass
 
     def error(self, message: str) -> NoReturn:
         m = _CHOICE.fullmatch(message)

@@ -102,7 +102,7 @@ def test_plan_check_plans_a_config_json_run_at_the_sequence_it_trained(
     settings = {"model": str(path), "strategy": "fsdp", "nproc": 2, "batch_size": 8}
     (run / "config.json").write_text(json.dumps(settings))
     asked: dict[str, Any] = {}
-    monkeypatch.setattr(check, "measured", lambda run: (0.1, None, False))
+    monkeypatch.setattr(check, "measured", lambda run, records=None: (0.1, None, False))
     monkeypatch.setattr(
         check, "plan", lambda *a, **kw: asked.update(kw) or SimpleNamespace(rows=[None])
     )

@@ -651,7 +651,16 @@ def test_layouts_a_plan_cannot_price_are_refused_before_the_profile(
     for make, words in (
         (lambda: Layout("nosuch", dp=2), r"Layout\('nosuch'\): strategy='nosuch' is not known"),
         (lambda: Layout("ddp", tp=2), r"Layout\('ddp', tp=2\): the ddp strategy spans dp, "),
-        (lambda: Layout("fsdp", dp=0), r"Layout\('fsdp', dp=0\): .* a whole number >= 1"),
+        (lambda: Layout("fsdp", dp=0), r"Layout\('fsdp', dp=0\): .* whole numbers >= 1"),
+        (lambda: Layout("fsdp", dp=2, tp=2), r"Fix: Layout\('fsdp x tp', dp=2, tp=2\)"),
+        (
+            lambda: Layout("ddp", dp=2, microbatches=4),
+            r"are a pipeline's, and this layout has pp=1",
+        ),
+        (
+            lambda: Layout("pipeline", pp=2, schedule="1f1b", microbatches="4"),
+            r"microbatches='4'\): a pipeline runs a schedule",
+        ),
         (lambda: Layout("pipeline", pp=2), r"schedule=None, microbatches=None\): a pipeline"),
     ):
         with pytest.raises(ConfigError, match=words):
@@ -693,7 +702,7 @@ def test_the_table_speaks_per_device_and_says_what_it_left_out(tmp_path: Path) -
     llama = st.plan("llama", devices=8, hardware="h100-sxm").table()
     assert "not planned: tp=8: tensor parallel cannot split the attention heads" in llama
     one = st.plan("gpt", devices=2, batch_size=1, hardware="h100-sxm").skipped
-    assert one == ["pipeline pp=2: no count of 2 or more microbatches divides batch_size=1. "
+    assert one == ["pipeline pp=2: none of 2, 4, 6 or 8 microbatches divides batch_size=1. "
                    "Fix: batch_size=2 or a multiple"]  # fmt: skip
     slow = replace(load("h100-sxm"), intra=Link(5e-6, 1.32e9), inter=Link(5e-6, 1.32e9))
     path = write(slow, tmp_path / "slow.toml")
@@ -723,7 +732,10 @@ def test_plan_refuses_arguments_of_the_wrong_type_in_its_own_words() -> None:
         ({"recipe": "gpt", "seq_len": "32"}, r"seq_len='32': expected a positive whole number"),
         ({"recipe": "gpt", "seq_len": 32.5}, r"seq_len=32\.5: expected a positive whole number"),
         ({"recipe": "gpt", "layouts": ["ddp"]}, r"layouts=\['ddp', \.\.\.\]\): expected Layout"),
-        ({"model": nn.Linear(4, 4)}, r"model=Linear\(.*\): expected a name, e.g\. recipe='gpt'"),
+        (
+            {"model": ResidualMLP()},
+            r"^model is a ResidualMLP: expected a name, e\.g\. recipe='gpt'",
+        ),
     ):
         with pytest.raises(ConfigError, match=words):
             st.plan(devices=2, hardware="h100-sxm", **kw)  # type: ignore[arg-type]

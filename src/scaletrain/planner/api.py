@@ -12,7 +12,7 @@ from scaletrain.errors import ConfigError, spell, unknown
 from scaletrain.hardware import Hardware, load
 from scaletrain.hardware.calibrate import load_calibrated
 from scaletrain.planner.cost import DTYPE, Estimate, Model, estimate, gathered
-from scaletrain.planner.layout import Layout, layouts_for
+from scaletrain.planner.layout import Layout, layouts_for, microbatch_counts
 from scaletrain.planner.models import resolve_model
 from scaletrain.planner.profile import ModelProfile, profile_model
 from scaletrain.precision import PRECISIONS, canonical
@@ -141,10 +141,17 @@ def _skipped(
     if devices > 1 and not any(x.strategy == "pipeline" for x in rows):
         out.append(
             f"pipeline pp={devices}: {name} has {layers} top-level layers" if layers < devices
-            else f"pipeline pp={devices}: no count of {devices} or more microbatches divides "
-            f"{spell('batch_size', batch)}. Fix: {spell('batch_size', devices)} or a multiple"
+            else f"pipeline pp={devices}: none of {_listed(sorted(microbatch_counts(devices)))} "
+            f"microbatches divides {spell('batch_size', batch)}. Fix: "
+            f"{spell('batch_size', devices)} or a multiple"
         )  # fmt: skip
     return out
+
+
+def _listed(counts: list[int]) -> str:
+    """4, 8 or 12: a list as said."""
+    *most, last = map(str, counts)
+    return f"{', '.join(most)} or {last}" if most else last
 
 
 def _gbs(bandwidth: float) -> str:
@@ -161,9 +168,7 @@ def _whole(key: str, value: object) -> None:
 
 def _recommend(plan: Plan) -> tuple[Estimate | None, str]:
     """The fastest row that fits, the smaller peak among equals. CPU offload only where
-    nothing fits without it: it trades the step's time for device memory, and its host
-    optimizer step is priced by memory bandwidth alone (PyTorch's CPU optimizer also
-    pays a per-tensor cost), which can make it look fastest for a small model."""
+    nothing fits without it: it trades the step's time for device memory."""
     fitting = [r for r in plan.rows if r.fits]
     fitting = [r for r in fitting if not r.layout.offload] or fitting
     fitting.sort(key=lambda r: (-round(plan.throughput(r), 9), r.memory.total))
@@ -281,7 +286,8 @@ def plan(
         if x.pp > max(1, layers):
             raise ConfigError(
                 f"{where}: {planned.name} has {layers} top-level layers, the most stages a "
-                f"pipeline cuts it into. Fix: pp={layers} or fewer.",
+                "pipeline cuts it into. Fix: "
+                + (f"pp={layers} or fewer." if layers > 1 else "a layout without a pipeline."),
                 field="layouts",
             )
         if x.microbatches and batch % x.microbatches:

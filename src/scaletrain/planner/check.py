@@ -23,7 +23,7 @@ from typing import Any
 from scaletrain.errors import ConfigError, spell
 from scaletrain.hardware import Hardware, load
 from scaletrain.hardware.calibrate import calibrated_path, load_calibrated
-from scaletrain.observe.metrics.ledger import EARLY_WINDOWS
+from scaletrain.observe.metrics.ledger import EARLY_WINDOWS, LedgerConfig
 from scaletrain.observe.metrics.records import (
     OBSERVE_DIR,
     RunRecords,
@@ -72,7 +72,7 @@ class Check:
     plan: Plan | None = None
     """The plan made for the run's layout: what its header names."""
     no_memory: str = NOT_MEASURED
-    """What the memory line says where the run measured none (`unmeasured`)."""
+    """What the memory line says where the run measured none (`_no_memory`)."""
 
     @property
     def predicted_memory(self) -> float:
@@ -97,13 +97,10 @@ class Check:
         )
 
 
-def measured(run: str | Path) -> tuple[float, int | None, bool]:
+def measured(run: str | Path, records: RunRecords | None = None) -> tuple[float, int | None, bool]:
     """(seconds of training work per step, memory, whether that is a GPU's) from
-    RUN/observe/, as the module docstring says."""
-    try:
-        records = read_run(run)
-    except FileNotFoundError:  # an observe/ without a rank's file: no step
-        records = RunRecords(Path(run), {}, [], None)
+    RUN/observe/ (`records`: what `_records` read of it), as the module docstring says."""
+    records = records or _records(run)
     medians = phase_medians(records).values()
     if not medians:
         raise ConfigError(
@@ -116,6 +113,15 @@ def measured(run: str | Path) -> tuple[float, int | None, bool]:
     if allocated := [p["allocated_peak"] for p in peaks if p["allocated_peak"]]:
         return work, max(allocated), True
     return work, max((p["rss_growth"] for p in peaks if p["rss_growth"]), default=None), False
+
+
+def _records(run: str | Path) -> RunRecords:
+    """What the run's ledger wrote: none where observe/ holds no rank's file (a run
+    killed before the ledger's first line), which `measured` refuses as no step."""
+    try:
+        return read_run(run)
+    except FileNotFoundError:
+        return RunRecords(Path(run), {}, [], None)
 
 
 def _is_run(path: Path) -> bool:
@@ -186,9 +192,11 @@ def _no_memory(records: RunRecords) -> str:
     ranks = records.ranks.values()
     if not ranks or any(rr.memory for rr in ranks):
         return NOT_MEASURED
-    every = max(int(rr.header.get("every") or 50) for rr in ranks)
+    every = max(int(rr.header.get("every") or LedgerConfig().every) for rr in ranks)
     start = {id(rr): int(rr.header.get("start_step") or 0) for rr in ranks}
     trained = max(sum(s.step > start[id(rr)] for s in rr.steps) for rr in ranks)
+    if trained >= min(EARLY_WINDOWS[0], every):  # long enough: the ledger lost it
+        return NOT_MEASURED
     return (
         f"{NOT_MEASURED}: its ledger records memory as a window closes, at steps "
         f"{' and '.join(map(str, EARLY_WINDOWS))} of a start and every {every} "
@@ -217,10 +225,7 @@ def check_run(run: str | Path, hardware: str | None = None) -> Check:
     if not _is_run(base):
         raise _not_a_run(run)
     cfg = json.loads((base / "config.json").read_text(encoding="utf-8"))
-    try:
-        records = read_run(base)
-    except FileNotFoundError:  # measured() says so
-        records = RunRecords(base, {}, [], None)
+    records = _records(base)
     given = hardware
     if hardware is not None and Path(hardware).is_file():
         hardware = str(Path(hardware).resolve())  # before the move to the run's directory
@@ -228,7 +233,7 @@ def check_run(run: str | Path, hardware: str | None = None) -> Check:
     if (device := _device(records, cfg)) and device != hw.device:
         _refuse_other_device(run, device, given, hw)
     world = int(cfg.get("run", {}).get("world_size", cfg.get("nproc") or 1))
-    step, memory, on_gpu = measured(base)
+    step, memory, on_gpu = measured(base, records)
     no_memory = _no_memory(records) if memory is None else NOT_MEASURED
     layout = layout_of(cfg.get("strategy", "ddp"), cfg.get("mesh"), world)
     model = cfg.get("model")

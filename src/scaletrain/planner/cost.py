@@ -254,6 +254,9 @@ class StepTime:
 
 @dataclass(frozen=True, slots=True)
 class Estimate:
+    """One row of a plan: a layout's memory per device (bytes; `memory.total` is its
+    peak), its step time (seconds; `time.total`), whether it fits, and notes."""
+
     layout: Layout
     memory: Memory
     time: StepTime

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from scaletrain.errors import ConfigError, unknown
 from scaletrain.planner.schedule import SCHEDULES
 
-__all__ = ["SCHEDULES", "STRATEGIES", "Layout", "layouts_for"]
+__all__ = ["SCHEDULES", "STRATEGIES", "Layout", "layouts_for", "microbatch_counts"]
 
 STRATEGIES = {"ddp": (0, "dp"), "fsdp": (3, "dp"), "fsdp-keep": (3, "dp"), "tensor": (0, "tp"),
               "pipeline": (0, "pp"), "fsdp x tp": (3, "dp tp"), "ddp x pp": (0, "dp pp")}  # fmt: skip
@@ -46,22 +46,39 @@ class Layout:
                 field="layouts",
             )
         dims = {"dp": self.dp, "tp": self.tp, "pp": self.pp}
-        spans = STRATEGIES[self.strategy][1].split()
-        if bad := [f"{k}={v!r}" for k, v in dims.items() if (v != 1 and k not in spans) or
-                   isinstance(v, bool) or not isinstance(v, int) or v < 1]:  # fmt: skip
+        if bad := [f"{k}={v!r}" for k, v in dims.items() if not _whole(v)]:
             raise ConfigError(
-                f"Layout({self.strategy!r}, {', '.join(bad)}): the {self.strategy} strategy spans "
-                f"{' x '.join(spans)}, each a whole number >= 1. Fix: e.g. "
-                f"Layout({self.strategy!r}, {', '.join(f'{k}=2' for k in spans)}).",
+                f"Layout({self.strategy!r}, {', '.join(bad)}): dp, tp and pp are the devices of "
+                "each mesh dimension, whole numbers >= 1. Fix: e.g. Layout('fsdp', dp=8).",
                 field="layouts",
             )
-        if self.pp > 1 and (self.schedule not in SCHEDULES or not self.microbatches or
-                            isinstance(self.microbatches, bool) or self.microbatches < 1):  # fmt: skip
+        spans = STRATEGIES[self.strategy][1].split()
+        if extra := [k for k, v in dims.items() if v > 1 and k not in spans]:
+            used = {k for k, v in dims.items() if v > 1}
+            fits = [name for name, (_, d) in STRATEGIES.items() if set(d.split()) == used]
+            given = ", ".join(f"{k}={v}" for k, v in dims.items() if v > 1)
+            raise ConfigError(
+                f"Layout({self.strategy!r}, {given}): the {self.strategy} strategy spans "
+                f"{' x '.join(spans)}, not {' and '.join(extra)}. Fix: "
+                + (f"Layout({fits[0]!r}, {given})." if fits else
+                   f"no strategy spans {' and '.join(sorted(used))} together; one of them.")
+                ,
+                field="layouts",
+            )  # fmt: skip
+        pipeline = (self.schedule, self.microbatches)
+        if self.pp > 1 and (self.schedule not in SCHEDULES or not _whole(self.microbatches)):
             raise ConfigError(
                 f"Layout({self.strategy!r}, pp={self.pp}, schedule={self.schedule!r}, "
                 f"microbatches={self.microbatches!r}): a pipeline runs a schedule ("
                 f"{', '.join(SCHEDULES)}) over microbatches, a whole number >= 1. Fix: e.g. "
                 f"Layout({self.strategy!r}, pp={self.pp}, schedule='1f1b', microbatches=4).",
+                field="layouts",
+            )
+        if self.pp == 1 and pipeline != (None, None):
+            raise ConfigError(
+                f"Layout({self.strategy!r}, schedule={self.schedule!r}, microbatches="
+                f"{self.microbatches!r}): a schedule and microbatches are a pipeline's, and this "
+                "layout has pp=1. Fix: pp=2 or more, or leave them out.",
                 field="layouts",
             )
         if self.sp and self.tp == 1:
@@ -105,16 +122,23 @@ class Layout:
         return f"{self.strategy} {self.mesh}{pipeline}{extra}"
 
 
+def _whole(value: object) -> bool:
+    """Whether `value` is a whole number >= 1 (not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def microbatch_counts(pp: int) -> list[int]:
+    """The microbatch counts a plan tries for pp stages, in order: the Pipeline
+    strategy's default (4) where it gives every stage one, then pp, 2 pp, 3 pp, 4 pp."""
+    return [m for m in dict.fromkeys((4, *range(pp, 4 * pp + 1, pp))) if m >= pp]
+
+
 def _microbatches(pp: int, batch: int, layers: int) -> int | None:
-    """The Pipeline strategy's default (4) where it divides the batch and gives every
-    stage one, else the smallest multiple of pp that divides it (None: fewer layers
-    than stages, or no count divides it)."""
+    """The first of `microbatch_counts` that divides the batch (None: fewer layers than
+    stages, or none divides it)."""
     if layers < pp:
         return None
-    for m in (4, *range(pp, 4 * pp + 1, pp)):
-        if m >= pp and batch % m == 0:
-            return m
-    return None
+    return next((m for m in microbatch_counts(pp) if batch % m == 0), None)
 
 
 def layouts_for(

@@ -77,7 +77,8 @@ def resolve_model(
     for name, given in (("recipe", recipe), ("model", model)):
         if given is not None and not isinstance(given, str):
             raise ConfigError(
-                f"{spell(name, given)}: expected a name, e.g. {spell('recipe', 'gpt')}, "
+                f"{name} is {article(type(given).__name__)}: expected a name, e.g. "
+                f"{spell('recipe', 'gpt')}, "
                 f"{spell('model', 'mymodel.py:build')} or {spell('model', 'path/config.json')}. "
                 "Fix: the module and factory that build the model, not the model itself.",
                 field=name,
