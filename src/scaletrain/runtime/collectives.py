@@ -136,5 +136,6 @@ class Collectives(Place):
             )
 
     def barrier(self) -> None:
+        """Wait until every rank reaches this call (a collective)."""
         with self._phase(_phases.SYNC):
             _dist.barrier(self.device)

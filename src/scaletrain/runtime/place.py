@@ -55,22 +55,27 @@ class Place:
     # -- where am I ------------------------------------------------------------
     @property
     def rank(self) -> int:
+        """This process's rank in the job, 0 to world_size - 1."""
         return self.topology.rank
 
     @property
     def local_rank(self) -> int:
+        """This process's rank among the processes of its node."""
         return self.topology.local_rank
 
     @property
     def world_size(self) -> int:
+        """The processes in the job."""
         return self.topology.world_size
 
     @property
     def node_rank(self) -> int:
+        """This process's node, 0 to the number of nodes - 1."""
         return self.topology.node_rank
 
     @property
     def backend(self) -> str:
+        """The process group's backend: "nccl" on GPUs, "gloo" on CPUs."""
         return self.topology.backend
 
     @property
