@@ -18,8 +18,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-FIGURES = ("peaks", "efficiency", "memory", "memory_bandwidth", "launch", "devices_per_node",
-           "intra", "inter", "host")  # fmt: skip
+FIGURES = ("peaks", "efficiency", "memory", "reserve", "memory_bandwidth", "launch",
+           "devices_per_node", "intra", "inter", "host")  # fmt: skip
 
 
 def test_every_shipped_profile_loads_and_names_the_source_of_each_figure() -> None:
@@ -40,6 +40,8 @@ def test_every_shipped_profile_loads_and_names_the_source_of_each_figure() -> No
         assert 60 * 2**30 < hw.memory < 150 * 2**30
         assert hw.launch == 5e-6 and "assumption" in hw.sources["launch"]
         assert "assumption" in hw.sources["efficiency"]
+        # A GPU's caching allocator holds more than a step allocates: rows fit with it.
+        assert hw.reserve == 0.15 and "assumption" in hw.sources["reserve"]
         assert "x 0.7" in hw.sources["memory_bandwidth"]
         # Every GPU's host is stated, for CPU offload's rows, with what was assumed.
         assert hw.host is not None and 100e9 <= hw.host.memory <= 300e9
@@ -112,6 +114,9 @@ def _profile(tmp_path: Path, edit: str, old: str | None = None) -> Path:
         (r"^device = .*$", 'device = "tpu"', '`device = \'tpu\'` is not "cuda" or "cpu"'),
         (r"^efficiency = .*$", "efficiency = 1.5", "`efficiency = 1.5` is not a fraction"),
         (r"^efficiency = .*$", "efficiency = true", "`efficiency = True` is not a fraction"),
+        (r"^reserve = .*$", "reserve = -0.1", "`reserve = -0.1` is not the allocator's hold"),
+        (r"^reserve = .*$", "reserve = 15", "`reserve = 15` is not the allocator's hold"),
+        (r"^reserve = .*$", 'reserve = "15%"', "`reserve = '15%'` is not the allocator's hold"),
         (r"^bandwidth = 50e9$", "bandwidth = -1", "`inter.bandwidth = -1` is not bus bytes/s"),
         (r"^peaks = .*$", 'peaks = "h100"', "`peaks = 'h100'` is not an entry"),
         (r"^memory = ", "memroy = ", "`memroy` is not a field of a hardware file"),

@@ -129,10 +129,15 @@ def calibrate(
     if cuda:
         memory = int(torch.cuda.get_device_properties(dev).total_memory) - GiB
         sources["memory"] = f"{stamp}: the GPU's total memory less 1 GiB for the CUDA context"
+        shipped = load("h100-sxm")  # a step's fragmentation is its own: not measured here
+        reserve = shipped.reserve
+        sources["reserve"] = (
+            f"not measured: the shipped GPU profiles' ({shipped.sources['reserve']})"
+        )
         per_node = gpus
         sources["devices_per_node"] = f"{stamp}: the GPUs torch sees on this node"
     else:
-        memory = _available_memory()
+        memory, reserve = _available_memory(), 0.0
         sources["memory"] = f"{stamp}: MemAvailable of /proc/meminfo, shared by the processes"
         per_node = n
         sources["devices_per_node"] = f"{stamp}: the processes of the sweep"
@@ -175,7 +180,7 @@ def calibrate(
         description = f"this machine's CPU ({name}), {n} processes of one thread, Gloo"
     hw = Hardware(
         name=target.stem, description=description, device="cuda" if cuda else "cpu",
-        memory=memory, devices_per_node=per_node, flops=flops,
+        memory=memory, reserve=reserve, devices_per_node=per_node, flops=flops,
         peak_flops=dict(sheet.peaks) if sheet is not None else {},
         memory_bandwidth=bandwidth, launch=launch, intra=intra, inter=inter, host=host,
         sources=sources,

@@ -6,6 +6,7 @@ A file holds one node type; units are bytes, seconds and FLOP/s:
     description = "..."
     device = "cuda"                # or "cpu"
     memory = 83860000000           # bytes one device may use
+    reserve = 0.15                 # optional: the allocator's hold beyond the peak (0)
     devices_per_node = 8
     peaks = "h100-sxm"             # optional: the devices.toml entry of its datasheet
     efficiency = 0.55              # optional: flops = efficiency x the peaks
@@ -54,7 +55,7 @@ PROFILES_DIR = Path(__file__).parent
 """Where the shipped profiles are: every .toml file here but devices.toml."""
 
 _KEYS = (
-    "name", "description", "device", "memory", "devices_per_node", "peaks", "efficiency",
+    "name", "description", "device", "memory", "reserve", "devices_per_node", "peaks", "efficiency",
     "memory_bandwidth", "launch", "flops", "peak_flops", "intra", "inter", "host", "sources",
 )  # fmt: skip
 _DEVICES = ("cuda", "cpu")
@@ -285,6 +286,17 @@ def _parse(data: dict[str, Any], path: Path, where: str) -> Hardware:
     memory = fields.integer(
         "memory", "the bytes one device may use (a positive integer)", "memory = 83860000000"
     )
+    reserve = (
+        fields.number(
+            "reserve",
+            "the allocator's hold beyond the step's peak, a fraction of it in [0, 1]",
+            "reserve = 0.15",
+            positive=False,
+            most=1.0,
+        )
+        if "reserve" in data
+        else 0.0
+    )
     per_node = fields.integer(
         "devices_per_node", "the devices of one node (an integer >= 1)", "devices_per_node = 8"
     )
@@ -364,7 +376,7 @@ def _parse(data: dict[str, Any], path: Path, where: str) -> Hardware:
     for key in table:
         sources.text(key, "a string", f'{key} = "where it comes from"')
     return Hardware(
-        name=name, description=description, device=device, memory=memory,
+        name=name, description=description, device=device, memory=memory, reserve=reserve,
         devices_per_node=per_node, peak_flops=peak_flops, flops=flops,
         memory_bandwidth=bandwidth, launch=launch, intra=intra, inter=inter, host=host,
         efficiency=efficiency, sources=dict(table), path=str(path),
@@ -419,6 +431,7 @@ def _text(hw: Hardware) -> str:
         f"description = {_value(hw.description)}",
         f"device = {_value(hw.device)}",
         f"memory = {_value(int(hw.memory))}",
+        *([f"reserve = {_value(float(hw.reserve))}"] if hw.reserve else []),
         f"devices_per_node = {_value(int(hw.devices_per_node))}",
     ]
     # The entry with these peaks (H200 SXM's are H100 SXM's: the one its sources name).

@@ -89,6 +89,14 @@ class Hardware:
     a [host] table)."""
     efficiency: float | None = None
     """The fraction of the peak `flops` states, where a datasheet profile assumed it."""
+    reserve: float = 0.0
+    """What the device's memory allocator holds beyond the allocations at their peak, as
+    a fraction of that peak: PyTorch's CUDA caching allocator keeps freed blocks for
+    reuse, and a block split for one request and freed is too small or too scattered for
+    the next (fragmentation), so a step reserves more than it allocates, and what it
+    reserves is what runs out. A plan's peak is what the step allocates (what
+    `torch.cuda.max_memory_allocated` counts); a row fits where that peak times
+    1 + reserve is within `memory`. 0: a CPU, whose processes share the node's memory."""
     sources: dict[str, str] = field(default_factory=dict)
     """Where each figure comes from ("measured by scaletrain plan --calibrate ..." for
     a calibration)."""

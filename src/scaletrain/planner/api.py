@@ -341,6 +341,12 @@ def plan(
         f"links: {_gbs(hw.intra.bandwidth)} GB/s inside a node, "
         f"{_gbs(hw.inter.bandwidth)} GB/s per device between nodes",
     ]
+    if hw.reserve:
+        result.assumptions.append(
+            f"fits: the peak (what the step allocates) and {hw.reserve:.0%} over it that the "
+            f"allocator holds, within {hw.memory / 2**30:,.1f} GiB: "
+            + hw.sources.get("reserve", "the hardware file's reserve")
+        )
     if compile:
         fused = "planner.cost.COMPILED_BYTES, COMPILED_KERNELS"
         result.assumptions.append(f"compiled: elementwise kernels fused ({fused})")

@@ -428,13 +428,15 @@ def estimate(layout: Layout, model: Model, hw: Hardware, batch: int) -> Estimate
     mem, time = memory(layout, model, batch), step_time(layout, model, hw, batch)
     host = hw.host if layout.offload else None
     notes = []
-    # A CPU machine's memory is its node's, shared by the processes on it.
+    # A CPU machine's memory is its node's, shared by the processes on it; a GPU's
+    # allocator holds `reserve` beyond the peak the step allocates (Hardware.reserve).
     sharing = min(layout.devices, hw.devices_per_node) if hw.device == "cpu" else 1
-    needed = mem.total * sharing
+    needed = mem.total * sharing * (1 + hw.reserve)
     if needed > hw.memory:
         over, of = (needed - hw.memory) / 2**30, hw.memory / 2**30
         each = f" ({sharing} processes of {mem.total / 2**30:.2f} GiB)" if sharing > 1 else ""
-        notes.append(f"does not fit: {over:.2f} GiB over {of:.1f} GiB{each}")
+        held = f" (the peak and the allocator's {hw.reserve:.0%} over it)" if hw.reserve else ""
+        notes.append(f"does not fit: {over:.2f} GiB over {of:.1f} GiB{each}{held}")
     if host:
         full = f", over its {host.memory / 2**30:.1f} GiB" if mem.host > host.memory else ""
         held = f"{mem.host / 2**30:.1f} GiB" if mem.host >= 2**30 else f"{mem.host / 2**20:.1f} MiB"
