@@ -11,14 +11,15 @@
    the same 16 bytes a parameter) against the paper's stages 0 and 3.
 2. `--part torchtitan`: torchtitan's published Llama 3.1 runs, planned on paper from
    the model alone on the `h100-96gb` hardware file, against the figures of its
-   performance page (docs/performance.md of github.com/pytorch/torchtitan, runs of
+   performance page (benchmarks/llama3_h100_202412_torchtitan.md of
+   github.com/pytorch/torchtitan, docs/performance.md before June 2025; runs of
    December 2024 on Meta's Grand Teton hosts: 8 H100 96GB HBM2e at 500 W per host,
    400 Gb/s RDMA per GPU; memory is torch.cuda's max reserved, throughput tokens per
    second per GPU at step 90). Table 1: 8B, FSDP on 8 GPUs, local batch 2, sequence
-   8192, selective checkpointing, eager and compiled; Table 3: the same on 128 GPUs;
-   Table 4 (the 2-D row): 70B, FSDP 32 x TP 8 on 256 GPUs, local batch 16, full
-   checkpointing, compiled (with float8, which the planner does not model: its row
-   is planned in bf16 and said so). The 70B is its Hugging Face config.json (Llama
+   8192, selective checkpointing, eager, compiled, and compiled with float8 training;
+   Table 3: the same on 128 GPUs; Table 4 (the 2-D row): 70B, FSDP 32 x TP 8 on 256
+   GPUs, local batch 16, full checkpointing, compiled, float8. The 70B is its Hugging
+   Face config.json (Llama
    3.1 70B's published sizes), built on the meta device. Selective checkpointing is
    planned with the runs' own policy, torchtitan's (its llama3 `_apply_ac`, op mode:
    matmul, attention and reduce-scatter outputs kept, but every second matmul of a
@@ -65,12 +66,14 @@ LLAMA_70B = {
 """Llama 3.1 70B's sizes (its model card's config.json)."""
 
 PUBLISHED = [
-    # (table, model, devices, layout, batch, seq, ac, compile, GiB, tokens/s/GPU)
-    ("1", "llama-8b", 8, ("fsdp", 8, 1), 2, 8192, "selective", False, 82.4, 5762),
-    ("1", "llama-8b", 8, ("fsdp", 8, 1), 2, 8192, "selective", True, 77.0, 6667),
-    ("3", "llama-8b", 128, ("fsdp", 128, 1), 2, 8192, "selective", False, 67.0, 5605),
-    ("3", "llama-8b", 128, ("fsdp", 128, 1), 2, 8192, "selective", True, 62.0, 6514),
-    ("4", "70b", 256, ("fsdp x tp", 32, 8), 16, 8192, "full", True, 71.9, 829),
+    # (table, model, devices, layout, batch, seq, ac, compile, float8, GiB, tokens/s/GPU)
+    ("1", "llama-8b", 8, ("fsdp", 8, 1), 2, 8192, "selective", False, False, 82.4, 5762),
+    ("1", "llama-8b", 8, ("fsdp", 8, 1), 2, 8192, "selective", True, False, 77.0, 6667),
+    ("1", "llama-8b", 8, ("fsdp", 8, 1), 2, 8192, "selective", True, True, 76.8, 8532),
+    ("3", "llama-8b", 128, ("fsdp", 128, 1), 2, 8192, "selective", False, False, 67.0, 5605),
+    ("3", "llama-8b", 128, ("fsdp", 128, 1), 2, 8192, "selective", True, False, 62.0, 6514),
+    ("3", "llama-8b", 128, ("fsdp", 128, 1), 2, 8192, "selective", True, True, 61.8, 8380),
+    ("4", "70b", 256, ("fsdp x tp", 32, 8), 16, 8192, "full", True, True, 71.9, 829),
 ]
 """Table 4's run is tensor parallel with sequence and loss parallelism: planned as the
 `sp` layout, with torchtitan's embeddings, final norm and head split over tp too
@@ -141,23 +144,24 @@ def torchtitan() -> None:
         config = Path(tmp) / "config.json"
         config.write_text(json.dumps(LLAMA_70B), encoding="utf-8")
         print(
-            "| table | model | GPUs | layout | batch x seq | AC | compile | GiB published | "
+            "| table | model | GPUs | layout | batch x seq | AC | compile | float8 | GiB published | "
             "GiB planned | GiB torch's tracker | GiB planned reserved | error | "
             "tok/s/GPU published | planned | error |"
         )
-        print("|---|---|---:|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+        print("|---|---|---:|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         tracked: dict[tuple[object, ...], str] = {}
         plans: dict[tuple[object, ...], object] = {}
-        for table, model, gpus, (strategy, dp, tp), batch, seq, ac, compiled, gib, tps in PUBLISHED:
+        for table, model, gpus, layout, batch, seq, ac, compiled, eight, gib, tps in PUBLISHED:
+            strategy, dp, tp = layout
             which = {"recipe": model} if model != "70b" else {"model": str(config)}
-            key = (model, gpus, batch, seq, ac, compiled)
+            key = (model, gpus, batch, seq, ac, compiled, eight)
             if key not in plans:  # one plan for the rows of the same model, devices and step
                 layouts = [Layout(s, dp=d, tp=t, sp=t > 1) for _, m, g, (s, d, t), *rest
-                           in PUBLISHED if (m, g, *rest[:4]) == key]  # fmt: skip
+                           in PUBLISHED if (m, g, *rest[:5]) == key]  # fmt: skip
                 plans[key] = st.plan(
                     **which, devices=gpus, hardware="h100-96gb",
                     batch_size=batch, seq_len=seq, precision="bf16-mixed", ac=ac,
-                    compile=compiled, layouts=layouts,
+                    compile=compiled, float8=eight, layouts=layouts,
                 )  # fmt: skip
             p = plans[key]
             want = Layout(strategy, dp=dp, tp=tp, sp=tp > 1)
@@ -165,11 +169,12 @@ def torchtitan() -> None:
             mem, rate = row.memory.total / GIB, p.tokens_per_device(row)  # type: ignore[attr-defined]
             # What the published figure is (max reserved): the peak and the allocator's hold.
             held = mem * (1 + p.hardware.reserve)  # type: ignore[attr-defined]
-            if tp == 1 and (model, dp) not in tracked:
+            if tp == 1 and not eight and (model, dp) not in tracked:  # it counts a bf16 step
                 tracked[model, dp] = f"{_tracked_gib(model, dp, batch, seq):.1f}"
             print(f"| {table} | {model} | {gpus} | {row.layout.label} | {batch} x {seq} | {ac} | "
-                  f"{'yes' if compiled else 'no'} | {gib} | {mem:.1f} | "
-                  f"{tracked.get((model, dp), '-')} | {held:.1f} | {held / gib - 1:+.1%} | "
+                  f"{'yes' if compiled else 'no'} | {'yes' if eight else 'no'} | {gib} | {mem:.1f} | "
+                  f"{'-' if eight else tracked.get((model, dp), '-')} | {held:.1f} | "
+                  f"{held / gib - 1:+.1%} | "
                   f"{tps:,} | {rate:,.0f} | {rate / tps - 1:+.1%} |",
                   flush=True)  # fmt: skip
 
@@ -311,19 +316,30 @@ def what_if() -> None:
 
 
 def here(steps: int, keep: str | None) -> None:
+    import importlib.util
+
     import torch
 
     from scaletrain import cli
     from scaletrain.observe.metrics.records import peak_memory
     from scaletrain.planner.check import check_run
+    from scaletrain.strategies.float8 import FLOAT8_MIN_CAPABILITY
 
     gpu = torch.cuda.is_available()
-    # On a GPU, one process (the plan of one GPU the issue targets) at two precisions;
-    # on this CPU, 1 and 2 Gloo processes.
-    runs = (
-        [(1, "ddp", "32"), (1, "ddp", "bf16-mixed")]
+    # On a GPU, one process (the plan of one GPU the issue targets) at two precisions,
+    # and gpt (the recipe whose blocks' Linears float8 converts) compiled in float8
+    # where the GPU has float8 matmuls and torchao is installed; on this CPU, 1 and 2
+    # Gloo processes.
+    eight = (
+        gpu
+        and torch.cuda.get_device_capability(0) >= FLOAT8_MIN_CAPABILITY
+        and importlib.util.find_spec("torchao") is not None
+    )
+    runs: list[tuple[int, str, str, tuple[str, ...]]] = (
+        [(1, "ddp", "32", ()), (1, "ddp", "bf16-mixed", ())]
+        + ([(1, "ddp", "bf16-mixed", ("--compile", "--float8"))] if eight else [])
         if gpu
-        else [(1, "ddp", "32"), (2, "ddp", "32"), (2, "fsdp", "32")]
+        else [(1, "ddp", "32", ()), (2, "ddp", "32", ()), (2, "fsdp", "32", ())]
     )
     with tempfile.TemporaryDirectory() as tmp:
         hw = Path(keep) if keep else Path(tmp) / "this-machine.toml"
@@ -331,22 +347,24 @@ def here(steps: int, keep: str | None) -> None:
         # On a GPU, CUDA's reserved peak beside the allocated one the plan predicts: the
         # caching allocator's share, which published runs' figures (max reserved) hold.
         print(
-            "| recipe | processes | strategy | precision | step ms predicted | measured | "
+            "| recipe | processes | strategy | precision | levers | step ms predicted | measured | "
             "error | memory MiB predicted | measured | error |" + (" reserved MiB |" if gpu else "")
         )
-        print("|---|---:|---|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if gpu else ""))
+        print("|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if gpu else ""))
         for recipe in ("convnet", "gpt", "split-net"):
-            for nproc, strategy, precision in runs:
-                run = Path(tmp) / f"{recipe}-{nproc}-{strategy}-{precision}"
+            for nproc, strategy, precision, levers in runs:
+                if levers and recipe != "gpt":
+                    continue
+                said = " ".join(levers) or "-"
+                run = Path(tmp) / f"{recipe}-{nproc}-{strategy}-{precision}{''.join(levers)}"
                 code = cli.main(
                     ["train", "--recipe", recipe, "--nproc", str(nproc), "--strategy", strategy,
                      "--precision", precision, "--max-steps", str(steps), "--ledger-every",
-                     "10", "--eval-batches", "0", "--no-save-last", "--out", str(run)]
+                     "10", "--eval-batches", "0", "--no-save-last", "--out", str(run), *levers]
                 )  # fmt: skip
                 if code != 0:
-                    print(
-                        f"| {recipe} | {nproc} | {strategy} | {precision} | run failed ({code}) |"
-                    )
+                    print(f"| {recipe} | {nproc} | {strategy} | {precision} | {said} | "
+                          f"run failed ({code}) |")  # fmt: skip
                     continue
                 c = check_run(run, str(hw))
                 t = c.predicted.time.total
@@ -358,7 +376,7 @@ def here(steps: int, keep: str | None) -> None:
                 reserved = max(
                     (p["reserved_peak"] or 0 for p in peak_memory(run).values()), default=0
                 )
-                print(f"| {recipe} | {nproc} | {strategy} | {precision} | {t * 1e3:.1f} | "
+                print(f"| {recipe} | {nproc} | {strategy} | {precision} | {said} | {t * 1e3:.1f} | "
                       f"{c.step_s * 1e3:.1f} | {t / c.step_s - 1:+.0%} | {mem} |"
                       + (f" {reserved / 2**20:.1f} |" if gpu else ""))  # fmt: skip
 

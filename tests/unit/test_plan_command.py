@@ -58,6 +58,20 @@ def _plan(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
         (["--check", "RUN", "--ac", "none"], "--ac none was given too"),
         (["--check", "RUN", "--ac-every", "2"], "--ac-every 2 was given too"),
         (
+            ["--check", "RUN", "--float8"],
+            "compile, float8) from the run's config.json, but --float8 was given too",
+        ),
+        (
+            ["--devices", "2", "--hardware", "a100-sxm", "--recipe", "gpt", "--float8"],
+            "--float8: a100-sxm's hardware file gives no fp8 FLOP/s",
+        ),
+        (
+            ["--devices", "2", "--hardware", "h100-sxm", "--recipe", "convnet", "--float8"],
+            "no Linear layer in the blocks of this ConvNet has input and output widths "
+            "divisible by 16, which float8 matmuls need. Fix: widths such as multiples of 16, "
+            "or plan without --float8.",
+        ),
+        (
             ["--calibrate", "/no/such/dir/hw.toml", "--precision", "bf16-mixed"],
             "--precision bf16-mixed was given too",
         ),
@@ -350,6 +364,33 @@ def test_check_says_what_it_planned(capsys: pytest.CaptureFixture[str], tmp_path
     assert head.startswith("check: ddp dp=1 (the run's layout) for split-net ("), head
     assert "on 1 device(s), 1 node(s) of test-cpu" in head
     assert "precision 32, batch 8 per replica, activation checkpointing none" in head
+
+
+def test_check_plans_a_float8_run_in_float8(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run trained with --float8 was checked against a plan of the same run without it
+    (the check read compile and the rest from its config.json, but not float8)."""
+    import scaletrain.planner.check as check
+
+    asked: dict[str, object] = {}
+
+    def plan(*a: object, **kw: object) -> None:
+        asked.update(kw)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(check, "plan", plan)
+    run = _ledger_run(tmp_path / "run", float8=True, compile=True)
+    with pytest.raises(SystemExit):
+        check.check_run(run, str(cpu_hardware_file(tmp_path / "cpu.toml")))
+    assert asked["float8"] is True and asked["compile"] is True
+
+
+def test_plan_float8_says_so_in_its_first_line(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["plan", "--recipe", "gpt", "--devices", "2", "--hardware", "h100-sxm", "--float8"]
+    assert cli.main([*args, "--precision", "bf16-mixed"]) == 0
+    head = capsys.readouterr().out.splitlines()[0]
+    assert "precision bf16-mixed, float8, batch 32 per replica" in head, head
 
 
 def test_a_plan_without_precision_or_ac_plans_32_without_checkpointing(

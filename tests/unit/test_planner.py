@@ -98,22 +98,26 @@ class ResidualMLP(nn.Module):
         return self.head(x)
 
 
-def _model(precision: str = "32", ac: str = "none", batch: int = 32, **kw: object) -> Model:
+def _model(
+    precision: str = "32", ac: str = "none", batch: int = 32, float8: bool = False, **kw: object
+) -> Model:
     build = partial(ResidualMLP, **kw)  # type: ignore[arg-type]
     width = int(kw.get("width", 64))  # type: ignore[call-overload]
     example = (torch.randn(batch, width), torch.randint(0, 10, (batch,)))
-    profile = profile_model(
-        build, example, nn.functional.cross_entropy, partial(torch.optim.Adam, lr=1e-3),
-        precision=precision, ac=ac,
-    )  # fmt: skip
     with torch.device("meta"):
         net = build()
+    blocks = auto_wrap_targets(net)
+    profile = profile_model(
+        build, example, nn.functional.cross_entropy, partial(torch.optim.Adam, lr=1e-3),
+        precision=precision, ac=ac, float8=blocks if float8 else None,
+    )  # fmt: skip
     plan = {
         f"blocks.{i}.{j}": s
         for i in range(len(net.blocks))
         for j, s in ((1, "colwise"), (3, "rowwise"))
     }
-    return Model(profile, list_layers(net), auto_wrap_targets(net), plan, precision=precision)
+    eight = [f"blocks.{i}.{j}" for i in range(len(net.blocks)) for j in (1, 3)] if float8 else []
+    return Model(profile, list_layers(net), blocks, plan, precision=precision, float8=eight)
 
 
 def test_the_profile_counts_a_steps_flops_and_adams_state() -> None:
@@ -242,6 +246,50 @@ def test_a_model_too_big_for_one_device_is_sharded() -> None:
     tiny = replace(p.hardware, memory=int(p.row("ddp").memory.total * 0.5))
     rows = [estimate(r.layout, Model(p.profile, [], []), tiny, p.batch_size) for r in p.rows[:1]]
     assert not rows[0].fits and "does not fit" in rows[0].notes[0]
+
+
+def test_float8_runs_the_blocks_matmuls_at_the_fp8_rate_and_pays_for_its_casts() -> None:
+    """float8 training (`--float8`) converts the blocks' Linear layers: their matmuls run
+    at the hardware's fp8 FLOP/s, their inputs and weights are cast first (eager: a chain
+    of kernels; compiled: a read for the amax, a read and a float8 write), and FSDP
+    gathers their weights in float8. The planner did not know it: a float8 run was
+    planned, and checked, as a bf16 one."""
+    kw = {"precision": "bf16-mixed", "batch": 4096, "width": 1024, "depth": 2}
+    plain, eight = _model(**kw), _model(float8=True, **kw)  # type: ignore[arg-type]
+    blocks = sum(2 * 4096 * 1024 * 4096 * 2 for _ in range(2))  # two Linears a block, fwd
+    assert plain.profile.forward.fp8 == 0 and eight.profile.forward.fp8 == blocks
+    assert eight.profile.backward.fp8 == 2 * blocks  # grad input and grad weight
+    assert eight.profile.forward.flops == plain.profile.forward.flops  # the head stays bf16
+    casts = eight.profile.forward.casts
+    assert 0 < eight.profile.forward.fused < casts / 4 and plain.profile.forward.casts == 0
+    assert eight.profile.forward.bytes - plain.profile.forward.bytes == pytest.approx(casts, 0.01)
+    hw = _hw(flops={"fp32": 30e12, "bf16": 450e12, "fp8": 900e12})
+    ddp = Layout("ddp")
+    for compiled, faster in ((False, False), (True, True)):  # eager, the casts cost more
+        a, b = (step_time(ddp, replace(m, compiled=compiled), hw, 4096) for m in (plain, eight))
+        assert (b.compute < a.compute) is faster, (compiled, a, b)
+    # FSDP gathers the float8 layers' weights in float8: fewer bytes held and sent.
+    fsdp = Layout("fsdp", dp=8)
+    held = [memory(fsdp, m, 4096).buffers for m in (plain, eight)]
+    sent = [step_time(fsdp, m, hw, 4096).comm for m in (plain, eight)]
+    assert held[1] < 0.6 * held[0] and sent[1] < sent[0]
+    assert hw.matmul_flops("fp8") == 900e12
+    assert _hw().fp8_flops() is None  # a device without float8 matmuls has none
+
+
+def test_plan_float8_is_refused_in_the_apis_words(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ConfigError, match=r"plan\(\.\.\., float8='yes'\): expected True or"):
+        st.plan("gpt", devices=2, hardware="h100-sxm", float8="yes")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="float8=True: a100-sxm's hardware file gives no fp8"):
+        st.plan("gpt", devices=2, hardware="a100-sxm", float8=True)
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: None if n == "torchao" else real(n, *a)
+    )
+    with pytest.raises(ConfigError, match=r"plan\(\.\.\.\): float8=True uses torchao's"):
+        st.plan("gpt", devices=2, hardware="h100-sxm", float8=True)
 
 
 def test_a_gpu_row_fits_with_what_its_allocator_holds_beyond_the_peak() -> None:

@@ -105,5 +105,18 @@ class Hardware:
 
     def matmul_flops(self, dtype: str) -> float:
         """Achieved FLOP/s in `dtype`, falling back to fp32's (a CPU without bf16
-        kernels)."""
+        kernels); fp8 where the file has none (a calibration measures no float8
+        matmul) is bf16's at the datasheet's fp8-to-bf16 ratio (`fp8_flops`)."""
+        if dtype == "fp8" and (fp8 := self.fp8_flops()) is not None:
+            return fp8
         return self.flops.get(dtype) or self.flops["fp32"]
+
+    def fp8_flops(self) -> float | None:
+        """Achieved float8 FLOP/s: the file's, else its bf16 figure times the datasheet's
+        fp8 peak over its bf16 peak; None where the device has no float8 matmuls."""
+        if "fp8" in self.flops:
+            return self.flops["fp8"]
+        peaks = self.peak_flops
+        if "bf16" in self.flops and peaks.get("fp8") and peaks.get("bf16"):
+            return self.flops["bf16"] * peaks["fp8"] / peaks["bf16"]
+        return None

@@ -16,6 +16,7 @@ from scaletrain.planner.layout import Layout, layouts_for, microbatch_counts
 from scaletrain.planner.models import resolve_model
 from scaletrain.planner.profile import ModelProfile, profile_model
 from scaletrain.precision import PRECISIONS, canonical
+from scaletrain.strategies.float8 import FLOAT8_GPUS, float8_layers, require_torchao
 from scaletrain.strategies.levers import check_levers
 from scaletrain.strategies.partition import list_layers
 from scaletrain.strategies.tensor_plan import (
@@ -44,6 +45,8 @@ class Plan:
     assumptions: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     """Layouts of the devices not planned, each with the reason."""
+    float8: bool = False
+    """Whether the blocks' Linear layers train in float8."""
 
     def row(self, label: str) -> Estimate:
         """The row of a layout's label ("fsdp dp=8") or strategy ("fsdp": its first)."""
@@ -80,7 +83,8 @@ class Plan:
         return (
             f"{self.model} ({_count(prof.params)} parameters{seq}) on {self.devices} "
             f"device(s), {self.nodes} node(s) of {self.hardware.name} "
-            f"({self.hardware.description}); precision {self.precision}, batch "
+            f"({self.hardware.description}); precision {self.precision}"
+            f"{', float8' if self.float8 else ''}, batch "
             f"{self.batch_size} per replica, activation checkpointing {prof.ac}"
         )
 
@@ -211,12 +215,13 @@ def plan(
     ac: str = "none",
     ac_every: int | None = None,
     compile: bool = False,
+    float8: bool = False,
     layouts: list[Layout] | None = None,
 ) -> Plan:
     """Memory per device and step time of every layout of `devices` for a recipe, a
     model ("module:factory") or a Hugging Face config.json, on `hardware` (a shipped
     profile such as "h100-sxm", a hardware file, or None: this machine's calibration).
-    `ac`/`ac_every`/`compile` as training takes them; `layouts` picks the rows.
+    `ac`/`ac_every`/`compile`/`float8` as training takes them; `layouts` picks the rows.
     `Plan.table()` is what `scaletrain plan` prints."""
     _whole("devices", devices)
     if batch_size is not None:
@@ -237,9 +242,23 @@ def plan(
             "layouts=[Layout('fsdp', dp=8)] (from scaletrain.planner import Layout).",
             field="layouts",
         )
+    if not isinstance(float8, bool):
+        raise ConfigError(f"plan(..., float8={float8!r}): expected True or False.", field="float8")
+    if float8:
+        require_torchao("plan(...)")
     hw = load(hardware) if hardware is not None else load_calibrated()
+    if float8 and hw.fp8_flops() is None:
+        raise ConfigError(
+            f"{spell('float8', True)}: {hw.name}'s hardware file gives no fp8 FLOP/s ("
+            f"{hw.description}): its devices do not multiply float8 matrices, or the file "
+            f"does not say. Fix: a hardware file of GPUs with float8 ({FLOAT8_GPUS}), such "
+            f"as {spell('hardware', 'h100-sxm')}, or plan without {spell('float8')}.",
+            field="float8",
+        )
     planned = resolve_model(recipe, model, seq_len=seq_len, batch_size=batch_size)
     batch, net, seq = batch_size or planned.batch_size, planned.net, planned.seq_len or 0
+    # The layers float8 converts, refused where there are none (before the profile).
+    fp8 = float8_layers(net, planned.blocks, "plan(...)", "plan") if float8 else []
     # A declared plan names modules by pattern ("layers.*.self_attn.q_proj"), as
     # parallelize_module matches them; the formulas price modules by name.
     tp_plan = {n: s for k, s in (planned.tp_plan or {}).items() for n in matching_modules(net, k)}
@@ -318,10 +337,10 @@ def plan(
             profile_model(
                 planned.build, planned.example(batch), planned.loss, planned.optimizer,
                 precision=precision, ac=ac, ac_every=ac_every, name=planned.name,
-                gathered=kind,
+                gathered=kind, float8=planned.blocks if float8 else None,
             ),
             list_layers(net), planned.blocks, tp_plan, compiled=bool(compile), precision=precision,
-            sp_blocks=sp_blocks,
+            sp_blocks=sp_blocks, float8=fp8,
         )
         for kind in sorted({gathered(x, precision) for x in layouts})
     }  # fmt: skip
@@ -330,12 +349,14 @@ def plan(
         hardware=hw, precision=precision, batch_size=batch,
         profile=next(iter(shapes.values())).profile,
         rows=[estimate(x, shapes[gathered(x, precision)], hw, batch) for x in layouts],
-        recommended=None, reason="", skipped=skipped,
+        recommended=None, reason="", skipped=skipped, float8=float8,
     )  # fmt: skip
     result.recommended, result.reason = _recommend(result)
     dtype = DTYPE[precision]
+    eight = f", float8's at {hw.matmul_flops('fp8') / 1e12:,.1f}" if float8 else ""
     result.assumptions = [
-        f"matmuls at {hw.matmul_flops(dtype) / 1e12:,.1f} TFLOP/s ({dtype}), other kernels at "
+        f"matmuls at {hw.matmul_flops(dtype) / 1e12:,.1f} TFLOP/s ({dtype}){eight}, other "
+        "kernels at "
         f"{hw.memory_bandwidth / 1e9:,.0f} GB/s, {hw.launch * 1e6:.1f} us per kernel launch: "
         + hw.sources.get("flops", hw.sources.get("efficiency", "the hardware file")),
         f"links: {_gbs(hw.intra.bandwidth)} GB/s inside a node, "

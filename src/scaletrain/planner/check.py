@@ -253,7 +253,8 @@ def check_run(run: str | Path, hardware: str | None = None) -> Check:
                 hardware=hardware, batch_size=int(cfg["batch_size"]), seq_len=seq_len,
                 precision=str(cfg.get("precision", "32")),
                 ac=str(cfg.get("ac", "none")), ac_every=cfg.get("ac_every"),
-                compile=bool(cfg.get("compile", False)), layouts=[layout],
+                compile=bool(cfg.get("compile", False)), float8=bool(cfg.get("float8", False)),
+                layouts=[layout],
             )  # fmt: skip
     except ConfigError as exc:
         if exc.field not in ("model", "data"):

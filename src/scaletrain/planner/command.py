@@ -59,6 +59,10 @@ def add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="with --ac selective: every K-th block checkpointed whole",
     )  # fmt: skip
     p.add_argument("--compile", action="store_true", help="plan the blocks compiled")
+    p.add_argument(
+        "--float8", action="store_true",
+        help="plan the blocks' Linear layers in float8, as scaletrain train --float8 trains them",
+    )  # fmt: skip
     p.add_argument("--check", metavar="RUN", default=None, help="a finished run to check")
     p.add_argument(
         "--calibrate", metavar="FILE", nargs="?", const="", default=None,
@@ -69,7 +73,7 @@ def add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def run_plan(ns: argparse.Namespace) -> int:
     model_flags = ("recipe", "model", "devices", "batch_size", "seq_len", "precision", "ac",
-                   "ac_every", "compile")  # fmt: skip
+                   "ac_every", "compile", "float8")  # fmt: skip
     if ns.calibrate is not None:
         if given := [f for f in (*model_flags, "hardware", "check") if _given(ns, f)]:
             raise ConfigError(
@@ -90,8 +94,8 @@ def run_plan(ns: argparse.Namespace) -> int:
         if given := [f for f in model_flags if _given(ns, f)]:
             raise ConfigError(
                 f"{spell('check', ns.check)} takes the model and how it trained (devices, "
-                "batch, sequence, precision, activation checkpointing, compile) from the run's "
-                f"config.json, but {spell(given[0], getattr(ns, given[0]))} was given too. "
+                "batch, sequence, precision, activation checkpointing, compile, float8) from "
+                f"the run's config.json, but {spell(given[0], getattr(ns, given[0]))} was given too. "
                 f"Fix: drop it, or plan without {spell('check')}.",
                 field="check",
             )
@@ -112,6 +116,7 @@ def run_plan(ns: argparse.Namespace) -> int:
         batch_size=ns.batch_size, seq_len=ns.seq_len,
         precision="32" if ns.precision is None else ns.precision,
         ac="none" if ns.ac is None else ns.ac, ac_every=ns.ac_every, compile=ns.compile,
+        float8=ns.float8,
     )  # fmt: skip
     print(result.table())
     return EXIT_OK

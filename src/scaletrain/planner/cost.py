@@ -13,17 +13,18 @@ Memory per device:
   whole and keep; under checkpointing also one block's recomputation). A pipeline
   stage holds its share for each microbatch in flight (at most pp with 1F1B, all with
   GPipe).
-- Buffers: FSDP's gathered units in the compute dtype (a unit and the next, at most
-  the two largest; every unit where it keeps them gathered, fsdp-keep), a pipeline's
-  send and receive buffers.
+- Buffers: FSDP's gathered units in the compute dtype, float8 training's weights in
+  float8 (FSDP's float8 all-gather); a unit and the next, at most the two largest;
+  every unit where it keeps them gathered (fsdp-keep); a pipeline's send and receive
+  buffers.
 - The peak is the larger of the backward's (activations and the gradients alive then)
   and the optimizer step's (every gradient and its temporaries). With FSDP's CPU
   offload the states' shards live in host memory (`Memory.host`).
 
-Step time: matmul FLOPs at the hardware's achieved FLOP/s plus the bytes the other
-kernels move at its memory bandwidth, and no less than their launches
-(`Hardware.launch` each: a GPU overlaps them with its work, a CPU adds them; compiled,
-see COMPILED_BYTES). Communication is alpha-beta over the link each group spans
+Step time: matmul FLOPs at the hardware's achieved FLOP/s (float8 training's at its
+fp8 figure) plus the bytes the other kernels move at its memory bandwidth, and no
+less than their launches (`Hardware.launch` each: a GPU overlaps them with its work,
+a CPU adds them; compiled, see COMPILED_BYTES). Communication is alpha-beta over the link each group spans
 (hardware.Link), exposed where it outlasts what hides it:
 
 - DDP: gradient buckets all-reduce during the backward; at least the last is exposed.
@@ -34,7 +35,8 @@ see COMPILED_BYTES). Communication is alpha-beta over the link each group spans
   its memory's pace (`Host.memory_bandwidth`) and a dispatch per op (`launch`).
 - Tensor parallel: its collectives sit between a block's matmuls, exposed, in the
   forward, the backward and any recomputation. Sequence parallel makes each all-reduce
-  a reduce-scatter and all-gathers each colwise layer's input.
+  a reduce-scatter and all-gathers each colwise layer's input (in float8 under float8
+  training).
 - Pipeline: its schedule simulated (schedule.py) with the sends between stages; the
   bubble is the step less the busiest rank's work.
 """
@@ -112,8 +114,9 @@ def model_states(
 @dataclass(frozen=True, slots=True)
 class Model:
     """What the formulas need of a model beyond its profile: its layers (for pipeline
-    stages), the units FSDP shards, tensor parallel's plan (module name: style) and the
-    blocks sequence parallel splits (none where it cannot)."""
+    stages), the units FSDP shards, tensor parallel's plan (module name: style), the
+    blocks sequence parallel splits (none where it cannot) and the layers float8
+    training converts (none without it)."""
 
     profile: ModelProfile
     layers: Sequence[Layer]
@@ -122,6 +125,7 @@ class Model:
     compiled: bool = False
     precision: str = "32"
     sp_blocks: Sequence[str] = ()
+    float8: Sequence[str] = ()
 
     def _sum(self, names: Sequence[str], attr: str) -> float:
         mods = self.profile.modules
@@ -218,6 +222,16 @@ class Model:
         rest = self.profile.param_bytes - sum(own)
         return [*own, rest] if rest > 0 else own
 
+    def gathered(self) -> list[float]:
+        """Bytes FSDP gathers per byte of each `unit_params` entry: the compute dtype's,
+        and one byte for a float8 layer's weights (FSDP's float8 all-gather)."""
+        cast = COMPUTE[self.precision] / MASTER[self.precision]
+        out = []
+        for u, own in zip(self.units, self.unit_params(), strict=False):
+            f8 = self._sum([n for n in self.float8 if n.startswith(u + ".")], "param_bytes")
+            out.append(cast - (cast - 1 / MASTER[self.precision]) * min(1.0, f8 / max(1.0, own)))
+        return out + [cast] * (len(self.unit_params()) - len(out))
+
 
 @dataclass(frozen=True, slots=True)
 class Memory:
@@ -287,7 +301,8 @@ def memory(layout: Layout, model: Model, batch: int) -> Memory:
     s = model_states(psi, layout.dp, layout.stage, states, max(units or [0.0]) * par)
     buffers = 0.0
     if layout.dp > 1 and layout.stage == 3:  # a unit and the next, or every unit kept
-        buffers = (sum(units) if layout.keeps else sum(sorted(units)[-2:])) * par * COMPUTE[prec]
+        whole = [u * f * w for u, f in zip(units, model.gathered(), strict=True)]
+        buffers = (sum(whole) if layout.keeps else sum(sorted(whole)[-2:])) * par
     acts = p.activation_bytes * per
     if layout.tp > 1:
         # What a module held after its forward counts its output too: at most the peak.
@@ -318,8 +333,11 @@ def memory(layout: Layout, model: Model, batch: int) -> Memory:
 
 def _seconds(work: Work, hw: Hardware, dtype: str, compiled: bool) -> tuple[float, bool]:
     """(seconds, launch-bound) of `work` on one device (module docstring)."""
-    moved = work.bytes * (COMPILED_BYTES if compiled else 1.0)
-    busy = work.flops / hw.matmul_flops(dtype) + moved / hw.memory_bandwidth
+    # Compiled, float8's casts fuse to their own measure (Work.fused), the rest by
+    # COMPILED_BYTES.
+    moved = (work.bytes - work.casts) * COMPILED_BYTES + work.fused if compiled else work.bytes
+    matmuls = (work.flops - work.fp8) / hw.matmul_flops(dtype)
+    busy = matmuls + work.fp8 / hw.matmul_flops("fp8") + moved / hw.memory_bandwidth
     launches = work.kernels * (COMPILED_KERNELS if compiled else 1.0) * hw.launch
     if hw.device == "cpu":
         return busy + launches, False
@@ -344,14 +362,15 @@ def _fsdp(
     layout: Layout, model: Model, hw: Hardware, fwd_s: float, bwd_s: float
 ) -> tuple[float, float]:
     """(communication, exposed) of FSDP (module docstring): each unit gathered in the
-    compute dtype, again for the backward unless it keeps them."""
-    prec, link, n = model.precision, _link(hw, layout.dp * layout.tp), layout.dp
+    compute dtype (float8 layers' weights in float8), again for the backward unless it
+    keeps them."""
+    link, n = _link(hw, layout.dp * layout.tp), layout.dp
     host = hw.host if layout.offload else None
     units = [u * _local(model, layout)[0] for u in model.unit_params()]
     copies = [u / n / host.bandwidth if host else 0.0 for u in units]  # a shard to or from the host
-    pairs = list(zip(units, copies, strict=True))
-    gathers = [link.time("all_gather", u * COMPUTE[prec] / MASTER[prec], n) + c for u, c in pairs]
-    scatters = [link.time("reduce_scatter", u, n) + c for u, c in pairs]
+    pairs = list(zip(units, copies, model.gathered(), strict=True))
+    gathers = [link.time("all_gather", u * f, n) + c for u, c, f in pairs]
+    scatters = [link.time("reduce_scatter", u, n) + c for u, c, _ in pairs]
     gather, scatter = sum(gathers), sum(scatters)
     again = 0.0 if layout.keeps else gather
     exposed = gathers[0] + max(0.0, gather - fwd_s) + max(scatters[-1], again + scatter - bwd_s)
@@ -364,7 +383,9 @@ def _tensor(layout: Layout, model: Model, hw: Hardware, batch: int, share: float
     rows, gathers, each = model.tp_messages(layout.sp)
     each *= p.per_sample(batch) * share
     one = rows * link.time("reduce_scatter" if layout.sp else "all_reduce", each, n)
-    one += gathers * link.time("all_gather", each, n) if gathers else 0.0
+    # float8's colwise style casts a layer's input to float8 (1 byte) before gathering it.
+    cast = 1 / COMPUTE[model.precision] if model.float8 else 1.0
+    one += gathers * link.time("all_gather", each * cast, n) if gathers else 0.0
     return one * (3 if p.ac.startswith("full") else 2)
 
 

@@ -24,8 +24,9 @@ import gc
 import signal
 import threading
 import warnings
-from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -62,12 +63,22 @@ class Work:
     flops: float = 0.0
     bytes: float = 0.0
     kernels: int = 0
+    fp8: float = 0.0
+    """Of `flops`, those of float8 matmuls (float8 training's layers)."""
+    casts: float = 0.0
+    """Of `bytes`, those float8 training's casts move (eager: amax, scale, clamp and
+    the float8 copy, each a kernel of its own)."""
+    fused: float = 0.0
+    """What those casts move compiled: the amax reads the tensor, one kernel reads it
+    again and writes its float8 copy."""
 
     def __add__(self, o: Work) -> Work:
-        return Work(self.flops + o.flops, self.bytes + o.bytes, self.kernels + o.kernels)
+        return Work(self.flops + o.flops, self.bytes + o.bytes, self.kernels + o.kernels,
+                    self.fp8 + o.fp8, self.casts + o.casts, self.fused + o.fused)  # fmt: skip
 
     def scaled(self, by: float, kernels: float = 1.0) -> Work:
-        return Work(self.flops * by, self.bytes * by, round(self.kernels * kernels))
+        return Work(self.flops * by, self.bytes * by, round(self.kernels * kernels),
+                    self.fp8 * by, self.casts * by, self.fused * by)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,12 +147,18 @@ class _Kernels(TorchDispatchMode):
     op with a parameter among its inputs, or a copy shaped as one) apart, in `fixed`:
     they cost the same at any batch."""
 
-    def __init__(self, shapes: Collection[tuple[int, ...]] = ()) -> None:
+    def __init__(
+        self,
+        shapes: Collection[tuple[int, ...]] = (),
+        casting: Callable[[], bool] = lambda: False,
+        cast_from: int = 2,
+    ) -> None:
         super().__init__()
         from torch.utils.flop_counter import flop_registry
 
         self._matmuls = set(flop_registry)
         self._shapes = shapes
+        self._casting, self._from = casting, cast_from
         self.work = Work()
         self.fixed = Work()
 
@@ -151,6 +168,10 @@ class _Kernels(TorchDispatchMode):
         if not written or getattr(func, "is_view", False) or op in _FREE:
             return out  # metadata (prim.device, sizes), views and bare allocations
         moved = Work(0.0, 0.0 if op in self._matmuls else _nbytes(args) + written, 1)
+        if moved.bytes and self._casting():  # a float8 layer's op that is no matmul: a cast
+            eight = getattr(out, "dtype", None) in _FLOAT8
+            fused = out.numel() * (1 + 2 * self._from) if eight else 0.0
+            moved = Work(0.0, moved.bytes, 1, 0.0, moved.bytes, fused)
         if any(isinstance(a, nn.Parameter) for a in args) or (
             op is torch.ops.aten._to_copy and tuple(getattr(out, "shape", ())) in self._shapes
         ):
@@ -159,6 +180,8 @@ class _Kernels(TorchDispatchMode):
             self.work += moved
         return out
 
+
+_FLOAT8 = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)}
 
 _FREE = {torch.ops.aten.detach, torch.ops.aten.lift_fresh, torch.ops.aten.empty,
          torch.ops.aten.empty_like, torch.ops.aten.empty_strided, torch.ops.aten.alias,
@@ -200,6 +223,14 @@ def _between_blocks() -> Any:
         if main and _INTERRUPTED:
             _INTERRUPTED.clear()
             raise KeyboardInterrupt
+
+
+def _fp8(counter: Any, root: str, layers: Collection[str]) -> float:
+    """FLOPs counted so far of the float8 `layers` (their matmuls take float8 tensors,
+    which torch._scaled_mm multiplies inside the tensor subclass, below any mode that
+    counts: FlopCounterMode sees an aten.mm, attributed to its module)."""
+    counts = counter.by_module()
+    return float(sum(sum(counts.get(f"{root}.{n}", {}).values()) for n in layers))
 
 
 def _built(build: Callable[[], nn.Module], dtype: torch.dtype | None) -> nn.Module:
@@ -256,6 +287,7 @@ def profile_model(
     ac_every: int | None = None,
     name: str | None = None,
     gathered: bool = False,
+    float8: Sequence[str] | None = None,
 ) -> ModelProfile:
     """Measure one training step of `build()` on `example` = (inputs, targets) at
     `precision` ("32", "bf16-mixed", "fp16-mixed", "bf16-true") with activation
@@ -264,7 +296,11 @@ def profile_model(
     `gathered`: the step as sharded FSDP runs a mixed precision, its weights cast to
     the compute dtype as they are gathered and no autocast, so every activation (the
     norms' and the residual stream's too) is in the compute dtype. Sizes of the weights
-    and of the optimizer's state and work stay the precision's (fp32 shards)."""
+    and of the optimizer's state and work stay the precision's (fp32 shards).
+
+    `float8`: the blocks whose Linear layers float8 training converts, as training
+    converts them (torchao's Float8Linear: the casts, scales and what its backward
+    keeps are measured; its matmuls, torch._scaled_mm, are counted as `Work.fp8`)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
@@ -289,6 +325,14 @@ def profile_model(
     io: dict[str, int] = {}
     with _between_blocks(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
         model = _built(build, weights)
+        eight: list[str] = []
+        if float8 is not None:  # first, as training applies the levers (strategies.levers)
+            from scaletrain.strategies.float8 import convert_float8
+
+            eight = convert_float8(model, float8, owner="plan(...)")
+        root = type(model).__name__
+        inside = {f"{root}.{n}" for n in eight}
+        step_bytes = 2 if (weights or cast) in (torch.bfloat16, torch.float16) else 4
         names = {id(m): n for n, m in model.named_modules()}
         # Weights, gradients and the optimizer's state and work at the meta model's size,
         # where the step reads weights of another dtype (`gathered`): 1 elsewhere.
@@ -314,15 +358,21 @@ def profile_model(
         try:
             with tracker:
                 autocast = torch.autocast("cpu", dtype=cast) if cast else contextlib.nullcontext()
-                with _Kernels(shapes) as fwd, autocast:
+                casting = (
+                    (lambda: not inside.isdisjoint(counter.running()))
+                    if inside
+                    else (lambda: False)
+                )
+                kernels = partial(_Kernels, shapes, casting, step_bytes)
+                with kernels() as fwd, autocast:
                     loss = loss_fn(model(x), y)
-                flops_fwd = counter.count()
-                with _Kernels(shapes) as bwd, warnings.catch_warnings():
+                flops_fwd, fp8_fwd = counter.count(), _fp8(counter, root, eight)
+                with kernels() as bwd, warnings.catch_warnings():
                     # The first block's input needs no gradient (it is the data): its
                     # backward pre-hook still fires, which is all the profile asks of it.
                     warnings.filterwarnings("ignore", "Full backward hook is firing")
                     loss.backward()
-                flops_all = counter.count()
+                flops_all, fp8_all = counter.count(), _fp8(counter, root, eight)
         finally:
             counter.stop()
         peak = tracker.get_tracker_snapshot("peak")
@@ -347,8 +397,8 @@ def profile_model(
         optimizer_temp_bytes=round(step_kinds.get(_MemRefType.TEMP, 0) * scale),
         activation_bytes=int(kinds.get(_MemRefType.ACT, 0) + kinds.get(_MemRefType.TEMP, 0)),
         peak_grad_bytes=round(kinds.get(_MemRefType.GRAD, 0) * scale),
-        forward=Work(float(flops_fwd), fwd.work.bytes, fwd.work.kernels),
-        backward=Work(float(flops_all - flops_fwd), bwd.work.bytes, bwd.work.kernels),
+        forward=replace(fwd.work, flops=float(flops_fwd), fp8=fp8_fwd),
+        backward=replace(bwd.work, flops=float(flops_all - flops_fwd), fp8=fp8_all - fp8_fwd),
         fixed=fwd.fixed + bwd.fixed,
         optimizer=(step.work + step.fixed).scaled(scale),
         ac=ac if ac_every is None else f"{ac} every {ac_every}", modules=modules,

@@ -34,6 +34,7 @@ __all__ = [
     "float8_note",
     "plain_tensor",
     "precompute_scales_after_steps",
+    "require_torchao",
 ]
 
 _FLOAT8_MARK = "_scaletrain_float8"
@@ -73,13 +74,8 @@ def _has_float8(device: torch.device) -> tuple[bool, str]:
 def check_float8(device: torch.device, owner: str = "strategy") -> None:
     """Refuse float8 where it cannot run, before anything starts: without torchao
     (an optional extra), or on a device without float8 matmuls."""
+    require_torchao(owner)
     where = say(api=f"{owner}: ", cli="")
-    if importlib.util.find_spec("torchao") is None:
-        raise ConfigError(
-            f"{where}{spell('float8', True)} uses torchao's float8 layers, and torchao is not "
-            "installed. Fix: pip install 'scaletrain[float8]'.",
-            field="float8",
-        )
     if _float8_on_any_device:
         return
     ok, what = _has_float8(device)
@@ -90,6 +86,16 @@ def check_float8(device: torch.device, owner: str = "strategy") -> None:
             f"compute capability {major}.{minor} or newer: {FLOAT8_GPUS}), and this run's "
             f"device is {what}. Fix: train without {spell('float8')} here (bf16-mixed "
             "precision is the fast choice), or on one of those GPUs.",
+            field="float8",
+        )
+
+
+def require_torchao(owner: str = "strategy") -> None:
+    """Refuse float8 without torchao, the optional extra whose layers it uses."""
+    if importlib.util.find_spec("torchao") is None:
+        raise ConfigError(
+            f"{say(api=f'{owner}: ', cli='')}{spell('float8', True)} uses torchao's float8 "
+            "layers, and torchao is not installed. Fix: pip install 'scaletrain[float8]'.",
             field="float8",
         )
 
@@ -114,18 +120,22 @@ def _float8_eligible(module: nn.Module) -> bool:
 
 
 def float8_layers(
-    model: nn.Module, blocks: Sequence[str] | None = None, owner: str = "strategy"
+    model: nn.Module,
+    blocks: Sequence[str] | None = None,
+    owner: str = "strategy",
+    doing: str = "train",
 ) -> list[str]:
     """The Linear layers float8 converts: those inside the blocks (default:
     auto_wrap_targets) whose widths are multiples of 16. ConfigError when there are
-    none. Works on the meta device, so a launcher refuses before any process starts."""
+    none, whose fix says to `doing` ("train", "plan") without float8. Works on the meta
+    device, so a launcher refuses before any process starts."""
     names = list(auto_wrap_targets(model) if blocks is None else blocks)
     where = say(api=f"{owner}: ", cli="")
     if not names:
         raise ConfigError(
             f"{where}{spell('float8', True)} converts the Linear layers of a model's repeated "
             f"blocks, and this {type(model).__name__} has none. {_BLOCKS} Fix: group its "
-            f"layers into such blocks, or train without {spell('float8')}.",
+            f"layers into such blocks, or {doing} without {spell('float8')}.",
             field="float8",
         )
     prefixes = tuple(f"{n}." for n in names if n)
@@ -139,7 +149,7 @@ def float8_layers(
             f"{where}{spell('float8', True)}: no Linear layer in the blocks of this "
             f"{type(model).__name__} has input and output widths divisible by "
             f"{_FLOAT8_DIVISOR}, which float8 matmuls need. Fix: widths such as multiples of "
-            f"{_FLOAT8_DIVISOR}, or train without {spell('float8')}.",
+            f"{_FLOAT8_DIVISOR}, or {doing} without {spell('float8')}.",
             field="float8",
         )
     return layers

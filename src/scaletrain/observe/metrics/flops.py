@@ -237,6 +237,12 @@ class FlopCounter:
             return self.total or 0
         return int(self._mode.get_total_flops())
 
+    def running(self) -> set[str]:
+        """The modules whose forward or backward runs now ("Model.sub.name", and
+        "Global"): empty when not counting."""
+        tracker = getattr(self._mode, "mod_tracker", None)
+        return set(tracker.parents) if tracker is not None else set()
+
     def by_module(self) -> dict[str, dict[Any, int]]:
         """FLOPs per module ("Model.sub.name": {op: flops}) of the last count."""
         mode = self._mode if self._mode is not None else self._last
