@@ -248,6 +248,19 @@ def test_a_model_too_big_for_one_device_is_sharded() -> None:
     assert not rows[0].fits and "does not fit" in rows[0].notes[0]
 
 
+def test_tensor_parallels_collectives_move_the_whole_activation() -> None:
+    """A rowwise layer's output is all-reduced whole (b x s x h, or reduce-scattered and
+    gathered whole along the sequence): its bytes were scaled by the share of the work
+    each rank does (about 1/tp), so tp=8 planned an eighth of its traffic."""
+    m, hw = _model(batch=256, width=512), _hw()
+    rows, _, each = m.tp_messages()
+    assert each == 256 * 512 * 4  # a rowwise layer's output at the profile's batch, fp32
+    for tp in (2, 4, 8):
+        t = step_time(Layout("tensor", tp=tp), m, hw, 512)  # twice the profile's batch
+        want = 2 * rows * hw.intra.time("all_reduce", 2 * each, tp)  # forward and backward
+        assert t.comm == pytest.approx(want) and t.exposed == pytest.approx(want)
+
+
 def test_float8_runs_the_blocks_matmuls_at_the_fp8_rate_and_pays_for_its_casts() -> None:
     """float8 training (`--float8`) converts the blocks' Linear layers: their matmuls run
     at the hardware's fp8 FLOP/s, their inputs and weights are cast first (eager: a chain

@@ -377,11 +377,14 @@ def _fsdp(
     return gather + again + scatter, exposed
 
 
-def _tensor(layout: Layout, model: Model, hw: Hardware, batch: int, share: float) -> float:
-    """Seconds of tensor parallel's collectives (`Model.tp_messages`, module docstring)."""
+def _tensor(layout: Layout, model: Model, hw: Hardware, batch: int) -> float:
+    """Seconds of tensor parallel's collectives (`Model.tp_messages`, module docstring).
+    Each moves the whole activation (batch x tokens x width): an all-reduce of a rowwise
+    layer's partial output, or the reduce-scatter and all-gather that shard it along the
+    sequence, however small the share of the work each rank does."""
     p, link, n = model.profile, _link(hw, layout.tp), layout.tp
     rows, gathers, each = model.tp_messages(layout.sp)
-    each *= p.per_sample(batch) * share
+    each *= p.per_sample(batch)
     one = rows * link.time("reduce_scatter" if layout.sp else "all_reduce", each, n)
     # float8's colwise style casts a layer's input to float8 (1 byte) before gathering it.
     cast = 1 / COMPUTE[model.precision] if model.float8 else 1.0
@@ -436,7 +439,7 @@ def step_time(layout: Layout, model: Model, hw: Hardware, batch: int) -> StepTim
     elif layout.dp > 1:
         comm, exposed = _ddp(layout, model, hw, bwd_s)
     if layout.tp > 1:
-        tp = _tensor(layout, model, hw, batch, share)
+        tp = _tensor(layout, model, hw, batch)
         comm, exposed = comm + tp, exposed + tp
     if layout.pp > 1:
         work, sends, bubble = _pipeline(layout, model, hw, batch, fwd_s, bwd_s, share)
