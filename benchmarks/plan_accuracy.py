@@ -321,29 +321,31 @@ def here(steps: int, keep: str | None) -> None:
     import torch
 
     from scaletrain import cli
+    from scaletrain.hardware import load
     from scaletrain.observe.metrics.records import peak_memory
     from scaletrain.planner.check import check_run
     from scaletrain.strategies.float8 import FLOAT8_MIN_CAPABILITY
 
-    gpu = torch.cuda.is_available()
-    # On a GPU, one process (the plan of one GPU the issue targets) at two precisions,
-    # and gpt (the recipe whose blocks' Linears float8 converts) compiled in float8
-    # where the GPU has float8 matmuls and torchao is installed; on this CPU, 1 and 2
-    # Gloo processes.
-    eight = (
-        gpu
-        and torch.cuda.get_device_capability(0) >= FLOAT8_MIN_CAPABILITY
-        and importlib.util.find_spec("torchao") is not None
-    )
-    runs: list[tuple[int, str, str, tuple[str, ...]]] = (
-        [(1, "ddp", "32", ()), (1, "ddp", "bf16-mixed", ())]
-        + ([(1, "ddp", "bf16-mixed", ("--compile", "--float8"))] if eight else [])
-        if gpu
-        else [(1, "ddp", "32", ()), (2, "ddp", "32", ()), (2, "fsdp", "32", ())]
-    )
     with tempfile.TemporaryDirectory() as tmp:
         hw = Path(keep) if keep else Path(tmp) / "this-machine.toml"
         assert cli.main(["plan", "--calibrate", str(hw)]) == 0
+        gpu = torch.cuda.is_available()
+        # On a GPU, one process (the plan of one GPU the issue targets) at two precisions,
+        # and gpt (the recipe whose blocks' Linears float8 converts) compiled in float8
+        # where the GPU has float8 matmuls and torchao is installed; on this CPU, 1 and 2
+        # Gloo processes.
+        eight = (
+            gpu
+            and torch.cuda.get_device_capability(0) >= FLOAT8_MIN_CAPABILITY
+            and importlib.util.find_spec("torchao") is not None
+            and load(hw).fp8_flops() is not None  # a GPU the datasheet table gives fp8 for
+        )
+        runs: list[tuple[int, str, str, tuple[str, ...]]] = (
+            [(1, "ddp", "32", ()), (1, "ddp", "bf16-mixed", ())]
+            + ([(1, "ddp", "bf16-mixed", ("--compile", "--float8"))] if eight else [])
+            if gpu
+            else [(1, "ddp", "32", ()), (2, "ddp", "32", ()), (2, "fsdp", "32", ())]
+        )
         # On a GPU, CUDA's reserved peak beside the allocated one the plan predicts: the
         # caching allocator's share, which published runs' figures (max reserved) hold.
         print(

@@ -380,10 +380,14 @@ def test_check_plans_a_float8_run_in_float8(
         raise SystemExit(0)
 
     monkeypatch.setattr(check, "plan", plan)
-    run = _ledger_run(tmp_path / "run", float8=True, compile=True)
+    run = _ledger_run(tmp_path / "run", device="cuda", float8=True, compile=True)
     with pytest.raises(SystemExit):
-        check.check_run(run, str(cpu_hardware_file(tmp_path / "cpu.toml")))
+        check.check_run(run, "h100-sxm")
     assert asked["float8"] is True and asked["compile"] is True
+    # A hardware file without fp8 FLOP/s is refused in --check's words, not --float8's
+    # (a flag --check refuses).
+    code, err = _plan(capsys, "--check", str(run), "--hardware", "a100-sxm")
+    assert code == 2 and "the run trained with --float8, and a100-sxm's hardware file" in err
 
 
 def test_plan_float8_says_so_in_its_first_line(capsys: pytest.CaptureFixture[str]) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from scaletrain.errors import ConfigError, spell, unknown
+from scaletrain.errors import ConfigError, say, spell, unknown
 from scaletrain.hardware import Hardware, load
 from scaletrain.hardware.calibrate import load_calibrated
 from scaletrain.planner.cost import DTYPE, Estimate, Model, estimate, gathered
@@ -249,12 +249,22 @@ def plan(
     hw = load(hardware) if hardware is not None else load_calibrated()
     if float8 and hw.fp8_flops() is None:
         raise ConfigError(
-            f"{spell('float8', True)}: {hw.name}'s hardware file gives no fp8 FLOP/s ("
-            f"{hw.description}): its devices do not multiply float8 matrices, or the file "
-            f"does not say. Fix: a hardware file of GPUs with float8 ({FLOAT8_GPUS}), such "
-            f"as {spell('hardware', 'h100-sxm')}, or plan without {spell('float8')}.",
+            f"{say(api='plan(...): ', cli='')}{spell('float8', True)}: {hw.name}'s hardware "
+            f"file gives no fp8 FLOP/s ({hw.description}): its devices do not multiply float8 "
+            "matrices, or neither its [flops] nor scaletrain's datasheet table has a figure "
+            f"for them. Fix: a hardware file of GPUs with float8 ({FLOAT8_GPUS}), such as "
+            f"{spell('hardware', 'h100-sxm')}, or `fp8 = ...` (achieved float8 FLOP/s) in the "
+            f"file's [flops] table, or plan without {spell('float8')}.",
             field="float8",
         )
+    # Training refuses a pipeline with these levers (strategies.pipeline.strategy).
+    no_pipeline = (
+        "float8's layers cannot be traced into stages (torch.export), so training refuses "
+        f"{spell('float8', True)} with a pipeline" if float8
+        else f"a pipeline checkpoints whole stages, with no k-th block for "
+        f"{spell('ac_every', ac_every)}" if ac_every is not None
+        else ""
+    )  # fmt: skip
     planned = resolve_model(recipe, model, seq_len=seq_len, batch_size=batch_size)
     batch, net, seq = batch_size or planned.batch_size, planned.net, planned.seq_len or 0
     # The layers float8 converts, refused where there are none (before the profile).
@@ -302,6 +312,10 @@ def plan(
             )
         if problem := cannot(x):
             raise ConfigError(f"{where}: {problem}", field="layouts")
+        if x.pp > 1 and no_pipeline:
+            raise ConfigError(
+                f"{where}: {no_pipeline}. Fix: a layout without a pipeline.", field="layouts"
+            )
         if x.pp > max(1, layers):
             raise ConfigError(
                 f"{where}: {planned.name} has {layers} top-level layers, the most stages a "
@@ -330,6 +344,9 @@ def plan(
         )  # fmt: skip
         layouts = [x for x in rows if not cannot(x) and not (x.sp and seq % x.tp)]
         skipped = _skipped(rows, cannot, devices, layers, batch, planned.name)
+        if no_pipeline and any(x.pp > 1 for x in layouts):
+            layouts = [x for x in layouts if x.pp == 1]
+            skipped.append(f"pipelines: {no_pipeline}")
     # A sharded FSDP row's step runs in the compute dtype (cost.gathered): a profile of
     # its own, taken only where a row needs it.
     shapes = {

@@ -232,6 +232,14 @@ def check_run(run: str | Path, hardware: str | None = None) -> Check:
     hw = load(hardware) if hardware is not None else load_calibrated()
     if (device := _device(records, cfg)) and device != hw.device:
         _refuse_other_device(run, device, given, hw)
+    if cfg.get("float8") and hw.fp8_flops() is None:
+        raise ConfigError(
+            f"{spell('check', str(run))}: the run trained with {spell('float8', True)}, and "
+            f"{hw.name}'s hardware file gives no fp8 FLOP/s to plan its float8 matmuls with. "
+            "Fix: the hardware file of the GPUs it trained on, with `fp8 = ...` (their "
+            "achieved float8 FLOP/s) in its [flops] table where it has none.",
+            field="hardware",
+        )
     world = int(cfg.get("run", {}).get("world_size", cfg.get("nproc") or 1))
     step, memory, on_gpu = measured(base, records)
     no_memory = _no_memory(records) if memory is None else NOT_MEASURED

@@ -385,11 +385,16 @@ def _tensor(layout: Layout, model: Model, hw: Hardware, batch: int) -> float:
     p, link, n = model.profile, _link(hw, layout.tp), layout.tp
     rows, gathers, each = model.tp_messages(layout.sp)
     each *= p.per_sample(batch)
-    one = rows * link.time("reduce_scatter" if layout.sp else "all_reduce", each, n)
-    # float8's colwise style casts a layer's input to float8 (1 byte) before gathering it.
-    cast = 1 / COMPUTE[model.precision] if model.float8 else 1.0
-    one += gathers * link.time("all_gather", each * cast, n) if gathers else 0.0
-    return one * (3 if p.ac.startswith("full") else 2)
+    forwards = 2 if p.ac.startswith("full") else 1  # full checkpointing runs it again
+    if not layout.sp:
+        return rows * link.time("all_reduce", each, n) * (forwards + 1)
+    # float8's styles gather in float8 (1 byte): a colwise layer's input in the forward,
+    # a rowwise layer's output gradient in the backward; the reduce-scatters stay in the
+    # compute dtype.
+    scatter = link.time("reduce_scatter", each, n)
+    gather = link.time("all_gather", each / COMPUTE[model.precision] if model.float8 else each, n)
+    forward = rows * scatter + gathers * gather  # the backward mirrors each collective
+    return forward * forwards + gathers * scatter + rows * gather
 
 
 def _pipeline(

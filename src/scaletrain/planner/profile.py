@@ -151,12 +151,12 @@ class _Kernels(TorchDispatchMode):
         self,
         shapes: Collection[tuple[int, ...]] = (),
         casting: Callable[[], bool] = lambda: False,
-        cast_from: int = 2,
+        cast_from: tuple[int, int] = (2, 2),
     ) -> None:
         super().__init__()
         from torch.utils.flop_counter import flop_registry
 
-        self._matmuls = set(flop_registry)
+        self._matmuls = flop_registry
         self._shapes = shapes
         self._casting, self._from = casting, cast_from
         self.work = Work()
@@ -168,10 +168,14 @@ class _Kernels(TorchDispatchMode):
         if not written or getattr(func, "is_view", False) or op in _FREE:
             return out  # metadata (prim.device, sizes), views and bare allocations
         moved = Work(0.0, 0.0 if op in self._matmuls else _nbytes(args) + written, 1)
-        if moved.bytes and self._casting():  # a float8 layer's op that is no matmul: a cast
-            eight = getattr(out, "dtype", None) in _FLOAT8
-            fused = out.numel() * (1 + 2 * self._from) if eight else 0.0
-            moved = Work(0.0, moved.bytes, 1, 0.0, moved.bytes, fused)
+        if op in self._matmuls and any(_is_float8(a) for a in args):
+            # float8 training's matmul: torch._scaled_mm runs inside the tensor subclass,
+            # below this mode, which sees an aten.mm of float8 tensors.
+            moved = replace(
+                moved, fp8=float(self._matmuls[op](*args, **(kwargs or {}), out_val=out))
+            )
+        elif op in _CASTS and self._casting():  # a float8 layer's scale and cast
+            moved = replace(moved, casts=moved.bytes, fused=self._fused(out))
         if any(isinstance(a, nn.Parameter) for a in args) or (
             op is torch.ops.aten._to_copy and tuple(getattr(out, "shape", ())) in self._shapes
         ):
@@ -180,8 +184,33 @@ class _Kernels(TorchDispatchMode):
             self.work += moved
         return out
 
+    def _fused(self, out: Any) -> float:
+        """What a float8 cast moves compiled, counted at its float8 output: a read of the
+        source for its scale (amax), a read and the one-byte write (a weight's source in
+        the weights' dtype, anything else in the activations')."""
+        if getattr(out, "dtype", None) not in _FLOAT8:
+            return 0.0
+        shape = tuple(out.shape)
+        weight = shape in self._shapes or shape[::-1] in self._shapes
+        return float(out.numel() * (1 + 2 * self._from[0 if weight else 1]))
+
+
+def _is_float8(value: Any) -> bool:
+    """A float8 tensor, or float8 training's subclass holding one (its `_data`)."""
+    dtypes = (getattr(value, "dtype", None), getattr(getattr(value, "_data", None), "dtype", None))
+    return any(d in _FLOAT8 for d in dtypes)
+
 
 _FLOAT8 = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)}
+
+_CASTS = {torch.ops.aten.abs, torch.ops.aten.amax, torch.ops.aten.max, torch.ops.aten.clamp,
+          torch.ops.aten.clamp_min, torch.ops.aten.clamp_max, torch.ops.aten.mul,
+          torch.ops.aten.div, torch.ops.aten.reciprocal, torch.ops.aten._to_copy,
+          torch.ops.aten.copy_, torch.ops.aten.clone, torch.ops.aten.maximum,
+          torch.ops.aten.minimum}  # fmt: skip
+"""The ops of a float8 cast (the absolute maximum, the scale, the clamp, the float8
+copy, a transposed copy): inside a float8 layer, what is not its matmul, its bias or
+its gradients' sums."""
 
 _FREE = {torch.ops.aten.detach, torch.ops.aten.lift_fresh, torch.ops.aten.empty,
          torch.ops.aten.empty_like, torch.ops.aten.empty_strided, torch.ops.aten.alias,
@@ -223,14 +252,6 @@ def _between_blocks() -> Any:
         if main and _INTERRUPTED:
             _INTERRUPTED.clear()
             raise KeyboardInterrupt
-
-
-def _fp8(counter: Any, root: str, layers: Collection[str]) -> float:
-    """FLOPs counted so far of the float8 `layers` (their matmuls take float8 tensors,
-    which torch._scaled_mm multiplies inside the tensor subclass, below any mode that
-    counts: FlopCounterMode sees an aten.mm, attributed to its module)."""
-    counts = counter.by_module()
-    return float(sum(sum(counts.get(f"{root}.{n}", {}).values()) for n in layers))
 
 
 def _built(build: Callable[[], nn.Module], dtype: torch.dtype | None) -> nn.Module:
@@ -332,7 +353,8 @@ def profile_model(
             eight = convert_float8(model, float8, owner="plan(...)")
         root = type(model).__name__
         inside = {f"{root}.{n}" for n in eight}
-        step_bytes = 2 if (weights or cast) in (torch.bfloat16, torch.float16) else 4
+        half = (torch.bfloat16, torch.float16)  # the weights' and the activations' bytes
+        cast_from = (2 if weights in half else 4, 2 if (weights or cast) in half else 4)
         names = {id(m): n for n, m in model.named_modules()}
         # Weights, gradients and the optimizer's state and work at the meta model's size,
         # where the step reads weights of another dtype (`gathered`): 1 elsewhere.
@@ -363,16 +385,16 @@ def profile_model(
                     if inside
                     else (lambda: False)
                 )
-                kernels = partial(_Kernels, shapes, casting, step_bytes)
+                kernels = partial(_Kernels, shapes, casting, cast_from)
                 with kernels() as fwd, autocast:
                     loss = loss_fn(model(x), y)
-                flops_fwd, fp8_fwd = counter.count(), _fp8(counter, root, eight)
+                flops_fwd = counter.count()
                 with kernels() as bwd, warnings.catch_warnings():
                     # The first block's input needs no gradient (it is the data): its
                     # backward pre-hook still fires, which is all the profile asks of it.
                     warnings.filterwarnings("ignore", "Full backward hook is firing")
                     loss.backward()
-                flops_all, fp8_all = counter.count(), _fp8(counter, root, eight)
+                flops_all = counter.count()
         finally:
             counter.stop()
         peak = tracker.get_tracker_snapshot("peak")
@@ -397,8 +419,10 @@ def profile_model(
         optimizer_temp_bytes=round(step_kinds.get(_MemRefType.TEMP, 0) * scale),
         activation_bytes=int(kinds.get(_MemRefType.ACT, 0) + kinds.get(_MemRefType.TEMP, 0)),
         peak_grad_bytes=round(kinds.get(_MemRefType.GRAD, 0) * scale),
-        forward=replace(fwd.work, flops=float(flops_fwd), fp8=fp8_fwd),
-        backward=replace(bwd.work, flops=float(flops_all - flops_fwd), fp8=fp8_all - fp8_fwd),
+        forward=replace(fwd.work, flops=float(flops_fwd), fp8=fwd.work.fp8 + fwd.fixed.fp8),
+        backward=replace(
+            bwd.work, flops=float(flops_all - flops_fwd), fp8=bwd.work.fp8 + bwd.fixed.fp8
+        ),
         fixed=fwd.fixed + bwd.fixed,
         optimizer=(step.work + step.fixed).scaled(scale),
         ac=ac if ac_every is None else f"{ac} every {ac_every}", modules=modules,
