@@ -346,6 +346,11 @@ def test_plan_float8_is_refused_in_the_apis_words(monkeypatch: pytest.MonkeyPatc
     p = st.plan("gpt", devices=4, hardware="h100-sxm", float8=True)
     assert not [r for r in p.rows if r.layout.pp > 1]
     assert [s for s in p.skipped if s.startswith("pipelines: float8's layers")], p.skipped
+    many = st.plan("llama", devices=8, hardware="h100-sxm", float8=True)  # 7 layers, 8 devices
+    assert [s for s in many.skipped if s.startswith("pipeline")] == [
+        "pipelines: float8's layers cannot be traced into stages (torch.export), so training "
+        "refuses float8=True with a pipeline"
+    ]
     assert [r for r in st.plan("gpt", devices=4, hardware="h100-sxm").rows if r.layout.pp > 1]
     import importlib.util
 

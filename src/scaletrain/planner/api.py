@@ -344,8 +344,9 @@ def plan(
         )  # fmt: skip
         layouts = [x for x in rows if not cannot(x) and not (x.sp and seq % x.tp)]
         skipped = _skipped(rows, cannot, devices, layers, batch, planned.name)
-        if no_pipeline and any(x.pp > 1 for x in layouts):
+        if no_pipeline and devices > 1:  # the one reason, whatever else the model lacks
             layouts = [x for x in layouts if x.pp == 1]
+            skipped = [x for x in skipped if not x.startswith("pipeline ")]
             skipped.append(f"pipelines: {no_pipeline}")
     # A sharded FSDP row's step runs in the compute dtype (cost.gathered): a profile of
     # its own, taken only where a row needs it.
