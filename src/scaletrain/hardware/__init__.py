@@ -19,8 +19,9 @@ This package imports nothing of scaletrain but its errors: everything may read i
 from __future__ import annotations
 
 from scaletrain.hardware.datasheet import Datasheet, datasheet, datasheet_peak, datasheets
-from scaletrain.hardware.files import load, shipped, write
+from scaletrain.hardware.files import load, shipped
 from scaletrain.hardware.spec import COLLECTIVES, DTYPES, Hardware, Host, Link, bus_factor
+from scaletrain.hardware.writing import write
 
 __all__ = [
     "COLLECTIVES",
