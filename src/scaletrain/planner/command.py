@@ -95,8 +95,8 @@ def run_plan(ns: argparse.Namespace) -> int:
             raise ConfigError(
                 f"{spell('check', ns.check)} takes the model and how it trained (devices, "
                 "batch, sequence, precision, activation checkpointing, compile, float8) from "
-                f"the run's config.json, but {spell(given[0], getattr(ns, given[0]))} was given too. "
-                f"Fix: drop it, or plan without {spell('check')}.",
+                f"the run's config.json, but {spell(given[0], getattr(ns, given[0]))} was "
+                f"given too. Fix: drop it, or plan without {spell('check')}.",
                 field="check",
             )
         from scaletrain.planner.check import check_run

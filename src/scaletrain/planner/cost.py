@@ -24,8 +24,8 @@ Memory per device:
 Step time: matmul FLOPs at the hardware's achieved FLOP/s (float8 training's at its
 fp8 figure) plus the bytes the other kernels move at its memory bandwidth, and no
 less than their launches (`Hardware.launch` each: a GPU overlaps them with its work,
-a CPU adds them; compiled, see COMPILED_BYTES). Communication is alpha-beta over the link each group spans
-(hardware.Link), exposed where it outlasts what hides it:
+a CPU adds them; compiled, see COMPILED_BYTES). Communication is alpha-beta over the
+link each group spans (hardware.Link), exposed where it outlasts what hides it:
 
 - DDP: gradient buckets all-reduce during the backward; at least the last is exposed.
 - FSDP: the next unit's all-gather runs during this unit's compute (prefetch); the
@@ -225,12 +225,11 @@ class Model:
     def gathered(self) -> list[float]:
         """Bytes FSDP gathers per byte of each `unit_params` entry: the compute dtype's,
         and one byte for a float8 layer's weights (FSDP's float8 all-gather)."""
-        cast = COMPUTE[self.precision] / MASTER[self.precision]
-        out = []
-        for u, own in zip(self.units, self.unit_params(), strict=False):
-            f8 = self._sum([n for n in self.float8 if n.startswith(u + ".")], "param_bytes")
-            out.append(cast - (cast - 1 / MASTER[self.precision]) * min(1.0, f8 / max(1.0, own)))
-        return out + [cast] * (len(self.unit_params()) - len(out))
+        cast, one = COMPUTE[self.precision] / MASTER[self.precision], 1 / MASTER[self.precision]
+        f8 = [self._sum([n for n in self.float8 if n.startswith(u + ".")], "param_bytes")
+              for u in self.units]  # fmt: skip
+        return [cast - (cast - one) * min(1.0, f / max(1.0, own))
+                for f, own in zip([*f8, 0.0], self.unit_params(), strict=False)]  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
