@@ -187,17 +187,27 @@ def _torchtitans_tp(profile: object, layers: list[Any], units: object, tp_plan: 
     activation, the logits and the loss's included, is split over tp; and sequence
     parallel's inputs gathered once per attention and feed-forward module
     (`PrepareModuleInput`), where scaletrain's TensorParallel gathers once per colwise
-    layer."""
+    layer. The planner's two gathers of the sequence at the blocks' ends (scaletrain's)
+    stay: two of a step's hundreds of collectives."""
     from scaletrain.planner.cost import Model
 
     class Torchtitan(Model):
+        def _gatherers(self) -> set[str]:
+            return {n.rpartition(".")[0] for n, s in (self.tp_plan or {}).items() if s == "colwise"}
+
         def tp_split(self, sp: bool = False) -> float:
             return float(self.profile.activation_bytes) if sp else super().tp_split(sp)
 
         def tp_messages(self, sp: bool = False) -> tuple[int, int, float]:
-            rows, _, each = super().tp_messages(sp)
-            cols = {n.rpartition(".")[0] for n, s in (self.tp_plan or {}).items() if s == "colwise"}
-            return rows, len(cols) if sp else 0, each
+            rows, cols, each = super().tp_messages(sp)
+            return rows, len(self._gatherers()) if sp else cols, each
+
+        def tp_blocks(self, sp: bool = False) -> list[tuple[int, int]]:
+            if not sp:
+                return super().tp_blocks(sp)
+            ins = self._gatherers()
+            return [(r, sum(g.startswith(u + ".") for g in ins))
+                    for (r, _), u in zip(super().tp_blocks(sp), self.units, strict=True)]  # fmt: skip
 
     if tp_plan:
         heads = {"model.embed_tokens": "rowwise", "lm_head": "colwise"}

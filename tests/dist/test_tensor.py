@@ -152,6 +152,47 @@ def _error(rt: Any, model: nn.Module, inputs: torch.Tensor | None = None, **kwar
     return "no error"
 
 
+CHECKPOINTING = [("none", None), ("selective", None), ("full", None), ("selective", 2)]
+"""(ac, ac_every) of the steps whose collectives are counted (`_collectives`)."""
+
+
+def _collectives(rt: Any) -> dict[str, dict[str, int]]:
+    """The collectives of one step (its forward and backward, the second: the first
+    has setup's own) under each checkpointing, plain and sequence parallel, counted
+    as they are dispatched: what the planner's `tp_collectives` prices."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from scaletrain.strategies.tensor import TensorParallel
+
+    kinds = {"all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor"}
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: Counter[str] = Counter()
+
+        def __torch_dispatch__(
+            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
+            if (name := func.overloadpacket.__name__) in kinds:
+                self.seen[name] += 1
+            return func(*args, **(kwargs or {}))
+
+    out = {}
+    for sp in (False, True):
+        for ac, every in CHECKPOINTING:
+            rt.strategy = TensorParallel(sequence_parallel=sp, ac=ac, ac_every=every)
+            model = rt.setup(_model())
+            x, y = _batch(0)
+            for _ in range(2):
+                with Count() as count:
+                    _loss(model(x), y).backward()
+            out[f"{sp} {ac} {every}"] = dict(count.seen)
+    return out
+
+
 def _job() -> dict[str, Any]:
     import scaletrain as st
     from scaletrain.strategies.tensor import TensorParallel
@@ -162,6 +203,7 @@ def _job() -> dict[str, Any]:
         "loader_sees_everything": len(rt.loader(list(range(10)), batch_size=10, shuffle=False)),
     }
     res.update({name: _train(rt, name) for name in CONFIGS})
+    res["collectives"] = _collectives(rt)
     # Each error is raised on both ranks before any collective, so no rank is stranded.
     res["convnet"] = _error(rt, ConvNet())
     res["bad_key"] = _error(rt, _model(), plan={"blocks.*.attn.qproj": "colwise"})
@@ -279,3 +321,37 @@ def test_configuration_errors_name_the_problem(results: list[dict[str, Any]]) ->
         assert fixed.startswith("tensor parallel: attn (_FixedHeadAttention) reshapes")
         assert "2 of its 4 heads" in fixed and "is invalid for input of size" in fixed
         assert "q.view(b, t, -1, head_dim)" in fixed
+
+
+@pytest.mark.parametrize(("ac", "every"), CHECKPOINTING)
+@pytest.mark.parametrize("sp", [False, True])
+def test_the_planner_counts_the_collectives_tensor_parallel_runs(
+    results: list[dict[str, Any]], sp: bool, ac: str, every: int | None
+) -> None:
+    """`scaletrain plan` prices tensor parallel's collectives by count: the plain
+    all-reduces (a rowwise output's, each colwise input gradient's), sequence
+    parallel's reduce-scatters and all-gathers, and what a checkpointed block's
+    recomputation runs again. The counts are those TensorParallel runs."""
+    from functools import partial
+
+    from scaletrain.planner.cost import Model, tp_collectives
+    from scaletrain.planner.layout import Layout
+    from scaletrain.planner.profile import profile_model
+    from scaletrain.strategies.blocks import auto_wrap_targets
+    from scaletrain.strategies.partition import list_layers
+    from scaletrain.strategies.tensor_plan import default_tp_plan
+
+    with torch.device("meta"):
+        net = _model()
+    profile = profile_model(
+        _model, _batch(0), _loss, partial(torch.optim.SGD, lr=0.1), ac=ac, ac_every=every
+    )
+    m = Model(profile, list_layers(net), auto_wrap_targets(net), default_tp_plan(net))
+    planned = tp_collectives(Layout("tensor", tp=WORLD, sp=sp), m)
+    names = {"all_reduce": "all_reduce", "reduce_scatter": "reduce_scatter_tensor",
+             "all_gather": "all_gather_into_tensor", "edges": "all_gather_into_tensor"}  # fmt: skip
+    want: dict[str, int] = {}
+    for kind, n in planned.items():
+        want[names[kind]] = want.get(names[kind], 0) + n
+    for r in results:
+        assert r["collectives"][f"{sp} {ac} {every}"] == want

@@ -277,16 +277,91 @@ def test_tensor_parallels_collectives_move_the_whole_activation() -> None:
         want = 2 * rows * hw.intra.time("all_reduce", 2 * each, tp)  # forward and backward
         assert t.comm == pytest.approx(want) and t.exposed == pytest.approx(want)
     # Sequence parallel: the forward reduce-scatters each rowwise output and gathers each
-    # colwise input, the backward the mirror (their gradients). float8's styles gather
-    # in float8, the reduce-scatters stay in the compute dtype (fp32 here: a quarter).
+    # colwise input, the backward the mirror (their gradients), and the sequence is
+    # gathered as it leaves the blocks (its gradient as it enters them). float8's styles
+    # gather in float8, the reduce-scatters stay in the compute dtype (fp32: a quarter).
     _, cols, _ = m.tp_messages(sp=True)
     eight = replace(m, float8=["blocks.0.1"])
     rs, ag = (hw.intra.time(k, each, 4) for k in ("reduce_scatter", "all_gather"))
     ag8 = hw.intra.time("all_gather", each / 4, 4)
     sp = Layout("tensor", tp=4, sp=True)
-    assert step_time(sp, m, hw, 256).comm == pytest.approx((rows + cols) * (rs + ag))
-    want = rows * rs + cols * ag8 + cols * rs + rows * ag8
+    assert step_time(sp, m, hw, 256).comm == pytest.approx((rows + cols) * (rs + ag) + 2 * ag)
+    want = rows * rs + cols * ag8 + cols * rs + rows * ag8 + 2 * ag
     assert step_time(sp, eight, hw, 256).comm == pytest.approx(want)
+
+
+def _llama(ac: str = "none", ac_every: int | None = None, float8: bool = False) -> Model:
+    """The llama recipe's planner model (attention: q, k, v colwise, o rowwise; a gated
+    MLP: gate and up colwise, down rowwise; 4 blocks), sequence parallel where asked."""
+    from scaletrain.planner.models import resolve_model
+    from scaletrain.strategies.tensor_plan import matching_modules, sequence_parallel_blocks
+
+    planned = resolve_model("llama")
+    net = planned.net
+    plan = {n: s for k, s in (planned.tp_plan or {}).items() for n in matching_modules(net, k)}
+    profile = profile_model(
+        planned.build, planned.example(4), planned.loss, planned.optimizer, ac=ac,
+        ac_every=ac_every,
+    )  # fmt: skip
+    eight = [n for n in plan if float8]
+    return Model(profile, list_layers(net), planned.blocks, plan,
+                 sp_blocks=sequence_parallel_blocks(net, plan), float8=eight)  # fmt: skip
+
+
+def test_tensor_parallel_runs_each_collective_its_layers_and_checkpointing_run() -> None:
+    """Plain tensor parallel all-reduces each colwise layer's input gradient in the
+    backward (q, k and v each their own): the plan mirrored the forward's rowwise
+    all-reduces, 2 of a llama block's 7. A checkpointed block's recomputation runs its
+    collectives again, which the plan priced only under full checkpointing, and then
+    every one (tests/dist/test_tensor.py counts what TensorParallel runs)."""
+    from scaletrain.planner.cost import tp_collectives
+
+    hw = _hw()
+    plain, sp = Layout("tensor", tp=2), Layout("tensor", tp=2, sp=True)
+    m = _llama()
+    rows, cols, each = m.tp_messages()
+    assert (rows, cols) == (2 * 4, 5 * 4) and m.tp_blocks() == [(2, 5)] * 4
+    ar = hw.intra.time("all_reduce", each, 2)
+    assert step_time(plain, m, hw, 4).comm == pytest.approx((rows + cols) * ar)
+    # Recomputed up to the block's last matmul: its last rowwise collective is not.
+    counts = {
+        (ac, every): (tp_collectives(plain, x), tp_collectives(sp, x))
+        for ac, every in (("none", None), ("selective", None), ("full", None), ("selective", 2))
+        for x in [_llama(ac, every)]
+    }
+    assert counts["none", None] == ({"all_reduce": 28},
+                                    {"reduce_scatter": 28, "all_gather": 28, "edges": 2})  # fmt: skip
+    # Selective keeps the reduce-scatters' outputs; the all-gathers run again.
+    assert counts["selective", None] == ({"all_reduce": 32},
+                                         {"reduce_scatter": 28, "all_gather": 48, "edges": 2})  # fmt: skip
+    assert counts["full", None] == ({"all_reduce": 32},
+                                    {"reduce_scatter": 32, "all_gather": 48, "edges": 2})  # fmt: skip
+    # Every second block whole (the first of each two), the others not at all.
+    assert counts["selective", 2] == ({"all_reduce": 30},
+                                      {"reduce_scatter": 30, "all_gather": 38, "edges": 2})  # fmt: skip
+    full = _llama("full")
+    rs, ag = (hw.intra.time(k, each, 2) for k in ("reduce_scatter", "all_gather"))
+    assert step_time(sp, full, hw, 4).comm == pytest.approx(32 * rs + 50 * ag)
+
+
+def test_sequence_parallel_holds_the_gathered_inputs_of_a_block_being_recomputed() -> None:
+    """Each colwise layer keeps its gathered input whole for its weight's gradient. A
+    checkpointed block gathers it again as it is recomputed (the all-gather is not an
+    op selective checkpointing keeps), so only one block's are alive: the plan held
+    every block's under selective checkpointing and none under full. float8's styles
+    gather (and keep) them in float8."""
+    sp = Layout("tensor", tp=2, sp=True)
+
+    def held(m: Model) -> float:  # activations beyond what the profile's peak leaves
+        p = m.profile
+        base = p.activation_bytes - min(p.activation_bytes, m.tp_split(sp=True)) * (1 - 1 / 2)
+        return (memory(sp, m, 4).activations - base) / m.tp_messages(sp=True)[2]
+
+    assert held(_llama()) == pytest.approx(5 * 4)  # every colwise layer's, 4 blocks of 5
+    assert held(_llama("selective")) == pytest.approx(5)  # the recomputed block's
+    assert held(_llama("full")) == pytest.approx(5)
+    assert held(_llama("selective", 2)) == pytest.approx(5 * 2 + 5)  # 2 blocks unchecked
+    assert held(_llama(float8=True)) == pytest.approx(5 * 4 / 4)  # a byte, not fp32's 4
 
 
 def test_float8_runs_the_blocks_matmuls_at_the_fp8_rate_and_pays_for_its_casts() -> None:
@@ -709,11 +784,15 @@ def test_tensor_parallels_planned_memory_is_near_what_torchs_tracker_counts(
     bf16-mixed) against torch's tracker when scaletrain's TensorParallel (FSDPxTP)
     splits the same model over 2 (4) fake ranks and takes the same step.
     The plan divides what the split modules keep, less a rowwise layer's output (whole
-    on every rank), and under checkpointing one block's recomputation; it does not
-    divide the backward's temporaries inside them, so with checkpointing it is mostly
-    high: within 8% without; with, from 8% low to 30% high (on this model -4% to +27%;
-    the plan of the code before divided no recomputation and every module's output:
-    -6% without, up to +42% with)."""
+    on every rank), and under checkpointing one block's recomputation; with sequence
+    parallel it adds the gathered inputs each colwise layer keeps whole (every block's
+    without checkpointing, the recomputed block's with). Its peak is one sum: where the
+    step's peak is at the loss (on this small model), the recomputation it counts is
+    not alive then, and it does not divide the backward's temporaries inside the split
+    modules. Within 8% without checkpointing; with, from 12% low to 30% high (on this
+    model: plain +6% to +14%; sequence parallel -12% to -6% selective, +14% to +19%
+    full. Before, every block's gathered inputs under selective checkpointing gave +18%
+    to +27% here, and on a model of 32 blocks 32 times what one holds)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from scaletrain.strategies.fsdp import FSDP
@@ -731,7 +810,8 @@ def test_tensor_parallels_planned_memory_is_near_what_torchs_tracker_counts(
         peak = _tracked_peak(strategy, {"dp": dp, "tp": tp}, batch, seq)
     else:
         peak = _tracked_peak(TensorParallel(ac=ac, sequence_parallel=sp), {"tp": tp}, batch, seq)
-    assert -0.08 <= p.rows[0].memory.total / peak - 1 <= (0.08 if ac == "none" else 0.3)
+    low, high = (0.08, 0.08) if ac == "none" else (0.12, 0.3)
+    assert -low <= p.rows[0].memory.total / peak - 1 <= high
 
 
 def test_a_cpu_machines_processes_share_its_memory(tmp_path: Path) -> None:

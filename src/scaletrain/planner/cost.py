@@ -10,7 +10,8 @@ Memory per device:
 - Activations: the profile's peak at the per-device batch, less what tensor parallel
   divides (what its attention and MLP modules hold, less their rowwise outputs; with
   sequence parallel all its blocks hold, plus the inputs its colwise layers gather
-  whole and keep; under checkpointing also one block's recomputation). A pipeline
+  whole and keep: every block's, or under checkpointing the recomputed block's; under
+  checkpointing also one block's recomputation). A pipeline
   stage holds its share for each microbatch in flight (at most pp with 1F1B, all with
   GPipe).
 - Buffers: FSDP's gathered units in the compute dtype, float8 training's weights in
@@ -33,10 +34,11 @@ link each group spans (hardware.Link), exposed where it outlasts what hides it:
   exposed. With CPU offload each shard is copied in before its gather and out after
   its reduce-scatter (`Host.bandwidth`), and the optimizer steps on the host, exposed:
   its memory's pace (`Host.memory_bandwidth`) and a dispatch per op (`launch`).
-- Tensor parallel: its collectives sit between a block's matmuls, exposed, in the
-  forward, the backward and any recomputation. Sequence parallel makes each all-reduce
-  a reduce-scatter and all-gathers each colwise layer's input (in float8 under float8
-  training).
+- Tensor parallel: its collectives sit between a block's matmuls, exposed: a rowwise
+  layer's output all-reduced in the forward, a colwise layer's input gradient in the
+  backward, and what a checkpointed block's recomputation runs again. Sequence
+  parallel makes each all-reduce a reduce-scatter and all-gathers each colwise layer's
+  input and each rowwise layer's output gradient (in float8 under float8 training).
 - Pipeline: its schedule simulated (schedule.py) with the sends between stages; the
   bubble is the step less the busiest rank's work.
 """
@@ -54,7 +56,8 @@ from scaletrain.planner.schedule import simulate
 from scaletrain.strategies.partition import Layer, split_layers
 
 __all__ = ["COMPILED_BYTES", "COMPILED_KERNELS", "DDP_BUCKET", "Estimate", "Memory", "Model",
-           "States", "StepTime", "estimate", "gathered", "memory", "model_states", "step_time"]  # fmt: skip
+           "States", "StepTime", "estimate", "gathered", "memory", "model_states", "step_time",
+           "tp_collectives"]  # fmt: skip
 
 DDP_BUCKET = 25 * 2**20
 """PyTorch DDP's default bucket_cap_mb (25 MiB)."""
@@ -177,15 +180,26 @@ class Model:
         return kept + max((part(g, "recomputed_bytes") for g in groups), default=0.0)
 
     def tp_messages(self, sp: bool = False) -> tuple[int, int, float]:
-        """Collectives per forward (the backward runs as many) and the bytes of each: one
-        per rowwise layer (its output all-reduced, or with sequence parallel
-        reduce-scattered), and with sequence parallel one all-gather per colwise layer
-        (TensorParallel gives each `input_layouts=Shard(1)`: it gathers its input)."""
+        """(rowwise, colwise) layers, whose collectives a step runs, and the bytes of
+        each collective. A rowwise layer's output is all-reduced, or with sequence
+        parallel reduce-scattered; a colwise layer's input gradient is all-reduced in the
+        backward, or with sequence parallel its input is gathered (TensorParallel gives
+        each `input_layouts=Shard(1)`) and the gradient reduce-scattered."""
         if not self.tp_plan:
             return 0, 0, 0.0
         rows = [n for n, s in self.tp_plan.items() if s == "rowwise"]
-        cols = sum(s == "colwise" for s in self.tp_plan.values()) if sp else 0
+        cols = sum(s == "colwise" for s in self.tp_plan.values())
         return len(rows), cols, self._sum(rows, "output_bytes") / max(1, len(rows))
+
+    def tp_blocks(self, sp: bool = False) -> list[tuple[int, int]]:
+        """`tp_messages`'s (rowwise, colwise) layers inside each block (the units
+        activation checkpointing wraps), which its recomputation runs again."""
+        plan = self.tp_plan or {}
+        return [
+            (sum(s == "rowwise" and n.startswith(u + ".") for n, s in plan.items()),
+             sum(s == "colwise" and n.startswith(u + ".") for n, s in plan.items()))
+            for u in self.units
+        ]  # fmt: skip
 
     def edge(self, pp: int) -> int:
         """Bytes (at the profile's batch) of the largest send between pp stages."""
@@ -306,9 +320,8 @@ def memory(layout: Layout, model: Model, batch: int) -> Memory:
     if layout.tp > 1:
         # What a module held after its forward counts its output too: at most the peak.
         acts -= min(acts, model.tp_split(layout.sp) * per) * (1 - 1 / layout.tp)
-        if layout.sp and not p.ac.startswith("full"):  # the gathered inputs, kept whole
-            _, gathers, each = model.tp_messages(sp=True)
-            acts += gathers * each * per
+        if layout.sp:  # the colwise layers' gathered inputs, whole (`_gathers_held`)
+            acts += _gathers_held(model) * model.tp_messages(sp=True)[2] * per
     if pp > 1:
         shares = model.stage_shares(pp)
         inflight = [m if layout.schedule == "gpipe" else min(m, pp - r) for r in range(pp)]
@@ -328,6 +341,32 @@ def memory(layout: Layout, model: Model, batch: int) -> Memory:
         params=s["params"], grads=s["grads"], optimizer=s["optimizer"], activations=max(0.0, acts),
         buffers=buffers, grads_at_peak=at_peak, optimizer_temp=temp, host=host,
     )  # fmt: skip
+
+
+def _block_ac(ac: str, blocks: int) -> list[str]:
+    """Each block's checkpointing, as training applies it (strategies.levers): the
+    profile's `ac` for every block, or for "selective every K" every K-th block whole
+    (from the first) and the rest not at all."""
+    mode, _, every = ac.partition(" every ")
+    if not every:
+        return [mode] * blocks
+    return ["full" if i % int(every) == 0 else "none" for i in range(blocks)]
+
+
+def _gathers_held(model: Model) -> float:
+    """Sequence parallel's gathered inputs alive at the peak, in activations of the
+    profile's dtype: each colwise layer keeps its input whole for its weight's gradient,
+    in float8 (a byte) under float8 training. A block without checkpointing keeps its
+    own to its backward; a checkpointed block gathers them again as it is recomputed
+    (the all-gather is not an op selective checkpointing keeps), so only the block
+    being recomputed holds them."""
+    _, cols, _ = model.tp_messages(sp=True)
+    blocks = model.tp_blocks(sp=True)
+    modes = _block_ac(model.profile.ac, len(blocks))
+    inside = sum(c for _, c in blocks)
+    kept = cols - inside + sum(c for (_, c), m in zip(blocks, modes, strict=True) if m == "none")
+    again = max((c for (_, c), m in zip(blocks, modes, strict=True) if m != "none"), default=0)
+    return (kept + again) / (COMPUTE[model.precision] if model.float8 else 1.0)
 
 
 def _seconds(work: Work, hw: Hardware, dtype: str, compiled: bool) -> tuple[float, bool]:
@@ -376,24 +415,46 @@ def _fsdp(
     return gather + again + scatter, exposed
 
 
-def _tensor(layout: Layout, model: Model, hw: Hardware, batch: int) -> float:
-    """Seconds of tensor parallel's collectives (`Model.tp_messages`, module docstring).
-    Each moves the whole activation (batch x tokens x width): an all-reduce of a rowwise
-    layer's partial output, or the reduce-scatter and all-gather that shard it along the
-    sequence, however small the share of the work each rank does."""
-    p, link, n = model.profile, _link(hw, layout.tp), layout.tp
-    rows, gathers, each = model.tp_messages(layout.sp)
-    each *= p.per_sample(batch)
-    forwards = 2 if p.ac.startswith("full") else 1  # full checkpointing runs it again
+def tp_collectives(layout: Layout, model: Model) -> dict[str, int]:
+    """Tensor parallel's collectives in one step, by kind, each of a whole activation
+    (batch x tokens x width). Plain: a rowwise layer's partial output all-reduced in the
+    forward, a colwise layer's input gradient in the backward. Sequence parallel: the
+    rowwise outputs reduce-scattered and the colwise inputs gathered ("all_gather", in
+    float8 under float8 training), the backward the mirror of each; and "edges", the
+    sequence's gathers as it leaves the blocks (the forward's) and enters them (the
+    backward's, of its gradient). A checkpointed block's recomputation runs its
+    collectives again up to its last matmul, where torch.utils.checkpoint stops: the
+    all-reduces and all-gathers, and under full checkpointing the reduce-scatters
+    (selective checkpointing keeps their outputs); never the block's last rowwise one."""
+    rows, cols, _ = model.tp_messages(layout.sp)
+    blocks = model.tp_blocks(layout.sp)
+    modes = _block_ac(model.profile.ac, len(blocks))
+    again = [(max(0, r - 1), c, m) for (r, c), m in zip(blocks, modes, strict=True)]
     if not layout.sp:
-        return rows * link.time("all_reduce", each, n) * (forwards + 1)
+        return {"all_reduce": rows + cols + sum(r for r, _, m in again if m != "none")}
+    return {
+        "reduce_scatter": rows + cols + sum(r for r, _, m in again if m == "full"),
+        "all_gather": cols + rows + sum(c for _, c, m in again if m != "none"),
+        "edges": 2,
+    }
+
+
+def _tensor(layout: Layout, model: Model, hw: Hardware, batch: int) -> float:
+    """Seconds of tensor parallel's collectives (`tp_collectives`), however small the
+    share of the work each rank does: each moves the whole activation."""
+    link, n = _link(hw, layout.tp), layout.tp
+    each = model.tp_messages(layout.sp)[2] * model.profile.per_sample(batch)
     # float8's styles gather in float8 (1 byte): a colwise layer's input in the forward,
     # a rowwise layer's output gradient in the backward; the reduce-scatters stay in the
     # compute dtype.
-    scatter = link.time("reduce_scatter", each, n)
-    gather = link.time("all_gather", each / COMPUTE[model.precision] if model.float8 else each, n)
-    forward = rows * scatter + gathers * gather  # the backward mirrors each collective
-    return forward * forwards + gathers * scatter + rows * gather
+    eight = each / COMPUTE[model.precision] if model.float8 else each
+    count = tp_collectives(layout, model)
+    return (
+        count.get("all_reduce", 0) * link.time("all_reduce", each, n)
+        + count.get("reduce_scatter", 0) * link.time("reduce_scatter", each, n)
+        + count.get("all_gather", 0) * link.time("all_gather", eight, n)
+        + count.get("edges", 0) * link.time("all_gather", each, n)
+    )
 
 
 def _pipeline(
