@@ -192,22 +192,11 @@ def _torchtitans_tp(profile: object, layers: list[Any], units: object, tp_plan: 
     from scaletrain.planner.cost import Model
 
     class Torchtitan(Model):
-        def _gatherers(self) -> set[str]:
-            return {n.rpartition(".")[0] for n, s in (self.tp_plan or {}).items() if s == "colwise"}
-
         def tp_split(self, sp: bool = False) -> float:
             return float(self.profile.activation_bytes) if sp else super().tp_split(sp)
 
-        def tp_messages(self, sp: bool = False) -> tuple[int, int, float]:
-            rows, cols, each = super().tp_messages(sp)
-            return rows, len(self._gatherers()) if sp else cols, each
-
-        def tp_blocks(self, sp: bool = False) -> list[tuple[int, int]]:
-            if not sp:
-                return super().tp_blocks(sp)
-            ins = self._gatherers()
-            return [(r, sum(g.startswith(u + ".") for g in ins))
-                    for (r, _), u in zip(super().tp_blocks(sp), self.units, strict=True)]  # fmt: skip
+        def gatherers(self) -> list[str]:
+            return sorted({n.rpartition(".")[0] for n in super().gatherers()})
 
     if tp_plan:
         heads = {"model.embed_tokens": "rowwise", "lm_head": "colwise"}

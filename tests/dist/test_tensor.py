@@ -8,6 +8,7 @@ configuration errors; the tests assert on its results.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -152,8 +153,13 @@ def _error(rt: Any, model: nn.Module, inputs: torch.Tensor | None = None, **kwar
     return "no error"
 
 
-CHECKPOINTING = [("none", None), ("selective", None), ("full", None), ("selective", 2)]
-"""(ac, ac_every) of the steps whose collectives are counted (`_collectives`)."""
+CHECKPOINTING = [
+    ("none", None, 0.0), ("selective", None, 0.0), ("full", None, 0.0), ("selective", 2, 0.0),
+    ("full", None, 0.1), ("selective", None, 0.1),
+]  # fmt: skip
+"""(ac, ac_every, dropout) of the steps whose collectives are counted (`_collectives`):
+dropout after a block's last projection saves a mask, so the recomputation runs
+through that projection and its collective."""
 
 
 def _collectives(rt: Any) -> dict[str, dict[str, int]]:
@@ -182,14 +188,14 @@ def _collectives(rt: Any) -> dict[str, dict[str, int]]:
 
     out = {}
     for sp in (False, True):
-        for ac, every in CHECKPOINTING:
+        for ac, every, dropout in CHECKPOINTING:
             rt.strategy = TensorParallel(sequence_parallel=sp, ac=ac, ac_every=every)
-            model = rt.setup(_model())
+            model = rt.setup(_model(replace(GPT_CONFIG, dropout=dropout)))
             x, y = _batch(0)
             for _ in range(2):
                 with Count() as count:
                     _loss(model(x), y).backward()
-            out[f"{sp} {ac} {every}"] = dict(count.seen)
+            out[f"{sp} {ac} {every} {dropout}"] = dict(count.seen)
     return out
 
 
@@ -323,10 +329,10 @@ def test_configuration_errors_name_the_problem(results: list[dict[str, Any]]) ->
         assert "q.view(b, t, -1, head_dim)" in fixed
 
 
-@pytest.mark.parametrize(("ac", "every"), CHECKPOINTING)
+@pytest.mark.parametrize(("ac", "every", "dropout"), CHECKPOINTING)
 @pytest.mark.parametrize("sp", [False, True])
 def test_the_planner_counts_the_collectives_tensor_parallel_runs(
-    results: list[dict[str, Any]], sp: bool, ac: str, every: int | None
+    results: list[dict[str, Any]], sp: bool, ac: str, every: int | None, dropout: float
 ) -> None:
     """`scaletrain plan` prices tensor parallel's collectives by count: the plain
     all-reduces (a rowwise output's, each colwise input gradient's), sequence
@@ -341,11 +347,13 @@ def test_the_planner_counts_the_collectives_tensor_parallel_runs(
     from scaletrain.strategies.partition import list_layers
     from scaletrain.strategies.tensor_plan import default_tp_plan
 
+    config = replace(GPT_CONFIG, dropout=dropout)
     with torch.device("meta"):
-        net = _model()
+        net = _model(config)
     profile = profile_model(
-        _model, _batch(0), _loss, partial(torch.optim.SGD, lr=0.1), ac=ac, ac_every=every
-    )
+        partial(_model, config), _batch(0), _loss, partial(torch.optim.SGD, lr=0.1), ac=ac,
+        ac_every=every,
+    )  # fmt: skip
     m = Model(profile, list_layers(net), auto_wrap_targets(net), default_tp_plan(net))
     planned = tp_collectives(Layout("tensor", tp=WORLD, sp=sp), m)
     names = {"all_reduce": "all_reduce", "reduce_scatter": "reduce_scatter_tensor",
@@ -354,4 +362,4 @@ def test_the_planner_counts_the_collectives_tensor_parallel_runs(
     for kind, n in planned.items():
         want[names[kind]] = want.get(names[kind], 0) + n
     for r in results:
-        assert r["collectives"][f"{sp} {ac} {every}"] == want
+        assert r["collectives"][f"{sp} {ac} {every} {dropout}"] == want

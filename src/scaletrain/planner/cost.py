@@ -9,11 +9,12 @@ Memory per device:
   shards, a pipeline stage holds its own layers'.
 - Activations: the profile's peak at the per-device batch, less what tensor parallel
   divides (what its attention and MLP modules hold, less their rowwise outputs; with
-  sequence parallel all its blocks hold, plus the inputs its colwise layers gather
-  whole and keep: every block's, or under checkpointing the recomputed block's; under
-  checkpointing also one block's recomputation). A pipeline
-  stage holds its share for each microbatch in flight (at most pp with 1F1B, all with
-  GPipe).
+  sequence parallel all its blocks hold, plus what it holds whole: the inputs its
+  colwise layers gather and keep, those of the blocks not checkpointed and of the one
+  block being recomputed, and under selective checkpointing the rowwise outputs kept
+  before their reduce-scatter; under checkpointing also one block's recomputation). A
+  pipeline stage holds its share for each microbatch in flight (at most pp with 1F1B,
+  all with GPipe).
 - Buffers: FSDP's gathered units in the compute dtype, float8 training's weights in
   float8 (FSDP's float8 all-gather); a unit and the next, at most the two largest;
   every unit where it keeps them gathered (fsdp-keep); a pipeline's send and receive
@@ -180,26 +181,21 @@ class Model:
         return kept + max((part(g, "recomputed_bytes") for g in groups), default=0.0)
 
     def tp_messages(self, sp: bool = False) -> tuple[int, int, float]:
-        """(rowwise, colwise) layers, whose collectives a step runs, and the bytes of
-        each collective. A rowwise layer's output is all-reduced, or with sequence
-        parallel reduce-scattered; a colwise layer's input gradient is all-reduced in the
-        backward, or with sequence parallel its input is gathered (TensorParallel gives
-        each `input_layouts=Shard(1)`) and the gradient reduce-scattered."""
+        """(rowwise layers, colwise inputs) of tensor parallel, whose collectives a step
+        runs, and the bytes of each collective. A rowwise layer's output is all-reduced,
+        or with sequence parallel reduce-scattered; a colwise layer's input gradient is
+        all-reduced in the backward, or with sequence parallel each of `gatherers` has
+        its input gathered and the gradient reduce-scattered."""
         if not self.tp_plan:
             return 0, 0, 0.0
         rows = [n for n, s in self.tp_plan.items() if s == "rowwise"]
-        cols = sum(s == "colwise" for s in self.tp_plan.values())
+        cols = len(self.gatherers()) if sp else sum(s == "colwise" for s in self.tp_plan.values())
         return len(rows), cols, self._sum(rows, "output_bytes") / max(1, len(rows))
 
-    def tp_blocks(self, sp: bool = False) -> list[tuple[int, int]]:
-        """`tp_messages`'s (rowwise, colwise) layers inside each block (the units
-        activation checkpointing wraps), which its recomputation runs again."""
-        plan = self.tp_plan or {}
-        return [
-            (sum(s == "rowwise" and n.startswith(u + ".") for n, s in plan.items()),
-             sum(s == "colwise" and n.startswith(u + ".") for n, s in plan.items()))
-            for u in self.units
-        ]  # fmt: skip
+    def gatherers(self) -> list[str]:
+        """The modules whose input sequence parallel gathers: each colwise layer
+        (TensorParallel gives each `input_layouts=Shard(1)`)."""
+        return [n for n, s in (self.tp_plan or {}).items() if s == "colwise"]
 
     def edge(self, pp: int) -> int:
         """Bytes (at the profile's batch) of the largest send between pp stages."""
@@ -320,8 +316,8 @@ def memory(layout: Layout, model: Model, batch: int) -> Memory:
     if layout.tp > 1:
         # What a module held after its forward counts its output too: at most the peak.
         acts -= min(acts, model.tp_split(layout.sp) * per) * (1 - 1 / layout.tp)
-        if layout.sp:  # the colwise layers' gathered inputs, whole (`_gathers_held`)
-            acts += _gathers_held(model) * model.tp_messages(sp=True)[2] * per
+        if layout.sp:  # what it holds whole (`_sp_held`)
+            acts += _sp_held(model) * model.tp_messages(sp=True)[2] * per
     if pp > 1:
         shares = model.stage_shares(pp)
         inflight = [m if layout.schedule == "gpipe" else min(m, pp - r) for r in range(pp)]
@@ -343,30 +339,29 @@ def memory(layout: Layout, model: Model, batch: int) -> Memory:
     )  # fmt: skip
 
 
-def _block_ac(ac: str, blocks: int) -> list[str]:
-    """Each block's checkpointing, as training applies it (strategies.levers): the
-    profile's `ac` for every block, or for "selective every K" every K-th block whole
-    (from the first) and the rest not at all."""
-    mode, _, every = ac.partition(" every ")
-    if not every:
-        return [mode] * blocks
-    return ["full" if i % int(every) == 0 else "none" for i in range(blocks)]
+def _recompute(model: Model, names: Sequence[str]) -> list[int]:
+    """How far checkpointing's recomputation ran each module (ModuleCost.recompute)."""
+    mods = model.profile.modules
+    return [mods[n].recompute if n in mods else 0 for n in names]
 
 
-def _gathers_held(model: Model) -> float:
-    """Sequence parallel's gathered inputs alive at the peak, in activations of the
-    profile's dtype: each colwise layer keeps its input whole for its weight's gradient,
-    in float8 (a byte) under float8 training. A block without checkpointing keeps its
-    own to its backward; a checkpointed block gathers them again as it is recomputed
-    (the all-gather is not an op selective checkpointing keeps), so only the block
-    being recomputed holds them."""
-    _, cols, _ = model.tp_messages(sp=True)
-    blocks = model.tp_blocks(sp=True)
-    modes = _block_ac(model.profile.ac, len(blocks))
-    inside = sum(c for _, c in blocks)
-    kept = cols - inside + sum(c for (_, c), m in zip(blocks, modes, strict=True) if m == "none")
-    again = max((c for (_, c), m in zip(blocks, modes, strict=True) if m != "none"), default=0)
-    return (kept + again) / (COMPUTE[model.precision] if model.float8 else 1.0)
+def _sp_held(model: Model) -> float:
+    """Whole activations sequence parallel holds beyond what it splits, in activations
+    of the profile's dtype. Each gathered input, kept for its weights' gradient (in
+    float8, a byte, under float8 training): every one the recomputation does not run,
+    and of those it runs one block's at a time (the all-gather is not an op
+    checkpointing keeps: the recomputation gathers again). Under op-level selective
+    checkpointing, each recomputed rowwise layer's output, kept whole before its
+    reduce-scatter (a matmul's output: the policy keeps it)."""
+    names = model.gatherers()
+    again = {n for n, r in zip(names, _recompute(model, names), strict=True) if r}
+    block = max((sum(n.startswith(u + ".") for n in again) for u in model.units), default=0)
+    gathered = (len(names) - len(again) + block) / (
+        COMPUTE[model.precision] if model.float8 else 1.0
+    )
+    rows = [n for n, s in (model.tp_plan or {}).items() if s == "rowwise"]
+    kept = sum(map(bool, _recompute(model, rows))) if model.profile.ac == "selective" else 0
+    return gathered + kept
 
 
 def _seconds(work: Work, hw: Hardware, dtype: str, compiled: bool) -> tuple[float, bool]:
@@ -416,26 +411,28 @@ def _fsdp(
 
 
 def tp_collectives(layout: Layout, model: Model) -> dict[str, int]:
-    """Tensor parallel's collectives in one step, by kind, each of a whole activation
-    (batch x tokens x width). Plain: a rowwise layer's partial output all-reduced in the
-    forward, a colwise layer's input gradient in the backward. Sequence parallel: the
-    rowwise outputs reduce-scattered and the colwise inputs gathered ("all_gather", in
-    float8 under float8 training), the backward the mirror of each; and "edges", the
-    sequence's gathers as it leaves the blocks (the forward's) and enters them (the
-    backward's, of its gradient). A checkpointed block's recomputation runs its
-    collectives again up to its last matmul, where torch.utils.checkpoint stops: the
-    all-reduces and all-gathers, and under full checkpointing the reduce-scatters
-    (selective checkpointing keeps their outputs); never the block's last rowwise one."""
+    """Tensor parallel's collectives in one forward and backward, by kind, each of a
+    whole activation (batch x tokens x width). Plain: a rowwise layer's partial output
+    all-reduced in the forward, a colwise layer's input gradient in the backward.
+    Sequence parallel: the rowwise outputs reduce-scattered and the colwise inputs
+    gathered ("all_gather", in float8 under float8 training), the backward the mirror
+    of each; and "edges", the sequence's gathers as it leaves the blocks (the
+    forward's) and enters them (the backward's, of its gradient). Checkpointing's
+    recomputation runs again what it runs (ModuleCost.recompute, measured by the
+    profile): each input it gathers, and each rowwise output's collective it runs
+    through (torch.utils.checkpoint stops once the backward has every tensor it saves:
+    in a pre-norm block, inside the last rowwise layer), but the reduce-scatters
+    op-level selective checkpointing keeps."""
     rows, cols, _ = model.tp_messages(layout.sp)
-    blocks = model.tp_blocks(layout.sp)
-    modes = _block_ac(model.profile.ac, len(blocks))
-    again = [(max(0, r - 1), c, m) for (r, c), m in zip(blocks, modes, strict=True)]
+    out = [n for n, s in (model.tp_plan or {}).items() if s == "rowwise"]
+    through = sum(r == 2 for r in _recompute(model, out))
     if not layout.sp:
-        return {"all_reduce": rows + cols + sum(r for r, _, m in again if m != "none")}
+        return {"all_reduce": rows + cols + through}
+    kept = model.profile.ac == "selective"
     return {
-        "reduce_scatter": rows + cols + sum(r for r, _, m in again if m == "full"),
-        "all_gather": cols + rows + sum(c for _, c, m in again if m != "none"),
-        "edges": 2,
+        "reduce_scatter": rows + cols + (0 if kept else through),
+        "all_gather": cols + rows + sum(map(bool, _recompute(model, model.gatherers()))),
+        "edges": 2 if rows or cols else 0,
     }
 
 

@@ -53,6 +53,12 @@ class ModuleCost:
     outputs from its cache). 0 where nothing recomputes it, and for a checkpointed block
     itself: the recomputation calls its forward, not the module, so only its children
     are seen."""
+    recompute: int = 0
+    """How far activation checkpointing's recomputation ran its forward: 0 not at all,
+    1 into it (torch.utils.checkpoint stops once the backward has every tensor it
+    saves, here inside this module), 2 through it (and through what follows it, such
+    as tensor parallel's collective of its output). 0 for a checkpointed block itself,
+    as above."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -271,7 +277,11 @@ def _module_costs(
     counts: Mapping[str, Mapping[Any, int]],
     io: Mapping[str, int],
     scale: float,
+    through: Collection[str],
 ) -> dict[str, ModuleCost]:
+    """Each module's cost; `through`: the modules whose forward returned during the
+    backward (the recomputation ran through them: the tracker's post-forward state is
+    recorded even where the forward stopped inside)."""
     from torch.distributed._tools.mem_tracker import _MemRefType, _ModState
 
     root = type(model).__name__
@@ -293,6 +303,8 @@ def _module_costs(
             activation_bytes=held(stats, _ModState.PRE_FW, _ModState.POST_FW),
             output_bytes=io.get(name, 0),
             recomputed_bytes=held(stats, _ModState.PRE_FW_AC, _ModState.POST_FW_AC),
+            recompute=2 if name in through else int(bool(stats and stats.snapshots.get(
+                _ModState.PRE_FW_AC))),
         )  # fmt: skip
     return out
 
@@ -344,6 +356,14 @@ def profile_model(
     param_bytes = sum(_nbytes(p) for p in unique.values())
     del meta
     io: dict[str, int] = {}
+    through: set[str] = set()  # forwards that returned in the backward (ModuleCost.recompute)
+    backward: list[bool] = []
+
+    def returned(m: nn.Module, _: Any, out: Any) -> None:
+        io[names[id(m)]] = _nbytes(out)
+        if backward:
+            through.add(names[id(m)])
+
     with _between_blocks(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
         model = _built(build, weights)
         eight: list[str] = []
@@ -360,10 +380,7 @@ def profile_model(
         # where the step reads weights of another dtype (`gathered`): 1 elsewhere.
         fake = sum(_nbytes(p) for p in {id(p): p for p in model.parameters()}.values())
         scale = param_bytes / max(1, fake)
-        hooks = [
-            m.register_forward_hook(lambda m, a, o: io.__setitem__(names[id(m)], _nbytes(o)))
-            for m in model.modules()
-        ]
+        hooks = [m.register_forward_hook(returned) for m in model.modules()]
         if ac != "none":
             apply_levers(model, ac=ac, ac_every=ac_every, owner="plan(...)", doing="plan")
         for block in auto_wrap_targets(model):
@@ -389,6 +406,7 @@ def profile_model(
                 with kernels() as fwd, autocast:
                     loss = loss_fn(model(x), y)
                 flops_fwd = counter.count()
+                backward.append(True)
                 with kernels() as bwd, warnings.catch_warnings():
                     # The first block's input needs no gradient (it is the data): its
                     # backward pre-hook still fires, which is all the profile asks of it.
@@ -398,7 +416,7 @@ def profile_model(
         finally:
             counter.stop()
         peak = tracker.get_tracker_snapshot("peak")
-        modules = _module_costs(model, tracker, counter.by_module(), io, scale)
+        modules = _module_costs(model, tracker, counter.by_module(), io, scale, through)
         for h in hooks:
             h.remove()
         opt.step()  # the state exists from here on, as in every step after the first
