@@ -121,14 +121,18 @@ def _train(rt: Any, name: str) -> dict[str, Any]:
     # Rank-local weights after sharding: q_proj holds half the rows on each rank.
     q = model.blocks[0].attn.q_proj.weight
     local_q = (q.to_local() if hasattr(q, "to_local") else q).detach().clone()
+    from torch.distributed.tensor.debug import CommDebugMode
+
     losses = []
     for step in range(STEPS):
         x, y = _batch(step)  # the same batch on every tensor-parallel rank
         opt.zero_grad()
         loss = rt.forward_backward(model, x, y, _loss)
-        opt.step()
+        with CommDebugMode() as in_step:
+            opt.step()
         losses.append(float(loss))
     return {
+        "step_collectives": in_step.get_total_counts(),
         "losses": losses,
         "weights": _full(model),
         "placements": _placements(model),
@@ -282,6 +286,19 @@ def test_tensor_parallel_matches_one_process(results: list[dict[str, Any]], name
         torch.testing.assert_close(got["predict"], ref["predict"], rtol=1e-5, atol=1e-6)
         assert got["opt_params_are_model_params"]
     assert results[0][name]["losses"] == results[1][name]["losses"]
+
+
+@pytest.mark.parametrize("name", ["sequence_sgd", "sequence_adamw"])
+def test_sequence_parallels_partial_gradients_are_summed_once_before_the_step(
+    results: list[dict[str, Any]], name: str
+) -> None:
+    """The norms' gradients are each rank's sum over its slice of the sequence
+    (Partial): every optimizer op all-reduced them again (AdamW: three times a step, 24
+    all-reduces here). Summed once as the step begins: one all-reduce each (the weight
+    and bias of 2 blocks' 2 LayerNorms), and the weights are still one process's
+    (test_tensor_parallel_matches_one_process)."""
+    for r in results:
+        assert r[name]["step_collectives"] == 2 * 2 * 2
 
 
 def test_layers_are_split_as_planned(results: list[dict[str, Any]]) -> None:

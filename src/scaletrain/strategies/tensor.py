@@ -196,7 +196,27 @@ class TensorParallel(Strategy):
     def setup_optimizer(
         self, optimizer: torch.optim.Optimizer, module: nn.Module, topo: Topology
     ) -> torch.optim.Optimizer:
-        return rebind_to_wrapped(optimizer, module)
+        optimizer = rebind_to_wrapped(optimizer, module)
+        if self.sequence_parallel:
+            optimizer.register_step_pre_hook(_reduce_partial_grads)
+        return optimizer
+
+
+def _reduce_partial_grads(optimizer: torch.optim.Optimizer, *_: Any) -> None:
+    """Sum the gradients sequence parallel leaves partial, once, before the step.
+
+    The parameters it replicates (the blocks' norms) get each rank's sum over its slice
+    of the sequence: Partial DTensors. Each optimizer op on one all-reduces it first,
+    and again at the next op (AdamW: three times a step); summed here once, the step
+    computes the same values on Replicate gradients."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            grad = p.grad
+            if isinstance(grad, DTensor) and any(x.is_partial() for x in grad.placements):
+                whole = [Replicate() if x.is_partial() else x for x in grad.placements]
+                p.grad = grad.redistribute(grad.device_mesh, whole)
 
 
 # -- applying it --------------------------------------------------------------------
