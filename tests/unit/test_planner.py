@@ -3,6 +3,7 @@ layout, the small-model floor, and the plan's rows and refusals. No processes.""
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import replace
 from functools import partial
@@ -26,7 +27,7 @@ from scaletrain.planner.cost import (
     step_time,
 )
 from scaletrain.planner.layout import Layout
-from scaletrain.planner.profile import profile_model
+from scaletrain.planner.profile import ModelProfile, profile_model
 from scaletrain.strategies.blocks import auto_wrap_targets
 from scaletrain.strategies.partition import list_layers
 from tests.cpu_hardware import cpu_hardware_file
@@ -290,19 +291,28 @@ def test_tensor_parallels_collectives_move_the_whole_activation() -> None:
     assert step_time(sp, eight, hw, 256).comm == pytest.approx(want)
 
 
+@functools.cache
+def _llama_profile(ac: str, ac_every: int | None) -> ModelProfile:
+    from scaletrain.planner.models import resolve_model
+
+    planned = resolve_model("llama")
+    return profile_model(
+        planned.build, planned.example(4), planned.loss, planned.optimizer, ac=ac,
+        ac_every=ac_every,
+    )  # fmt: skip
+
+
 def _llama(ac: str = "none", ac_every: int | None = None, float8: bool = False) -> Model:
     """The llama recipe's planner model (attention: q, k, v colwise, o rowwise; a gated
-    MLP: gate and up colwise, down rowwise; 4 blocks), sequence parallel where asked."""
+    MLP: gate and up colwise, down rowwise; 4 blocks), sequence parallel where asked.
+    Each profile is taken once (a few seconds each)."""
     from scaletrain.planner.models import resolve_model
     from scaletrain.strategies.tensor_plan import matching_modules, sequence_parallel_blocks
 
     planned = resolve_model("llama")
     net = planned.net
     plan = {n: s for k, s in (planned.tp_plan or {}).items() for n in matching_modules(net, k)}
-    profile = profile_model(
-        planned.build, planned.example(4), planned.loss, planned.optimizer, ac=ac,
-        ac_every=ac_every,
-    )  # fmt: skip
+    profile = _llama_profile(ac, ac_every)
     eight = [n for n in plan if float8]
     return Model(profile, list_layers(net), planned.blocks, plan,
                  sp_blocks=sequence_parallel_blocks(net, plan), float8=eight)  # fmt: skip
