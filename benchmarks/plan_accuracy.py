@@ -189,7 +189,7 @@ def _torchtitans_tp(profile: object, layers: list[Any], units: object, tp_plan: 
     (`PrepareModuleInput`), where scaletrain's TensorParallel gathers once per colwise
     layer. The planner's two gathers of the sequence at the blocks' ends (scaletrain's)
     stay: two of a step's hundreds of collectives."""
-    from scaletrain.planner.cost import Model
+    from scaletrain.planner.structure import Model
 
     class Torchtitan(Model):
         def tp_split(self, sp: bool = False) -> float:

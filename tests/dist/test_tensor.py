@@ -357,9 +357,10 @@ def test_the_planner_counts_the_collectives_tensor_parallel_runs(
     recomputation runs again. The counts are those TensorParallel runs."""
     from functools import partial
 
-    from scaletrain.planner.cost import Model, tp_collectives
+    from scaletrain.planner.cost import tp_collectives
     from scaletrain.planner.layout import Layout
     from scaletrain.planner.profile import profile_model
+    from scaletrain.planner.structure import Model
     from scaletrain.strategies.blocks import auto_wrap_targets
     from scaletrain.strategies.partition import list_layers
     from scaletrain.strategies.tensor_plan import default_tp_plan

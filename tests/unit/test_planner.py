@@ -19,7 +19,6 @@ from scaletrain.errors import ConfigError
 from scaletrain.hardware import Hardware, Host, Link, write
 from scaletrain.planner.cost import (
     DDP_BUCKET,
-    Model,
     States,
     estimate,
     memory,
@@ -28,6 +27,7 @@ from scaletrain.planner.cost import (
 )
 from scaletrain.planner.layout import Layout
 from scaletrain.planner.profile import ModelProfile, profile_model
+from scaletrain.planner.structure import Model
 from scaletrain.strategies.blocks import auto_wrap_targets
 from scaletrain.strategies.partition import list_layers
 from tests.cpu_hardware import cpu_hardware_file

@@ -11,10 +11,11 @@ from dataclasses import dataclass, field
 from scaletrain.errors import ConfigError, say, spell, unknown
 from scaletrain.hardware import Hardware, load
 from scaletrain.hardware.calibrate import load_calibrated
-from scaletrain.planner.cost import DTYPE, Estimate, Model, estimate, gathered
+from scaletrain.planner.cost import DTYPE, Estimate, estimate, gathered
 from scaletrain.planner.layout import Layout, layouts_for, microbatch_counts
 from scaletrain.planner.models import resolve_model
 from scaletrain.planner.profile import ModelProfile, profile_model
+from scaletrain.planner.structure import Model
 from scaletrain.precision import PRECISIONS, canonical
 from scaletrain.strategies.float8 import FLOAT8_GPUS, float8_layers, require_torchao
 from scaletrain.strategies.levers import check_levers
