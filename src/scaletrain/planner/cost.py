@@ -47,7 +47,6 @@ link each group spans (hardware.Link), exposed where it outlasts what hides it:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from scaletrain.hardware import Hardware, Link
@@ -206,12 +205,6 @@ def memory(layout: Layout, model: Model, batch: int) -> Memory:
     )  # fmt: skip
 
 
-def _recompute(model: Model, names: Sequence[str]) -> list[int]:
-    """How far checkpointing's recomputation ran each module (ModuleCost.recompute)."""
-    mods = model.profile.modules
-    return [mods[n].recompute if n in mods else 0 for n in names]
-
-
 def _sp_held(model: Model) -> float:
     """Whole activations sequence parallel holds beyond what it splits, in activations
     of the profile's dtype. Each gathered input, kept for its weights' gradient (in
@@ -221,13 +214,13 @@ def _sp_held(model: Model) -> float:
     checkpointing, each recomputed rowwise layer's output, kept whole before its
     reduce-scatter (a matmul's output: the policy keeps it)."""
     names = model.gatherers()
-    again = {n for n, r in zip(names, _recompute(model, names), strict=True) if r}
+    again = {n for n, r in zip(names, model.recompute(names), strict=True) if r}
     block = max((sum(n.startswith(u + ".") for n in again) for u in model.units), default=0)
     gathered = (len(names) - len(again) + block) / (
         COMPUTE[model.precision] if model.float8 else 1.0
     )
-    rows = [n for n, s in (model.tp_plan or {}).items() if s == "rowwise"]
-    kept = sum(map(bool, _recompute(model, rows))) if model.profile.ac == "selective" else 0
+    rows = model.recompute(model.styled("rowwise"))
+    kept = sum(map(bool, rows)) if model.profile.ac == "selective" else 0
     return gathered + kept
 
 
@@ -291,14 +284,13 @@ def tp_collectives(layout: Layout, model: Model) -> dict[str, int]:
     in a pre-norm block, inside the last rowwise layer), but the reduce-scatters
     op-level selective checkpointing keeps."""
     rows, cols, _ = model.tp_messages(layout.sp)
-    out = [n for n, s in (model.tp_plan or {}).items() if s == "rowwise"]
-    through = sum(r == 2 for r in _recompute(model, out))
+    through = sum(r == 2 for r in model.recompute(model.styled("rowwise")))
     if not layout.sp:
         return {"all_reduce": rows + cols + through}
     kept = model.profile.ac == "selective"
     return {
         "reduce_scatter": rows + cols + (0 if kept else through),
-        "all_gather": cols + rows + sum(map(bool, _recompute(model, model.gatherers()))),
+        "all_gather": cols + rows + sum(map(bool, model.recompute(model.gatherers()))),
         "edges": 2 if rows or cols else 0,
     }
 

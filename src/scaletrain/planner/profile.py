@@ -303,8 +303,8 @@ def _module_costs(
             activation_bytes=held(stats, _ModState.PRE_FW, _ModState.POST_FW),
             output_bytes=io.get(name, 0),
             recomputed_bytes=held(stats, _ModState.PRE_FW_AC, _ModState.POST_FW_AC),
-            recompute=2 if name in through else int(bool(stats and stats.snapshots.get(
-                _ModState.PRE_FW_AC))),
+            recompute=2 if name in through
+            else 1 if stats and stats.snapshots.get(_ModState.PRE_FW_AC) else 0,
         )  # fmt: skip
     return out
 

@@ -93,14 +93,23 @@ class Model:
         its input gathered and the gradient reduce-scattered."""
         if not self.tp_plan:
             return 0, 0, 0.0
-        rows = [n for n, s in self.tp_plan.items() if s == "rowwise"]
-        cols = len(self.gatherers()) if sp else sum(s == "colwise" for s in self.tp_plan.values())
+        rows = self.styled("rowwise")
+        cols = len(self.gatherers() if sp else self.styled("colwise"))
         return len(rows), cols, self._sum(rows, "output_bytes") / max(1, len(rows))
+
+    def styled(self, style: str) -> list[str]:
+        """The layers tensor parallel's plan gives `style` ("colwise", "rowwise")."""
+        return [n for n, s in (self.tp_plan or {}).items() if s == style]
 
     def gatherers(self) -> list[str]:
         """The modules whose input sequence parallel gathers: each colwise layer
         (TensorParallel gives each `input_layouts=Shard(1)`)."""
-        return [n for n, s in (self.tp_plan or {}).items() if s == "colwise"]
+        return self.styled("colwise")
+
+    def recompute(self, names: Sequence[str]) -> list[int]:
+        """How far checkpointing's recomputation ran each module (ModuleCost.recompute)."""
+        mods = self.profile.modules
+        return [mods[n].recompute if n in mods else 0 for n in names]
 
     def edge(self, pp: int) -> int:
         """Bytes (at the profile's batch) of the largest send between pp stages."""
