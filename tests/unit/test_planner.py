@@ -280,15 +280,21 @@ def test_tensor_parallels_collectives_move_the_whole_activation() -> None:
     # Sequence parallel: the forward reduce-scatters each rowwise output and gathers each
     # colwise input, the backward the mirror (their gradients), and the sequence is
     # gathered as it leaves the blocks (its gradient as it enters them). float8's styles
-    # gather in float8, the reduce-scatters stay in the compute dtype (fp32: a quarter).
+    # gather in float8 what a float8 layer gathers, the reduce-scatters stay in the
+    # compute dtype (fp32: a quarter).
     _, cols, _ = m.tp_messages(sp=True)
-    eight = replace(m, float8=["blocks.0.1"])
+    eight = replace(m, float8=list(m.tp_plan or {}))
     rs, ag = (hw.intra.time(k, each, 4) for k in ("reduce_scatter", "all_gather"))
     ag8 = hw.intra.time("all_gather", each / 4, 4)
     sp = Layout("tensor", tp=4, sp=True)
     assert step_time(sp, m, hw, 256).comm == pytest.approx((rows + cols) * (rs + ag) + 2 * ag)
     want = rows * rs + cols * ag8 + cols * rs + rows * ag8 + 2 * ag
     assert step_time(sp, eight, hw, 256).comm == pytest.approx(want)
+    # One float8 layer (the first block's colwise: its input's gather) gathered all of
+    # them in float8.
+    one = replace(m, float8=["blocks.0.1"])
+    want = (rows + cols) * rs + (rows + cols - 1) * ag + ag8 + 2 * ag
+    assert step_time(sp, one, hw, 256).comm == pytest.approx(want)
 
 
 @functools.cache
@@ -365,7 +371,8 @@ def test_sequence_parallel_holds_the_gathered_inputs_of_a_block_being_recomputed
     every block's under selective checkpointing and none under full. Selective
     checkpointing keeps each rowwise layer's matmul output, whole before its
     reduce-scatter, which the plan split. float8's styles gather (and keep) the inputs
-    in float8."""
+    of the layers float8 converts in float8, and only theirs: the plan held every input
+    in float8 if any layer was."""
     sp = Layout("tensor", tp=2, sp=True)
 
     def held(m: Model) -> float:  # activations beyond what the profile's peak leaves
@@ -378,6 +385,11 @@ def test_sequence_parallel_holds_the_gathered_inputs_of_a_block_being_recomputed
     assert held(_llama("full")) == pytest.approx(5)
     assert held(_llama("selective", 2)) == pytest.approx(5 * 2 + 5)  # 2 blocks unchecked
     assert held(_llama(float8=True)) == pytest.approx(5 * 4 / 4)  # a byte, not fp32's 4
+    # Only the layers float8 converts gather in float8 (torchtitan's head stays bf16):
+    # here the attention's q, k and v, not the MLP's gate and up.
+    m = _llama()
+    some = replace(m, float8=[n for n in m.styled("colwise") if ".attention." in n])
+    assert held(some) == pytest.approx(3 * 4 / 4 + 2 * 4)
 
 
 def test_float8_runs_the_blocks_matmuls_at_the_fp8_rate_and_pays_for_its_casts() -> None:

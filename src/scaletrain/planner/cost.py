@@ -39,7 +39,7 @@ link each group spans (hardware.Link), exposed where it outlasts what hides it:
   layer's output all-reduced in the forward, a colwise layer's input gradient in the
   backward, and what a checkpointed block's recomputation runs again. Sequence
   parallel makes each all-reduce a reduce-scatter and all-gathers each colwise layer's
-  input and each rowwise layer's output gradient (in float8 under float8 training).
+  input and each rowwise layer's output gradient (in float8 for float8 training's layers).
 - Pipeline: its schedule simulated (schedule.py) with the sends between stages; the
   bubble is the step less the busiest rank's work.
 """
@@ -208,17 +208,17 @@ def memory(layout: Layout, model: Model, batch: int) -> Memory:
 def _sp_held(model: Model) -> float:
     """Whole activations sequence parallel holds beyond what it splits, in activations
     of the profile's dtype. Each gathered input, kept for its weights' gradient (in
-    float8, a byte, under float8 training): every one the recomputation does not run,
+    float8, a byte, where float8 training converts its layer): every one the recomputation does not run,
     and of those it runs one block's at a time (the all-gather is not an op
     checkpointing keeps: the recomputation gathers again). Under op-level selective
     checkpointing, each recomputed rowwise layer's output, kept whole before its
     reduce-scatter (a matmul's output: the policy keeps it)."""
     names = model.gatherers()
     again = {n for n, r in zip(names, model.recompute(names), strict=True) if r}
-    block = max((sum(n.startswith(u + ".") for n in again) for u in model.units), default=0)
-    gathered = (len(names) - len(again) + block) / (
-        COMPUTE[model.precision] if model.float8 else 1.0
-    )
+    size = {n: 1 / COMPUTE[model.precision] if model.in_float8(n) else 1.0 for n in names}
+    block = max((sum(size[n] for n in again if n.startswith(f"{u}.")) for u in model.units),
+                default=0.0)  # fmt: skip
+    gathered = sum(size[n] for n in names if n not in again) + block
     rows = model.recompute(model.styled("rowwise"))
     kept = sum(map(bool, rows)) if model.profile.ac == "selective" else 0
     return gathered + kept
@@ -300,15 +300,19 @@ def _tensor(layout: Layout, model: Model, hw: Hardware, batch: int) -> float:
     share of the work each rank does: each moves the whole activation."""
     link, n = _link(hw, layout.tp), layout.tp
     each = model.tp_messages(layout.sp)[2] * model.profile.per_sample(batch)
-    # float8's styles gather in float8 (1 byte): a colwise layer's input in the forward,
-    # a rowwise layer's output gradient in the backward; the reduce-scatters stay in the
-    # compute dtype.
-    eight = each / COMPUTE[model.precision] if model.float8 else each
+    # float8's styles gather in float8 (1 byte) what a float8 layer gathers: a colwise
+    # layer's input in the forward (and again in a recomputation), a rowwise layer's
+    # output gradient in the backward; the reduce-scatters stay in the compute dtype.
     count = tp_collectives(layout, model)
+    cols = model.gatherers()
+    f8 = sum(map(model.in_float8, model.styled("rowwise") + cols)) + sum(
+        model.in_float8(c) for c, r in zip(cols, model.recompute(cols), strict=True) if r
+    ) if layout.sp else 0  # fmt: skip
     return (
         count.get("all_reduce", 0) * link.time("all_reduce", each, n)
         + count.get("reduce_scatter", 0) * link.time("reduce_scatter", each, n)
-        + count.get("all_gather", 0) * link.time("all_gather", eight, n)
+        + (count.get("all_gather", 0) - f8) * link.time("all_gather", each, n)
+        + f8 * link.time("all_gather", each / COMPUTE[model.precision], n)
         + count.get("edges", 0) * link.time("all_gather", each, n)
     )
 

@@ -106,6 +106,13 @@ class Model:
         (TensorParallel gives each `input_layouts=Shard(1)`)."""
         return self.styled("colwise")
 
+    def in_float8(self, name: str) -> bool:
+        """Whether float8 training converts the layer `name`, or every layer of tensor
+        parallel's plan under the module `name` (a gatherer of torchtitan's plan):
+        float8's styles gather such a layer's input in float8."""
+        under = [n for n in self.tp_plan or {} if n.startswith(f"{name}.")]
+        return name in self.float8 or (bool(under) and set(under) <= set(self.float8))
+
     def recompute(self, names: Sequence[str]) -> list[int]:
         """How far checkpointing's recomputation ran each module (ModuleCost.recompute)."""
         mods = self.profile.modules
