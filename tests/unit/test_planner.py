@@ -364,6 +364,24 @@ def test_tensor_parallel_runs_each_collective_its_layers_and_checkpointing_run()
     assert step_time(sp, full, hw, 4).comm == pytest.approx(32 * rs + 50 * ag)
 
 
+def test_a_layer_is_in_float8_where_float8_training_converts_it() -> None:
+    """A layer's gather is in float8 where float8 converts it; a module's (the gatherers
+    of torchtitan's plan: each attention and MLP) where every layer of tensor parallel's
+    plan under it is converted. A name is no prefix of its siblings' ("layers.1" holds
+    nothing of "layers.10"), and the root ("") holds every layer."""
+    m = replace(_llama(), tp_plan={
+        "layers.1.attention.wq": "colwise", "layers.1.attention.wo": "rowwise",
+        "layers.10.attention.wq": "colwise", "output": "colwise",
+    }, float8=["layers.1.attention.wq", "layers.1.attention.wo"])  # fmt: skip
+    assert m.in_float8("layers.1.attention.wq") and m.in_float8("layers.1.attention")
+    assert m.in_float8("layers.1") and not m.in_float8("layers.10.attention.wq")
+    assert not m.in_float8("layers.10") and not m.in_float8("output")
+    assert not m.in_float8("")  # the head, under the root, is not float8
+    assert replace(m, float8=list(m.tp_plan or {})).in_float8("")
+    part = replace(m, float8=["layers.1.attention.wq"])  # one of the module's two
+    assert part.in_float8("layers.1.attention.wq") and not part.in_float8("layers.1.attention")
+
+
 def test_sequence_parallel_holds_the_gathered_inputs_of_a_block_being_recomputed() -> None:
     """Each colwise layer keeps its gathered input whole for its weight's gradient. A
     checkpointed block gathers it again as it is recomputed (the all-gather is not an

@@ -208,9 +208,9 @@ def memory(layout: Layout, model: Model, batch: int) -> Memory:
 def _sp_held(model: Model) -> float:
     """Whole activations sequence parallel holds beyond what it splits, in activations
     of the profile's dtype. Each gathered input, kept for its weights' gradient (in
-    float8, a byte, where float8 training converts its layer): every one the recomputation does not run,
-    and of those it runs one block's at a time (the all-gather is not an op
-    checkpointing keeps: the recomputation gathers again). Under op-level selective
+    float8, a byte, where float8 training converts its layer): every one the
+    recomputation does not run, and of those it runs one block's at a time (the
+    all-gather is not an op checkpointing keeps: the recomputation gathers again). Under op-level selective
     checkpointing, each recomputed rowwise layer's output, kept whole before its
     reduce-scatter (a matmul's output: the policy keeps it)."""
     names = model.gatherers()
@@ -275,8 +275,8 @@ def tp_collectives(layout: Layout, model: Model) -> dict[str, int]:
     whole activation (batch x tokens x width). Plain: a rowwise layer's partial output
     all-reduced in the forward, a colwise layer's input gradient in the backward.
     Sequence parallel: the rowwise outputs reduce-scattered and the colwise inputs
-    gathered ("all_gather", in float8 under float8 training), the backward the mirror
-    of each; and "edges", the sequence's gathers as it leaves the blocks (the
+    gathered ("all_gather", in float8 for float8 training's layers), the backward the
+    mirror of each; and "edges", the sequence's gathers as it leaves the blocks (the
     forward's) and enters them (the backward's, of its gradient). Checkpointing's
     recomputation runs again what it runs (ModuleCost.recompute, measured by the
     profile): each input it gathers, and each rowwise output's collective it runs

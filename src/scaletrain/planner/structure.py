@@ -108,9 +108,9 @@ class Model:
 
     def in_float8(self, name: str) -> bool:
         """Whether float8 training converts the layer `name`, or every layer of tensor
-        parallel's plan under the module `name` (a gatherer of torchtitan's plan):
-        float8's styles gather such a layer's input in float8."""
-        under = [n for n in self.tp_plan or {} if n.startswith(f"{name}.")]
+        parallel's plan under the module `name` (a gatherer of torchtitan's plan; "" the
+        root): float8's styles gather such a layer's input in float8."""
+        under = [n for n in self.tp_plan or {} if not name or n.startswith(f"{name}.")]
         return name in self.float8 or (bool(under) and set(under) <= set(self.float8))
 
     def recompute(self, names: Sequence[str]) -> list[int]:
