@@ -50,6 +50,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import tempfile
 from pathlib import Path
@@ -77,7 +78,8 @@ PUBLISHED = [
 ]
 """Table 4's run is tensor parallel with sequence and loss parallelism: planned as the
 `sp` layout, with torchtitan's embeddings, final norm and head split over tp too
-(`_torchtitans_tp`)."""
+(`_torchtitans_tp`), and its cross-entropy computed as torch's loss_parallel computes it
+(`_loss_parallel_cross_entropy`)."""
 
 
 def zero() -> None:
@@ -139,6 +141,10 @@ def torchtitan() -> None:
 
     levers.selective_policy = _torchtitans_selective()  # type: ignore[assignment]
     api.Model = _torchtitans_tp  # type: ignore[assignment,misc]
+    resolve = api.resolve_model
+
+    def loss_parallel(*args: Any, **kwargs: Any) -> Any:
+        return dataclasses.replace(resolve(*args, **kwargs), loss=_loss_parallel_cross_entropy)
 
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "config.json"
@@ -158,6 +164,9 @@ def torchtitan() -> None:
             if key not in plans:  # one plan for the rows of the same model, devices and step
                 layouts = [Layout(s, dp=d, tp=t, sp=t > 1) for _, m, g, (s, d, t), *rest
                            in PUBLISHED if (m, g, *rest[:5]) == key]  # fmt: skip
+                # torchtitan's loss is loss parallel wherever it runs tensor parallel.
+                tensor = any(x.tp > 1 for x in layouts)
+                api.resolve_model = loss_parallel if tensor else resolve
                 plans[key] = st.plan(
                     **which, devices=gpus, hardware="h100-96gb",
                     batch_size=batch, seq_len=seq, precision="bf16-mixed", ac=ac,
@@ -177,6 +186,11 @@ def torchtitan() -> None:
                   f"{held / gib - 1:+.1%} | "
                   f"{tps:,} | {rate:,.0f} | {rate / tps - 1:+.1%} |",
                   flush=True)  # fmt: skip
+    torch_s, planned, aten = _loss_parallel_gib()
+    print(
+        f"\nTable 4's loss alone, peak GiB per rank: torch's loss_parallel {torch_s:.1f}, "
+        f"as planned {planned:.1f}, aten's fused cross-entropy {aten:.1f}"
+    )
 
 
 def _torchtitans_tp(profile: object, layers: list[Any], units: object, tp_plan: Any,
@@ -203,6 +217,90 @@ def _torchtitans_tp(profile: object, layers: list[Any], units: object, tp_plan: 
         tp_plan = {**tp_plan, **{k: v for k, v in heads.items() if k not in tp_plan}}
         kw["sp_blocks"] = [m for x in layers for m in x.members]
     return Torchtitan(profile, layers, units, tp_plan, **kw)  # type: ignore[arg-type]
+
+
+def _loss_parallel_cross_entropy(outputs: Any, targets: Any) -> Any:
+    """torchtitan's loss, cross_entropy(pred.float()), as torch's loss_parallel computes
+    it on each rank of table 4's run (torch.distributed.tensor.parallel.loss): its
+    log_softmax decomposed into the max, the shifted logits, their exponentials' sum and
+    the shifted logits less its log, each an fp32 tensor of the rank's logits (the max's
+    and the sum's all-reduces aside), and its backward merged into nll_loss's: a zero
+    gradient with -1 at the targets, plus the softmax, times the loss's gradient. aten's
+    fused log_softmax allocates only its output, so the profile of `Recipe.loss` holds
+    none of these temporaries, which are the size of the logits in fp32."""
+    import torch
+
+    class LossParallel(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: Any, target: Any) -> Any:
+            shifted = x - torch.amax(x, 1, keepdim=True)
+            result = shifted - torch.log(torch.sum(torch.exp(shifted), 1, keepdim=True))
+            del shifted
+            ctx.save_for_backward(result, target)
+            return -torch.gather(result, 1, target[:, None]).mean()
+
+        @staticmethod
+        def backward(ctx: Any, grad: Any) -> Any:
+            result, target = ctx.saved_tensors
+            grad_input = torch.zeros_like(result)
+            grad_input[torch.arange(len(target)), target] = -1.0
+            return (grad_input + torch.exp(result)) * (grad / len(target)), None
+
+    logits = outputs.logits if hasattr(outputs, "logits") else outputs
+    return LossParallel.apply(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def _loss_parallel_gib(batch: int = 16, seq: int = 8192, vocab: int = 128256, tp: int = 8
+                       ) -> tuple[float, float, float]:  # fmt: skip
+    """Peak GiB per rank of table 4's loss alone, from one rank's logits on (bf16, a
+    `tp`-th of the vocabulary) to their gradient, as torch's MemTracker counts it under
+    fake tensors: torch's loss_parallel on them as a DTensor of a one-rank mesh (each
+    rank runs the same ops on its shard whatever tp is, the all-reduces aside; the
+    tracker counts a DTensor of more ranks at its global size),
+    `_loss_parallel_cross_entropy`, and aten's fused cross-entropy (what the profile
+    held before)."""
+    import torch
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.parallel import loss_parallel
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        peaks = []
+        for kind in ("torch", "planned", "aten"):
+            with FakeTensorMode():
+                shard = torch.randn(batch, seq, vocab // tp, dtype=torch.bfloat16)
+                shard.requires_grad_()
+                y = torch.randint(0, vocab, (batch, seq))
+                tracker = MemTracker()
+                with tracker:
+                    logits = shard * 1.0  # the head's output: not a leaf
+                    if kind == "torch":
+                        whole = DTensor.from_local(logits, mesh, [Shard(-1)])
+                        with loss_parallel():
+                            loss = torch.nn.functional.cross_entropy(
+                                whole.flatten(0, 1).float(), y.flatten()
+                            )
+                            del whole, logits
+                            loss.backward()
+                    else:
+                        loss = (
+                            _loss_parallel_cross_entropy(logits, y) if kind == "planned"
+                            else torch.nn.functional.cross_entropy(
+                                logits.flatten(0, 1).float(), y.flatten())
+                        )  # fmt: skip
+                        del logits
+                        loss.backward()
+            peak = tracker.get_tracker_snapshot("peak")
+            peaks.append(float(next(iter(peak.values()))["Total"]) / GIB)
+        return peaks[0], peaks[1], peaks[2]
+    finally:
+        dist.destroy_process_group()
 
 
 def _tracked_gib(recipe: str, dp: int, batch: int, seq: int) -> float:
