@@ -210,9 +210,9 @@ def _sp_held(model: Model) -> float:
     of the profile's dtype. Each gathered input, kept for its weights' gradient (in
     float8, a byte, where float8 training converts its layer): every one the
     recomputation does not run, and of those it runs one block's at a time (the
-    all-gather is not an op checkpointing keeps: the recomputation gathers again). Under op-level selective
-    checkpointing, each recomputed rowwise layer's output, kept whole before its
-    reduce-scatter (a matmul's output: the policy keeps it)."""
+    all-gather is not an op checkpointing keeps: the recomputation gathers again).
+    Under op-level selective checkpointing, each recomputed rowwise layer's output,
+    kept whole before its reduce-scatter (a matmul's output: the policy keeps it)."""
     names = model.gatherers()
     again = {n for n, r in zip(names, model.recompute(names), strict=True) if r}
     size = {n: 1 / COMPUTE[model.precision] if model.in_float8(n) else 1.0 for n in names}
