@@ -83,8 +83,25 @@ def test_the_ledger_reads_the_one_datasheet_table() -> None:
     assert datasheet_peak("NVIDIA L40S", "fp8") == pytest.approx(733e12)
     assert datasheet_peak("NVIDIA A100-SXM4-80GB", "fp8") is None
     for sheet in hardware.datasheets():
-        assert sheet.source and "datasheet" in sheet.source and "fp32" in sheet.peaks
+        # The vendor's document: a datasheet, or the architecture's whitepaper (GeForce).
+        assert re.search("datasheet|whitepaper", sheet.source) and "fp32" in sheet.peaks
         re.compile(sheet.match)
+
+
+def test_every_gpu_float8_names_has_a_float8_peak() -> None:
+    """The refusals of --float8 name the GPUs that multiply float8 matrices (FLOAT8_GPUS):
+    each has an fp8 datasheet peak, so a run on it has a float8 MFU (RTX 4090 and B200
+    had no entry at all). The names are as the driver reports them."""
+    from scaletrain.strategies.float8 import FLOAT8_GPUS
+
+    reported = {"RTX 4090": "NVIDIA GeForce RTX 4090", "H100": "NVIDIA H100 80GB HBM3"}
+    for gpu in FLOAT8_GPUS.split(", "):
+        assert datasheet_peak(reported.get(gpu, f"NVIDIA {gpu}"), "fp8"), gpu
+    assert datasheet_peak("NVIDIA B200", "bf16") == pytest.approx(2250e12)
+    # A GB200's GPU runs at its own figures, not at a B200's.
+    assert datasheet_peak("NVIDIA GB200", "fp8") == pytest.approx(5000e12)
+    assert datasheet_peak("NVIDIA GeForce RTX 4090", "bf16") == pytest.approx(165.2e12)
+    assert datasheet_peak("NVIDIA GeForce RTX 4090 D", "bf16") is None  # fewer cores
 
 
 def _profile(tmp_path: Path, edit: str, old: str | None = None) -> Path:
