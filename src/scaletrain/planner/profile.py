@@ -229,7 +229,7 @@ _INTERRUPTED: list[int] = []
 
 
 def _collect(*_: Any) -> None:
-    gc.collect()
+    gc.collect(0)  # the youngest generation: see _between_blocks
     if _INTERRUPTED:
         raise KeyboardInterrupt
 
@@ -240,8 +240,11 @@ def _between_blocks() -> Any:
     hook on each block's forward and backward). The collector frees what reference
     cycles hold (checkpointing's recomputations leave some) at the same points every
     call, as a run's would: left to its own times, the peak it measures moves between
-    calls; paused, the garbage outgrows the activations. A Ctrl-C raised inside torch's
-    dispatch crosses C++ frames and aborts the process, so it waits for a boundary."""
+    calls; paused, the garbage outgrows the activations. Each boundary collects the
+    youngest generation only: the cycles are made since the last boundary, and a full
+    collection walks every object the process holds (torch's own, the model's), most of
+    a small model's profile. A Ctrl-C raised inside torch's dispatch crosses C++ frames
+    and aborts the process, so it waits for a boundary."""
     paused, main = gc.isenabled(), threading.current_thread() is threading.main_thread()
     previous: Any = False  # no handler installed (signal.signal may return None)
     try:
