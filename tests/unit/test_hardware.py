@@ -23,7 +23,8 @@ FIGURES = ("peaks", "efficiency", "memory", "reserve", "memory_bandwidth", "laun
 
 
 def test_every_shipped_profile_loads_and_names_the_source_of_each_figure() -> None:
-    assert shipped() == ["a100-pcie", "a100-sxm", "ethernet", "h100-96gb", "h100-sxm", "h200"]
+    assert shipped() == ["a100-pcie", "a100-sxm", "b200", "ethernet", "h100-96gb", "h100-sxm",
+                         "h200"]  # fmt: skip
     for name in shipped():
         hw = load(name)
         assert hw.name == name and hw.device == "cuda" and hw.devices_per_node == 8
@@ -37,7 +38,7 @@ def test_every_shipped_profile_loads_and_names_the_source_of_each_figure() -> No
         )
         assert hw.efficiency is not None
         assert hw.flops == {d: hw.efficiency * p for d, p in hw.peak_flops.items()}
-        assert 60 * 2**30 < hw.memory < 150 * 2**30
+        assert 60 * 2**30 < hw.memory < 180 * 2**30
         assert hw.launch == 5e-6 and "assumption" in hw.sources["launch"]
         assert "assumption" in hw.sources["efficiency"]
         # A GPU's caching allocator holds more than a step allocates: rows fit with it.
@@ -63,6 +64,9 @@ def test_the_profiles_figures_are_their_datasheets() -> None:
     assert teton.memory > h100.memory
     h200 = load("h200")
     assert h200.peak_flops["fp8"] == 1979e12 and h200.memory > 130 * 2**30
+    b200 = load("b200")
+    assert b200.peak_flops["bf16"] == 2250e12 and b200.intra.bandwidth == 900e9
+    assert b200.memory_bandwidth == pytest.approx(8e12 * 0.7) and b200.memory > h200.memory
     assert load("a100-sxm").efficiency == 0.6 and load("a100-sxm").intra.bandwidth == 300e9
     assert load("a100-pcie").intra.bandwidth == 32e9
     assert load("a100-pcie").inter.bandwidth == pytest.approx(25e9 / 8)

@@ -275,9 +275,13 @@ def test_the_table_says_what_was_planned_and_what_to_do_when_nothing_fits(
     assert "nothing fits" in out and "Fix: more devices, a smaller --batch-size" in out, out
 
 
-def test_the_help_names_every_recipe_and_precision(capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_help_names_every_recipe_precision_and_profile(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     """`--recipe R: a recipe (default convnet)` named none of them; the help's lists are
-    written out (the registries import torch), so this keeps them whole."""
+    written out (the registries import torch), so this keeps them whole: the recipes,
+    the precisions and the shipped hardware profiles."""
+    from scaletrain.hardware import shipped
     from scaletrain.precision import PRECISIONS
     from scaletrain.train.recipes import RECIPES
 
@@ -286,6 +290,8 @@ def test_the_help_names_every_recipe_and_precision(capsys: pytest.CaptureFixture
     text = " ".join(capsys.readouterr().out.split())
     assert f"a recipe: {', '.join(sorted(RECIPES))} (default convnet)" in text, text
     assert all(p in text for p in PRECISIONS)
+    profiles = text.partition("a shipped profile (")[2].partition(")")[0].split(", ")
+    assert sorted(profiles) == shipped(), text
 
 
 def _ledger_run(

@@ -39,8 +39,8 @@ def add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )  # fmt: skip
     p.add_argument(
         "--hardware", metavar="NAME|FILE", default=None,
-        help="a shipped profile (h100-sxm, h100-96gb, h200, a100-sxm, a100-pcie, ethernet) "
-        "or a hardware file; default: this machine's calibration (--calibrate)",
+        help="a shipped profile (h100-sxm, h100-96gb, h200, b200, a100-sxm, a100-pcie, "
+        "ethernet) or a hardware file; default: this machine's calibration (--calibrate)",
     )  # fmt: skip
     p.add_argument("--batch-size", metavar="B", type=int, default=None, help="per replica")
     p.add_argument("--seq-len", metavar="T", type=int, default=None, help="tokens per sample")
