@@ -229,7 +229,7 @@ _INTERRUPTED: list[int] = []
 
 
 def _collect(*_: Any) -> None:
-    gc.collect(0)  # the youngest generation: see _between_blocks
+    gc.collect()
     if _INTERRUPTED:
         raise KeyboardInterrupt
 
@@ -240,22 +240,30 @@ def _between_blocks() -> Any:
     hook on each block's forward and backward). The collector frees what reference
     cycles hold (checkpointing's recomputations leave some) at the same points every
     call, as a run's would: left to its own times, the peak it measures moves between
-    calls; paused, the garbage outgrows the activations. Each boundary collects the
-    youngest generation only: the cycles are made since the last boundary, and a full
-    collection walks every object the process holds (torch's own, the model's), most of
-    a small model's profile. A Ctrl-C raised inside torch's dispatch crosses C++ frames
-    and aborts the process, so it waits for a boundary."""
+    calls; paused, the garbage outgrows the activations. Each collection is a full one:
+    a cycle may hold tensors from the forward until late in the backward (the root's
+    forward frame, kept by an exception it caught), and a younger generation's would
+    leave it counted. What the process held before the profile is frozen, out of the
+    collector's walk (torch's objects, the model's: most of a small model's profile
+    otherwise), unless the caller froze objects of its own: gc.unfreeze cannot tell
+    those apart. A Ctrl-C raised inside torch's dispatch crosses C++ frames and aborts
+    the process, so it waits for a boundary."""
     paused, main = gc.isenabled(), threading.current_thread() is threading.main_thread()
     previous: Any = False  # no handler installed (signal.signal may return None)
+    freeze = gc.get_freeze_count() == 0
     try:
         gc.collect()
         gc.disable()
+        if freeze:
+            gc.freeze()
         if main:
             previous = signal.signal(signal.SIGINT, lambda *_: _INTERRUPTED.append(1))
         yield
     finally:
         if previous is not False:
             signal.signal(signal.SIGINT, previous)
+        if freeze:
+            gc.unfreeze()
         if paused:
             gc.enable()
         if main and _INTERRUPTED:
