@@ -106,6 +106,8 @@ def test_every_gpu_float8_names_has_a_float8_peak() -> None:
     assert datasheet_peak("NVIDIA GB200", "fp8") == pytest.approx(5000e12)
     assert datasheet_peak("NVIDIA GeForce RTX 4090", "bf16") == pytest.approx(165.2e12)
     assert datasheet_peak("NVIDIA GeForce RTX 4090 D", "bf16") is None  # fewer cores
+    # A GH200's GPU is named as such, not as the H200 its name holds.
+    assert getattr(hardware.datasheet("NVIDIA GH200 480GB"), "name", None) == "gh200"
 
 
 def _profile(tmp_path: Path, edit: str, old: str | None = None) -> Path:
