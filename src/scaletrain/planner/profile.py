@@ -244,9 +244,9 @@ def _between_blocks() -> Any:
     a cycle may hold tensors from the forward until late in the backward (the root's
     forward frame, kept by an exception it caught), and a younger generation's would
     leave it counted. What the process held before the profile is frozen, out of the
-    collector's walk (torch's objects, the model's: most of a small model's profile
-    otherwise), unless the caller froze objects of its own: gc.unfreeze cannot tell
-    those apart. A Ctrl-C raised inside torch's dispatch crosses C++ frames and aborts
+    collector's walk (torch's own objects, the caller's: walking them was most of a
+    small model's profile), unless the caller froze objects of its own: gc.unfreeze
+    cannot tell those apart. A Ctrl-C raised inside torch's dispatch crosses C++ frames and aborts
     the process, so it waits for a boundary."""
     paused, main = gc.isenabled(), threading.current_thread() is threading.main_thread()
     previous: Any = False  # no handler installed (signal.signal may return None)
