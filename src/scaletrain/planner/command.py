@@ -7,6 +7,7 @@ import argparse
 
 from scaletrain.errors import ConfigError, spell
 from scaletrain.exitcodes import EXIT_OK
+from scaletrain.hardware import shipped
 
 __all__ = ["add_plan_parser", "run_plan"]
 
@@ -23,7 +24,8 @@ def add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         ),
     )
     which = p.add_mutually_exclusive_group()
-    # Named here, not read from the registries: those import torch, which `--help` need not.
+    # The recipes are named here, not read from their registry: it imports torch, which
+    # `--help` need not. The hardware profiles are the package's files (no torch).
     which.add_argument(
         "--recipe", metavar="R", default=None,
         help="a recipe: convnet, gpt, llama, llama-1b, llama-8b, split-net, wrn (default convnet)",
@@ -39,8 +41,8 @@ def add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )  # fmt: skip
     p.add_argument(
         "--hardware", metavar="NAME|FILE", default=None,
-        help="a shipped profile (h100-sxm, h100-96gb, h200, b200, a100-sxm, a100-pcie, "
-        "ethernet) or a hardware file; default: this machine's calibration (--calibrate)",
+        help=f"a shipped profile ({', '.join(shipped())}) or a hardware file; default: "
+        "this machine's calibration (--calibrate)",
     )  # fmt: skip
     p.add_argument("--batch-size", metavar="B", type=int, default=None, help="per replica")
     p.add_argument("--seq-len", metavar="T", type=int, default=None, help="tokens per sample")
