@@ -73,6 +73,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=2, help="runs of each (the fastest kept)")
     args = parser.parse_args()
+    if args.repeat < 1:
+        parser.error(f"--repeat {args.repeat}: runs of each, 1 or more (e.g. --repeat 2)")
     folder = Path(tempfile.mkdtemp(prefix="plan-speed-"))
     (folder / "config.json").write_text(json.dumps(HF_LLAMA))
     rows = []
