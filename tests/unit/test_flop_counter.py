@@ -76,6 +76,63 @@ def test_attention_on_a_cpu_is_counted() -> None:
     assert counter.problems == []
 
 
+def _offsets(*ends: int) -> torch.Tensor:
+    return torch.tensor(ends, dtype=torch.int32)
+
+
+GROUPED = {  # mat_a, mat_b, offsets, the same product one matmul per group
+    "tokens by experts": (
+        torch.randn(12, 16), torch.randn(3, 16, 8), _offsets(4, 8, 12),
+        lambda a, b: [a[s:e] @ b[g] for g, (s, e) in enumerate([(0, 4), (4, 8), (8, 12)])],
+    ),
+    "batched": (torch.randn(3, 4, 16), torch.randn(3, 16, 8), None, lambda a, b: [*a @ b]),
+    "a weight gradient": (
+        torch.randn(12, 16), torch.randn(16, 8), _offsets(4, 8, 16),
+        lambda a, b: [a[:, s:e] @ b[s:e] for s, e in [(0, 4), (4, 8), (8, 16)]],
+    ),
+    "columns by groups": (
+        torch.randn(3, 12, 16), torch.randn(16, 24), _offsets(8, 16, 24),
+        lambda a, b: [a[g] @ b[:, s:e] for g, (s, e) in enumerate([(0, 8), (8, 16), (16, 24)])],
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", GROUPED)
+def test_a_mixture_of_experts_grouped_matmul_counts_as_its_matmuls(case: str) -> None:
+    """torch's counter has no formula for torch._grouped_mm, the matmul transformers
+    runs a mixture of experts' layers with: their experts counted 0 FLOPs in a run's
+    MFU and in a plan. It counts what the same product, one matmul per group, counts."""
+    from scaletrain.observe.metrics.flops import FlopCounter
+
+    a, b, offs, per_group = GROUPED[case]
+    counter = FlopCounter()
+    counter.start()
+    out = torch._grouped_mm(a, b, offs=offs)
+    grouped = counter.stop()
+    counter.start()
+    parts = per_group(a, b)
+    expected = counter.stop()
+    assert grouped == expected > 0 and counter.problems == []
+    # The groups as the offsets cut them (the loop is the op's product).
+    whole = torch.stack(parts) if out.dim() == 3 else torch.cat(parts, dim=1 if a.dim() == 3 else 0)
+    torch.testing.assert_close(out, whole)
+
+
+def test_a_grouped_matmuls_backward_counts_twice_its_forward() -> None:
+    import torch.nn.functional as F
+
+    from scaletrain.observe.metrics.flops import FlopCounter
+
+    a = torch.randn(12, 16, requires_grad=True)
+    w = torch.randn(3, 16, 8, requires_grad=True)
+    counter = FlopCounter()
+    counter.start()
+    out = F.grouped_mm(a, w, offs=_offsets(4, 8, 12))
+    forward = counter.count()
+    out.backward(torch.randn_like(out))
+    assert forward == 2 * 12 * 16 * 8 and counter.stop() == 3 * forward
+
+
 @pytest.mark.parametrize("ac", ["none", "full"])
 def test_the_counted_step_peaks_where_every_other_step_does(ac: str) -> None:
     """The counted step (a run's first, for MFU; a plan's profile) holds what an

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from scaletrain.observe.metrics.flops import grouped_mm_flops
 from scaletrain.precision import AUTOCAST_DTYPES
 
 __all__ = ["ModelProfile", "ModuleCost", "Work", "profile_model"]
@@ -162,7 +163,7 @@ class _Kernels(TorchDispatchMode):
         super().__init__()
         from torch.utils.flop_counter import flop_registry
 
-        self._matmuls = flop_registry
+        self._matmuls = {**flop_registry, torch.ops.aten._grouped_mm: grouped_mm_flops}
         self._shapes = shapes
         self._casting, self._from = casting, cast_from
         self.work = Work()
@@ -199,6 +200,31 @@ class _Kernels(TorchDispatchMode):
         shape = tuple(out.shape)
         weight = shape in self._shapes or shape[::-1] in self._shapes
         return float(out.numel() * (1 + 2 * self._from[0 if weight else 1]))
+
+
+class _GroupedMm(TorchDispatchMode):
+    """torch._grouped_mm (a mixture of experts' matmuls, as transformers runs them)
+    under fake tensors as its kernels run it: torch 2.13's fake kernel takes bfloat16
+    alone, where its CPU and CUDA kernels take float16 and float32 too (a model at
+    precision 32, or under autocast, which does not cast this op). The output:
+    `mat_a`'s rows by `mat_b`'s columns in their dtype, one matrix per group where two
+    2-D operands split their shared dimension. Beneath the profile's counters, which
+    see the op itself."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is not _GROUPED_MM or args[0].dtype == torch.bfloat16:
+            return func(*args, **kwargs)
+        a, b = args[0].shape, args[1].shape
+        offs = args[2] if len(args) > 2 else kwargs.get("offs")
+        rows = tuple(a[:-1]) if len(b) == 3 else (a[-2],)  # a 3-D mat_b: one per group
+        groups = (offs.shape[0],) if len(a) == len(b) == 2 else ()
+        shape = (*groups, *rows, b[-1])
+        dtype = kwargs.get("out_dtype") or args[0].dtype
+        return torch.empty(shape, dtype=dtype, device=args[0].device)
+
+
+_GROUPED_MM = torch.ops.aten._grouped_mm.default
 
 
 def _is_float8(value: Any) -> bool:
@@ -375,7 +401,7 @@ def profile_model(
         if backward:
             through.add(names[id(m)])
 
-    with _between_blocks(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
+    with _between_blocks(), FakeTensorMode(allow_non_fake_inputs=True) as mode, _GroupedMm():
         model = _built(build, weights)
         eight: list[str] = []
         if float8 is not None:  # first, as training applies the levers (strategies.levers)

@@ -142,13 +142,25 @@ def attention_flops(query: Any, key: Any, value: Any) -> int:
     return 2 * b * heads * s_q * s_k * d + 2 * b * heads * s_q * s_k * d_v
 
 
-def _cpu_attention() -> dict[Any, Any]:
-    """FLOP formulas for the CPU's fused attention, which torch's counter lacks (a
-    model's attention would count 0 on a CPU, and in a plan profiled there)."""
+def grouped_mm_flops(mat_a: Any, mat_b: Any, *_: Any, **__: Any) -> int:
+    """FLOPs of torch._grouped_mm (a mixture of experts' matmuls): each row of `mat_a`
+    multiplies the one group's matrix its offsets place it in, so the count is the
+    dense product's whatever the routing. Two 2-D operands split their shared
+    dimension into groups (a weight gradient: (m, k) x (k, n)); otherwise each of the
+    output's elements sums over `mat_a`'s last dimension."""
+    a, b = tuple(mat_a.shape), tuple(mat_b.shape)
+    groups = a[0] if len(a) == 3 and len(b) == 3 else 1  # a batch of matrices each
+    return 2 * groups * a[-2 if len(a) == 3 else 0] * a[-1] * b[-1]
+
+
+def _formulas() -> dict[Any, Any]:
+    """FLOP formulas torch's counter lacks: the CPU's fused attention (a model's
+    attention would count 0 on a CPU, and in a plan profiled there) and the grouped
+    matmul of a mixture of experts (its experts would count 0 anywhere)."""
     import torch
 
     aten = torch.ops.aten
-    out: dict[Any, Any] = {}
+    out: dict[Any, Any] = {aten._grouped_mm: grouped_mm_flops}
     fwd = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
     bwd = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
     if fwd is not None:
@@ -199,7 +211,7 @@ class FlopCounter:
             self._mode.mod_tracker = _recompute_free_tracker()
         registry = getattr(self._mode, "flop_registry", None)
         if isinstance(registry, dict):
-            formulas = {**registry, **_cpu_attention()}
+            formulas = {**registry, **_formulas()}
             guarded = {op: self._guarded(op, f) for op, f in formulas.items()}
             self._mode.flop_registry = _Undecomposed(guarded)
         self._eager = _force_eager()
