@@ -350,6 +350,26 @@ def test_a_mixture_of_experts_is_profiled_with_its_experts_matmuls(
     assert moe.activation_bytes > dense.activation_bytes
 
 
+def test_a_declared_plan_tensor_parallel_refuses_says_why_it_is_not_planned(
+    tmp_path: Path,
+) -> None:
+    """A Mixtral declares a tensor-parallel plan of expert styles TensorParallel does
+    not apply (training refuses it): its plan had no tensor-parallel rows, and no word
+    of why."""
+    import scaletrain as st
+    from scaletrain.planner import Layout
+
+    path = str(_config(tmp_path, MIXTRAL))
+    why = r"MixtralForCausalLM declares a tensor-parallel plan .* moe_tp_experts"
+    with pytest.raises(
+        ConfigError, match=rf"plan\(\.\.\., layouts=.*tensor tp=2.*{why}.*Fix: a layout with tp=1"
+    ):
+        st.plan(model=path, devices=2, hardware="h100-sxm", layouts=[Layout("tensor", tp=2)])
+    p = st.plan(model=path, devices=2, hardware="h100-sxm", seq_len=16)
+    assert p.rows and not [r for r in p.rows if r.layout.tp > 1]
+    assert p.skipped[0].startswith("tensor parallel: MixtralForCausalLM declares"), p.skipped
+
+
 def test_a_model_modules_example_that_returns_no_pair_is_refused_with_the_fix(
     tmp_path: Path,
 ) -> None:

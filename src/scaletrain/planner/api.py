@@ -278,11 +278,13 @@ def plan(
     except ConfigError:
         sp_blocks = []
 
+    no_tp = planned.no_tp or f"{planned.name} has no layers tensor parallel splits"
+
     def cannot(x: Layout) -> str | None:  # why the model cannot run x's tensor parallel
         if x.tp == 1:
             return None
         if not tp_plan:
-            return f"{planned.name} has no layers tensor parallel splits. Fix: a layout with tp=1."
+            return f"{no_tp}. Fix: a layout with tp=1."
         try:
             check_tp_plan(net, tp_plan, x.tp)
         except ConfigError as exc:
@@ -345,6 +347,8 @@ def plan(
         )  # fmt: skip
         layouts = [x for x in rows if not cannot(x) and not (x.sp and seq % x.tp)]
         skipped = _skipped(rows, cannot, devices, layers, batch, planned.name)
+        if planned.no_tp and devices > 1:  # a plan it declares that training refuses
+            skipped.insert(0, f"tensor parallel: {planned.no_tp}")
         if no_pipeline and devices > 1:  # the one reason, whatever else the model lacks
             layouts = [x for x in layouts if x.pp == 1]
             skipped = [x for x in skipped if not x.startswith("pipeline ")]

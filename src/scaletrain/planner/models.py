@@ -49,11 +49,13 @@ class PlannedModel:
     seq_len: int | None
     """Tokens per sample of a sequence model; None for others."""
     tp_plan: dict[str, str] | None
-    """How TensorParallel would cut it (`_tp_plan`); None where it has nothing to cut."""
+    """How TensorParallel would cut it (`_tp_plan`); None where it cannot."""
     blocks: tuple[str, ...]
     """Qualified names of the repeated blocks (what FSDP wraps and checkpointing acts on)."""
     net: nn.Module
     """The model as `build` makes it, on the meta device (sizes, names, no memory)."""
+    no_tp: str = ""
+    """Why TensorParallel cannot cut it where it declares a plan (`_tp_plan`)."""
 
 
 def resolve_model(
@@ -134,10 +136,11 @@ def resolve_model(
     if not blocks:  # a Hugging Face model names its blocks' classes
         kinds = set(getattr(net, "_no_split_modules", None) or ())
         blocks = [n for n, m in net.named_modules() if type(m).__name__ in kinds]
+    tp_plan, no_tp = _tp_plan(net)
     return PlannedModel(
         name=name, build=r.build, example=example, loss=r.loss,
         optimizer=partial(r.optimizer, lr=r.lr), batch_size=batch_size or per_replica,
-        seq_len=tokens, tp_plan=_tp_plan(net), blocks=tuple(blocks), net=net,
+        seq_len=tokens, tp_plan=tp_plan, blocks=tuple(blocks), net=net, no_tp=no_tp,
     )  # fmt: skip
 
 
@@ -171,9 +174,15 @@ def _with_seq(name: str, example: Callable[..., Any], seq_len: int) -> Callable[
     )
 
 
-def _tp_plan(net: nn.Module) -> dict[str, str] | None:
-    """TensorParallel's plan without a user's: the declared one, else the default."""
+def _tp_plan(net: nn.Module) -> tuple[dict[str, str] | None, str]:
+    """TensorParallel's plan without a user's (the declared one, else the default), and
+    why there is none where the model declares one TensorParallel refuses (a mixture of
+    experts' styles): training refuses it too."""
     try:
-        return declared_tp_plan(net) or default_tp_plan(net)
+        declared = declared_tp_plan(net)
+    except ConfigError as exc:
+        return None, str(exc).partition(" Fix:")[0].rstrip(".")
+    try:
+        return declared or default_tp_plan(net), ""
     except ConfigError:
-        return None
+        return None, ""
