@@ -539,6 +539,46 @@ def test_a_profile_is_the_same_at_every_call() -> None:
     assert len(peaks) == 1
 
 
+class TiedHead(nn.Module):
+    """Logits from the embedding's weight: `h @ emb.weight.t()` (transposed) or
+    F.linear(h, emb.weight), the same arithmetic."""
+
+    def __init__(self, transposed: bool) -> None:
+        super().__init__()
+        self.transposed = transposed
+        self.emb = nn.Embedding(512, 64)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64)) for _ in range(2)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        for block in self.blocks:
+            h = h + block(h)
+        w = self.emb.weight
+        return h @ w.t() if self.transposed else nn.functional.linear(h, w)
+
+
+def test_a_transposed_weights_cast_costs_the_same_at_any_batch() -> None:
+    """Autocast casts the weight a matmul reads, once a step: a tied head's transposed
+    view too, and its gradient comes back transposed. Those casts were counted as work
+    per sample, so they grew with the batch; F.linear's were not."""
+
+    def loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(out.flatten(0, 1), y.flatten())
+
+    x = torch.randint(0, 512, (4, 32))
+    transposed, linear = (
+        profile_model(
+            partial(TiedHead, t), (x, x), loss, partial(torch.optim.AdamW, lr=1e-3),
+            precision="bf16-mixed",
+        )
+        for t in (True, False)
+    )  # fmt: skip
+    assert transposed.fixed == linear.fixed and transposed.fixed.bytes > 0
+    assert (transposed.forward, transposed.backward) == (linear.forward, linear.backward)
+
+
 class CaughtInForward(nn.Module):
     """A root whose forward keeps the exception of an optional import it tried (to warn
     once): the exception's traceback holds the frame, the frame the exception, so the

@@ -151,8 +151,8 @@ def _nbytes(value: Any) -> int:
 class _Kernels(TorchDispatchMode):
     """Counts kernels, and the bytes moved by those that are not matrix products; those
     on whole weights (a parameter's cast for autocast, its gradient's cast back: an
-    op with a parameter among its inputs, or a copy shaped as one) apart, in `fixed`:
-    they cost the same at any batch."""
+    op with a parameter among its inputs, or a copy shaped as one, or as one
+    transposed) apart, in `fixed`: they cost the same at any batch."""
 
     def __init__(
         self,
@@ -183,13 +183,19 @@ class _Kernels(TorchDispatchMode):
             )
         elif op in _CASTS and self._casting():  # a float8 layer's scale and cast
             moved = replace(moved, casts=moved.bytes, fused=self._fused(out))
+        shape = tuple(getattr(out, "shape", ()))
         if any(isinstance(a, nn.Parameter) for a in args) or (
-            op is torch.ops.aten._to_copy and tuple(getattr(out, "shape", ())) in self._shapes
+            op is torch.ops.aten._to_copy and self._shaped_as_weight(shape)
         ):
             self.fixed += moved
         else:
             self.work += moved
         return out
+
+    def _shaped_as_weight(self, shape: tuple[int, ...]) -> bool:
+        """A weight's shape, or a transposed weight's (`h @ emb.weight.t()`, a tied
+        head: autocast casts the transposed view, and its gradient comes back so)."""
+        return shape in self._shapes or shape[::-1] in self._shapes
 
     def _fused(self, out: Any) -> float:
         """What a float8 cast moves compiled, counted at its float8 output: a read of the
@@ -198,7 +204,7 @@ class _Kernels(TorchDispatchMode):
         if getattr(out, "dtype", None) not in _FLOAT8:
             return 0.0
         shape = tuple(out.shape)
-        weight = shape in self._shapes or shape[::-1] in self._shapes
+        weight = self._shaped_as_weight(shape)
         return float(out.numel() * (1 + 2 * self._from[0 if weight else 1]))
 
 
