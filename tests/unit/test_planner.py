@@ -579,6 +579,46 @@ def test_a_transposed_weights_cast_costs_the_same_at_any_batch() -> None:
     assert (transposed.forward, transposed.backward) == (linear.forward, linear.backward)
 
 
+def _fine_tuned(frozen: int) -> ResidualMLP:
+    """A ResidualMLP whose first `frozen` blocks are frozen, as fine-tuning leaves them."""
+    net = ResidualMLP(width=64, depth=4)
+    for block in net.blocks[:frozen]:
+        block.requires_grad_(False)
+    return net
+
+
+def test_frozen_parameters_are_planned_without_gradients_or_optimizer_state() -> None:
+    """A fine-tuned model's frozen layers have no gradient and no optimizer state, and
+    nothing to reduce. torch's MemTracker hooked every parameter's gradient, which
+    raises for one that requires none: no model with a frozen parameter could be
+    planned."""
+    example = (torch.randn(32, 64), torch.randint(0, 10, (32,)))
+
+    def model(frozen: int) -> Model:
+        build = partial(_fine_tuned, frozen)
+        profile = profile_model(
+            build, example, nn.functional.cross_entropy, partial(torch.optim.Adam, lr=1e-3)
+        )
+        with torch.device("meta"):
+            net = build()
+        return Model(profile, list_layers(net), auto_wrap_targets(net))
+
+    tuned, whole = model(3), model(0)
+    net = _fine_tuned(3)
+    trainable = sum(p.numel() for p in net.parameters() if p.requires_grad)
+    assert (tuned.profile.trainable, whole.profile.trainable) == (trainable, whole.profile.params)
+    assert tuned.profile.optimizer_bytes == 8 * trainable  # Adam: two fp32 tensors each
+    ddp, fsdp = Layout("ddp", dp=2), Layout("fsdp", dp=2)
+    m = memory(ddp, tuned, 32)
+    assert (m.params, m.grads, m.optimizer) == (4 * tuned.profile.params, 4 * trainable,
+                                                 8 * trainable)  # fmt: skip
+    assert memory(fsdp, tuned, 32).grads == pytest.approx(4 * trainable / 2)
+    assert memory(ddp, tuned, 32).total < memory(ddp, whole, 32).total
+    hw = _hw()
+    for layout in (ddp, fsdp):  # fewer gradients to reduce
+        assert step_time(layout, tuned, hw, 32).comm < step_time(layout, whole, hw, 32).comm
+
+
 class CaughtInForward(nn.Module):
     """A root whose forward keeps the exception of an optional import it tried (to warn
     once): the exception's traceback holds the frame, the frame the exception, so the

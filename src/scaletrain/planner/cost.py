@@ -5,8 +5,9 @@ Memory per device:
 
 - Model states (`States`): data parallelism shards the optimizer's state (and any fp32
   master copy) from ZeRO stage 1 on, gradients from 2, parameters from 3 (each
-  strategy's stage: layout.STRATEGIES). Tensor parallel divides the parameters its plan
-  shards, a pipeline stage holds its own layers'.
+  strategy's stage: layout.STRATEGIES). Frozen parameters have no gradient to hold or
+  reduce. Tensor parallel divides the parameters its plan shards, a pipeline stage
+  holds its own layers'.
 - Activations: the profile's peak at the per-device batch, less what tensor parallel
   divides (what its attention and MLP modules hold, less their rowwise outputs; with
   sequence parallel all its blocks hold, plus what it holds whole: the inputs its
@@ -172,7 +173,8 @@ def memory(layout: Layout, model: Model, batch: int) -> Memory:
     psi = p.params * par
     units = [u / max(1e-9, p.param_bytes / max(1, p.params)) for u in model.unit_params()]
     w, adam = MASTER[prec], p.optimizer_bytes / max(1, p.params)  # gradients in the weights' dtype
-    states = States((("params", w, 3), ("grads", w, 2), ("optimizer", adam, 1)))
+    grads = w * p.trained  # a frozen parameter has none
+    states = States((("params", w, 3), ("grads", grads, 2), ("optimizer", adam, 1)))
     s = model_states(psi, layout.dp, layout.stage, states, max(units or [0.0]) * par)
     buffers = 0.0
     if layout.dp > 1 and layout.stage == 3:  # a unit and the next, or every unit kept
@@ -193,7 +195,7 @@ def memory(layout: Layout, model: Model, batch: int) -> Memory:
             shares[r][2] * held * inflight[r] + (rest if r == pp - 1 else 0.0) for r in range(pp)
         )
         buffers += 2 * model.edge(pp) * per
-    alive = p.peak_grad_bytes / max(1, p.param_bytes)
+    alive = p.peak_grad_bytes / max(1, p.param_bytes * p.trained)
     at_peak = s["grads"] if (layout.dp > 1 and layout.stage == 0) else s["grads"] * min(1.0, alive)
     temp, host = p.optimizer_temp_bytes * par, 0.0
     if layout.offload:  # the states and the optimizer step move to the host
@@ -245,7 +247,8 @@ def _link(hw: Hardware, inner: int) -> Link:
 
 def _ddp(layout: Layout, model: Model, hw: Hardware, bwd_s: float) -> tuple[float, float]:
     """(communication, exposed) of DDP (module docstring)."""
-    grads = model.profile.params * _local(model, layout)[0] * MASTER[model.precision]
+    p = model.profile
+    grads = p.params * p.trained * _local(model, layout)[0] * MASTER[model.precision]
     buckets = max(1, math.ceil(grads / DDP_BUCKET))
     each = _link(hw, layout.dp * layout.tp).time("all_reduce", grads / buckets, layout.dp)
     return each * buckets, max(each, each * buckets - bwd_s)
@@ -263,7 +266,8 @@ def _fsdp(
     copies = [u / n / host.bandwidth if host else 0.0 for u in units]  # a shard to or from the host
     pairs = list(zip(units, copies, model.gathered(), strict=True))
     gathers = [link.time("all_gather", u * f, n) + c for u, c, f in pairs]
-    scatters = [link.time("reduce_scatter", u, n) + c for u, c, _ in pairs]
+    trained = model.profile.trained  # the gradients reduced
+    scatters = [link.time("reduce_scatter", u * trained, n) + c for u, c, _ in pairs]
     gather, scatter = sum(gathers), sum(scatters)
     again = 0.0 if layout.keeps else gather
     exposed = gathers[0] + max(0.0, gather - fwd_s) + max(scatters[-1], again + scatter - bwd_s)

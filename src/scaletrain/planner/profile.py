@@ -98,8 +98,12 @@ class ModelProfile:
     """Samples times their sequence length (the batch for a model without one)."""
     params: int
     """Parameters (shared ones once)."""
+    trainable: int
+    """Of `params`, those that require a gradient (the rest are frozen: no gradient,
+    no optimizer state)."""
     tensors: int
-    """Parameter tensors (a GPU's foreach optimizer launches per chunk of them)."""
+    """Parameter tensors the optimizer steps (a GPU's foreach optimizer launches per
+    chunk of them)."""
     param_bytes: int
     optimizer_bytes: int
     """The optimizer's state for every parameter (Adam: two tensors each)."""
@@ -127,6 +131,11 @@ class ModelProfile:
     @property
     def flops(self) -> float:
         return self.forward.flops + self.backward.flops
+
+    @property
+    def trained(self) -> float:
+        """The share of the parameters that get a gradient."""
+        return self.trainable / max(1, self.params)
 
     @property
     def model_flops(self) -> float:
@@ -303,6 +312,22 @@ def _between_blocks() -> Any:
             raise KeyboardInterrupt
 
 
+class _NoHook:
+    def remove(self) -> None:
+        pass
+
+
+def _frozen_untracked(tracker: Any, model: nn.Module) -> None:
+    """Keep torch's MemTracker from hooking the gradients of frozen parameters: torch
+    2.13's registers a gradient hook on every parameter of each module it enters, which
+    raises for one that requires no gradient (a fine-tuned model's frozen layers). It
+    skips a parameter whose hooks it holds, so each frozen one gets hooks that do
+    nothing; it has no gradient to count."""
+    for p in model.parameters():
+        if not p.requires_grad:
+            tracker._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
+
+
 def _built(build: Callable[[], nn.Module], dtype: torch.dtype | None) -> nn.Module:
     """build() with its floating parameters in `dtype` (built under that default
     dtype: module.to cannot swap a fake tensor's parameters)."""
@@ -396,6 +421,7 @@ def profile_model(
         meta = _built(build, master)
     unique = {id(p): p for p in meta.parameters()}
     params = sum(p.numel() for p in unique.values())
+    trained = [p.numel() for p in unique.values() if p.requires_grad]
     param_bytes = sum(_nbytes(p) for p in unique.values())
     del meta
     io: dict[str, int] = {}
@@ -434,6 +460,7 @@ def profile_model(
         x, y = mode.from_tensor(inputs), mode.from_tensor(targets)
         shapes = {tuple(p.shape) for p in model.parameters()}
         tracker = MemTracker()
+        _frozen_untracked(tracker, model)
         tracker.track_external(model, opt)
         counter = FlopCounter()
         counter.start()
@@ -464,6 +491,7 @@ def profile_model(
             h.remove()
         opt.step()  # the state exists from here on, as in every step after the first
         with MemTracker() as step_tracker, _Kernels() as step:
+            _frozen_untracked(step_tracker, model)
             step_tracker.track_external(model, opt)
             opt.step()
         step_peak = step_tracker.get_tracker_snapshot("peak")
@@ -475,7 +503,8 @@ def profile_model(
     return ModelProfile(
         model=name or type(model).__name__, batch_size=batch,
         tokens=int(inputs.shape[0] * inputs.shape[1]) if sequence else batch,
-        params=params, tensors=len(unique), param_bytes=param_bytes,
+        params=params, trainable=sum(trained), tensors=len(trained),
+        param_bytes=param_bytes,
         optimizer_bytes=round(state * scale),
         optimizer_temp_bytes=round(step_kinds.get(_MemRefType.TEMP, 0) * scale),
         activation_bytes=int(kinds.get(_MemRefType.ACT, 0) + kinds.get(_MemRefType.TEMP, 0)),
