@@ -347,6 +347,33 @@ def test_a_mixture_of_experts_is_profiled_with_its_experts_matmuls(tmp_path: Pat
     assert moe.activation_bytes > dense.activation_bytes
 
 
+def test_a_mixture_of_experts_under_autocast_is_priced_in_float32(tmp_path: Path) -> None:
+    """Autocast does not cast torch._grouped_mm, and transformers casts its input to
+    the float32 weights: at bf16-mixed the experts run in float32 (a sharded FSDP row's
+    weights are gathered in bf16, and so are theirs). A plan priced them at the bf16
+    rate, and said nothing."""
+    import scaletrain as st
+    from scaletrain.hardware import load
+    from scaletrain.planner import Layout
+
+    h, i, blocks, tokens = 32, 64, 2, 16
+    experts = blocks * tokens * 2 * 3 * 2 * h * i  # top 2, three matmuls each
+    path = str(_config(tmp_path, MIXTRAL))
+    ddp, fsdp = Layout("ddp", dp=2), Layout("fsdp", dp=2)
+    plan = st.plan(model=path, devices=2, hardware="h100-sxm", seq_len=tokens,
+                   precision="bf16-mixed", layouts=[ddp, fsdp])  # fmt: skip
+    prof = plan.profile  # the ddp row's: autocast
+    # The rest in float32: the rotary embedding's (it turns autocast off).
+    assert prof.forward.fp32 == pytest.approx(experts, rel=1e-3)
+    assert prof.backward.fp32 == pytest.approx(2 * experts, rel=1e-3)
+    hw = load("h100-sxm")
+    fp32_s = (prof.forward.fp32 + prof.backward.fp32) / hw.matmul_flops("fp32")
+    assert plan.row("ddp").time.compute > fp32_s
+    f32 = [n for n in plan.row("ddp").notes if "run in float32" in n]
+    assert f32 and f32[0].startswith(f"{3 * experts / prof.flops:.0%} of the matmul FLOPs")
+    assert not [n for n in plan.row("fsdp").notes if "float32" in n]
+
+
 def test_a_declared_plan_tensor_parallel_refuses_says_why_it_is_not_planned(
     tmp_path: Path,
 ) -> None:

@@ -25,7 +25,7 @@ Memory per device:
   offload the states' shards live in host memory (`Memory.host`).
 
 Step time: matmul FLOPs at the hardware's achieved FLOP/s (float8 training's at its
-fp8 figure) plus the bytes the other kernels move at its memory bandwidth, and no
+fp8 figure, those autocast leaves in float32 at its fp32 one) plus the bytes the other kernels move at its memory bandwidth, and no
 less than their launches (`Hardware.launch` each: a GPU overlaps them with its work,
 a CPU adds them; compiled, see COMPILED_BYTES). Communication is alpha-beta over the
 link each group spans (hardware.Link), exposed where it outlasts what hides it:
@@ -231,8 +231,9 @@ def _seconds(work: Work, hw: Hardware, dtype: str, compiled: bool) -> tuple[floa
     # Compiled, float8's casts fuse to their own measure (Work.fused), the rest by
     # COMPILED_BYTES.
     moved = (work.bytes - work.casts) * COMPILED_BYTES + work.fused if compiled else work.bytes
-    matmuls = (work.flops - work.fp8) / hw.matmul_flops(dtype)
-    busy = matmuls + work.fp8 / hw.matmul_flops("fp8") + moved / hw.memory_bandwidth
+    matmuls = (work.flops - work.fp8 - work.fp32) / hw.matmul_flops(dtype)
+    matmuls += work.fp32 / hw.matmul_flops("fp32") + work.fp8 / hw.matmul_flops("fp8")
+    busy = matmuls + moved / hw.memory_bandwidth
     launches = work.kernels * (COMPILED_KERNELS if compiled else 1.0) * hw.launch
     if hw.device == "cpu":
         return busy + launches, False
@@ -402,6 +403,12 @@ def estimate(layout: Layout, model: Model, hw: Hardware, batch: int) -> Estimate
         notes.append(
             f"one stage holds {top:.0%} of the parameters: stages are whole top-level layers "
             f"({names}), and this model's blocks sit inside one of them"
+        )
+    p = model.profile
+    if (f32 := (p.forward.fp32 + p.backward.fp32) / max(1.0, p.flops)) >= 0.01:
+        notes.append(
+            f"{f32:.0%} of the matmul FLOPs run in float32: ops autocast does not cast (a "
+            "mixture of experts' torch._grouped_mm); bf16-true and sharded FSDP run them in bf16"
         )
     if layout.sp:
         notes.append("sequence parallel: st.TensorParallel(sequence_parallel=True), from Python")

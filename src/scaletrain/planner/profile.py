@@ -78,14 +78,19 @@ class Work:
     fused: float = 0.0
     """What those casts move compiled: the amax reads the tensor, one kernel reads it
     again and writes its float8 copy."""
+    fp32: float = 0.0
+    """Of `flops`, those of matmuls in float32 where the step computes in a lower dtype
+    (torch._grouped_mm under autocast, which does not cast it: transformers casts a
+    mixture of experts' input to the float32 weights)."""
 
     def __add__(self, o: Work) -> Work:
         return Work(self.flops + o.flops, self.bytes + o.bytes, self.kernels + o.kernels,
-                    self.fp8 + o.fp8, self.casts + o.casts, self.fused + o.fused)  # fmt: skip
+                    self.fp8 + o.fp8, self.casts + o.casts, self.fused + o.fused,
+                    self.fp32 + o.fp32)  # fmt: skip
 
     def scaled(self, by: float, kernels: float = 1.0) -> Work:
         return Work(self.flops * by, self.bytes * by, round(self.kernels * kernels),
-                    self.fp8 * by, self.casts * by, self.fused * by)  # fmt: skip
+                    self.fp8 * by, self.casts * by, self.fused * by, self.fp32 * by)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +173,7 @@ class _Kernels(TorchDispatchMode):
         shapes: Collection[tuple[int, ...]] = (),
         casting: Callable[[], bool] = lambda: False,
         cast_from: tuple[int, int] = (2, 2),
+        low: bool = False,
     ) -> None:
         super().__init__()
         from torch.utils.flop_counter import flop_registry
@@ -175,6 +181,7 @@ class _Kernels(TorchDispatchMode):
         self._matmuls = {**flop_registry, torch.ops.aten._grouped_mm: grouped_mm_flops}
         self._shapes = shapes
         self._casting, self._from = casting, cast_from
+        self._low = low  # the step computes in a 2-byte dtype (Work.fp32)
         self.work = Work()
         self.fixed = Work()
 
@@ -184,11 +191,19 @@ class _Kernels(TorchDispatchMode):
         if not written or getattr(func, "is_view", False) or op in _FREE:
             return out  # metadata (prim.device, sizes), views and bare allocations
         moved = Work(0.0, 0.0 if op in self._matmuls else _nbytes(args) + written, 1)
+        if op is torch.ops.aten._grouped_mm and args[0].dtype != torch.bfloat16:
+            # torch 2.13's CUDA kernel runs one matmul per group outside bfloat16.
+            groups = args[2].shape[0] if len(args) > 2 and args[2] is not None else out.shape[0]
+            moved = replace(moved, kernels=groups)
         if op in self._matmuls and any(_is_float8(a) for a in args):
             # float8 training's matmul: torch._scaled_mm runs inside the tensor subclass,
             # below this mode, which sees an aten.mm of float8 tensors.
             moved = replace(
                 moved, fp8=float(self._matmuls[op](*args, **(kwargs or {}), out_val=out))
+            )
+        elif op in self._matmuls and self._low and getattr(out, "dtype", None) == torch.float32:
+            moved = replace(
+                moved, fp32=float(self._matmuls[op](*args, **(kwargs or {}), out_val=out))
             )
         elif op in _CASTS and self._casting():  # a float8 layer's scale and cast
             moved = replace(moved, casts=moved.bytes, fused=self._fused(out))
@@ -231,12 +246,12 @@ class _GroupedMm(TorchDispatchMode):
         if func is not _GROUPED_MM or args[0].dtype == torch.bfloat16:
             return func(*args, **kwargs)
         a, b = args[0].shape, args[1].shape
-        offs = args[2] if len(args) > 2 else kwargs.get("offs")
         rows = tuple(a[:-1]) if len(b) == 3 else (a[-2],)  # a 3-D mat_b: one per group
-        groups = (offs.shape[0],) if len(a) == len(b) == 2 else ()
+        # Two 2-D operands: one output per offset (the dispatcher passes it by position).
+        groups = (args[2].shape[0],) if len(a) == len(b) == 2 else ()
         shape = (*groups, *rows, b[-1])
-        dtype = kwargs.get("out_dtype") or args[0].dtype
-        return torch.empty(shape, dtype=dtype, device=args[0].device)
+        # The kernels take no out_dtype but mat_a's.
+        return torch.empty(shape, dtype=args[0].dtype, device=args[0].device)
 
 
 _GROUPED_MM = torch.ops.aten._grouped_mm.default
@@ -472,7 +487,7 @@ def profile_model(
                     if inside
                     else (lambda: False)
                 )
-                kernels = partial(_Kernels, shapes, casting, cast_from)
+                kernels = partial(_Kernels, shapes, casting, cast_from, cast_from[1] == 2)
                 with kernels() as fwd, autocast:
                     loss = loss_fn(model(x), y)
                 flops_fwd = counter.count()
@@ -509,9 +524,11 @@ def profile_model(
         optimizer_temp_bytes=round(step_kinds.get(_MemRefType.TEMP, 0) * scale),
         activation_bytes=int(kinds.get(_MemRefType.ACT, 0) + kinds.get(_MemRefType.TEMP, 0)),
         peak_grad_bytes=round(kinds.get(_MemRefType.GRAD, 0) * scale),
-        forward=replace(fwd.work, flops=float(flops_fwd), fp8=fwd.work.fp8 + fwd.fixed.fp8),
+        forward=replace(fwd.work, flops=float(flops_fwd), fp8=fwd.work.fp8 + fwd.fixed.fp8,
+                        fp32=fwd.work.fp32 + fwd.fixed.fp32),
         backward=replace(
-            bwd.work, flops=float(flops_all - flops_fwd), fp8=bwd.work.fp8 + bwd.fixed.fp8
+            bwd.work, flops=float(flops_all - flops_fwd), fp8=bwd.work.fp8 + bwd.fixed.fp8,
+            fp32=bwd.work.fp32 + bwd.fixed.fp32,
         ),
         fixed=fwd.fixed + bwd.fixed,
         optimizer=(step.work + step.fixed).scaled(scale),
