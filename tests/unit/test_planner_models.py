@@ -374,6 +374,52 @@ def test_a_mixture_of_experts_under_autocast_is_priced_in_float32(tmp_path: Path
     assert not [n for n in plan.row("fsdp").notes if "float32" in n]
 
 
+VALUED = """
+import torch
+from torch import nn
+
+class Routed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        for b in self.blocks:
+            {route}
+        return self.head(x)
+
+def build():
+    return Routed()
+
+def example(batch_size):
+    return torch.randn(batch_size, 16), torch.randint(0, 4, (batch_size,))
+"""
+
+
+@pytest.mark.parametrize(
+    ("route", "op"),
+    [
+        ("keep = (x.sum(-1) > 0).nonzero().squeeze(-1); x = x.index_add(0, keep, b(x[keep]))",
+         "aten.nonzero"),
+        ("x = b(x) if x.sum().item() > 0 else x", "aten._local_scalar_dense"),
+    ],
+    ids=["nonzero", "item"],
+)  # fmt: skip
+def test_a_step_that_needs_tensor_values_is_refused_in_words(
+    tmp_path: Path, route: str, op: str
+) -> None:
+    """A forward that routes by .nonzero() (an eager loop over a mixture's experts) or
+    branches on .item() ended the plan in a fake tensor's traceback."""
+    import scaletrain as st
+
+    path = tmp_path / "routed.py"
+    path.write_text(VALUED.format(route=route))
+    with pytest.raises(ConfigError, match=rf"plan\(\.\.\.\): {path}:build's step cannot be "
+                       rf"profiled: it runs {op}, whose result depends .* Fix: plan"):  # fmt: skip
+        st.plan(model=f"{path}:build", devices=2, hardware="h100-sxm")
+
+
 def test_a_declared_plan_tensor_parallel_refuses_says_why_it_is_not_planned(
     tmp_path: Path,
 ) -> None:

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from scaletrain.errors import ConfigError, say
 from scaletrain.observe.metrics.flops import grouped_mm_flops
 from scaletrain.precision import AUTOCAST_DTYPES
 
@@ -327,6 +328,21 @@ def _between_blocks() -> Any:
             raise KeyboardInterrupt
 
 
+def _values_needed(name: str, exc: Any) -> ConfigError:
+    """The refusal of a step whose shapes or control flow depend on tensor values (a
+    routing by .nonzero(), an .item()): a profile's fake tensors hold none."""
+    op = str(getattr(exc, "func", exc)).removesuffix(".default")
+    return ConfigError(
+        f"{say(api='plan(...): ', cli='')}{name}'s step cannot be profiled: it runs {op}, "
+        "whose result depends on the values of its inputs, and a plan runs one step on "
+        "fake tensors, which hold shapes but no values. Fix: plan the model with that "
+        "part computed from shapes alone (a mixture of experts: transformers' grouped "
+        "matmuls, not a loop over the experts each token picks), or measure it: "
+        "scaletrain train --max-steps 20 reports each phase's time and the peak memory.",
+        field="model",
+    )
+
+
 class _NoHook:
     def remove(self) -> None:
         pass
@@ -417,7 +433,11 @@ def profile_model(
     `float8`: the blocks whose Linear layers float8 training converts, as training
     converts them (torchao's Float8Linear: the casts, scales and what its backward
     keeps are measured; its matmuls, torch._scaled_mm, are counted as `Work.fp8`)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+        FakeTensorMode,
+    )
     from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
     from scaletrain.observe.metrics.flops import FlopCounter
@@ -498,6 +518,8 @@ def profile_model(
                     warnings.filterwarnings("ignore", "Full backward hook is firing")
                     loss.backward()
                 flops_all = counter.count()
+        except (DynamicOutputShapeException, DataDependentOutputException) as exc:
+            raise _values_needed(name or type(model).__name__, exc) from None
         finally:
             counter.stop()
         peak = tracker.get_tracker_snapshot("peak")
