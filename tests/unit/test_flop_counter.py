@@ -133,6 +133,36 @@ def test_a_grouped_matmuls_backward_counts_twice_its_forward() -> None:
     assert forward == 2 * 12 * 16 * 8 and counter.stop() == 3 * forward
 
 
+@pytest.mark.parametrize("groups", [1, 64])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_a_convolutions_backward_counts_its_forward_once_per_gradient(
+    groups: int, transposed: bool
+) -> None:
+    """torch's formula counts a convolution's weight gradient as if it had one group:
+    a depthwise convolution's (a Mamba block's) backward counted 64 times too much
+    here, and a Qwen3-Next's step 63 times its forward. Each gradient (the weight's;
+    the input's where it needs one) multiplies what the forward did; with one group,
+    torch's own count."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from scaletrain.observe.metrics.flops import FlopCounter
+
+    kind = torch.nn.ConvTranspose1d if transposed else torch.nn.Conv1d
+    conv = kind(64, 64, 4, groups=groups, padding=1)
+    for needs_grad in (False, True):  # the first layer's input needs none
+        x = torch.randn(2, 64, 32, requires_grad=needs_grad)
+        counter = FlopCounter()
+        counter.start()
+        y = conv(x)
+        forward = counter.count()
+        y.sum().backward()
+        assert counter.stop() == (3 if needs_grad else 2) * forward and counter.problems == []
+        if groups == 1:
+            with FlopCounterMode(display=False) as torchs:
+                conv(x).sum().backward()
+            assert torchs.get_total_flops() == counter.total
+
+
 @pytest.mark.parametrize("ac", ["none", "full"])
 def test_the_counted_step_peaks_where_every_other_step_does(ac: str) -> None:
     """The counted step (a run's first, for MFU; a plan's profile) holds what an

@@ -153,14 +153,30 @@ def grouped_mm_flops(mat_a: Any, mat_b: Any, *_: Any, **__: Any) -> int:
     return 2 * groups * a[-2 if len(a) == 3 else 0] * a[-1] * b[-1]
 
 
+def conv_backward_flops(grad: Any, x: Any, w: Any, *args: Any, **kwargs: Any) -> int:
+    """FLOPs of a convolution's backward: the forward's for each gradient it computes
+    (the input's, the weight's), each the forward's products again. torch's formula
+    counts the weight's gradient as if the convolution had one group: a depthwise
+    one's (a Mamba block's) by the channel count too many."""
+    from torch.utils.flop_counter import conv_flop_count
+
+    transposed, mask = args[4], args[7]
+    forward = conv_flop_count(list(x.shape), list(w.shape), list(grad.shape), transposed)
+    return forward * (int(bool(mask[0])) + int(bool(mask[1])))
+
+
 def _formulas() -> dict[Any, Any]:
-    """FLOP formulas torch's counter lacks: the CPU's fused attention (a model's
-    attention would count 0 on a CPU, and in a plan profiled there) and the grouped
-    matmul of a mixture of experts (its experts would count 0 anywhere)."""
+    """FLOP formulas torch's counter lacks or miscounts: the CPU's fused attention (a
+    model's attention would count 0 on a CPU, and in a plan profiled there), the
+    grouped matmul of a mixture of experts (its experts would count 0 anywhere), and a
+    grouped convolution's backward."""
     import torch
 
     aten = torch.ops.aten
-    out: dict[Any, Any] = {aten._grouped_mm: grouped_mm_flops}
+    out: dict[Any, Any] = {
+        aten._grouped_mm: grouped_mm_flops,
+        aten.convolution_backward: conv_backward_flops,
+    }
     fwd = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
     bwd = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
     if fwd is not None:
