@@ -345,6 +345,12 @@ def test_a_mixture_of_experts_is_profiled_with_its_experts_matmuls(tmp_path: Pat
     assert moe.forward.flops == dense.forward.flops + more == bf16.forward.flops
     assert moe.backward.flops == 2 * moe.forward.flops == bf16.backward.flops
     assert moe.activation_bytes > dense.activation_bytes
+    # The float32 experts hold what the bfloat16 ones (torch's own fake kernel) hold,
+    # at twice the bytes: all but the routing's integer indices.
+    experts = "model.layers.0.mlp.experts"
+    held, half = moe.modules[experts], bf16.modules[experts]
+    assert held.output_bytes == 2 * half.output_bytes
+    assert 1.95 * half.activation_bytes < held.activation_bytes <= 2 * half.activation_bytes
 
 
 def test_a_mixture_of_experts_under_autocast_is_priced_in_float32(tmp_path: Path) -> None:
