@@ -347,8 +347,8 @@ def test_a_mixture_of_experts_is_profiled_with_its_experts_matmuls(tmp_path: Pat
     assert moe.activation_bytes > dense.activation_bytes
     # The float32 experts hold what the bfloat16 ones (torch's own fake kernel) hold,
     # at twice the bytes: all but the routing's integer indices.
-    experts = "model.layers.0.mlp.experts"
-    held, half = moe.modules[experts], bf16.modules[experts]
+    layer = "model.layers.0.mlp.experts"
+    held, half = moe.modules[layer], bf16.modules[layer]
     assert held.output_bytes == 2 * half.output_bytes
     assert 1.95 * half.activation_bytes < held.activation_bytes <= 2 * half.activation_bytes
 
