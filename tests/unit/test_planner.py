@@ -579,10 +579,11 @@ def test_a_transposed_weights_cast_costs_the_same_at_any_batch() -> None:
     assert (transposed.forward, transposed.backward) == (linear.forward, linear.backward)
 
 
-def _fine_tuned(frozen: int) -> ResidualMLP:
-    """A ResidualMLP whose first `frozen` blocks are frozen, as fine-tuning leaves them."""
+def _fine_tuned(frozen: int, head: bool = False) -> ResidualMLP:
+    """A ResidualMLP whose first `frozen` blocks (and `head`) are frozen, as fine-tuning
+    leaves them."""
     net = ResidualMLP(width=64, depth=4)
-    for block in net.blocks[:frozen]:
+    for block in [*net.blocks[:frozen], *([net.head] if head else [])]:
         block.requires_grad_(False)
     return net
 
@@ -617,6 +618,58 @@ def test_frozen_parameters_are_planned_without_gradients_or_optimizer_state() ->
     hw = _hw()
     for layout in (ddp, fsdp):  # fewer gradients to reduce
         assert step_time(layout, tuned, hw, 32).comm < step_time(layout, whole, hw, 32).comm
+
+
+class ClippingSGD(torch.optim.SGD):
+    """An optimizer that branches on a gradient's value, as some do."""
+
+    @torch.no_grad()
+    def step(self, closure: object = None) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and p.grad.norm() > 1:
+                    p.grad.div_(p.grad.norm())
+        super().step()
+
+
+def test_a_step_fake_tensors_cannot_run_is_refused_in_one_line() -> None:
+    """An optimizer that reads a value (its step ran outside the refusal's reach) and a
+    model with nothing to train ended a plan in a traceback."""
+    example = (torch.randn(8, 64), torch.randint(0, 10, (8,)))
+    loss = nn.functional.cross_entropy
+    with pytest.raises(ConfigError, match=r"plan\(\.\.\.\): ResidualMLP's optimizer cannot "
+                       r"be profiled: it runs \.item\(\)"):  # fmt: skip
+        profile_model(ResidualMLP, example, loss, partial(ClippingSGD, lr=0.1))
+    with pytest.raises(ConfigError, match=r"plan\(\.\.\.\): ResidualMLP has no parameter that "
+                       r"requires a gradient: nothing to train.*Fix: leave requires_grad"):  # fmt: skip
+        profile_model(partial(_fine_tuned, 4, head=True), example, loss, torch.optim.SGD)
+
+
+def test_only_autocasts_uncast_grouped_matmuls_count_as_float32() -> None:
+    """Attention with dropout runs on a CPU as SDPA's math path, whose matmuls upcast
+    to float32, where a GPU's flash attention runs them in bf16: they were priced at
+    the fp32 rate. A grouped matmul that reads its weight as a parameter (transformers'
+    transposed experts) had its float32 FLOPs counted twice, in `fixed` too."""
+
+    class Mixed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.1, batch_first=True)
+            self.experts = nn.Parameter(torch.randn(4, 64, 64) / 8)
+            self.head = nn.Linear(64, 10)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.layer(x).flatten(0, 1)
+            offs = torch.arange(1, 5, dtype=torch.int32) * (h.shape[0] // 4)
+            h = torch._grouped_mm(h.float(), self.experts, offs=offs)
+            return self.head(h).view(x.shape[0], -1, 10).mean(1)
+
+    example = (torch.randn(4, 16, 64), torch.randint(0, 10, (4,)))
+    prof = profile_model(Mixed, example, nn.functional.cross_entropy, torch.optim.SGD,
+                         precision="bf16-mixed")  # fmt: skip
+    grouped = 2 * 4 * 16 * 64 * 64
+    assert (prof.forward.fp32, prof.backward.fp32) == (grouped, 2 * grouped)
+    assert (prof.fixed.fp32, prof.fixed.fp8) == (0.0, 0.0)
 
 
 class CaughtInForward(nn.Module):

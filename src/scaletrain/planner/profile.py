@@ -193,24 +193,23 @@ class _Kernels(TorchDispatchMode):
             return out  # metadata (prim.device, sizes), views and bare allocations
         moved = Work(0.0, 0.0 if op in self._matmuls else _nbytes(args) + written, 1)
         if op is torch.ops.aten._grouped_mm and args[0].dtype != torch.bfloat16:
-            # torch 2.13's CUDA kernel runs one matmul per group outside bfloat16.
-            groups = args[2].shape[0] if len(args) > 2 and args[2] is not None else out.shape[0]
-            moved = replace(moved, kernels=groups)
+            # torch 2.13's CUDA kernel runs it outside bfloat16 as one matmul per group
+            # (one batched matmul where no offsets split it); autocast does not cast it,
+            # so under a mixed precision it runs in float32 (Work.fp32).
+            offs = args[2] if len(args) > 2 else None
+            moved = replace(moved, kernels=1 if offs is None else offs.shape[0])
+            if self._low and out.dtype == torch.float32:
+                moved = replace(moved, fp32=float(grouped_mm_flops(*args)))
         if op in self._matmuls and any(_is_float8(a) for a in args):
             # float8 training's matmul: torch._scaled_mm runs inside the tensor subclass,
             # below this mode, which sees an aten.mm of float8 tensors.
             moved = replace(
                 moved, fp8=float(self._matmuls[op](*args, **(kwargs or {}), out_val=out))
             )
-        elif op in self._matmuls and self._low and getattr(out, "dtype", None) == torch.float32:
-            moved = replace(
-                moved, fp32=float(self._matmuls[op](*args, **(kwargs or {}), out_val=out))
-            )
         elif op in _CASTS and self._casting():  # a float8 layer's scale and cast
             moved = replace(moved, casts=moved.bytes, fused=self._fused(out))
-        shape = tuple(getattr(out, "shape", ()))
         if any(isinstance(a, nn.Parameter) for a in args) or (
-            op is torch.ops.aten._to_copy and self._shaped_as_weight(shape)
+            op is torch.ops.aten._to_copy and self._shaped_as_weight(tuple(out.shape))
         ):
             self.fixed += moved
         else:
@@ -328,17 +327,45 @@ def _between_blocks() -> Any:
             raise KeyboardInterrupt
 
 
-def _values_needed(name: str, exc: Any) -> ConfigError:
-    """The refusal of a step whose shapes or control flow depend on tensor values (a
-    routing by .nonzero(), an .item()): a profile's fake tensors hold none."""
+def _fake_limits() -> tuple[type[Exception], ...]:
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+        UnsupportedOperatorException,
+    )
+
+    return DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException
+
+
+_FAKE_LIMITS = _fake_limits()
+"""What a step fake tensors cannot run raises: an op whose result depends on values
+(.nonzero(), .item()) or one with no fake kernel (a custom op registered without)."""
+
+
+def _unprofiled(what: str, exc: Exception) -> ConfigError:
+    """The refusal of a step fake tensors cannot run (`_FAKE_LIMITS`), in one line."""
     op = str(getattr(exc, "func", exc)).removesuffix(".default")
+    measure = say(
+        api="train a few steps: the run's step ledger reports each phase's time and the "
+        "peak memory",
+        cli="scaletrain train --max-steps 20 reports each phase's time and the peak memory",
+    )
+    if type(exc).__name__ == "UnsupportedOperatorException":
+        why = (
+            f"runs {op}, which has no fake-tensor kernel, and a plan runs one step on "
+            "fake tensors. Fix: register one (torch.library.register_fake)"
+        )
+    else:
+        shown = ".item() (a tensor read as a number or a bool)" if "scalar_dense" in op else op
+        why = (
+            f"runs {shown}, whose result depends on the values of its inputs, and a plan "
+            "runs one step on fake tensors, which hold shapes but no values. Fix: compute "
+            "that part from shapes alone (a mixture of experts: transformers' grouped "
+            "matmuls, not a loop over the experts each token picks)"
+        )
     return ConfigError(
-        f"{say(api='plan(...): ', cli='')}{name}'s step cannot be profiled: it runs {op}, "
-        "whose result depends on the values of its inputs, and a plan runs one step on "
-        "fake tensors, which hold shapes but no values. Fix: plan the model with that "
-        "part computed from shapes alone (a mixture of experts: transformers' grouped "
-        "matmuls, not a loop over the experts each token picks), or measure it: "
-        "scaletrain train --max-steps 20 reports each phase's time and the peak memory.",
+        f"{say(api='plan(...): ', cli='')}{what} cannot be profiled: it {why}, or measure "
+        f"it: {measure}.",
         field="model",
     )
 
@@ -433,11 +460,7 @@ def profile_model(
     `float8`: the blocks whose Linear layers float8 training converts, as training
     converts them (torchao's Float8Linear: the casts, scales and what its backward
     keeps are measured; its matmuls, torch._scaled_mm, are counted as `Work.fp8`)."""
-    from torch._subclasses.fake_tensor import (
-        DataDependentOutputException,
-        DynamicOutputShapeException,
-        FakeTensorMode,
-    )
+    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
     from scaletrain.observe.metrics.flops import FlopCounter
@@ -458,6 +481,13 @@ def profile_model(
     params = sum(p.numel() for p in unique.values())
     trained = [p.numel() for p in unique.values() if p.requires_grad]
     param_bytes = sum(_nbytes(p) for p in unique.values())
+    if not trained:
+        raise ConfigError(
+            f"{say(api='plan(...): ', cli='')}{name or type(meta).__name__} has no parameter "
+            "that requires a gradient: nothing to train, and a plan prices training. Fix: "
+            "leave requires_grad=True on the parameters to train.",
+            field="model",
+        )
     del meta
     io: dict[str, int] = {}
     through: set[str] = set()  # forwards that returned in the backward (ModuleCost.recompute)
@@ -518,19 +548,22 @@ def profile_model(
                     warnings.filterwarnings("ignore", "Full backward hook is firing")
                     loss.backward()
                 flops_all = counter.count()
-        except (DynamicOutputShapeException, DataDependentOutputException) as exc:
-            raise _values_needed(name or type(model).__name__, exc) from None
+        except _FAKE_LIMITS as exc:
+            raise _unprofiled(f"{name or type(model).__name__}'s step", exc) from None
         finally:
             counter.stop()
         peak = tracker.get_tracker_snapshot("peak")
         modules = _module_costs(model, tracker, counter.by_module(), io, scale, through)
         for h in hooks:
             h.remove()
-        opt.step()  # the state exists from here on, as in every step after the first
-        with MemTracker() as step_tracker, _Kernels() as step:
-            _frozen_untracked(step_tracker, model)
-            step_tracker.track_external(model, opt)
-            opt.step()
+        try:
+            opt.step()  # the state exists from here on, as in every step after the first
+            with MemTracker() as step_tracker, _Kernels() as step:
+                _frozen_untracked(step_tracker, model)
+                step_tracker.track_external(model, opt)
+                opt.step()
+        except _FAKE_LIMITS as exc:
+            raise _unprofiled(f"{name or type(model).__name__}'s optimizer", exc) from None
         step_peak = step_tracker.get_tracker_snapshot("peak")
         state = sum(_nbytes(t) for s in opt.state.values() for t in s.values() if t.dim())
     kinds = next(iter(peak.values())) if peak else {}
@@ -552,7 +585,8 @@ def profile_model(
             bwd.work, flops=float(flops_all - flops_fwd), fp8=bwd.work.fp8 + bwd.fixed.fp8,
             fp32=bwd.work.fp32 + bwd.fixed.fp32,
         ),
-        fixed=fwd.fixed + bwd.fixed,
+        # Its matmuls' float8 and float32 FLOPs are counted in forward and backward.
+        fixed=replace(fwd.fixed + bwd.fixed, fp8=0.0, fp32=0.0),
         optimizer=(step.work + step.fixed).scaled(scale),
         ac=ac if ac_every is None else f"{ac} every {ac_every}", modules=modules,
         recomputed_flops=float(counter.recomputed),
