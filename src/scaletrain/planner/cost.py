@@ -51,8 +51,8 @@ import math
 from dataclasses import dataclass, field
 
 from scaletrain.hardware import Hardware, Link
+from scaletrain.planner.kernels import Work
 from scaletrain.planner.layout import Layout
-from scaletrain.planner.profile import Work
 from scaletrain.planner.schedule import simulate
 from scaletrain.planner.structure import COMPUTE, DTYPE, MASTER, Model
 
