@@ -25,9 +25,10 @@ Memory per device:
   offload the states' shards live in host memory (`Memory.host`).
 
 Step time: matmul FLOPs at the hardware's achieved FLOP/s (float8 training's at its
-fp8 figure, those autocast leaves in float32 at its fp32 one) plus the bytes the other kernels move at its memory bandwidth, and no
-less than their launches (`Hardware.launch` each: a GPU overlaps them with its work,
-a CPU adds them; compiled, see COMPILED_BYTES). Communication is alpha-beta over the
+fp8 figure, those autocast leaves in float32 at its fp32 one) plus the bytes the
+other kernels move at its memory bandwidth, and no less than their launches
+(`Hardware.launch` each: a GPU overlaps them with its work, a CPU adds them; compiled,
+see COMPILED_BYTES). Communication is alpha-beta over the
 link each group spans (hardware.Link), exposed where it outlasts what hides it:
 
 - DDP: gradient buckets all-reduce during the backward; at least the last is exposed.
