@@ -32,6 +32,11 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    UnsupportedOperatorException,
+)
 
 from scaletrain.errors import ConfigError, say
 from scaletrain.planner.kernels import GroupedMm, Kernels, Work, nbytes
@@ -169,17 +174,8 @@ def _between_blocks() -> Any:
             raise KeyboardInterrupt
 
 
-def _fake_limits() -> tuple[type[Exception], ...]:
-    from torch._subclasses.fake_tensor import (
-        DataDependentOutputException,
-        DynamicOutputShapeException,
-        UnsupportedOperatorException,
-    )
-
-    return DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException
-
-
-_FAKE_LIMITS = _fake_limits()
+_FAKE_LIMITS = (DataDependentOutputException, DynamicOutputShapeException,
+                UnsupportedOperatorException)  # fmt: skip
 """What a step fake tensors cannot run raises: an op whose result depends on values
 (.nonzero(), .item()) or one with no fake kernel (a custom op registered without)."""
 
@@ -192,7 +188,7 @@ def _unprofiled(what: str, exc: Exception) -> ConfigError:
         "peak memory",
         cli="scaletrain train --max-steps 20 reports each phase's time and the peak memory",
     )
-    if type(exc).__name__ == "UnsupportedOperatorException":
+    if isinstance(exc, UnsupportedOperatorException):
         why = (
             f"runs {op}, which has no fake-tensor kernel, and a plan runs one step on "
             "fake tensors. Fix: register one (torch.library.register_fake)"
