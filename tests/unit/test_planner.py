@@ -618,6 +618,13 @@ def test_frozen_parameters_are_planned_without_gradients_or_optimizer_state() ->
     hw = _hw()
     for layout in (ddp, fsdp):  # fewer gradients to reduce
         assert step_time(layout, tuned, hw, 32).comm < step_time(layout, whole, hw, 32).comm
+    # With CPU offload each shard is copied in for the forward's and the backward's
+    # gathers, and only a trained one's gradient is copied out.
+    slow = replace(hw, host=Host(memory=64 * 2**30, bandwidth=1 * GB, memory_bandwidth=40 * GB))
+    offload = Layout("fsdp", dp=2, offload=True)
+    copies = [step_time(offload, m, slow, 32).comm - step_time(fsdp, m, hw, 32).comm
+              for m in (tuned, whole)]  # fmt: skip
+    assert copies[0] / copies[1] == pytest.approx((2 + tuned.profile.trained) / 3)
 
 
 class ClippingSGD(torch.optim.SGD):

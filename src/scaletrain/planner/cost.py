@@ -268,8 +268,8 @@ def _fsdp(
     copies = [u / n / host.bandwidth if host else 0.0 for u in units]  # a shard to or from the host
     pairs = list(zip(units, copies, model.gathered(), strict=True))
     gathers = [link.time("all_gather", u * f, n) + c for u, c, f in pairs]
-    trained = model.profile.trained  # the gradients reduced
-    scatters = [link.time("reduce_scatter", u * trained, n) + c for u, c, _ in pairs]
+    trained = model.profile.trained  # the gradients reduced (and copied out)
+    scatters = [link.time("reduce_scatter", u * trained, n) + c * trained for u, c, _ in pairs]
     gather, scatter = sum(gathers), sum(scatters)
     again = 0.0 if layout.keeps else gather
     exposed = gathers[0] + max(0.0, gather - fwd_s) + max(scatters[-1], again + scatter - bwd_s)
