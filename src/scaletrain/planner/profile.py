@@ -319,9 +319,10 @@ def profile_model(
     params = sum(p.numel() for p in unique.values())
     trained = [p.numel() for p in unique.values() if p.requires_grad]
     param_bytes = sum(nbytes(p) for p in unique.values())
+    label = name or type(meta).__name__
     if not trained:
         raise ConfigError(
-            f"{say(api='plan(...): ', cli='')}{name or type(meta).__name__} has no parameter "
+            f"{say(api='plan(...): ', cli='')}{label} has no parameter "
             "that requires a gradient: nothing to train, and a plan prices training. Fix: "
             "leave requires_grad=True on the parameters to train.",
             field="model",
@@ -387,7 +388,7 @@ def profile_model(
                     loss.backward()
                 flops_all = counter.count()
         except _FAKE_LIMITS as exc:
-            raise _unprofiled(f"{name or type(model).__name__}'s step", exc) from None
+            raise _unprofiled(f"{label}'s step", exc) from None
         finally:
             counter.stop()
         peak = tracker.get_tracker_snapshot("peak")
@@ -401,7 +402,7 @@ def profile_model(
                 step_tracker.track_external(model, opt)
                 opt.step()
         except _FAKE_LIMITS as exc:
-            raise _unprofiled(f"{name or type(model).__name__}'s optimizer", exc) from None
+            raise _unprofiled(f"{label}'s optimizer", exc) from None
         step_peak = step_tracker.get_tracker_snapshot("peak")
         state = sum(nbytes(t) for s in opt.state.values() for t in s.values() if t.dim())
     kinds = next(iter(peak.values())) if peak else {}
@@ -409,7 +410,7 @@ def profile_model(
     batch = int(inputs.shape[0])
     sequence = inputs.dim() == 2 and not inputs.is_floating_point()
     return ModelProfile(
-        model=name or type(model).__name__, batch_size=batch,
+        model=label, batch_size=batch,
         tokens=int(inputs.shape[0] * inputs.shape[1]) if sequence else batch,
         params=params, trainable=sum(trained), tensors=len(trained),
         param_bytes=param_bytes,
