@@ -29,7 +29,7 @@ from scaletrain.planner.layout import Layout
 from scaletrain.planner.profile import ModelProfile, profile_model
 from scaletrain.planner.structure import Model
 from scaletrain.strategies.blocks import auto_wrap_targets
-from scaletrain.strategies.partition import list_layers
+from scaletrain.strategies.partition import list_layers, split_layers
 from tests.cpu_hardware import cpu_hardware_file
 
 GB = 1e9
@@ -625,6 +625,43 @@ def test_frozen_parameters_are_planned_without_gradients_or_optimizer_state() ->
     copies = [step_time(offload, m, slow, 32).comm - step_time(fsdp, m, hw, 32).comm
               for m in (tuned, whole)]  # fmt: skip
     assert copies[0] / copies[1] == pytest.approx((2 + tuned.profile.trained) / 3)
+
+
+def test_frozen_parameters_are_planned_where_they_sit() -> None:
+    """A pipeline stage or a tensor-parallel shard holds the gradients and optimizer
+    state of its own trained parameters. One global trained share spread them evenly:
+    with the front layers frozen, the last stage (all trained) was planned with a
+    quarter of its gradients and state."""
+    example = (torch.randn(4, 64), torch.randint(0, 10, (4,)))
+    build = partial(_fine_tuned, 3)
+    adam = partial(torch.optim.Adam, lr=1e-3)
+    profile = profile_model(build, example, nn.functional.cross_entropy, adam)
+    net = build()
+    size = {n: sum(p.numel() for p in m.parameters()) for n, m in net.named_modules()}
+    trained = {n: sum(p.numel() for p in m.parameters() if p.requires_grad)
+               for n, m in net.named_modules()}  # fmt: skip
+    # Four stages, the last all trained (states dominate at 1 sample a microbatch, so
+    # it is the busiest).
+    pipe = Model(profile, list_layers(net), auto_wrap_targets(net))
+    m = memory(Layout("pipeline", pp=4, schedule="1f1b", microbatches=4), pipe, 4)
+    last = [n for x in split_layers(list_layers(net), 4)[-1] for n in x.members]
+    assert m.params == 4 * sum(size[n] for n in last)
+    assert (m.grads, m.optimizer) == pytest.approx((4 * sum(trained[n] for n in last),
+                                                    8 * sum(trained[n] for n in last)))  # fmt: skip
+    # Tensor parallel over every block's two Linears: the trained block's are halved.
+    plan = {f"blocks.{i}.{j}": s for i in range(4) for j, s in ((1, "colwise"), (3, "rowwise"))}
+    shard = memory(Layout("tensor", tp=2), replace(pipe, tp_plan=plan), 4)
+    local = trained[""] - (trained["blocks.3.1"] + trained["blocks.3.3"]) / 2
+    assert (shard.grads, shard.optimizer) == pytest.approx((4 * local, 8 * local))
+    # The optimizer steps what the stage trains, and DDP reduces those gradients.
+    hw = _hw()
+    frozen_first = step_time(Layout("ddp x pp", dp=2, pp=4, schedule="1f1b", microbatches=4),
+                             pipe, hw, 4)  # fmt: skip
+    whole = Model(profile_model(ResidualMLP, example, nn.functional.cross_entropy, adam),
+                  list_layers(net), auto_wrap_targets(net))  # fmt: skip
+    all_trained = step_time(Layout("ddp x pp", dp=2, pp=4, schedule="1f1b", microbatches=4),
+                            whole, hw, 4)  # fmt: skip
+    assert frozen_first.comm == pytest.approx(all_trained.comm)  # the busiest stage's
 
 
 class ClippingSGD(torch.optim.SGD):

@@ -7,7 +7,8 @@ Memory per device:
   master copy) from ZeRO stage 1 on, gradients from 2, parameters from 3 (each
   strategy's stage: layout.STRATEGIES). Frozen parameters have no gradient to hold or
   reduce. Tensor parallel divides the parameters its plan shards, a pipeline stage
-  holds its own layers'.
+  holds its own layers' (and the gradients and state of those it trains); a
+  pipeline's peak is its fullest stage's.
 - Activations: the profile's peak at the per-device batch, less what tensor parallel
   divides (what its attention and MLP modules hold, less their rowwise outputs; with
   sequence parallel all its blocks hold, plus what it holds whole: the inputs its
@@ -55,7 +56,7 @@ from scaletrain.hardware import Hardware, Link
 from scaletrain.planner.kernels import Work
 from scaletrain.planner.layout import Layout
 from scaletrain.planner.schedule import simulate
-from scaletrain.planner.structure import COMPUTE, DTYPE, MASTER, Model
+from scaletrain.planner.structure import COMPUTE, DTYPE, MASTER, Model, Share
 
 __all__ = ["COMPILED_BYTES", "COMPILED_KERNELS", "DDP_BUCKET", "DTYPE", "Estimate", "Memory",
            "States", "StepTime", "estimate", "gathered", "memory", "model_states", "step_time",
@@ -155,57 +156,66 @@ class Estimate:
     notes: list[str] = field(default_factory=list)
 
 
-def _local(model: Model, layout: Layout) -> tuple[float, float]:
-    """(parameter, work) shares of the busiest device before data parallelism: what
-    tensor parallel and a pipeline stage leave it."""
-    tp_p, tp_f = model.tp_shares()
-    cut = 1 - 1 / layout.tp
-    par, work = 1 - tp_p * cut, 1 - tp_f * cut
-    if layout.pp > 1:
-        shares = model.stage_shares(layout.pp)
-        par, work = par * max(x[0] for x in shares), work * max(x[1] for x in shares)
-    return par, work
+def _devices(model: Model, layout: Layout) -> list[Share]:
+    """What the device of each pipeline stage (the one stage without a pipeline) holds
+    before data parallelism: its stage's shares, less what tensor parallel divides."""
+    tp, cut = model.tp_shares(), 1 - 1 / layout.tp
+    return [
+        Share(s.params * (1 - tp.params * cut), s.trained * (1 - tp.trained * cut),
+              s.work * (1 - tp.work * cut), s.acts)
+        for s in model.stage_shares(layout.pp)
+    ]  # fmt: skip
+
+
+def _local(model: Model, layout: Layout) -> Share:
+    """The busiest device's shares: of each, the most a stage's device holds (the
+    slowest stage sets the step's pace)."""
+    return Share(*map(max, zip(*_devices(model, layout), strict=True)))
 
 
 def memory(layout: Layout, model: Model, batch: int) -> Memory:
-    """Bytes per device of `layout` at `batch` samples per data-parallel replica."""
+    """Bytes per device of `layout` at `batch` samples per data-parallel replica: of the
+    pipeline stage whose device's peak is the highest (a stage holds its own layers'
+    parameters, the gradients and optimizer state of those it trains, and its
+    activations)."""
     p, prec, pp, m = model.profile, model.precision, layout.pp, layout.microbatches or 1
-    par, per = _local(model, layout)[0], p.per_sample(batch / m)
-    psi = p.params * par
+    per = p.per_sample(batch / m)
     units = [u / max(1e-9, p.param_bytes / max(1, p.params)) for u in model.unit_params()]
-    w, adam = MASTER[prec], p.optimizer_bytes / max(1, p.params)  # gradients in the weights' dtype
-    grads = w * p.trained  # a frozen parameter has none
-    states = States((("params", w, 3), ("grads", grads, 2), ("optimizer", adam, 1)))
-    s = model_states(psi, layout.dp, layout.stage, states, max(units or [0.0]) * par)
-    buffers = 0.0
-    if layout.dp > 1 and layout.stage == 3:  # a unit and the next, or every unit kept
-        whole = [u * f * w for u, f in zip(units, model.gathered(), strict=True)]
-        buffers = (sum(whole) if layout.keeps else sum(sorted(whole)[-2:])) * par
+    w = MASTER[prec]  # gradients in the weights' dtype; a frozen parameter has none
+    adam = p.optimizer_bytes / max(1.0, p.params * p.trained)  # per trained parameter
     acts = p.activation_bytes * per
     if layout.tp > 1:
         # What a module held after its forward counts its output too: at most the peak.
         acts -= min(acts, model.tp_split(layout.sp) * per) * (1 - 1 / layout.tp)
         if layout.sp:  # what it holds whole (`_sp_held`)
             acts += _sp_held(model) * model.tp_messages(sp=True)[2] * per
-    if pp > 1:
-        shares = model.stage_shares(pp)
-        inflight = [m if layout.schedule == "gpipe" else min(m, pp - r) for r in range(pp)]
-        held = model.held_activations() * per
-        rest = max(0.0, acts - held)  # the loss's and the step's temporaries
-        acts = max(
-            shares[r][2] * held * inflight[r] + (rest if r == pp - 1 else 0.0) for r in range(pp)
-        )
-        buffers += 2 * model.edge(pp) * per
-    alive = p.peak_grad_bytes / max(1, p.param_bytes * p.trained)
-    at_peak = s["grads"] if (layout.dp > 1 and layout.stage == 0) else s["grads"] * min(1.0, alive)
-    temp, host = p.optimizer_temp_bytes * par, 0.0
-    if layout.offload:  # the states and the optimizer step move to the host
-        host, temp, at_peak = sum(s.values()), 0.0, 0.0
-        s = dict.fromkeys(s, 0.0)
-    return Memory(
-        params=s["params"], grads=s["grads"], optimizer=s["optimizer"], activations=max(0.0, acts),
-        buffers=buffers, grads_at_peak=at_peak, optimizer_temp=temp, host=host,
-    )  # fmt: skip
+    inflight = [m if layout.schedule == "gpipe" else min(m, pp - r) for r in range(pp)]
+    held = model.held_activations() * per if pp > 1 else acts
+    rest = max(0.0, acts - held)  # a pipeline's last stage: the loss's and step's temporaries
+    sends = 2 * model.edge(pp) * per if pp > 1 else 0.0
+    alive = min(1.0, p.peak_grad_bytes / max(1, p.param_bytes * p.trained))
+    rows = []
+    for r, share in enumerate(_devices(model, layout)):
+        psi = p.params * share.params
+        each = p.params * p.trained * share.trained / max(1e-9, psi)  # of a parameter, trained
+        states = States((("params", w, 3), ("grads", w * each, 2), ("optimizer", adam * each, 1)))
+        s = model_states(psi, layout.dp, layout.stage, states, max(units or [0.0]) * share.params)
+        buffers = sends
+        if layout.dp > 1 and layout.stage == 3:  # a unit and the next, or every unit kept
+            whole = [u * f * w for u, f in zip(units, model.gathered(), strict=True)]
+            buffers += (sum(whole) if layout.keeps else sum(sorted(whole)[-2:])) * share.params
+        mine = share.acts * held * (inflight[r] if pp > 1 else 1) + (rest if r == pp - 1 else 0.0)
+        at_peak = s["grads"] if (layout.dp > 1 and layout.stage == 0) else s["grads"] * alive
+        temp, host = p.optimizer_temp_bytes * share.trained, 0.0
+        if layout.offload:  # the states and the optimizer step move to the host
+            host, temp, at_peak = sum(s.values()), 0.0, 0.0
+            s = dict.fromkeys(s, 0.0)
+        rows.append(Memory(
+            params=s["params"], grads=s["grads"], optimizer=s["optimizer"],
+            activations=max(0.0, mine), buffers=buffers, grads_at_peak=at_peak,
+            optimizer_temp=temp, host=host,
+        ))  # fmt: skip
+    return max(rows, key=lambda x: x.total)
 
 
 def _sp_held(model: Model) -> float:
@@ -250,7 +260,7 @@ def _link(hw: Hardware, inner: int) -> Link:
 def _ddp(layout: Layout, model: Model, hw: Hardware, bwd_s: float) -> tuple[float, float]:
     """(communication, exposed) of DDP (module docstring)."""
     p = model.profile
-    grads = p.params * p.trained * _local(model, layout)[0] * MASTER[model.precision]
+    grads = p.params * p.trained * _local(model, layout).trained * MASTER[model.precision]
     buckets = max(1, math.ceil(grads / DDP_BUCKET))
     each = _link(hw, layout.dp * layout.tp).time("all_reduce", grads / buckets, layout.dp)
     return each * buckets, max(each, each * buckets - bwd_s)
@@ -264,12 +274,16 @@ def _fsdp(
     keeps them."""
     link, n = _link(hw, layout.dp * layout.tp), layout.dp
     host = hw.host if layout.offload else None
-    units = [u * _local(model, layout)[0] for u in model.unit_params()]
-    copies = [u / n / host.bandwidth if host else 0.0 for u in units]  # a shard to or from the host
-    pairs = list(zip(units, copies, model.gathered(), strict=True))
-    gathers = [link.time("all_gather", u * f, n) + c for u, c, f in pairs]
-    trained = model.profile.trained  # the gradients reduced (and copied out)
-    scatters = [link.time("reduce_scatter", u * trained, n) + c * trained for u, c, _ in pairs]
+    local = _local(model, layout)
+    units = [u * local.params for u in model.unit_params()]
+    grads = [g * local.trained for g in model.unit_params(trained=True)]  # reduced, copied out
+
+    def copy(shard: float) -> float:  # a shard to or from the host
+        return shard / n / host.bandwidth if host else 0.0
+
+    pairs = zip(units, model.gathered(), strict=True)
+    gathers = [link.time("all_gather", u * f, n) + copy(u) for u, f in pairs]
+    scatters = [link.time("reduce_scatter", g, n) + copy(g) for g in grads]
     gather, scatter = sum(gathers), sum(scatters)
     again = 0.0 if layout.keeps else gather
     exposed = gathers[0] + max(0.0, gather - fwd_s) + max(scatters[-1], again + scatter - bwd_s)
@@ -331,8 +345,8 @@ def _pipeline(
     m, virtual = layout.microbatches or 1, 2 if layout.schedule == "interleaved-1f1b" else 1
     shares = model.stage_shares(layout.pp)
     per_f, per_b = fwd_s / share / m, bwd_s / share / m  # the whole model, one microbatch
-    f = [per_f * x[1] / virtual for x in shares for _ in range(virtual)]
-    b = [per_b * x[1] / virtual for x in shares for _ in range(virtual)]
+    f = [per_f * x.work / virtual for x in shares for _ in range(virtual)]
+    b = [per_b * x.work / virtual for x in shares for _ in range(virtual)]
     edge = model.edge(layout.pp) * model.profile.per_sample(batch / m)
     hop = _link(hw, layout.devices).time("send", edge, 2)
     tl = simulate(
@@ -346,24 +360,26 @@ def step_time(layout: Layout, model: Model, hw: Hardware, batch: int) -> StepTim
     """Seconds of one step of `layout` at `batch` samples per replica on `hw`: the
     device's own work, then each parallelism's communication (the functions above)."""
     p, dtype, compiled = model.profile, DTYPE[model.precision], model.compiled
-    par, share = _local(model, layout)
+    local = _local(model, layout)
+    share, trained = local.work, local.trained  # the optimizer steps the trained parameters
     # Every tensor-parallel rank launches every kernel of its stage: only a pipeline
     # stage has fewer of them.
-    launches = max(x[1] for x in model.stage_shares(layout.pp)) if layout.pp > 1 else 1.0
+    launches = max(x.work for x in model.stage_shares(layout.pp))
     fixed = p.fixed.scaled(share / 2, launches / 2)  # half in each pass
     scale = p.per_sample(batch) * share
     fwd_s, fwd_floor = _seconds(p.forward.scaled(scale, launches) + fixed, hw, dtype, compiled)
     bwd_s, bwd_floor = _seconds(p.backward.scaled(scale, launches) + fixed, hw, dtype, compiled)
-    opt_work = p.optimizer.scaled(par / (layout.dp if layout.stage >= 1 else 1))
+    opt_work = p.optimizer.scaled(trained / (layout.dp if layout.stage >= 1 else 1))
     if hw.device == "cuda":  # foreach kernels: one launch per op and chunk of tensors
-        per_tensor, chunks = p.optimizer.kernels / max(1, p.tensors), p.tensors * par / MULTI_TENSOR
+        per_tensor = p.optimizer.kernels / max(1, p.tensors)
+        chunks = p.tensors * trained / MULTI_TENSOR
         opt_work = Work(0.0, opt_work.bytes, math.ceil(per_tensor * math.ceil(chunks)))
     opt_s, _ = _seconds(opt_work, hw, "fp32", False)
     if layout.offload and (host := hw.host):
         # PyTorch's CPU optimizer runs op by op, tensor by tensor (foreach is a GPU's):
         # its memory's pace plus a dispatch per op, priced as a kernel's launch.
-        opt_s = p.optimizer.bytes * par / layout.dp / host.memory_bandwidth
-        opt_s += p.optimizer.kernels * par * hw.launch
+        opt_s = p.optimizer.bytes * trained / layout.dp / host.memory_bandwidth
+        opt_s += p.optimizer.kernels * trained * hw.launch
     work, comm, exposed, bubble = fwd_s + bwd_s, 0.0, 0.0, 0.0
     if layout.dp > 1 and layout.stage:
         comm, exposed = _fsdp(layout, model, hw, fwd_s, bwd_s)
@@ -400,7 +416,7 @@ def estimate(layout: Layout, model: Model, hw: Hardware, batch: int) -> Estimate
         # Stages are whole top-level layers (as the pipeline strategy cuts them): a model
         # whose blocks sit inside one of them (a Hugging Face model's `model`) is not split.
         names = ", ".join(m for x in model.layers for m in x.members)
-        top = max(x[0] for x in model.stage_shares(layout.pp))
+        top = max(x.params for x in model.stage_shares(layout.pp))
         notes.append(
             f"one stage holds {top:.0%} of the parameters: stages are whole top-level layers "
             f"({names}), and this model's blocks sit inside one of them"

@@ -54,6 +54,8 @@ class ModuleCost:
     activation_bytes: int
     """Bytes its forward leaves alive for the backward."""
     output_bytes: int
+    trainable_bytes: int = 0
+    """Of `param_bytes`, those of parameters that require a gradient."""
     recomputed_bytes: int = 0
     """What its forward leaves alive when activation checkpointing runs it again in the
     backward, up to where the recomputation stops (selective checkpointing takes kept
@@ -263,6 +265,9 @@ def _module_costs(
         stats = tracker.memory_tracking.get(module)
         out[name] = ModuleCost(
             param_bytes=round(scale * sum(nbytes(p) for p in module.parameters())),
+            trainable_bytes=round(
+                scale * sum(nbytes(p) for p in module.parameters() if p.requires_grad)
+            ),
             flops=int(sum(counts.get(f"{root}.{name}" if name else root, {}).values())),
             activation_bytes=held(stats, _ModState.PRE_FW, _ModState.POST_FW),
             output_bytes=io.get(name, 0),

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from scaletrain.planner.profile import ModelProfile
 from scaletrain.strategies.partition import Layer, split_layers
 
-__all__ = ["COMPUTE", "DTYPE", "MASTER", "Model"]
+__all__ = ["COMPUTE", "DTYPE", "MASTER", "Model", "Share"]
 
 MASTER = {"32": 4.0, "bf16-mixed": 4.0, "fp16-mixed": 4.0, "bf16-true": 2.0}
 """Bytes per parameter of the weights (and gradients) a precision trains: mixed
@@ -18,6 +19,17 @@ precision keeps fp32 weights and casts for the matmuls."""
 COMPUTE = {"32": 4.0, "bf16-mixed": 2.0, "fp16-mixed": 2.0, "bf16-true": 2.0}
 """Bytes per parameter the matmuls read (what FSDP gathers under its mixed precision)."""
 DTYPE = {"32": "fp32", "bf16-mixed": "bf16", "fp16-mixed": "fp16", "bf16-true": "bf16"}
+
+
+class Share(NamedTuple):
+    """What one device (a pipeline stage, a tensor-parallel shard) holds of the
+    model's parameters, of its trained ones (their gradients and optimizer state), of
+    the step's work and of the activations the layers keep: fractions of the whole."""
+
+    params: float
+    trained: float
+    work: float
+    acts: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,14 +63,17 @@ class Model:
     def _holders(self) -> list[str]:
         return sorted({n.rpartition(".")[0] for n in self.tp_plan or {}})
 
-    def tp_shares(self) -> tuple[float, float]:
-        """Fractions of the parameters and FLOPs tensor parallel divides: its planned
-        layers', and the FLOPs of the (attention and MLP) modules holding them."""
+    def tp_shares(self) -> Share:
+        """Fractions tensor parallel divides: of the parameters and of the trained ones,
+        its planned layers'; of the work, the FLOPs of the (attention and MLP) modules
+        holding them."""
         if not self.tp_plan:
-            return 0.0, 0.0
-        p = self.profile
-        params = self._sum(list(self.tp_plan), "param_bytes") / max(1, p.param_bytes)
-        return min(params, 1.0), min(self._sum(self._holders(), "flops") / max(1.0, p.flops), 1.0)
+            return Share(0.0, 0.0, 0.0, 0.0)
+        p, layers = self.profile, list(self.tp_plan)
+        params = self._sum(layers, "param_bytes") / max(1, p.param_bytes)
+        trained = self._sum(layers, "trainable_bytes") / max(1.0, p.param_bytes * p.trained)
+        flops = self._sum(self._holders(), "flops") / max(1.0, p.flops)
+        return Share(min(params, 1.0), min(trained, 1.0), min(flops, 1.0), 0.0)
 
     def tp_split(self, sp: bool = False) -> float:
         """Bytes of the peak (at the profile's batch) tensor parallel divides: what the
@@ -123,19 +138,23 @@ class Model:
         stages = split_layers(self.layers, pp)[:-1]
         return max(self.profile.modules[s[-1].members[-1]].output_bytes for s in stages)
 
-    def stage_shares(self, pp: int) -> list[tuple[float, float, float]]:
-        """Each stage's shares of (parameters, work, held activations); what sits
-        outside the layers goes to the first stage's parameters and the last stage's
-        work (the loss)."""
+    def stage_shares(self, pp: int) -> list[Share]:
+        """Each of pp stages' shares (one stage: the whole); what sits outside the
+        layers goes to the first stage's parameters and the last stage's work (the
+        loss)."""
+        if pp == 1:
+            return [Share(1.0, 1.0, 1.0, 1.0)]
+        p = self.profile
         members = [[m for x in s for m in x.members] for s in split_layers(self.layers, pp)]
-        attrs = ("param_bytes", "flops", "activation_bytes")
-        par, work, acts = ([self._sum(ms, a) for ms in members] for a in attrs)
-        par[0] += max(0.0, self.profile.param_bytes - sum(par))
-        work[-1] += max(0.0, self.profile.flops - sum(work))
-        total = [max(1.0, sum(x)) for x in (par, work, acts)]
+        attrs = ("param_bytes", "trainable_bytes", "flops", "activation_bytes")
+        par, trained, work, acts = ([self._sum(ms, a) for ms in members] for a in attrs)
+        par[0] += max(0.0, p.param_bytes - sum(par))
+        trained[0] += max(0.0, p.param_bytes * p.trained - sum(trained))
+        work[-1] += max(0.0, p.flops - sum(work))
+        total = [max(1.0, sum(x)) for x in (par, trained, work, acts)]
         return [
-            (a / total[0], b / total[1], c / total[2])
-            for a, b, c in zip(par, work, acts, strict=True)
+            Share(*(x / t for x, t in zip(row, total, strict=True)))
+            for row in zip(par, trained, work, acts, strict=True)
         ]
 
     def blocks_in_one_stage(self, pp: int) -> bool:
@@ -146,12 +165,17 @@ class Model:
             all(any(u == m or u.startswith(m + ".") for m in s) for u in self.units) for s in stages
         )
 
-    def unit_params(self) -> list[float]:
+    def unit_params(self, trained: bool = False) -> list[float]:
         """Parameters (bytes at training precision) of each FSDP unit and of the root
-        holding the rest."""
+        holding the rest; `trained`: of those, the trained ones' (the gradients it
+        reduces). One entry per unit either way."""
         own = [self._sum([u], "param_bytes") for u in self.units]
         rest = self.profile.param_bytes - sum(own)
-        return [*own, rest] if rest > 0 else own
+        if not trained:
+            return [*own, rest] if rest > 0 else own
+        grads = [self._sum([u], "trainable_bytes") for u in self.units]
+        left = self.profile.param_bytes * self.profile.trained - sum(grads)
+        return [*grads, max(0.0, left)] if rest > 0 else grads
 
     def gathered(self) -> list[float]:
         """Bytes FSDP gathers per byte of each `unit_params` entry: the compute dtype's,
