@@ -689,6 +689,42 @@ def test_a_step_fake_tensors_cannot_run_is_refused_in_one_line() -> None:
         profile_model(partial(_fine_tuned, 4, head=True), example, loss, torch.optim.SGD)
 
 
+@torch.library.custom_op("scaletrain_test::doubled", mutates_args=())
+def _doubled(x: torch.Tensor) -> torch.Tensor:
+    """A custom op registered without a fake kernel (no register_fake)."""
+    return x * 2
+
+
+class CustomOp(ResidualMLP):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _doubled(super().forward(x))  # type: ignore[no-any-return]
+
+
+class ToNumpy(ResidualMLP):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        out.detach().numpy()  # read into NumPy, as logging code does
+        return out
+
+
+@pytest.mark.parametrize(
+    ("model", "says"),
+    [(CustomOp, r"runs scaletrain_test::doubled, which has no fake-tensor kernel.*Fix: register "
+                r"one \(_doubled\.register_fake\)"),
+     (ToNumpy, r"runs \.numpy\(\) \(a tensor read into NumPy\), whose result depends on the "
+               r"values.*Fix: read it after the step")],
+)  # fmt: skip
+def test_a_custom_op_without_a_fake_kernel_or_numpy_is_refused_in_one_line(
+    model: type[nn.Module], says: str
+) -> None:
+    """torch.library.custom_op's missing fake kernel and .numpy() raise plain
+    RuntimeErrors under fake tensors: a plan ended in their tracebacks."""
+    example = (torch.randn(8, 64), torch.randint(0, 10, (8,)))
+    with pytest.raises(ConfigError, match=rf"plan\(\.\.\.\): {model.__name__}'s step cannot be "
+                       rf"profiled: it {says}"):  # fmt: skip
+        profile_model(model, example, nn.functional.cross_entropy, torch.optim.SGD)
+
+
 def test_only_autocasts_uncast_grouped_matmuls_count_as_float32() -> None:
     """Attention with dropout runs on a CPU as SDPA's math path, whose matmuls upcast
     to float32, where a GPU's flash attention runs them in bf16: they were priced at

@@ -180,28 +180,47 @@ _FAKE_LIMITS = (DataDependentOutputException, DynamicOutputShapeException,
                 UnsupportedOperatorException)  # fmt: skip
 """What a step fake tensors cannot run raises: an op whose result depends on values
 (.nonzero(), .item()) or one with no fake kernel (a custom op registered without)."""
+_NO_FAKE = "There was no fake impl registered for <CustomOpDef("
+"""torch.library.custom_op's RuntimeError for an op without a fake kernel."""
+_NUMPY = ".numpy() is not supported for tensor subclasses"
+"""A fake tensor's RuntimeError for .numpy()."""
 
 
-def _unprofiled(what: str, exc: Exception) -> ConfigError:
-    """The refusal of a step fake tensors cannot run (`_FAKE_LIMITS`), in one line."""
+def _unprofiled(what: str, exc: RuntimeError) -> ConfigError | None:
+    """The refusal of a step fake tensors cannot run (`_FAKE_LIMITS`, a custom op
+    without a fake kernel, .numpy()), in one line; None for another error."""
+    text = str(exc)
+    custom = text.startswith(_NO_FAKE)
+    if not (isinstance(exc, _FAKE_LIMITS) or custom or _NUMPY in text):
+        return None
     op = str(getattr(exc, "func", exc)).removesuffix(".default")
     measure = say(
         api="train a few steps: the run's step ledger reports each phase's time and the "
         "peak memory",
         cli="scaletrain train --max-steps 20 reports each phase's time and the peak memory",
     )
-    if isinstance(exc, UnsupportedOperatorException):
+    if isinstance(exc, UnsupportedOperatorException) or custom:
+        # torch.library.custom_op names the op and the function to register it with.
+        op, _, rest = text.removeprefix(_NO_FAKE).partition(")>") if custom else (op, "", "")
+        how = rest.partition("Please use `")[2].partition("`")[0] or "torch.library.register_fake"
         why = (
             f"runs {op}, which has no fake-tensor kernel, and a plan runs one step on "
-            "fake tensors. Fix: register one (torch.library.register_fake)"
+            f"fake tensors. Fix: register one ({how})"
         )
     else:
-        shown = ".item() (a tensor read as a number or a bool)" if "scalar_dense" in op else op
+        shown = (
+            ".item() (a tensor read as a number or a bool)" if "scalar_dense" in op
+            else ".numpy() (a tensor read into NumPy)" if _NUMPY in text
+            else op
+        )  # fmt: skip
+        fix = (
+            "read it after the step (logging, metrics), not inside it" if _NUMPY in text
+            else "compute that part from shapes alone (a mixture of experts: transformers' "
+            "grouped matmuls, not a loop over the experts each token picks)"
+        )  # fmt: skip
         why = (
             f"runs {shown}, whose result depends on the values of its inputs, and a plan "
-            "runs one step on fake tensors, which hold shapes but no values. Fix: compute "
-            "that part from shapes alone (a mixture of experts: transformers' grouped "
-            "matmuls, not a loop over the experts each token picks)"
+            f"runs one step on fake tensors, which hold shapes but no values. Fix: {fix}"
         )
     return ConfigError(
         f"{say(api='plan(...): ', cli='')}{what} cannot be profiled: it {why}, or measure "
@@ -392,8 +411,10 @@ def profile_model(
                     warnings.filterwarnings("ignore", "Full backward hook is firing")
                     loss.backward()
                 flops_all = counter.count()
-        except _FAKE_LIMITS as exc:
-            raise _unprofiled(f"{label}'s step", exc) from None
+        except RuntimeError as exc:
+            if (refusal := _unprofiled(f"{label}'s step", exc)) is None:
+                raise
+            raise refusal from None
         finally:
             counter.stop()
         peak = tracker.get_tracker_snapshot("peak")
@@ -406,8 +427,10 @@ def profile_model(
                 _frozen_untracked(step_tracker, model)
                 step_tracker.track_external(model, opt)
                 opt.step()
-        except _FAKE_LIMITS as exc:
-            raise _unprofiled(f"{label}'s optimizer", exc) from None
+        except RuntimeError as exc:
+            if (refusal := _unprofiled(f"{label}'s optimizer", exc)) is None:
+                raise
+            raise refusal from None
         step_peak = step_tracker.get_tracker_snapshot("peak")
         state = sum(nbytes(t) for s in opt.state.values() for t in s.values() if t.dim())
     kinds = next(iter(peak.values())) if peak else {}
