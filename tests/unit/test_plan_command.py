@@ -218,6 +218,12 @@ def test_paper_plan_prints_a_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert "fsdp x tp dp=2,tp=4" in out and "ddp x pp dp=2,pp=4 1f1b m=4" in out
     assert "fsdp-keep dp=8" in out and "tok/s/dev" in out
     assert "recommended:" in out and "assumption:" in out
+    # The rows fit a terminal of 120 columns (they were 141 wide); the prose around
+    # them wraps.
+    head, rule, *rest = out.splitlines()[1:]
+    rows = [head, rule, *(x for x in rest if x.startswith(("ddp", "fsdp", "tensor", "pipeline")))]
+    assert set(rule) == {"-"} and len(rows) == 14, rows
+    assert max(map(len, rows)) <= 120, max(rows, key=len)
 
 
 def test_a_calibrated_file_plans_this_machine(

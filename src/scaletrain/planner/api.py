@@ -90,32 +90,37 @@ class Plan:
         )
 
     def table(self) -> str:
+        """The plan as `scaletrain plan` prints it: what was planned, a row per layout
+        (within 120 columns for the layouts a plan makes), the notes, the
+        recommendation and the assumptions."""
         big = max((r.memory.total for r in self.rows), default=0) > 16 * 2**30
         unit, scale = ("GiB", 2**30) if big else ("MiB", 2**20)
         tokens = self.profile.tokens != self.profile.batch_size
-        sizes = " ".join(f"{c:>7}" for c in ("params", "grads", "optim", "acts", "buffers", "peak"))
-        times = " ".join(f"{c:>8}" for c in ("compute", "comm", "bubble", "step"))
         rate = "tok/s/dev" if tokens else "samples/s/dev"
-        head = f"{'layout':<30} {'fits':<4} {sizes} | {times} {rate:>13} {'mfu':>5}"
+        rates = [f"{self.tokens_per_device(r):,.0f}" for r in self.rows]
+        wide = max([len(rate), *map(len, rates)])
+        name = max([len("layout"), *(len(r.layout.label) + 1 for r in self.rows)])
+        sizes = " ".join(f"{c:>6}" for c in ("params", "grads", "optim", "acts", "bufs", "peak"))
+        times = " ".join(f"{c:>7}" for c in ("step", "comm", "bubble"))
+        head = f"{'layout':<{name}} {'fits':<4} {sizes} {times} {rate:>{wide}} {'mfu':>4}"
         lines = [
-            f"{self.planned()}; memory in {unit} per device, time in ms per step (comm: the "
-            "part not hidden); * the recommended row",
+            f"{self.planned()}; memory in {unit} per device, time in ms per step, of which "
+            "comm (the communication not hidden) and bubble; * the recommended row",
             head,
             "-" * len(head),
         ]
         # A note every row has (launch-bound steps, mostly) is said once, after them.
         common = [n for n in self.rows[0].notes if all(n in r.notes for r in self.rows[1:])]
         common = common if len(self.rows) > 1 else []
-        for r in self.rows:
+        for r, speed in zip(self.rows, rates, strict=True):
             m, t, mfu = r.memory, r.time, self.mfu(r)
             parts = (m.params, m.grads, m.optimizer, m.activations, m.buffers, m.total)
-            sizes = " ".join(f"{v / scale:7.1f}" for v in parts)
-            times = " ".join(f"{v * 1e3:8.1f}" for v in (t.compute, t.exposed, t.bubble, t.total))
+            sizes = " ".join(_figure(v / scale, 6) for v in parts)
+            times = " ".join(_figure(v * 1e3, 7) for v in (t.total, t.exposed, t.bubble))
             lines.append(
-                f"{r.layout.label + ('*' if r is self.recommended else ''):<30} "
-                f"{'yes' if r.fits else 'NO':<4} {sizes} | {times} "
-                f"{self.tokens_per_device(r):13,.0f} "
-                f"{'' if mfu is None else f'{mfu:5.0%}'}"
+                f"{r.layout.label + ('*' if r is self.recommended else ''):<{name}} "
+                f"{'yes' if r.fits else 'NO':<4} {sizes} {times} {speed:>{wide}} "
+                f"{'' if mfu is None else f'{mfu:4.0%}'}"
             )
             lines.extend(f"    {n}" for n in r.notes if n not in common)
         lines.extend(f"every row: {n}" for n in common)
@@ -123,6 +128,12 @@ class Plan:
         lines.append(f"recommended: {self.reason}")
         lines.extend(f"assumption: {a}" for a in self.assumptions)
         return "\n".join(lines)
+
+
+def _figure(value: float, width: int) -> str:
+    """`value` right-aligned in `width` characters: one decimal where it fits."""
+    shown = f"{value:.1f}"
+    return f"{shown if len(shown) <= width else f'{value:.0f}':>{width}}"
 
 
 def _count(n: int) -> str:
