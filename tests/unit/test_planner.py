@@ -627,6 +627,24 @@ def test_frozen_parameters_are_planned_without_gradients_or_optimizer_state() ->
     assert copies[0] / copies[1] == pytest.approx((2 + tuned.profile.trained) / 3)
 
 
+class BaseInHalf(ResidualMLP):
+    """Its first two blocks a frozen base in bf16, the rest trained in fp32."""
+
+    def __init__(self) -> None:
+        super().__init__(width=64, depth=4)
+        for i in (0, 1):
+            half = {"dtype": torch.bfloat16}
+            self.blocks[i] = nn.Sequential(
+                nn.LayerNorm(64, **half), nn.Linear(64, 256, **half), nn.GELU(),
+                nn.Linear(256, 64, **half),
+            ).requires_grad_(False)  # fmt: skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x.to(block[1].weight.dtype)).float()
+        return self.head(x)  # type: ignore[no-any-return]
+
+
 def test_frozen_parameters_are_planned_where_they_sit() -> None:
     """A pipeline stage or a tensor-parallel shard holds the gradients and optimizer
     state of its own trained parameters. One global trained share spread them evenly:
@@ -662,6 +680,55 @@ def test_frozen_parameters_are_planned_where_they_sit() -> None:
     all_trained = step_time(Layout("ddp x pp", dp=2, pp=4, schedule="1f1b", microbatches=4),
                             whole, hw, 4)  # fmt: skip
     assert frozen_first.comm == pytest.approx(all_trained.comm)  # the busiest stage's
+    # A frozen base in bf16 under layers trained in fp32: shares of the trained bytes.
+    base = Model(profile_model(BaseInHalf, example, nn.functional.cross_entropy, adam),
+                 list_layers(net), auto_wrap_targets(net), plan)  # fmt: skip
+    shard = memory(Layout("tensor", tp=2), base, 4)
+    net = BaseInHalf()
+    trained = {n: sum(p.numel() for p in m.parameters() if p.requires_grad)
+               for n, m in net.named_modules()}  # fmt: skip
+    local = trained[""] - sum(trained[f"blocks.{i}.{j}"] for i in (2, 3) for j in (1, 3)) / 2
+    assert (shard.grads, shard.optimizer) == pytest.approx((4 * local, 8 * local))
+    assert base.unit_params(trained=True)[-1] == 4 * trained["head"]  # the root's gradients
+
+
+def test_a_pipelines_peak_is_its_fullest_stages() -> None:
+    """Each stage's device holds its own parameters and activations: the peak is the
+    stage whose sum is the highest. The plan added the largest stage's parameters to
+    another stage's activations (1F1B's first stage holds the most microbatches)."""
+    batch, example = 64, (torch.randn(64, 64), torch.randint(0, 10, (64,)))
+    profile = profile_model(ResidualMLP, example, nn.functional.cross_entropy,
+                            partial(torch.optim.Adam, lr=1e-3))  # fmt: skip
+    net = ResidualMLP()
+    model = Model(profile, list_layers(net), auto_wrap_targets(net))
+    m = memory(Layout("pipeline", pp=4, schedule="1f1b", microbatches=4), model, batch)
+    modules = dict(net.named_modules())
+    size = [sum(p.numel() for x in s for n in x.members for p in modules[n].parameters())
+            for s in split_layers(list_layers(net), 4)]  # fmt: skip
+    assert max(size) > size[0]  # the last stage holds the head too
+    assert m.params == 4 * size[0]  # the first stage's, with its 4 microbatches in flight
+
+
+def test_a_pipeline_that_splits_tied_weights_is_not_planned(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A model whose head shares the embedding's matrix (Llama 3.2 1B and 3B, many
+    config.json models) got pipeline rows, and the recommendation could be one, which
+    training refuses: the tied weight would be copied into the first and last stages."""
+    from scaletrain.train import llama
+
+    tied = replace(llama.LLAMA_SHAPES["debug"], tie_embeddings=True)
+    monkeypatch.setitem(llama.LLAMA_SHAPES, "debug", tied)
+    p = st.plan("llama", devices=4, hardware="h100-sxm")
+    assert not [r for r in p.rows if r.layout.pp > 1], [r.layout.label for r in p.rows]
+    assert (
+        "pipelines: llama's tok_embeddings.weight is used by more than one stage (tied "
+        "weights), and training refuses a pipeline whose stages share a parameter" in p.skipped
+    )
+    pipe = Layout("ddp x pp", dp=2, pp=2, schedule="1f1b", microbatches=4)
+    with pytest.raises(ConfigError, match=r"layouts=\[\.\.\.\]\): ddp x pp dp=2,pp=2 1f1b m=4: "
+                       r"llama's tok_embeddings\.weight .* Fix: a layout without a pipeline"):  # fmt: skip
+        st.plan("llama", devices=4, hardware="h100-sxm", layouts=[pipe])
 
 
 class ClippingSGD(torch.optim.SGD):

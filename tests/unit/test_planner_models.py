@@ -408,7 +408,8 @@ def example(batch_size):
     [
         ("keep = (x.sum(-1) > 0).nonzero().squeeze(-1); x = x.index_add(0, keep, b(x[keep]))",
          "aten.nonzero"),
-        ("x = b(x) if x.sum().item() > 0 else x", r"\.item\(\) \(a tensor read as a number"),
+        ("x = b(x) if x.sum().item() > 0 else x", r"\.item\(\) or the like \(a tensor read as a "
+                                                  r"Python number or bool"),
     ],
     ids=["nonzero", "item"],
 )  # fmt: skip

@@ -5,6 +5,7 @@ GPUs takes the seconds of one fake forward and backward (the model's profile).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -19,7 +20,7 @@ from scaletrain.planner.structure import Model
 from scaletrain.precision import PRECISIONS, canonical
 from scaletrain.strategies.float8 import FLOAT8_GPUS, float8_layers, require_torchao
 from scaletrain.strategies.levers import check_levers
-from scaletrain.strategies.partition import list_layers
+from scaletrain.strategies.partition import list_layers, shared_between, split_layers
 from scaletrain.strategies.tensor_plan import (
     check_tp_plan,
     matching_modules,
@@ -91,8 +92,8 @@ class Plan:
 
     def table(self) -> str:
         """The plan as `scaletrain plan` prints it: what was planned, a row per layout
-        (within 120 columns for the layouts a plan makes), the notes, the
-        recommendation and the assumptions."""
+        (within 120 columns for the layouts a plan makes of up to thousands of devices),
+        the notes, the recommendation and the assumptions."""
         big = max((r.memory.total for r in self.rows), default=0) > 16 * 2**30
         unit, scale = ("GiB", 2**30) if big else ("MiB", 2**20)
         tokens = self.profile.tokens != self.profile.batch_size
@@ -101,7 +102,7 @@ class Plan:
         wide = max([len(rate), *map(len, rates)])
         name = max([len("layout"), *(len(r.layout.label) + 1 for r in self.rows)])
         sizes = " ".join(f"{c:>6}" for c in ("params", "grads", "optim", "acts", "bufs", "peak"))
-        times = " ".join(f"{c:>7}" for c in ("step", "comm", "bubble"))
+        times = " ".join(f"{c:>6}" for c in ("step", "comm", "bubble"))
         head = f"{'layout':<{name}} {'fits':<4} {sizes} {times} {rate:>{wide}} {'mfu':>4}"
         lines = [
             f"{self.planned()}; memory in {unit} per device, time in ms per step, of which "
@@ -116,11 +117,11 @@ class Plan:
             m, t, mfu = r.memory, r.time, self.mfu(r)
             parts = (m.params, m.grads, m.optimizer, m.activations, m.buffers, m.total)
             sizes = " ".join(_figure(v / scale, 6) for v in parts)
-            times = " ".join(_figure(v * 1e3, 7) for v in (t.total, t.exposed, t.bubble))
+            times = " ".join(_figure(v * 1e3, 6) for v in (t.total, t.exposed, t.bubble))
             lines.append(
                 f"{r.layout.label + ('*' if r is self.recommended else ''):<{name}} "
                 f"{'yes' if r.fits else 'NO':<4} {sizes} {times} {speed:>{wide}} "
-                f"{'' if mfu is None else f'{mfu:4.0%}'}"
+                f"{'' if mfu is None else f'{mfu:4.0%}'}".rstrip()
             )
             lines.extend(f"    {n}" for n in r.notes if n not in common)
         lines.extend(f"every row: {n}" for n in common)
@@ -302,7 +303,17 @@ def plan(
             return str(exc)
         return None
 
-    layers, skipped = len(list_layers(net)), []
+    cut, skipped = list_layers(net), []
+    layers = len(cut)
+
+    @functools.cache
+    def tied(pp: int) -> str:  # why training cannot cut the model into pp stages
+        shared = shared_between(net, split_layers(cut, pp)) if pp > 1 else []
+        return (
+            f"{planned.name}'s {shared[0]} is used by more than one stage (tied weights), "
+            "and training refuses a pipeline whose stages share a parameter" if shared else ""
+        )  # fmt: skip
+
     for x in layouts or ():  # before the profile, which takes minutes for a large model
         where = f"plan(..., layouts=[...]): {x.label}"
         if x.devices != devices:
@@ -337,6 +348,8 @@ def plan(
                 + (f"pp={layers} or fewer." if layers > 1 else "a layout without a pipeline."),
                 field="layouts",
             )
+        if why := tied(x.pp):
+            raise ConfigError(f"{where}: {why}. Fix: a layout without a pipeline.", field="layouts")
         if x.microbatches and batch % x.microbatches:
             raise ConfigError(
                 f"{where}: {x.microbatches} microbatches do not divide "
@@ -364,6 +377,9 @@ def plan(
             layouts = [x for x in layouts if x.pp == 1]
             skipped = [x for x in skipped if not x.startswith("pipeline ")]
             skipped.append(f"pipelines: {no_pipeline}")
+        elif why := next((tied(x.pp) for x in layouts if tied(x.pp)), ""):
+            layouts = [x for x in layouts if not tied(x.pp)]
+            skipped.append(f"pipelines: {why}")
     # A sharded FSDP row's step runs in the compute dtype (cost.gathered): a profile of
     # its own, taken only where a row needs it.
     shapes = {
@@ -373,7 +389,7 @@ def plan(
                 precision=precision, ac=ac, ac_every=ac_every, name=planned.name,
                 gathered=kind, float8=planned.blocks if float8 else None,
             ),
-            list_layers(net), planned.blocks, tp_plan, compiled=bool(compile), precision=precision,
+            cut, planned.blocks, tp_plan, compiled=bool(compile), precision=precision,
             sp_blocks=sp_blocks, float8=fp8,
         )
         for kind in sorted({gathered(x, precision) for x in layouts})

@@ -193,7 +193,7 @@ def memory(layout: Layout, model: Model, batch: int) -> Memory:
     held = model.held_activations() * per if pp > 1 else acts
     rest = max(0.0, acts - held)  # a pipeline's last stage: the loss's and step's temporaries
     sends = 2 * model.edge(pp) * per if pp > 1 else 0.0
-    alive = min(1.0, p.peak_grad_bytes / max(1, p.param_bytes * p.trained))
+    alive = min(1.0, p.peak_grad_bytes / max(1, p.trainable_bytes))
     rows = []
     for r, share in enumerate(_devices(model, layout)):
         psi = p.params * share.params
@@ -407,7 +407,9 @@ def estimate(layout: Layout, model: Model, hw: Hardware, batch: int) -> Estimate
         over, of = (needed - hw.memory) / 2**30, hw.memory / 2**30
         each = f" ({sharing} processes of {mem.total / 2**30:.2f} GiB)" if sharing > 1 else ""
         held = f" (the peak and the allocator's {hw.reserve:.0%} over it)" if hw.reserve else ""
-        notes.append(f"does not fit: {over:.2f} GiB over {of:.1f} GiB{each}{held}")
+        notes.append(
+            f"does not fit: {over:.2f} GiB more than the device's {of:.1f} GiB{each}{held}"
+        )
     if host:
         full = f", over its {host.memory / 2**30:.1f} GiB" if mem.host > host.memory else ""
         held = f"{mem.host / 2**30:.1f} GiB" if mem.host >= 2**30 else f"{mem.host / 2**20:.1f} MiB"

@@ -87,6 +87,9 @@ class ModelProfile:
     """Parameter tensors the optimizer steps (a GPU's foreach optimizer launches per
     chunk of them)."""
     param_bytes: int
+    trainable_bytes: int
+    """Of `param_bytes`, those of the trainable parameters (a frozen base may be in
+    another dtype than the layers trained on it)."""
     optimizer_bytes: int
     """The optimizer's state for every parameter (Adam: two tensors each)."""
     optimizer_temp_bytes: int
@@ -209,7 +212,8 @@ def _unprofiled(what: str, exc: RuntimeError) -> ConfigError | None:
         )
     else:
         shown = (
-            ".item() (a tensor read as a number or a bool)" if "scalar_dense" in op
+            ".item() or the like (a tensor read as a Python number or bool: .tolist(), "
+            "`if tensor:`)" if "scalar_dense" in op
             else ".numpy() (a tensor read into NumPy)" if _NUMPY in text
             else op
         )  # fmt: skip
@@ -442,6 +446,7 @@ def profile_model(
         tokens=int(inputs.shape[0] * inputs.shape[1]) if sequence else batch,
         params=params, trainable=sum(trained), tensors=len(trained),
         param_bytes=param_bytes,
+        trainable_bytes=sum(nbytes(p) for p in unique.values() if p.requires_grad),
         optimizer_bytes=round(state * scale),
         optimizer_temp_bytes=round(step_kinds.get(_MemRefType.TEMP, 0) * scale),
         activation_bytes=int(kinds.get(_MemRefType.ACT, 0) + kinds.get(_MemRefType.TEMP, 0)),

@@ -71,7 +71,7 @@ class Model:
             return Share(0.0, 0.0, 0.0, 0.0)
         p, layers = self.profile, list(self.tp_plan)
         params = self._sum(layers, "param_bytes") / max(1, p.param_bytes)
-        trained = self._sum(layers, "trainable_bytes") / max(1.0, p.param_bytes * p.trained)
+        trained = self._sum(layers, "trainable_bytes") / max(1, p.trainable_bytes)
         flops = self._sum(self._holders(), "flops") / max(1.0, p.flops)
         return Share(min(params, 1.0), min(trained, 1.0), min(flops, 1.0), 0.0)
 
@@ -149,7 +149,7 @@ class Model:
         attrs = ("param_bytes", "trainable_bytes", "flops", "activation_bytes")
         par, trained, work, acts = ([self._sum(ms, a) for ms in members] for a in attrs)
         par[0] += max(0.0, p.param_bytes - sum(par))
-        trained[0] += max(0.0, p.param_bytes * p.trained - sum(trained))
+        trained[0] += max(0.0, p.trainable_bytes - sum(trained))
         work[-1] += max(0.0, p.flops - sum(work))
         total = [max(1.0, sum(x)) for x in (par, trained, work, acts)]
         return [
@@ -174,7 +174,7 @@ class Model:
         if not trained:
             return [*own, rest] if rest > 0 else own
         grads = [self._sum([u], "trainable_bytes") for u in self.units]
-        left = self.profile.param_bytes * self.profile.trained - sum(grads)
+        left = self.profile.trainable_bytes - sum(grads)
         return [*grads, max(0.0, left)] if rest > 0 else grads
 
     def gathered(self) -> list[float]:

@@ -28,7 +28,7 @@ from torch import nn
 
 from scaletrain.errors import ConfigError
 
-__all__ = ["Layer", "balance_stages", "list_layers", "list_units", "split_layers"]
+__all__ = ["Layer", "balance_stages", "list_layers", "list_units", "shared_between", "split_layers"]
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict)
 """Containers that are never called: the parent's forward calls their entries."""
@@ -156,3 +156,15 @@ def split_layers(layers: Sequence[Layer], parts: int) -> list[list[Layer]]:
     n = min(parts, len(layers))
     bounds = [0, *balance_stages([layer.size for layer in layers], n), len(layers)]
     return [list(layers[a:b]) for a, b in pairwise(bounds)]
+
+
+def shared_between(model: nn.Module, parts: Sequence[Sequence[Layer]]) -> list[str]:
+    """Names of the parameters modules of more than one part use: tied weights (a
+    language model's embedding and head), which parts on different devices would each
+    hold a copy of."""
+    modules, seen = dict(model.named_modules()), dict[int, set[int]]()
+    names = {id(p): n for n, p in model.named_parameters()}
+    for i, part in enumerate(parts):
+        for p in {id(p) for x in part for m in x.members for p in modules[m].parameters()}:
+            seen.setdefault(p, set()).add(i)
+    return sorted(names[p] for p, where in seen.items() if len(where) > 1)
