@@ -182,7 +182,7 @@ def memory(layout: Layout, model: Model, batch: int) -> Memory:
     per = p.per_sample(batch / m)
     units = [u / max(1e-9, p.param_bytes / max(1, p.params)) for u in model.unit_params()]
     w = MASTER[prec]  # gradients in the weights' dtype; a frozen parameter has none
-    adam = p.optimizer_bytes / max(1.0, p.params * p.trained)  # per trained parameter
+    adam = p.optimizer_bytes / max(1, p.trainable)  # per trained parameter
     acts = p.activation_bytes * per
     if layout.tp > 1:
         # What a module held after its forward counts its output too: at most the peak.
@@ -197,7 +197,7 @@ def memory(layout: Layout, model: Model, batch: int) -> Memory:
     rows = []
     for r, share in enumerate(_devices(model, layout)):
         psi = p.params * share.params
-        each = p.params * p.trained * share.trained / max(1e-9, psi)  # of a parameter, trained
+        each = p.trainable * share.trained / max(1e-9, psi)  # of a parameter, trained
         states = States((("params", w, 3), ("grads", w * each, 2), ("optimizer", adam * each, 1)))
         s = model_states(psi, layout.dp, layout.stage, states, max(units or [0.0]) * share.params)
         buffers = sends
@@ -260,7 +260,7 @@ def _link(hw: Hardware, inner: int) -> Link:
 def _ddp(layout: Layout, model: Model, hw: Hardware, bwd_s: float) -> tuple[float, float]:
     """(communication, exposed) of DDP (module docstring)."""
     p = model.profile
-    grads = p.params * p.trained * _local(model, layout).trained * MASTER[model.precision]
+    grads = p.trainable * _local(model, layout).trained * MASTER[model.precision]
     buckets = max(1, math.ceil(grads / DDP_BUCKET))
     each = _link(hw, layout.dp * layout.tp).time("all_reduce", grads / buckets, layout.dp)
     return each * buckets, max(each, each * buckets - bwd_s)
