@@ -428,6 +428,27 @@ def test_a_step_that_needs_tensor_values_is_refused_in_words(
         st.plan(model=f"{path}:build", devices=2, hardware="h100-sxm")
 
 
+def test_a_forward_that_fails_names_the_users_line_once(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A model whose forward fails (a shape mismatch) ended the plan in a traceback of
+    some 180 lines, torch's log of the failing meta kernel first; a failing factory was
+    already one message naming its line."""
+    import scaletrain as st
+
+    path = tmp_path / "mismatched.py"
+    path.write_text(VALUED.format(route="x = b(x[:, :8])"))
+    with pytest.raises(ConfigError) as got:
+        st.plan(model=f"{path}:build", devices=2, hardware="h100-sxm")
+    said = str(got.value)
+    assert said.startswith(f"plan(...): {path}:build's step raised RuntimeError: "), said
+    assert said.endswith(f"Fix: correct your code at {path}, line 13."), said
+    assert (
+        "_meta_registrations" not in said
+        and "failed while attempting" not in capfd.readouterr().err
+    )
+
+
 def test_a_declared_plan_tensor_parallel_refuses_says_why_it_is_not_planned(
     tmp_path: Path,
 ) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import signal
 import threading
 import warnings
@@ -38,7 +39,7 @@ from torch._subclasses.fake_tensor import (
     UnsupportedOperatorException,
 )
 
-from scaletrain.errors import ConfigError, say
+from scaletrain.errors import ConfigError, ScaletrainError, say
 from scaletrain.planner.kernels import GroupedMm, Kernels, Work, nbytes
 from scaletrain.precision import AUTOCAST_DTYPES
 
@@ -233,6 +234,35 @@ def _unprofiled(what: str, exc: RuntimeError) -> ConfigError | None:
     )
 
 
+def _refused(what: str, exc: Exception) -> ConfigError | None:
+    """The refusal of a step that failed under the profile: one fake tensors cannot run
+    (`_unprofiled`), or an error the user's own code raised (their file and line, as a
+    model module's failing factory is shown); None for any other (a library's own, or
+    scaletrain's: its traceback)."""
+    from scaletrain.train.user_code import raised_in_user_code, user_code_error
+
+    if isinstance(exc, ScaletrainError):
+        return None
+    if isinstance(exc, RuntimeError) and (refusal := _unprofiled(what, exc)):
+        return refusal
+    if raised_in_user_code(exc):
+        return user_code_error(exc, f"{say(api='plan(...): ', cli='')}{what}", "model")
+    return None
+
+
+@contextlib.contextmanager
+def _quiet_meta_failures() -> Any:
+    """torch's fake-tensor mode logs each op whose meta kernel raised, traceback and
+    all, before the error reaches the profile, which says it once (`_refused`)."""
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
 class _NoHook:
     def remove(self) -> None:
         pass
@@ -365,7 +395,12 @@ def profile_model(
         if backward:
             through.add(names[id(m)])
 
-    with _between_blocks(), FakeTensorMode(allow_non_fake_inputs=True) as mode, GroupedMm():
+    with (
+        _between_blocks(),
+        _quiet_meta_failures(),
+        FakeTensorMode(allow_non_fake_inputs=True) as mode,
+        GroupedMm(),
+    ):
         model = _built(build, weights)
         eight: list[str] = []
         if float8 is not None:  # first, as training applies the levers (strategies.levers)
@@ -415,8 +450,8 @@ def profile_model(
                     warnings.filterwarnings("ignore", "Full backward hook is firing")
                     loss.backward()
                 flops_all = counter.count()
-        except RuntimeError as exc:
-            if (refusal := _unprofiled(f"{label}'s step", exc)) is None:
+        except Exception as exc:
+            if (refusal := _refused(f"{label}'s step", exc)) is None:
                 raise
             raise refusal from None
         finally:
@@ -431,8 +466,8 @@ def profile_model(
                 _frozen_untracked(step_tracker, model)
                 step_tracker.track_external(model, opt)
                 opt.step()
-        except RuntimeError as exc:
-            if (refusal := _unprofiled(f"{label}'s optimizer", exc)) is None:
+        except Exception as exc:
+            if (refusal := _refused(f"{label}'s optimizer", exc)) is None:
                 raise
             raise refusal from None
         step_peak = step_tracker.get_tracker_snapshot("peak")

@@ -10,17 +10,14 @@ import traceback
 
 from scaletrain.errors import ConfigError
 
-__all__ = ["user_code_error"]
+__all__ = ["raised_in_user_code", "user_code_error"]
 
 
-def user_code_error(exc: BaseException, doing: str, field: str, fix: str = "") -> ConfigError:
-    """A ConfigError for an exception the user's own code raised while `doing`: its type
-    and message, and the traceback from the first frame that is neither scaletrain's nor
-    Python's import machinery (the user's code and what it called), so the one message
-    printed points at their line rather than at ours. Frames are told apart by their
-    module's name, not their file's path (symlinks, a project inside its virtualenv)."""
-    import sysconfig
-
+def _own_frames(exc: BaseException) -> traceback.StackSummary:
+    """The traceback's frames from the first that is neither scaletrain's nor Python's
+    import machinery (the user's code and what it called). Frames are told apart by
+    their module's name, not their file's path (symlinks, a project inside its
+    virtualenv)."""
     frames = [
         (frame, lineno, str(frame.f_globals.get("__name__", "")))
         for frame, lineno in traceback.walk_tb(exc.__traceback__)
@@ -32,14 +29,39 @@ def user_code_error(exc: BaseException, doing: str, field: str, fix: str = "") -
             or module == "importlib" or filename.startswith("<frozen ")
         )  # fmt: skip
 
-    user = [(f, n, m) for f, n, m in frames if not ours(m, f.f_code.co_filename)]
-    summary = traceback.StackSummary.extract((f, n) for f, n, _ in user)
-    shown = "".join(summary.format()[-8:])
-    # The user's own line: the deepest of those frames outside installed packages.
+    user = [(f, n) for f, n, m in frames if not ours(m, f.f_code.co_filename)]
+    return traceback.StackSummary.extract(iter(user))
+
+
+def _outside_libraries(summary: traceback.StackSummary) -> list[traceback.FrameSummary]:
+    """The frames of files outside the installed packages and the standard library:
+    the user's own."""
+    import sysconfig
+
     libraries = tuple(
         os.path.join(sysconfig.get_paths()[k], "") for k in ("stdlib", "purelib", "platlib")
     )
-    own = [f for f in summary if not f.filename.startswith(libraries)]
+    return [f for f in summary if not f.filename.startswith(libraries)]
+
+
+def raised_in_user_code(exc: BaseException) -> bool:
+    """Whether the user's own code (a file outside scaletrain, the installed packages
+    and the standard library) is on the traceback of `exc`: their forward, not a
+    library's alone."""
+    return bool(_outside_libraries(_own_frames(exc)))
+
+
+def user_code_error(exc: BaseException, doing: str, field: str, fix: str = "") -> ConfigError:
+    """A ConfigError for an exception the user's own code raised while `doing`: its type
+    and message, and the traceback from the first frame that is neither scaletrain's nor
+    Python's import machinery (the user's code and what it called), so the one message
+    printed points at their line rather than at ours (`_own_frames`)."""
+    summary = _own_frames(exc)
+    own = _outside_libraries(summary)  # the user's own line: the deepest of these
+    # Down to the library call that line made: a library's internals below it (a
+    # kernel's shape check) say less than the message does.
+    end = max((i for i, f in enumerate(summary) if own and f is own[-1]), default=len(summary))
+    shown = "".join(summary.format()[: end + 2][-8:])
     at = f"{own[-1].filename}, line {own[-1].lineno}" if own else ""
     if isinstance(exc, SyntaxError) and exc.filename:  # its own place: no frame shows it
         shown += f'  File "{exc.filename}", line {exc.lineno}\n    {(exc.text or "").strip()}\n'
