@@ -725,6 +725,9 @@ def test_a_pipeline_that_splits_tied_weights_is_not_planned(
         "pipelines: llama's tok_embeddings.weight is used by more than one stage (tied "
         "weights), and training refuses a pipeline whose stages share a parameter" in p.skipped
     )
+    # A batch no pipeline divides made no pipeline row to refuse: the tie went unsaid.
+    one = st.plan("llama", devices=4, hardware="h100-sxm", batch_size=1).skipped
+    assert [s for s in one if s.startswith("pipeline")] == [s for s in p.skipped if "tied" in s]
     pipe = Layout("ddp x pp", dp=2, pp=2, schedule="1f1b", microbatches=4)
     with pytest.raises(ConfigError, match=r"layouts=\[\.\.\.\]\): ddp x pp dp=2,pp=2 1f1b m=4: "
                        r"llama's tok_embeddings\.weight .* Fix: a layout without a pipeline"):  # fmt: skip
@@ -1249,6 +1252,34 @@ def test_the_recommendation_offloads_only_what_fits_no_other_way() -> None:
     assert keep.time.total == fsdp.time.total and keep.memory.total > fsdp.memory.total
     assert tie.recommended is fsdp and "the same time, less memory" in tie.reason, tie.reason
     assert "tokens/s per device" in tie.reason, tie.reason  # the table's unit
+    # Faster by a rounding (the ratio shows 1.00x) is the same time: the larger peak
+    # won, and the reason said "1.00x fsdp (the same time, less memory)" of it.
+    quick = replace(keep, time=replace(keep.time, compute=keep.time.compute * 0.997))
+    best, why = api._recommend(replace(tie, rows=[quick, fsdp]), True)
+    assert best is fsdp and why.endswith(", 1.00x fsdp-keep dp=8 (the same time, less memory)")
+    slow = replace(fsdp, time=replace(fsdp.time, compute=fsdp.time.compute * 1.02))
+    best, why = api._recommend(replace(tie, rows=[keep, slow]), True)
+    assert best is keep and why.endswith(", 1.02x fsdp dp=8"), why
+
+
+def test_nothing_fits_suggests_only_the_fixes_the_model_takes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model without blocks was told to try --ac full, which it cannot take."""
+    (tmp_path / "flatmlp.py").write_text(
+        "import torch\nfrom torch import nn\n"
+        "def build():\n    return nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 10))\n"
+        "def example(batch_size):\n"
+        "    return torch.randn(batch_size, 32), torch.randint(0, 10, (batch_size,))\n"
+        "loss = nn.functional.cross_entropy\n",
+        encoding="utf-8",
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    write(replace(_hw(), name="tiny", memory=2**20), tmp_path / "tiny.toml")
+    p = st.plan(model="flatmlp:build", devices=2, hardware=str(tmp_path / "tiny.toml"),
+                batch_size=4096)  # fmt: skip
+    assert p.recommended is None and p.reason.startswith("nothing fits"), p.reason
+    assert "ac=" not in p.reason and "precision='bf16-mixed'" in p.reason, p.reason
 
 
 def test_mfu_counts_the_models_flops_not_the_recomputation() -> None:
@@ -1320,6 +1351,13 @@ def test_the_table_speaks_per_device_and_says_what_it_left_out(tmp_path: Path) -
     assert text.count("kernel launches, not the arithmetic") == 1
     assert "\nevery row: kernel launches, not the arithmetic" in text
     assert "not planned: pipeline pp=8: convnet has 5 top-level layers" in text
+    assert "not planned: tensor parallel: convnet has no layers tensor parallel splits" in text
+    # A mesh's pipelines too (ddp x pp): dp=2 x pp=8 was left out without a word.
+    assert st.plan("gpt", devices=16, batch_size=4, hardware="h100-sxm").skipped[-2:] == [
+        "pipeline pp=16: gpt has 8 top-level layers",
+        "pipeline pp=8: none of 8, 16, 24 or 32 microbatches divides batch_size=4. Fix: "
+        "batch_size=8 or a multiple",
+    ]
     llama = st.plan("llama", devices=8, hardware="h100-sxm").table()
     assert "not planned: tp=8: tensor parallel cannot split the attention heads" in llama
     one = st.plan("gpt", devices=2, batch_size=1, hardware="h100-sxm").skipped

@@ -6,6 +6,7 @@ GPUs takes the seconds of one fake forward and backward (the model's profile).
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -148,20 +149,29 @@ def _skipped(
     rows: list[Layout], cannot: Callable[[Layout], str | None], devices: int, layers: int,
     batch: int, name: str,
 ) -> list[str]:  # fmt: skip
-    """Why the tensor-parallel degrees and the pipeline of all the devices that a plan
-    leaves out are left out."""
+    """Why the tensor-parallel degrees and the pipelines (alone, or in a mesh with data
+    parallelism) of the devices that a plan leaves out are left out."""
     out, seen = [], set()
     for x in rows:
         if (why := cannot(x)) and x.tp not in seen:
             seen.add(x.tp)
             out.append(f"tp={x.tp}: {why.partition('. Fix:')[0]}")
-    if devices > 1 and not any(x.strategy == "pipeline" for x in rows):
+    missing = [
+        p for p in range(2, devices + 1) if devices % p == 0 and all(x.pp != p for x in rows)
+    ]
+
+    def pipes(pps: list[int]) -> str:
+        return f"pipeline pp={pps[0]}" if len(pps) == 1 else f"pipelines of pp={_listed(pps)}"
+
+    if few := [p for p in missing if p > layers]:
+        out.append(f"{pipes(few)}: {name} has {layers} top-level layers")
+    if cut := [p for p in missing if p <= layers]:
+        counts = sorted({m for p in cut for m in microbatch_counts(p)})
         out.append(
-            f"pipeline pp={devices}: {name} has {layers} top-level layers" if layers < devices
-            else f"pipeline pp={devices}: none of {_listed(sorted(microbatch_counts(devices)))} "
-            f"microbatches divides {spell('batch_size', batch)}. Fix: "
-            f"{spell('batch_size', devices)} or a multiple"
-        )  # fmt: skip
+            f"{pipes(cut)}: none of {_listed(counts)} microbatches divides "
+            f"{spell('batch_size', batch)}. Fix: {spell('batch_size', math.lcm(*cut))} or a "
+            "multiple"
+        )
     return out
 
 
@@ -183,17 +193,19 @@ def _whole(key: str, value: object) -> None:
         )
 
 
-def _recommend(plan: Plan) -> tuple[Estimate | None, str]:
-    """The fastest row that fits, the smaller peak among equals. CPU offload only where
-    nothing fits without it: it trades the step's time for device memory."""
+def _recommend(plan: Plan, checkpoints: bool) -> tuple[Estimate | None, str]:
+    """The fastest row that fits, the smallest peak among those of the same time (within
+    half a percent: what the reason's ratio shows as 1.00x). CPU offload only where
+    nothing fits without it: it trades the step's time for device memory. Where nothing
+    fits, the fixes that apply (`checkpoints`: the model has blocks to checkpoint)."""
     fitting = [r for r in plan.rows if r.fits]
     fitting = [r for r in fitting if not r.layout.offload] or fitting
-    fitting.sort(key=lambda r: (-round(plan.throughput(r), 9), r.memory.total))
+    fitting.sort(key=lambda r: (-plan.throughput(r), r.memory.total))
     if not fitting:
         fixes = [
             "more devices",
             f"a smaller {spell('batch_size')}" if plan.batch_size > 1 else "",
-            spell("ac", "full") if not plan.profile.ac.startswith("full") else "",
+            spell("ac", "full") if checkpoints and not plan.profile.ac.startswith("full") else "",
             spell("precision", "bf16-mixed") if plan.precision == "32" else "",
             "a hardware file with a [host] table (FSDP's CPU offload)"
             if plan.hardware.host is None and plan.devices > 1 else "",
@@ -205,14 +217,18 @@ def _recommend(plan: Plan) -> tuple[Estimate | None, str]:
             + (", or " if most else "")
             + last
         )
-    best = fitting[0]
+    top = plan.throughput(fitting[0])
+    same = [r for r in fitting if plan.throughput(r) * 1.005 >= top]
+    best = min(same, key=lambda r: r.memory.total)
     unit = "tokens" if plan.profile.tokens != plan.profile.batch_size else "samples"
     rate = f"{plan.tokens_per_device(best):,.0f} {unit}/s per device"
     why = f"{best.layout.label}: the highest throughput that fits, {rate}"
-    if len(fitting) > 1:
-        ratio = plan.throughput(best) / max(plan.throughput(fitting[1]), 1e-12)
-        same = " (the same time, less memory)" if f"{ratio:.2f}" == "1.00" else ""
-        why += f", {ratio:.2f}x {fitting[1].layout.label}{same}"
+    if other := next((r for r in fitting if r is not best), None):
+        ratio = plan.throughput(best) / max(plan.throughput(other), 1e-12)
+        less = f"{ratio:.2f}" == "1.00" and best.memory.total < other.memory.total
+        why += (
+            f", {ratio:.2f}x {other.layout.label}{' (the same time, less memory)' if less else ''}"
+        )
     return best, why
 
 
@@ -371,13 +387,17 @@ def plan(
         )  # fmt: skip
         layouts = [x for x in rows if not cannot(x) and not (x.sp and seq % x.tp)]
         skipped = _skipped(rows, cannot, devices, layers, batch, planned.name)
-        if planned.no_tp and devices > 1:  # a plan it declares that training refuses
-            skipped.insert(0, f"tensor parallel: {planned.no_tp}")
+        if not tp_plan and devices > 1:  # none, or a declared one training refuses
+            skipped.insert(0, f"tensor parallel: {no_tp}")
         if no_pipeline and devices > 1:  # the one reason, whatever else the model lacks
             layouts = [x for x in layouts if x.pp == 1]
             skipped = [x for x in skipped if not x.startswith("pipeline ")]
             skipped.append(f"pipelines: {no_pipeline}")
-        elif why := next((tied(x.pp) for x in layouts if tied(x.pp)), ""):
+        elif why := next(
+            (tied(p) for p in range(2, layers + 1) if devices % p == 0 and tied(p)), ""
+        ):
+            if all(tied(x.pp) for x in layouts if x.pp > 1):  # the one reason
+                skipped = [x for x in skipped if not x.startswith("pipeline")]
             layouts = [x for x in layouts if not tied(x.pp)]
             skipped.append(f"pipelines: {why}")
     # A sharded FSDP row's step runs in the compute dtype (cost.gathered): a profile of
@@ -401,7 +421,7 @@ def plan(
         rows=[estimate(x, shapes[gathered(x, precision)], hw, batch) for x in layouts],
         recommended=None, reason="", skipped=skipped, float8=float8,
     )  # fmt: skip
-    result.recommended, result.reason = _recommend(result)
+    result.recommended, result.reason = _recommend(result, bool(planned.blocks))
     dtype = DTYPE[precision]
     eight = f", float8's at {hw.matmul_flops('fp8') / 1e12:,.1f}" if float8 else ""
     result.assumptions = [
