@@ -1329,6 +1329,17 @@ def test_layouts_a_plan_cannot_price_are_refused_before_the_profile(
             8, Layout("pipeline", pp=8, schedule="1f1b", microbatches=8),
             r"llama has 7 top-level layers, the most stages .* Fix: pp=7 or fewer",
         ),
+        # Layouts training's Pipeline refuses were priced (and could be recommended).
+        (
+            8, Layout("ddp x pp", dp=2, pp=4, schedule="1f1b", microbatches=2),
+            r"ddp x pp dp=2,pp=4 1f1b m=2: training refuses it: Pipeline\(schedule='1f1b', "
+            r"microbatches=2\) needs at least as many microbatches as stages \(4\)",
+        ),
+        (
+            4, Layout("pipeline", pp=4, schedule="interleaved-1f1b", microbatches=8),
+            r"interleaved 1F1B runs 2 stages on each of the 4 ranks, and llama has 7 top-level "
+            r"layers\. Fix: pp=3 or fewer",
+        ),
     ):  # fmt: skip
         with pytest.raises(ConfigError, match=words):
             st.plan("llama", devices=devices, hardware="h100-sxm", layouts=[layout])

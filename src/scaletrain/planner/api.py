@@ -22,6 +22,7 @@ from scaletrain.precision import PRECISIONS, canonical
 from scaletrain.strategies.float8 import FLOAT8_GPUS, float8_layers, require_torchao
 from scaletrain.strategies.levers import check_levers
 from scaletrain.strategies.partition import list_layers, shared_between, split_layers
+from scaletrain.strategies.pipeline.strategy import Pipeline
 from scaletrain.strategies.tensor_plan import (
     check_tp_plan,
     matching_modules,
@@ -371,6 +372,19 @@ def plan(
                 f"{where}: {x.microbatches} microbatches do not divide "
                 f"{spell('batch_size', batch)}. Fix: microbatches that divide {batch}, or "
                 "another batch size.",
+                field="layouts",
+            )
+        if x.pp > 1:  # the schedule's own rules, as training checks them
+            try:
+                Pipeline(schedule=x.schedule or "1f1b", microbatches=x.microbatches or 1
+                         ).check_layout(x.pp)  # fmt: skip
+            except ConfigError as exc:
+                raise ConfigError(f"{where}: training refuses it: {exc}", field="layouts") from None
+        if x.schedule == "interleaved-1f1b" and 2 * x.pp > layers:
+            raise ConfigError(
+                f"{where}: interleaved 1F1B runs 2 stages on each of the {x.pp} ranks, and "
+                f"{planned.name} has {layers} top-level layers. Fix: pp={layers // 2} or fewer, "
+                "or schedule='1f1b'.",
                 field="layouts",
             )
         if x.offload and hw.host is None:
