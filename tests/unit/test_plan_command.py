@@ -350,8 +350,13 @@ def test_check_refuses_a_hardware_file_of_another_device_before_any_plan(
     assert "the run trained on cpu, but --hardware h100-sxm is a cuda machine" in err, err
     assert "the hardware file of the machine the run trained on" in err
     assert "`scaletrain plan --calibrate`, then --check RUN without --hardware" in err
-    # This machine's calibration, when it is another device's than the run's.
+    # No calibration: its fix was "or plan on paper with --hardware h100-sxm", refused
+    # just above.
     monkeypatch.setenv("SCALETRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    code, err = _plan(capsys, "--check", str(run))
+    assert code == 2 and "this machine has no calibration" in err, err
+    assert "on paper" not in err and "or --hardware FILE, the hardware file of the machine" in err
+    # This machine's calibration, when it is another device's than the run's.
     from scaletrain.hardware import load, write
     from scaletrain.hardware.calibrate import calibrated_path
 

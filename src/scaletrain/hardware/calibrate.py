@@ -66,14 +66,20 @@ def calibrated_path() -> Path:
     return cache_dir() / "hardware" / f"{socket.gethostname()}.toml"
 
 
-def load_calibrated() -> Hardware:
-    """This machine's calibration (`calibrated_path`), refused where it has none."""
+def load_calibrated(paper: bool = True) -> Hardware:
+    """This machine's calibration (`calibrated_path`), refused where it has none, with
+    the fix of planning on paper where that is one (`paper`: not for checking a run,
+    which takes the hardware of the machine it trained on)."""
     mine = calibrated_path()
     if not mine.is_file():
+        other = (
+            f"or plan on paper with {spell('hardware', 'h100-sxm')} (or a file of your own)"
+            if paper
+            else f"or {spell('hardware')} FILE, the hardware file of the machine the run trained on"
+        )
         raise ConfigError(
             f"no {spell('hardware')} given, and this machine has no calibration ({mine}). "
-            f"Fix: {spell('calibrate')} once to measure it (about a minute), or plan on "
-            f"paper with {spell('hardware', 'h100-sxm')} (or a file of your own).",
+            f"Fix: {spell('calibrate')} once to measure it (about a minute), {other}.",
             field="hardware",
         )
     return load(str(mine))

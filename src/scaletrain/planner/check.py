@@ -229,7 +229,7 @@ def check_run(run: str | Path, hardware: str | None = None) -> Check:
     given = hardware
     if hardware is not None and Path(hardware).is_file():
         hardware = str(Path(hardware).resolve())  # before the move to the run's directory
-    hw = load(hardware) if hardware is not None else load_calibrated()
+    hw = load(hardware) if hardware is not None else load_calibrated(paper=False)
     if (device := _device(records, cfg)) and device != hw.device:
         _refuse_other_device(run, device, given, hw)
     if cfg.get("float8") and hw.fp8_flops() is None:
