@@ -256,6 +256,13 @@ def test_a_pipeline_pays_its_bubble() -> None:
     assert row.bubble > 0
     more = step_time(Layout("pipeline", pp=4, schedule="gpipe", microbatches=16), m, _hw(), 32)
     assert more.bubble / more.compute < row.bubble / row.compute
+    # Sends on a slow link wait in the step: they are communication not hidden, not a
+    # bubble (they were counted in the bubble, with the exposed communication at 0).
+    slow = _hw(intra=Link(5e-3, 1 * GB), inter=Link(5e-3, 1 * GB))
+    late = step_time(Layout("pipeline", pp=4, schedule="gpipe", microbatches=4), m, slow, 32)
+    assert late.bubble == pytest.approx(row.bubble)
+    assert late.exposed >= 2 * 3 * 5e-3  # the first microbatch down the 4 stages and back
+    assert late.total - late.exposed == pytest.approx(row.total - row.exposed)
 
 
 def test_a_model_too_big_for_one_device_is_sharded() -> None:

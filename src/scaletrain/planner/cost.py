@@ -43,8 +43,9 @@ link each group spans (hardware.Link), exposed where it outlasts what hides it:
   backward, and what a checkpointed block's recomputation runs again. Sequence
   parallel makes each all-reduce a reduce-scatter and all-gathers each colwise layer's
   input and each rowwise layer's output gradient (in float8 for float8 training's layers).
-- Pipeline: its schedule simulated (schedule.py) with the sends between stages; the
-  bubble is the step less the busiest rank's work.
+- Pipeline: its schedule simulated (schedule.py) with the sends between stages; what
+  the sends add to the simulated step is exposed communication, the bubble what the
+  step without them has beyond the busiest rank's work.
 """
 
 from __future__ import annotations
@@ -339,9 +340,11 @@ def _tensor(layout: Layout, model: Model, hw: Hardware, batch: int) -> float:
 
 def _pipeline(
     layout: Layout, model: Model, hw: Hardware, batch: int, fwd_s: float, bwd_s: float, share: float
-) -> tuple[float, float, float]:
-    """(the busiest rank's work, communication, bubble) of a pipeline: its schedule
-    simulated with each stage's share of the work per microbatch, and the sends."""
+) -> tuple[float, float, float, float]:
+    """(the busiest rank's work, communication, exposed, bubble) of a pipeline: its
+    schedule simulated with each stage's share of the work per microbatch and the
+    sends; exposed is what the sends add to the step, the bubble what it has without
+    them."""
     m, virtual = layout.microbatches or 1, 2 if layout.schedule == "interleaved-1f1b" else 1
     shares = model.stage_shares(layout.pp)
     per_f, per_b = fwd_s / share / m, bwd_s / share / m  # the whole model, one microbatch
@@ -349,11 +352,12 @@ def _pipeline(
     b = [per_b * x.work / virtual for x in shares for _ in range(virtual)]
     edge = model.edge(layout.pp) * model.profile.per_sample(batch / m)
     hop = _link(hw, layout.devices).time("send", edge, 2)
-    tl = simulate(
-        f, b, schedule=layout.schedule or "1f1b", microbatches=m, virtual=virtual, hop=hop
-    )
+    schedule = layout.schedule or "1f1b"
+    tl = simulate(f, b, schedule=schedule, microbatches=m, virtual=virtual, hop=hop)
+    idle = simulate(f, b, schedule=schedule, microbatches=m, virtual=virtual).makespan
     busiest = max(tl.work)
-    return busiest, hop * 2 * m * (layout.pp - 1), max(0.0, tl.makespan - busiest)
+    sends = max(0.0, tl.makespan - idle)
+    return busiest, hop * 2 * m * (layout.pp - 1), sends, max(0.0, idle - busiest)
 
 
 def step_time(layout: Layout, model: Model, hw: Hardware, batch: int) -> StepTime:
@@ -389,8 +393,8 @@ def step_time(layout: Layout, model: Model, hw: Hardware, batch: int) -> StepTim
         tp = _tensor(layout, model, hw, batch)
         comm, exposed = comm + tp, exposed + tp
     if layout.pp > 1:
-        work, sends, bubble = _pipeline(layout, model, hw, batch, fwd_s, bwd_s, share)
-        comm += sends
+        work, sends, waited, bubble = _pipeline(layout, model, hw, batch, fwd_s, bwd_s, share)
+        comm, exposed = comm + sends, exposed + waited
     return StepTime(work + opt_s, comm, exposed, bubble, floor=fwd_floor and bwd_floor)
 
 
