@@ -1287,6 +1287,12 @@ def test_nothing_fits_suggests_only_the_fixes_the_model_takes(
                 batch_size=4096)  # fmt: skip
     assert p.recommended is None and p.reason.startswith("nothing fits"), p.reason
     assert "ac=" not in p.reason and "precision='bf16-mixed'" in p.reason, p.reason
+    # In the table's units: "0.13 GiB more than the device's 0.0 GiB" it said.
+    note = p.rows[0].notes[0]
+    assert note.startswith("does not fit: ") and "MiB more than the device's 1.0 MiB" in note
+    # An MFU under half a percent showed as 0%.
+    monkeypatch.setattr(api.Plan, "mfu", lambda self, row: 0.004)
+    assert p.table().splitlines()[3].endswith(" <1%"), p.table()
 
 
 def test_mfu_counts_the_models_flops_not_the_recomputation() -> None:

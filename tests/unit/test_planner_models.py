@@ -199,6 +199,9 @@ def test_both_a_recipe_and_a_model_are_refused_in_the_callers_words(tmp_path: Pa
     err = _refused(r"^recipe='gpt' and model='x.py:build' both name the model\. Fix: give one",
                    recipe="gpt", model="x.py:build")  # fmt: skip
     assert err.field == "model"
+    # st.plan("mine.py:build", ...) took it as a recipe's name: "not known".
+    _refused(r"^recipe='mine.py:build' names a model module or config.json, not one of "
+             r"scaletrain's recipes\. Fix: model='mine.py:build'\.$", recipe="mine.py:build")  # fmt: skip
     use_cli_names()
     _refused(r"^--recipe gpt and --model x.py:build both", recipe="gpt", model="x.py:build")
 

@@ -123,7 +123,7 @@ class Plan:
             lines.append(
                 f"{r.layout.label + ('*' if r is self.recommended else ''):<{name}} "
                 f"{'yes' if r.fits else 'NO':<4} {sizes} {times} {speed:>{wide}} "
-                f"{'' if mfu is None else f'{mfu:4.0%}'}".rstrip()
+                f"{'' if mfu is None else ' <1%' if 0 < mfu < 0.005 else f'{mfu:4.0%}'}".rstrip()
             )
             lines.extend(f"    {n}" for n in r.notes if n not in common)
         lines.extend(f"every row: {n}" for n in common)

@@ -398,6 +398,11 @@ def step_time(layout: Layout, model: Model, hw: Hardware, batch: int) -> StepTim
     return StepTime(work + opt_s, comm, exposed, bubble, floor=fwd_floor and bwd_floor)
 
 
+def _size(nbytes: float) -> str:
+    """2.34 GiB, 136.0 MiB: bytes as the table shows them (GiB from 1 GiB)."""
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
 def estimate(layout: Layout, model: Model, hw: Hardware, batch: int) -> Estimate:
     """One row of a plan: `layout`'s memory and step time, and whether it fits."""
     mem, time = memory(layout, model, batch), step_time(layout, model, hw, batch)
@@ -408,16 +413,13 @@ def estimate(layout: Layout, model: Model, hw: Hardware, batch: int) -> Estimate
     sharing = min(layout.devices, hw.devices_per_node) if hw.device == "cpu" else 1
     needed = mem.total * sharing * (1 + hw.reserve)
     if needed > hw.memory:
-        over, of = (needed - hw.memory) / 2**30, hw.memory / 2**30
-        each = f" ({sharing} processes of {mem.total / 2**30:.2f} GiB)" if sharing > 1 else ""
+        over, of = _size(needed - hw.memory), _size(hw.memory)
+        each = f" ({sharing} processes of {_size(mem.total)})" if sharing > 1 else ""
         held = f" (the peak and the allocator's {hw.reserve:.0%} over it)" if hw.reserve else ""
-        notes.append(
-            f"does not fit: {over:.2f} GiB more than the device's {of:.1f} GiB{each}{held}"
-        )
+        notes.append(f"does not fit: {over} more than the device's {of}{each}{held}")
     if host:
-        full = f", over its {host.memory / 2**30:.1f} GiB" if mem.host > host.memory else ""
-        held = f"{mem.host / 2**30:.1f} GiB" if mem.host >= 2**30 else f"{mem.host / 2**20:.1f} MiB"
-        notes.append(f"{held} of states in host memory per device{full}")
+        full = f", over its {_size(host.memory)}" if mem.host > host.memory else ""
+        notes.append(f"{_size(mem.host)} of states in host memory per device{full}")
     if layout.pp > 1 and model.blocks_in_one_stage(layout.pp):
         # Stages are whole top-level layers (as the pipeline strategy cuts them): a model
         # whose blocks sit inside one of them (a Hugging Face model's `model`) is not split.
@@ -436,6 +438,6 @@ def estimate(layout: Layout, model: Model, hw: Hardware, batch: int) -> Estimate
     if layout.sp:
         notes.append("sequence parallel: st.TensorParallel(sequence_parallel=True), from Python")
     if time.floor:
-        notes.append("kernel launches, not the arithmetic, set this step's pace")
+        notes.append("kernel launches, not the arithmetic, set this step's compute time")
     fits = needed <= hw.memory and (host is None or mem.host <= host.memory)
     return Estimate(layout, mem, time, fits, notes)

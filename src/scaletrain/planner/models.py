@@ -98,6 +98,12 @@ def resolve_model(
     from scaletrain.train.model_module import check_recipe, load_recipe
     from scaletrain.train.recipes import get_recipe
 
+    if model is None and recipe is not None and (":" in recipe or recipe.endswith(".json")):
+        raise ConfigError(
+            f"{spell('recipe', recipe)} names a model module or config.json, not one of "
+            f"scaletrain's recipes. Fix: {spell('model', recipe)}.",
+            field="recipe",
+        )
     if model is None:
         r = get_recipe(recipe or "convnet")
     else:
