@@ -11,7 +11,7 @@ import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["lazy_attributes"]
+__all__ = ["import_quietly", "lazy_attributes"]
 
 
 def lazy_attributes(
@@ -44,3 +44,26 @@ def lazy_attributes(
         return sorted(public | shown)
 
     return __getattr__, __dir__
+
+
+_IMPORT_NOISE = ("torchao", "torch.utils._pytree")
+"""Loggers that write while their module is imported, on every run and every rank:
+torchao's, for each CUDA extension of kernels scaletrain does not use that this
+machine cannot load (an mxfp8 or a CUTLASS one on a CPU), and torch's pytree's, for a
+deprecation torchao's own registrations trigger. Notes to those libraries' developers,
+not to a user."""
+
+
+def import_quietly(name: str) -> types.ModuleType:
+    """`name` imported with `_IMPORT_NOISE`'s warnings held back (errors still show)."""
+    import logging
+
+    loggers = [logging.getLogger(n) for n in _IMPORT_NOISE]
+    levels = [log.level for log in loggers]
+    for log in loggers:
+        log.setLevel(logging.ERROR)
+    try:
+        return importlib.import_module(name)
+    finally:
+        for log, level in zip(loggers, levels, strict=True):
+            log.setLevel(level)

@@ -431,6 +431,23 @@ def test_a_step_that_needs_tensor_values_is_refused_in_words(
         st.plan(model=f"{path}:build", devices=2, hardware="h100-sxm")
 
 
+def test_a_config_json_is_built_without_the_libraries_import_notes(tmp_path: Path) -> None:
+    """transformers imports torchao where it is installed, which logged a line for each
+    CUDA extension this machine cannot load, and torch's pytree a deprecation: three
+    lines on stderr before every plan of a config.json, and every rank's training."""
+    import subprocess
+
+    pytest.importorskip("torchao")
+    folder = _config(tmp_path, LLAMA)
+    build = (
+        "import sys; from scaletrain.planner.models import resolve_model as r; r(model=sys.argv[1])"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", build, str(folder)], capture_output=True, text=True, timeout=120
+    )
+    assert (proc.returncode, proc.stderr) == (0, ""), proc.stderr
+
+
 def test_a_forward_that_fails_names_the_users_line_once(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from scaletrain._lazy import import_quietly
 from scaletrain.errors import ConfigError, say, spell
 from scaletrain.strategies.blocks import _BLOCKS, auto_wrap_targets
 
@@ -168,6 +169,7 @@ def convert_float8(
     float8 all-gather (new Parameter objects: FSDP's setup rebinds the optimizer).
     Call it on the model's final device, before tensor parallel, checkpointing,
     compile and FSDP (see the module docstring)."""
+    import_quietly("torchao.float8")
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     if getattr(model, _FLOAT8_MARK, None) is not None:

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from scaletrain._lazy import import_quietly
 from scaletrain.errors import ConfigError, closest, spell
 from scaletrain.train.model_module import _safe_name
 from scaletrain.train.recipes import Recipe, _python_text, _python_text_locate, _tokens
@@ -102,6 +103,8 @@ def _causal_lm(spec: str, path: Path, field: str) -> tuple[Any, Any]:
         ) from None
     settings = settings if isinstance(settings, dict) else {}
     try:
+        # Its models' module imports torchao where it is installed (its quantizers).
+        import_quietly("transformers.modeling_utils")
         import transformers
         from transformers.models.auto.configuration_auto import CONFIG_MAPPING
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
