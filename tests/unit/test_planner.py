@@ -480,6 +480,11 @@ def test_plan_float8_is_refused_in_the_apis_words(monkeypatch: pytest.MonkeyPatc
         "refuses float8=True with a pipeline"
     ]
     assert [r for r in st.plan("gpt", devices=4, hardware="h100-sxm").rows if r.layout.pp > 1]
+    every = st.plan("gpt", devices=16, batch_size=2, hardware="h100-sxm", ac="selective",
+                    ac_every=2).skipped  # fmt: skip
+    assert [s for s in every if s.startswith("pipeline")] == [
+        "pipelines: a pipeline checkpoints whole stages, with no k-th block for ac_every=2"
+    ]  # the one reason, not also the microbatches of pp=4 or 8
     import importlib.util
 
     real = importlib.util.find_spec

@@ -405,7 +405,7 @@ def plan(
             skipped.insert(0, f"tensor parallel: {no_tp}")
         if no_pipeline and devices > 1:  # the one reason, whatever else the model lacks
             layouts = [x for x in layouts if x.pp == 1]
-            skipped = [x for x in skipped if not x.startswith("pipeline ")]
+            skipped = [x for x in skipped if not x.startswith("pipeline")]
             skipped.append(f"pipelines: {no_pipeline}")
         elif why := next(
             (tied(p) for p in range(2, layers + 1) if devices % p == 0 and tied(p)), ""
