@@ -103,8 +103,6 @@ def _causal_lm(spec: str, path: Path, field: str) -> tuple[Any, Any]:
         ) from None
     settings = settings if isinstance(settings, dict) else {}
     try:
-        # Its models' module imports torchao where it is installed (its quantizers).
-        import_quietly("transformers.modeling_utils")
         import transformers
         from transformers.models.auto.configuration_auto import CONFIG_MAPPING
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
@@ -114,6 +112,9 @@ def _causal_lm(spec: str, path: Path, field: str) -> tuple[Any, Any]:
             "transformers, and it is not installed. Fix: pip install transformers.",
             field=field,
         ) from None
+    # Its models' module imports torchao where it is installed (its quantizers): outside
+    # the refusal above, so a torchao that fails to import says so itself.
+    import_quietly("transformers.modeling_utils")
     archs = [a for a in settings.get("architectures") or [] if isinstance(a, str)]
     known = [getattr(transformers, a, None) for a in archs]
     model_type = settings.pop("model_type", None)
