@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+import types
 from pathlib import Path
 from typing import Any
 
@@ -477,10 +478,36 @@ def test_a_forward_that_fails_names_the_users_line_once(
     said = str(got.value)
     assert said.startswith(f"plan(...): {path}:build's step raised RuntimeError: "), said
     assert said.endswith(f"Fix: correct your code at {path}, line 13."), said
+    assert f'File "{path}", line 13, in forward' in said and "linear.py" in said, said
     assert (
         "_meta_registrations" not in said
         and "failed while attempting" not in capfd.readouterr().err
     )
+
+
+def test_an_error_of_scaletrains_own_beneath_a_forward_is_not_the_users(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An error raised in scaletrain's own dispatch modes, beneath a user's forward, was
+    told as theirs: "Fix: correct your code at <their line>"."""
+    import scaletrain as st
+    from scaletrain.planner import kernels
+
+    path = tmp_path / "plain.py"
+    path.write_text(VALUED.format(route="x = b(x)"))
+
+    real = kernels.Kernels.__torch_dispatch__
+
+    def broken(self: kernels.Kernels, func: Any, *args: Any, **kwargs: Any) -> Any:
+        if func is torch.ops.aten.addmm.default:  # a Linear's matmul
+            raise IndexError("scaletrain's own bug")
+        return real(self, func, *args, **kwargs)
+
+    # As a function of kernels.py's own (its frame is scaletrain's).
+    ours = types.FunctionType(broken.__code__, vars(kernels), None, None, broken.__closure__)
+    monkeypatch.setattr(kernels.Kernels, "__torch_dispatch__", ours)
+    with pytest.raises(IndexError, match="scaletrain's own bug"):
+        st.plan(model=f"{path}:build", devices=2, hardware="h100-sxm")
 
 
 def test_a_declared_plan_tensor_parallel_refuses_says_why_it_is_not_planned(

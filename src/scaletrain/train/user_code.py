@@ -7,29 +7,42 @@ from __future__ import annotations
 import os
 import sys
 import traceback
+from typing import Any
 
 from scaletrain.errors import ConfigError
 
 __all__ = ["raised_in_user_code", "user_code_error"]
 
 
-def _own_frames(exc: BaseException) -> traceback.StackSummary:
-    """The traceback's frames from the first that is neither scaletrain's nor Python's
-    import machinery (the user's code and what it called). Frames are told apart by
-    their module's name, not their file's path (symlinks, a project inside its
-    virtualenv)."""
-    frames = [
+def _frames(exc: BaseException) -> list[tuple[Any, int, str]]:
+    """(frame, line, module name) of each frame of the traceback, outermost first."""
+    return [
         (frame, lineno, str(frame.f_globals.get("__name__", "")))
         for frame, lineno in traceback.walk_tb(exc.__traceback__)
     ]
 
-    def ours(module: str, filename: str) -> bool:
-        return (
-            module == "scaletrain" or module.startswith(("scaletrain.", "importlib.", "_frozen"))
-            or module == "importlib" or filename.startswith("<frozen ")
-        )  # fmt: skip
 
-    user = [(f, n) for f, n, m in frames if not ours(m, f.f_code.co_filename)]
+def _ours(module: str, filename: str) -> bool:
+    """A frame of scaletrain's or of Python's import machinery. Frames are told apart by
+    their module's name, not their file's path (symlinks, a project inside its
+    virtualenv)."""
+    return (
+        module == "scaletrain" or module.startswith(("scaletrain.", "importlib.", "_frozen"))
+        or module == "importlib" or filename.startswith("<frozen ")
+    )  # fmt: skip
+
+
+_TORCH_INTERNALS = ("torch._", "torch.utils._", "torch.utils.flop_counter",
+                    "torch.distributed._tools", "torch.nn.modules.module")  # fmt: skip
+"""torch's dispatch, fake-tensor, counting and module-call machinery (and torch's own
+`torch._check`): frames between a user's line and the check that raised, which say
+less than the message does."""
+
+
+def _own_frames(exc: BaseException) -> traceback.StackSummary:
+    """The traceback's frames that are neither scaletrain's nor Python's import
+    machinery (`_ours`): the user's code and what it called."""
+    user = [(f, n) for f, n, m in _frames(exc) if not _ours(m, f.f_code.co_filename)]
     return traceback.StackSummary.extract(iter(user))
 
 
@@ -41,13 +54,19 @@ def _outside_libraries(summary: traceback.StackSummary) -> list[traceback.FrameS
     libraries = tuple(
         os.path.join(sysconfig.get_paths()[k], "") for k in ("stdlib", "purelib", "platlib")
     )
-    return [f for f in summary if not f.filename.startswith(libraries)]
+    return [
+        f for f in summary if not f.filename.startswith(libraries) and f.filename[:1] != "<"
+    ]  # generated code ("<string>": a dataclass's __init__) is no one's own line
 
 
 def raised_in_user_code(exc: BaseException) -> bool:
-    """Whether the user's own code (a file outside scaletrain, the installed packages
-    and the standard library) is on the traceback of `exc`: their forward, not a
-    library's alone."""
+    """Whether `exc` is the user's own code's error: their code (a file outside
+    scaletrain, the installed packages and the standard library) is on its traceback,
+    and it was not raised in scaletrain's own (a dispatch mode or hook of scaletrain's
+    beneath their forward: scaletrain's bug, told by its traceback)."""
+    frames = _frames(exc)
+    if frames and _ours(frames[-1][2], frames[-1][0].f_code.co_filename):
+        return False
     return bool(_outside_libraries(_own_frames(exc)))
 
 
@@ -58,10 +77,12 @@ def user_code_error(exc: BaseException, doing: str, field: str, fix: str = "") -
     printed points at their line rather than at ours (`_own_frames`)."""
     summary = _own_frames(exc)
     own = _outside_libraries(summary)  # the user's own line: the deepest of these
-    # Down to the library call that line made: a library's internals below it (a
-    # kernel's shape check) say less than the message does.
-    end = max((i for i, f in enumerate(summary) if own and f is own[-1]), default=len(summary))
-    shown = "".join(summary.format()[: end + 2][-8:])
+    kept = [
+        (f, n) for f, n, m in _frames(exc)
+        if not _ours(m, f.f_code.co_filename) and not m.startswith(_TORCH_INTERNALS)
+        and m != "torch"
+    ]  # fmt: skip
+    shown = "".join(traceback.StackSummary.extract(iter(kept)).format()[-8:])
     at = f"{own[-1].filename}, line {own[-1].lineno}" if own else ""
     if isinstance(exc, SyntaxError) and exc.filename:  # its own place: no frame shows it
         shown += f'  File "{exc.filename}", line {exc.lineno}\n    {(exc.text or "").strip()}\n'
