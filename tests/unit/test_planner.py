@@ -263,6 +263,9 @@ def test_a_pipeline_pays_its_bubble() -> None:
     assert late.bubble == pytest.approx(row.bubble)
     assert late.exposed >= 2 * 3 * 5e-3  # the first microbatch down the 4 stages and back
     assert late.total - late.exposed == pytest.approx(row.total - row.exposed)
+    for schedule in ("1f1b", "gpipe", "interleaved-1f1b"):  # every send counted as comm
+        t = step_time(Layout("pipeline", pp=2, schedule=schedule, microbatches=4), m, slow, 32)
+        assert t.comm >= t.exposed > 0 and t.bubble >= 0, (schedule, t)
 
 
 def test_a_model_too_big_for_one_device_is_sharded() -> None:

@@ -357,7 +357,9 @@ def _pipeline(
     idle = simulate(f, b, schedule=schedule, microbatches=m, virtual=virtual).makespan
     busiest = max(tl.work)
     sends = max(0.0, tl.makespan - idle)
-    return busiest, hop * 2 * m * (layout.pp - 1), sends, max(0.0, idle - busiest)
+    # Each microbatch crosses every boundary between the pp x virtual stages both ways.
+    crossings = 2 * m * (layout.pp * virtual - 1)
+    return busiest, hop * crossings, sends, max(0.0, idle - busiest)
 
 
 def step_time(layout: Layout, model: Model, hw: Hardware, batch: int) -> StepTime:
