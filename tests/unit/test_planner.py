@@ -749,6 +749,52 @@ def test_a_pipeline_that_splits_tied_weights_is_not_planned(
         st.plan("llama", devices=4, hardware="h100-sxm", layouts=[pipe])
 
 
+TIED_AB = """
+import torch
+from torch import nn
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c, self.d = (nn.Linear(64, 64) for _ in range(4))
+        self.b.weight = self.a.weight  # tied between the first two layers only
+
+    def forward(self, x):
+        return self.d(self.c(self.b(self.a(x))))
+
+def example(batch_size):
+    return torch.randn(batch_size, 64), torch.randint(0, 10, (batch_size,))
+"""
+
+
+def test_only_the_pipelines_that_split_a_tie_are_left_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two stages keep a tie of the first two layers together, four split it: the
+    plan said "pipelines: tied" of every pipeline (batch 1, 8: a dp=2 x pp=2 row in
+    the table), or the microbatches of pp=4, which the tie refuses (batch 2); and an
+    interleaved pp=2 (four stages) was planned."""
+    (tmp_path / "tiedab.py").write_text(TIED_AB, encoding="utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    tie = ("pipeline pp=4: tiedab:Net's a.weight is used by more than one stage (tied "
+           "weights), and training refuses a pipeline whose stages share a parameter")  # fmt: skip
+    for batch, rows in ((1, []), (2, ["ddp x pp dp=2,pp=2 1f1b m=2"])):
+        p = st.plan(model="tiedab:Net", devices=4, hardware="h100-sxm", batch_size=batch)
+        assert [r.layout.label for r in p.rows if r.layout.pp > 1] == rows
+        said = [s for s in p.skipped if s.startswith("pipeline")]
+        assert said == ([] if rows else [
+            "pipeline pp=2: none of 2, 4, 6 or 8 microbatches divides batch_size=1. Fix: "
+            "batch_size=2 or a multiple"
+        ]) + [tie], said  # fmt: skip
+    interleaved = Layout("pipeline", pp=2, schedule="interleaved-1f1b", microbatches=4)
+    with pytest.raises(ConfigError, match=r"interleaved-1f1b m=4: tiedab:Net's a\.weight"):
+        st.plan(model="tiedab:Net", devices=2, hardware="h100-sxm", layouts=[interleaved])
+    # Interleaving on too few layers: a fix that plans (split-net: 2 layers).
+    with pytest.raises(ConfigError, match=r"and split-net has 2 top-level layers\. Fix: "
+                       r"schedule='1f1b'\.$"):  # fmt: skip
+        st.plan("split-net", devices=2, hardware="h100-sxm", layouts=[interleaved])
+
+
 class ClippingSGD(torch.optim.SGD):
     """An optimizer that branches on a gradient's value, as some do."""
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from scaletrain.errors import ConfigError, say, spell, unknown
@@ -148,32 +148,35 @@ def _count(n: int) -> str:
 
 def _skipped(
     rows: list[Layout], cannot: Callable[[Layout], str | None], devices: int, layers: int,
-    batch: int, name: str,
+    batch: int, name: str, tied: Sequence[int] = (),
 ) -> list[str]:  # fmt: skip
     """Why the tensor-parallel degrees and the pipelines (alone, or in a mesh with data
-    parallelism) of the devices that a plan leaves out are left out."""
+    parallelism) of the devices that a plan leaves out are left out; those of `tied`
+    stages are said apart (their stages would share a weight)."""
     out, seen = [], set()
     for x in rows:
         if (why := cannot(x)) and x.tp not in seen:
             seen.add(x.tp)
             out.append(f"tp={x.tp}: {why.partition('. Fix:')[0]}")
     missing = [
-        p for p in range(2, devices + 1) if devices % p == 0 and all(x.pp != p for x in rows)
-    ]
-
-    def pipes(pps: list[int]) -> str:
-        return f"pipeline pp={pps[0]}" if len(pps) == 1 else f"pipelines of pp={_listed(pps)}"
-
+        p for p in range(2, devices + 1)
+        if devices % p == 0 and p not in tied and all(x.pp != p for x in rows)
+    ]  # fmt: skip
     if few := [p for p in missing if p > layers]:
-        out.append(f"{pipes(few)}: {name} has {layers} top-level layers")
+        out.append(f"{_pipes(few)}: {name} has {layers} top-level layers")
     if cut := [p for p in missing if p <= layers]:
         counts = sorted({m for p in cut for m in microbatch_counts(p)})
         out.append(
-            f"{pipes(cut)}: none of {_listed(counts)} microbatches divides "
+            f"{_pipes(cut)}: none of {_listed(counts)} microbatches divides "
             f"{spell('batch_size', batch)}. Fix: {spell('batch_size', math.lcm(*cut))} or a "
             "multiple"
         )
     return out
+
+
+def _pipes(pps: list[int]) -> str:
+    """pipeline pp=4, pipelines of pp=2, 4 or 8: the pipelines of these degrees."""
+    return f"pipeline pp={pps[0]}" if len(pps) == 1 else f"pipelines of pp={_listed(pps)}"
 
 
 def _listed(counts: list[int]) -> str:
@@ -324,8 +327,8 @@ def plan(
     layers = len(cut)
 
     @functools.cache
-    def tied(pp: int) -> str:  # why training cannot cut the model into pp stages
-        shared = shared_between(net, split_layers(cut, pp)) if pp > 1 else []
+    def tied(stages: int) -> str:  # why training cannot cut the model into these stages
+        shared = shared_between(net, split_layers(cut, stages)) if stages > 1 else []
         return (
             f"{planned.name}'s {shared[0]} is used by more than one stage (tied weights), "
             "and training refuses a pipeline whose stages share a parameter" if shared else ""
@@ -358,6 +361,16 @@ def plan(
             raise ConfigError(
                 f"{where}: {no_pipeline}. Fix: a layout without a pipeline.", field="layouts"
             )
+        stages = x.pp * (2 if x.schedule == "interleaved-1f1b" else 1)
+        if stages > max(1, layers) and stages > x.pp:
+            fixes = [f"pp={layers // 2} or fewer" if layers >= 4 else "",
+                     "schedule='1f1b'" if x.pp <= layers else ""]  # fmt: skip
+            raise ConfigError(
+                f"{where}: interleaved 1F1B runs 2 stages on each of the {x.pp} ranks, and "
+                f"{planned.name} has {layers} top-level layers. Fix: "
+                f"{', or '.join(f for f in fixes if f) or 'a layout without a pipeline'}.",
+                field="layouts",
+            )
         if x.pp > max(1, layers):
             raise ConfigError(
                 f"{where}: {planned.name} has {layers} top-level layers, the most stages a "
@@ -365,7 +378,7 @@ def plan(
                 + (f"pp={layers} or fewer." if layers > 1 else "a layout without a pipeline."),
                 field="layouts",
             )
-        if why := tied(x.pp):
+        if why := tied(stages):
             raise ConfigError(f"{where}: {why}. Fix: a layout without a pipeline.", field="layouts")
         if x.microbatches and batch % x.microbatches:
             raise ConfigError(
@@ -380,13 +393,6 @@ def plan(
                          ).check_layout(x.pp)  # fmt: skip
             except ConfigError as exc:
                 raise ConfigError(f"{where}: training refuses it: {exc}", field="layouts") from None
-        if x.schedule == "interleaved-1f1b" and 2 * x.pp > layers:
-            raise ConfigError(
-                f"{where}: interleaved 1F1B runs 2 stages on each of the {x.pp} ranks, and "
-                f"{planned.name} has {layers} top-level layers. Fix: pp={layers // 2} or fewer, "
-                "or schedule='1f1b'.",
-                field="layouts",
-            )
         if x.offload and hw.host is None:
             raise ConfigError(
                 f"plan(..., layouts=[...]): {x.label} offloads to the host, and {hw.name}'s "
@@ -400,20 +406,18 @@ def plan(
             offload=hw.host is not None, sequence=bool(sp_blocks),
         )  # fmt: skip
         layouts = [x for x in rows if not cannot(x) and not (x.sp and seq % x.tp)]
-        skipped = _skipped(rows, cannot, devices, layers, batch, planned.name)
+        pps = [p for p in range(2, min(devices, layers) + 1) if devices % p == 0]
+        ties = [p for p in pps if tied(p)]  # the pipelines' stages that share a weight
+        skipped = _skipped(rows, cannot, devices, layers, batch, planned.name, ties)
         if not tp_plan and devices > 1:  # none, or a declared one training refuses
             skipped.insert(0, f"tensor parallel: {no_tp}")
         if no_pipeline and devices > 1:  # the one reason, whatever else the model lacks
             layouts = [x for x in layouts if x.pp == 1]
             skipped = [x for x in skipped if not x.startswith("pipeline")]
             skipped.append(f"pipelines: {no_pipeline}")
-        elif why := next(
-            (tied(p) for p in range(2, layers + 1) if devices % p == 0 and tied(p)), ""
-        ):
-            if all(tied(x.pp) for x in layouts if x.pp > 1):  # the one reason
-                skipped = [x for x in skipped if not x.startswith("pipeline")]
-            layouts = [x for x in layouts if not tied(x.pp)]
-            skipped.append(f"pipelines: {why}")
+        elif ties:
+            layouts = [x for x in layouts if x.pp not in ties]
+            skipped.append(f"{'pipelines' if ties == pps else _pipes(ties)}: {tied(ties[0])}")
     # A sharded FSDP row's step runs in the compute dtype (cost.gathered): a profile of
     # its own, taken only where a row needs it.
     shapes = {
