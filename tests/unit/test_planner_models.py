@@ -203,6 +203,8 @@ def test_both_a_recipe_and_a_model_are_refused_in_the_callers_words(tmp_path: Pa
     # st.plan("mine.py:build", ...) took it as a recipe's name: "not known".
     _refused(r"^recipe='mine.py:build' names a model module or config.json, not one of "
              r"scaletrain's recipes\. Fix: model='mine.py:build'\.$", recipe="mine.py:build")  # fmt: skip
+    for spec in ("mine.py", "path/to/hf-model"):  # a file or a folder, as model= takes them
+        _refused(rf"^recipe='{spec}' names a model module .* Fix: model='{spec}'\.$", recipe=spec)
     use_cli_names()
     _refused(r"^--recipe gpt and --model x.py:build both", recipe="gpt", model="x.py:build")
 

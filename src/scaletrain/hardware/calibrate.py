@@ -75,7 +75,7 @@ def load_calibrated(paper: bool = True) -> Hardware:
         other = (
             f"or plan on paper with {spell('hardware', 'h100-sxm')} (or a file of your own)"
             if paper
-            else f"or {spell('hardware')} FILE, the hardware file of the machine the run trained on"
+            else f"or {spell('hardware', 'FILE')}, the hardware file of the machine the run trained on"
         )
         raise ConfigError(
             f"no {spell('hardware')} given, and this machine has no calibration ({mine}). "

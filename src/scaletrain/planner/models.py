@@ -98,7 +98,10 @@ def resolve_model(
     from scaletrain.train.model_module import check_recipe, load_recipe
     from scaletrain.train.recipes import get_recipe
 
-    if model is None and recipe is not None and (":" in recipe or recipe.endswith(".json")):
+    spec = recipe is not None and (
+        ":" in recipe or recipe.endswith((".json", ".py")) or "/" in recipe
+    )  # a module's factory, a config.json, or the file or folder holding it
+    if model is None and spec:
         raise ConfigError(
             f"{spell('recipe', recipe)} names a model module or config.json, not one of "
             f"scaletrain's recipes. Fix: {spell('model', recipe)}.",
