@@ -77,6 +77,12 @@ def _hw(**kw: object) -> Hardware:
     return replace(base, **kw)  # type: ignore[arg-type]
 
 
+def _own_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, source: str) -> None:
+    """A model module `name` of `source`, importable by that name (as --model takes it)."""
+    (tmp_path / f"{name}.py").write_text(source, encoding="utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
 class ResidualMLP(nn.Module):
     """Blocks in a ModuleList: x + fc2(gelu(fc1(norm(x))))."""
 
@@ -774,8 +780,7 @@ def test_only_the_pipelines_that_split_a_tie_are_left_out(
     plan said "pipelines: tied" of every pipeline (batch 1, 8: a dp=2 x pp=2 row in
     the table), or the microbatches of pp=4, which the tie refuses (batch 2); and an
     interleaved pp=2 (four stages) was planned."""
-    (tmp_path / "tiedab.py").write_text(TIED_AB, encoding="utf-8")
-    monkeypatch.syspath_prepend(str(tmp_path))
+    _own_module(tmp_path, monkeypatch, "tiedab", TIED_AB)
     tie = ("pipeline pp=4: tiedab:Net's a.weight is used by more than one stage (tied "
            "weights), and training refuses a pipeline whose stages share a parameter")  # fmt: skip
     for batch, rows in ((1, []), (2, ["ddp x pp dp=2,pp=2 1f1b m=2"])):
@@ -1327,15 +1332,13 @@ def test_nothing_fits_suggests_only_the_fixes_the_model_takes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A model without blocks was told to try --ac full, which it cannot take."""
-    (tmp_path / "flatmlp.py").write_text(
+    _own_module(tmp_path, monkeypatch, "flatmlp",
         "import torch\nfrom torch import nn\n"
         "def build():\n    return nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 10))\n"
         "def example(batch_size):\n"
         "    return torch.randn(batch_size, 32), torch.randint(0, 10, (batch_size,))\n"
         "loss = nn.functional.cross_entropy\n",
-        encoding="utf-8",
-    )
-    monkeypatch.syspath_prepend(str(tmp_path))
+    )  # fmt: skip
     write(replace(_hw(), name="tiny", memory=2**20), tmp_path / "tiny.toml")
     p = st.plan(model="flatmlp:build", devices=2, hardware=str(tmp_path / "tiny.toml"),
                 batch_size=4096)  # fmt: skip
