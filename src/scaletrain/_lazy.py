@@ -6,12 +6,13 @@ public names still read as `scaletrain.init`, `scaletrain.train.Trainer`, ...
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-__all__ = ["import_quietly", "lazy_attributes"]
+__all__ = ["import_quietly", "lazy_attributes", "on_meta"]
 
 
 def lazy_attributes(
@@ -67,3 +68,54 @@ def import_quietly(name: str) -> types.ModuleType:
     finally:
         for log, level in zip(loggers, levels, strict=True):
             log.setLevel(level)
+
+
+_RANDOM_FILLS = frozenset(
+    {"normal_", "uniform_", "log_normal_", "exponential_", "cauchy_", "geometric_", "random_"}
+)
+"""torch's in-place random fills: they only set values, which a meta tensor has none of."""
+
+_UNIFORM_TWINS = {"xavier_normal_": "xavier_uniform_", "kaiming_normal_": "kaiming_uniform_"}
+"""torch.nn.init's normal initialisations and their uniform twins: the same arguments,
+checked the same way."""
+
+
+@contextlib.contextmanager
+def on_meta() -> Iterator[None]:
+    """`with torch.device("meta")` for building a model only to read its structure,
+    without drawing normal values into meta tensors: the tensors' random fills
+    (`_RANDOM_FILLS`) and `torch.nn.init.normal_` are skipped on them, and
+    `torch.nn.init`'s xavier_normal_ and kaiming_normal_ run as their uniform twins, so
+    their checks still run (kaiming_normal_ of a 1-D tensor still raises). A meta tensor
+    has no values, so this changes nothing a build on meta makes. The reason: torch's
+    meta kernel of `normal_` (nn.Embedding's initialisation and most Hugging Face
+    models') first imports torch's compiler, seconds of every launch that checks a
+    model before any process starts."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    class _NoNormalDraws(TorchFunctionMode):
+        def __torch_function__(
+            self,
+            func: Any,
+            types: Any,
+            args: tuple[Any, ...] = (),
+            kwargs: dict[str, Any] | None = None,
+        ) -> Any:
+            kwargs = kwargs or {}
+            # torch.nn.init's functions hand their tensor on by keyword (tensor=).
+            target = args[0] if args else kwargs.get("tensor")
+            if not isinstance(target, torch.Tensor) or not target.is_meta:
+                return func(*args, **kwargs)
+            name = getattr(func, "__name__", None)
+            if getattr(func, "__module__", None) == "torch.nn.init":
+                if name == "normal_":
+                    return target
+                if name in _UNIFORM_TWINS:
+                    return getattr(torch.nn.init, _UNIFORM_TWINS[name])(*args, **kwargs)
+            elif name in _RANDOM_FILLS:
+                return target
+            return func(*args, **kwargs)
+
+    with torch.device("meta"), _NoNormalDraws():
+        yield

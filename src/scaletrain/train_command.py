@@ -84,6 +84,7 @@ def _preflight(config: TrainConfig, nodes: int, hint: int | None) -> tuple[int, 
     """
     import torch
 
+    from scaletrain._lazy import on_meta
     from scaletrain.dist import Topology, choose_backend, choose_device
     from scaletrain.dist.topology import parse_mesh
     from scaletrain.precision import Precision
@@ -118,7 +119,7 @@ def _preflight(config: TrainConfig, nodes: int, hint: int | None) -> tuple[int, 
         mesh_given=bool(mesh),
     )
     strategy.validate(topo)
-    with torch.device("meta"):
+    with on_meta():
         model = recipe.build()
     strategy.check_model(model, topo)
     recipe.locate_data(config.data_dir)

@@ -445,6 +445,76 @@ def test_a_worker_parses_train_flags_without_the_launch_and_job_parsers() -> Non
     assert done.stdout.strip() == "[]"
 
 
+def test_the_check_before_any_process_does_not_import_torchs_compiler(tmp_path: Path) -> None:
+    # The launcher builds the model on the meta device to check it before any process
+    # starts. nn.Embedding's (and most Hugging Face models') normal_ initialisation,
+    # run there, made torch import its compiler: ~1.7 s of every launch, before the
+    # first worker started.
+    (tmp_path / "embedded.py").write_text(
+        "from torch import nn\n"
+        "def build():\n"
+        "    net = nn.Sequential(nn.Embedding(64, 8), nn.Linear(8, 8))\n"
+        "    nn.init.normal_(net[1].weight, std=0.02)\n"
+        "    nn.init.kaiming_normal_(net[1].weight, nonlinearity='relu')\n"
+        "    net[1].weight.data.normal_()\n"
+        "    return net\n"
+        "def datasets(split, data_dir=None):\n"
+        "    import torch\n"
+        "    return torch.utils.data.TensorDataset(torch.zeros(8, dtype=torch.long))\n"
+    )
+    code = (
+        "import sys\n"
+        "from scaletrain import cli\n"
+        "from scaletrain.train_command import _preflight, train_config\n"
+        "for words in (['--recipe', 'gpt'], ['--model', 'embedded:build']):\n"
+        "    ns = cli.build_parser('train').parse_args(['train', '--nproc', '2', *words])\n"
+        "    assert _preflight(train_config(ns), 1, None) == (2, 2)\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"
+
+
+def test_a_model_built_to_be_checked_is_the_model_torch_builds_on_meta() -> None:
+    """on_meta skips only what sets a meta tensor's values: the structure (names, shapes,
+    dtypes, what trains) is what `torch.device("meta")` builds, and a tensor the build
+    makes on a real device is initialised as written."""
+    import torch
+    from torch import nn
+
+    from scaletrain._lazy import on_meta
+    from scaletrain.train.models import GPT, GPTConfig
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        net = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16))
+        net.register_buffer("real", torch.empty(3, device="cpu").normal_())
+        nn.init.uniform_(net.real, 1.0, 2.0)
+        return net
+
+    with torch.device("meta"):
+        plain = build()
+    with on_meta():
+        skipped = build()
+
+    def shapes(net: nn.Module) -> list[tuple[str, tuple[int, ...], torch.dtype, str, bool]]:
+        tensors = [*net.named_parameters(), *net.named_buffers()]
+        return [(n, tuple(t.shape), t.dtype, t.device.type, t.requires_grad) for n, t in tensors]
+
+    assert shapes(skipped) == shapes(plain)
+    assert all(p.is_meta for p in skipped.parameters())
+    assert skipped.real.device.type == "cpu" and bool(
+        ((skipped.real >= 1) & (skipped.real <= 2)).all()
+    )
+    assert torch.empty(1).device.type == "cpu"  # the device is the default again after
+    # torch.nn.init's own checks still run there.
+    with on_meta(), pytest.raises(ValueError, match="fewer than 2 dimensions"):
+        nn.init.kaiming_normal_(torch.empty(3))
+
+
 def test_an_unknown_command_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         cli.main(["tarin"])

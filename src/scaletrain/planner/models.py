@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from scaletrain._lazy import on_meta
 from scaletrain.errors import ConfigError, article, spell
 from scaletrain.strategies.blocks import auto_wrap_targets
 from scaletrain.strategies.tensor_plan import declared_tp_plan, default_tp_plan
@@ -113,7 +114,7 @@ def resolve_model(
         r = load_recipe(model)
         check_recipe(r, training=False)
     name = r.spec or r.name
-    with torch.device("meta"):
+    with on_meta():
         net = r.build()
     inputs, _ = r.example(1)
     seq = isinstance(inputs, torch.Tensor) and inputs.dtype == torch.int64 and inputs.dim() == 2

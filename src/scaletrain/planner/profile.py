@@ -39,6 +39,7 @@ from torch._subclasses.fake_tensor import (
     UnsupportedOperatorException,
 )
 
+from scaletrain._lazy import on_meta
 from scaletrain.errors import ConfigError, ScaletrainError, say
 from scaletrain.planner.kernels import GroupedMm, Kernels, Work, nbytes
 from scaletrain.precision import AUTOCAST_DTYPES
@@ -371,7 +372,7 @@ def profile_model(
     inputs, targets = example
     if weights is not None and inputs.is_floating_point():
         inputs = inputs.to(weights)
-    with torch.device("meta"):
+    with on_meta():
         meta = _built(build, master)
     unique = {id(p): p for p in meta.parameters()}
     params = sum(p.numel() for p in unique.values())

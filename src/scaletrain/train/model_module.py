@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from scaletrain._lazy import on_meta
 from scaletrain.errors import ConfigError, ScaletrainError, article, spell
 from scaletrain.train.recipes import Recipe
 from scaletrain.train.user_code import user_code_error
@@ -188,7 +189,7 @@ def check_recipe(recipe: Recipe, *, field: str = "model", training: bool = True)
             field=field,
         )
     try:
-        with torch.device("meta"):
+        with on_meta():
             model = recipe.build()
     except ScaletrainError:
         raise
