@@ -12,7 +12,7 @@ import types
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-__all__ = ["import_quietly", "lazy_attributes", "on_meta"]
+__all__ = ["import_quietly", "lazy_attributes", "on_meta", "quiet_imports"]
 
 
 def lazy_attributes(
@@ -55,8 +55,11 @@ deprecation torchao's own registrations trigger. Notes to those libraries' devel
 not to a user."""
 
 
-def import_quietly(name: str) -> types.ModuleType:
-    """`name` imported with `_IMPORT_NOISE`'s warnings held back (errors still show)."""
+@contextlib.contextmanager
+def quiet_imports() -> Iterator[None]:
+    """What is imported inside, with `_IMPORT_NOISE`'s warnings held back (errors still
+    show): scaletrain's own imports of those libraries, and a user's model module that
+    imports transformers itself."""
     import logging
 
     loggers = [logging.getLogger(n) for n in _IMPORT_NOISE]
@@ -64,10 +67,16 @@ def import_quietly(name: str) -> types.ModuleType:
     for log in loggers:
         log.setLevel(logging.ERROR)
     try:
-        return importlib.import_module(name)
+        yield
     finally:
         for log, level in zip(loggers, levels, strict=True):
             log.setLevel(level)
+
+
+def import_quietly(name: str) -> types.ModuleType:
+    """`name` imported with `_IMPORT_NOISE`'s warnings held back (errors still show)."""
+    with quiet_imports():
+        return importlib.import_module(name)
 
 
 _RANDOM_FILLS = frozenset(

@@ -452,6 +452,27 @@ def test_a_config_json_is_built_without_the_libraries_import_notes(tmp_path: Pat
     assert "Failed to load" not in proc.stderr and "_pytree" not in proc.stderr, proc.stderr
 
 
+def test_a_model_module_that_imports_transformers_is_loaded_without_its_import_notes(
+    tmp_path: Path,
+) -> None:
+    """The same three lines came from a user's model module that imports transformers
+    itself (examples/hf_llama.py does), in `plan --model` and on every rank's start."""
+    import subprocess
+
+    pytest.importorskip("torchao")
+    (tmp_path / "hfmod.py").write_text(
+        "from transformers import LlamaConfig, LlamaForCausalLM\n"
+        "def build():\n"
+        "    return LlamaForCausalLM(LlamaConfig(num_hidden_layers=1))\n"
+    )
+    load = "from scaletrain.train.model_module import load_recipe; load_recipe('hfmod:build')"
+    proc = subprocess.run(
+        [sys.executable, "-c", load], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "Failed to load" not in proc.stderr and "_pytree" not in proc.stderr, proc.stderr
+
+
 def test_a_library_transformers_imports_that_fails_says_so_itself(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from scaletrain._lazy import on_meta
+from scaletrain._lazy import on_meta, quiet_imports
 from scaletrain.errors import ConfigError, ScaletrainError, article, spell
 from scaletrain.train.recipes import Recipe
 from scaletrain.train.user_code import user_code_error
@@ -302,7 +302,8 @@ def _import(where: str, *, spec: str, field: str) -> ModuleType:
         module = importlib.util.module_from_spec(loader)
         sys.modules[name] = module
         try:
-            loader.loader.exec_module(module)
+            with quiet_imports():  # a module importing transformers (and so torchao)
+                loader.loader.exec_module(module)
         except ScaletrainError:
             del sys.modules[name]
             raise
@@ -315,7 +316,8 @@ def _import(where: str, *, spec: str, field: str) -> ModuleType:
         # their modules import from where they run it, as under `python -m`.
         sys.path.insert(0, os.getcwd())
     try:
-        return importlib.import_module(where)
+        with quiet_imports():
+            return importlib.import_module(where)
     except ModuleNotFoundError as exc:
         if exc.name is not None and where.startswith(exc.name):
             raise ConfigError(
