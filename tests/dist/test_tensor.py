@@ -346,6 +346,22 @@ def test_configuration_errors_name_the_problem(results: list[dict[str, Any]]) ->
         assert "q.view(b, t, -1, head_dim)" in fixed
 
 
+def test_an_input_its_colwise_layers_share_is_redistributed_once(
+    results: list[dict[str, Any]],
+) -> None:
+    """q, k and v read one tensor: its gradient is all-reduced once per attention (and
+    once per MLP), Megatron's count, not once per layer as torch's ColwiseParallel on
+    each of them does; under sequence parallel it is gathered once, its gradient
+    reduce-scattered once. Per block of the GPT here (separate q/k/v, an fc/proj MLP):
+    2 rowwise outputs and 2 shared inputs."""
+    blocks = GPT_CONFIG.n_layer
+    for r in results:
+        plain, sp = r["collectives"]["False none None 0.0"], r["collectives"]["True none None 0.0"]
+        assert plain == {"all_reduce": 4 * blocks}, plain  # was 6 a block: 3 for q/k/v
+        # The sequence's gathers as it leaves the blocks and its gradient enters them: 2.
+        assert sp == {"reduce_scatter_tensor": 4 * blocks, "all_gather_into_tensor": 4 * blocks + 2}
+
+
 @pytest.mark.parametrize(("ac", "every", "dropout"), CHECKPOINTING)
 @pytest.mark.parametrize("sp", [False, True])
 def test_the_planner_counts_the_collectives_tensor_parallel_runs(

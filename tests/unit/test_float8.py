@@ -159,22 +159,26 @@ def test_tensor_parallel_gives_the_float8_layers_float8_styles(anywhere: None) -
     from torch.distributed.tensor.parallel import ColwiseParallel
     from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
 
-    from scaletrain.strategies.tensor import _float8_styles, default_tp_plan
+    from scaletrain.strategies.tensor import _float8_styles, _sharing_colwise, default_tp_plan
 
     model = GPT(SMALL)
-    assert _float8_styles(model, default_tp_plan(model), False, True) is None  # no float8 layers
+    assert (
+        _float8_styles(model, default_tp_plan(model), False, True, {}) is None
+    )  # no float8 layers
     convert_float8(model)
     plan = {**default_tp_plan(model), "head": "colwise"}
     # Sequence parallel all-gathers in float8 on NCCL; Gloo has no float8 collectives.
-    assert _float8_styles(model, plan, True, False) is None
-    sequence = _float8_styles(model, plan, True, True)
+    assert _float8_styles(model, plan, True, False, {}) is None
+    sequence = _float8_styles(model, plan, True, True, {})
     assert sequence is not None and type(sequence["blocks.0.mlp.fc"]) is Float8ColwiseParallel
-    styles = _float8_styles(model, plan, False, False)
+    styles = _float8_styles(model, plan, False, False, {})
     assert styles is not None
     assert type(styles["blocks.0.attn.q_proj"]) is Float8ColwiseParallel
     assert type(styles["blocks.3.mlp.proj"]) is Float8RowwiseParallel
-    # A layer float8 left alone keeps torch's own style.
-    assert type(styles["head"]) is ColwiseParallel
+    # A layer float8 left alone keeps the plain style (a ColwiseParallel that shares its
+    # input with the layers beside it that take the same tensor).
+    assert type(styles["head"]) is _sharing_colwise()
+    assert isinstance(styles["head"], ColwiseParallel)
 
 
 def test_refused_on_a_device_without_float8(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -341,18 +341,19 @@ def _llama(ac: str = "none", ac_every: int | None = None, float8: bool = False) 
 
 
 def test_tensor_parallel_runs_each_collective_its_layers_and_checkpointing_run() -> None:
-    """Plain tensor parallel all-reduces each colwise layer's input gradient in the
-    backward (q, k and v each their own): the plan mirrored the forward's rowwise
-    all-reduces, 2 of a llama block's 7. A checkpointed block's recomputation runs its
-    collectives again, which the plan priced only under full checkpointing, and then
-    every one (tests/dist/test_tensor.py counts what TensorParallel runs)."""
+    """Plain tensor parallel all-reduces the gradient of each input its colwise layers
+    take in the backward (once for q, k and v, which share theirs; once for w1 and w3):
+    the plan mirrored the forward's rowwise all-reduces, 2 of a llama block's 4. A
+    checkpointed block's recomputation runs its collectives again, which the plan
+    priced only under full checkpointing, and then every one (tests/dist/test_tensor.py
+    counts what TensorParallel runs)."""
     from scaletrain.planner.cost import tp_collectives
 
     hw = _hw()
     plain, sp = Layout("tensor", tp=2), Layout("tensor", tp=2, sp=True)
     m = _llama()
     rows, cols, each = m.tp_messages()
-    assert (rows, cols) == (2 * 4, 5 * 4)
+    assert (rows, cols) == (2 * 4, 2 * 4)
     ar = hw.intra.time("all_reduce", each, 2)
     assert step_time(plain, m, hw, 4).comm == pytest.approx((rows + cols) * ar)
     # Recomputed up to the block's last matmul, which saves the last tensor the backward
@@ -366,18 +367,18 @@ def test_tensor_parallel_runs_each_collective_its_layers_and_checkpointing_run()
         for ac, every in (("none", None), ("selective", None), ("full", None), ("selective", 2))
         for x in [_llama(ac, every)]
     }
-    assert counts["none", None] == ({"all_reduce": 28},
-                                    {"reduce_scatter": 28, "all_gather": 28, "edges": 2})  # fmt: skip
+    assert counts["none", None] == ({"all_reduce": 16},
+                                    {"reduce_scatter": 16, "all_gather": 16, "edges": 2})  # fmt: skip
     # Selective keeps the reduce-scatters' outputs; the all-gathers run again.
-    assert counts["selective", None] == ({"all_reduce": 32},
-                                         {"reduce_scatter": 28, "all_gather": 48, "edges": 2})  # fmt: skip
-    assert counts["full", None] == ({"all_reduce": 32},
-                                    {"reduce_scatter": 32, "all_gather": 48, "edges": 2})  # fmt: skip
+    assert counts["selective", None] == ({"all_reduce": 20},
+                                         {"reduce_scatter": 16, "all_gather": 24, "edges": 2})  # fmt: skip
+    assert counts["full", None] == ({"all_reduce": 20},
+                                    {"reduce_scatter": 20, "all_gather": 24, "edges": 2})  # fmt: skip
     # Every second block whole (the first of each two), the others not at all.
-    assert counts["selective", 2] == ({"all_reduce": 30},
-                                      {"reduce_scatter": 30, "all_gather": 38, "edges": 2})  # fmt: skip
+    assert counts["selective", 2] == ({"all_reduce": 18},
+                                      {"reduce_scatter": 18, "all_gather": 20, "edges": 2})  # fmt: skip
     rs, ag = (hw.intra.time(k, each, 2) for k in ("reduce_scatter", "all_gather"))
-    assert step_time(sp, full, hw, 4).comm == pytest.approx(32 * rs + 50 * ag)
+    assert step_time(sp, full, hw, 4).comm == pytest.approx(20 * rs + 26 * ag)
 
 
 def test_a_layer_is_in_float8_where_float8_training_converts_it() -> None:
@@ -414,16 +415,18 @@ def test_sequence_parallel_holds_the_gathered_inputs_of_a_block_being_recomputed
         base = p.activation_bytes - min(p.activation_bytes, m.tp_split(sp=True)) * (1 - 1 / 2)
         return (memory(sp, m, 4).activations - base) / m.tp_messages(sp=True)[2]
 
-    assert held(_llama()) == pytest.approx(5 * 4)  # every colwise layer's, 4 blocks of 5
-    assert held(_llama("selective")) == pytest.approx(5 + 2 * 4)  # and every rowwise output
-    assert held(_llama("full")) == pytest.approx(5)
-    assert held(_llama("selective", 2)) == pytest.approx(5 * 2 + 5)  # 2 blocks unchecked
-    assert held(_llama(float8=True)) == pytest.approx(5 * 4 / 4)  # a byte, not fp32's 4
+    # A block's colwise layers take 2 inputs (q, k and v one, w1 and w3 the other).
+    assert held(_llama()) == pytest.approx(2 * 4)  # every block's, 4 blocks of 2
+    assert held(_llama("selective")) == pytest.approx(2 + 2 * 4)  # and every rowwise output
+    assert held(_llama("full")) == pytest.approx(2)
+    assert held(_llama("selective", 2)) == pytest.approx(2 * 2 + 2)  # 2 blocks unchecked
+    # float8's styles gather each layer's own input (5 a block), a byte, not fp32's 4.
+    assert held(_llama(float8=True)) == pytest.approx(5 * 4 / 4)
     # Only the layers float8 converts gather in float8 (torchtitan's head stays bf16):
-    # here the attention's q, k and v, not the MLP's gate and up.
+    # here the attention's q, k and v, not the MLP's gate and up, which share theirs.
     m = _llama()
     some = replace(m, float8=[n for n in m.styled("colwise") if ".attention." in n])
-    assert held(some) == pytest.approx(3 * 4 / 4 + 2 * 4)
+    assert held(some) == pytest.approx(3 * 4 / 4 + 1 * 4)
 
 
 def test_float8_runs_the_blocks_matmuls_at_the_fp8_rate_and_pays_for_its_casts() -> None:
@@ -1053,10 +1056,12 @@ def test_sequence_parallel_splits_what_the_blocks_hold_and_gathers_each_colwise_
     # The blocks keep more than their attention and MLP modules (norms, residuals).
     assert m.tp_split(sp=True) > m.tp_split() > 0
     # TensorParallel(sequence_parallel=True) gives each colwise layer Shard(1) inputs:
-    # one all-gather each, beside a reduce-scatter per rowwise layer. More collectives
-    # than plain tp's all-reduces, and each gathered input is kept whole.
+    # one all-gather for each input they take (q, k and v share one), beside a
+    # reduce-scatter per rowwise layer. More collectives than plain tp's all-reduces,
+    # and each gathered input is kept whole.
     rows, gathers, each = m.tp_messages(sp=True)
-    assert gathers == sum(s == "colwise" for s in plan.values()) > rows == m.tp_messages()[0]
+    blocks = len(sequence_parallel_blocks(net, plan))
+    assert gathers == rows == m.tp_messages()[0] == 2 * blocks
     assert sp.time.comm > plain.time.comm
     one = memory(Layout("tensor", tp=2), m, 32).activations
     two = memory(Layout("tensor", tp=2, sp=True), m, 32)

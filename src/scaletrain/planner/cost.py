@@ -39,10 +39,11 @@ link each group spans (hardware.Link), exposed where it outlasts what hides it:
   its reduce-scatter (`Host.bandwidth`), and the optimizer steps on the host, exposed:
   its memory's pace (`Host.memory_bandwidth`) and a dispatch per op (`launch`).
 - Tensor parallel: its collectives sit between a block's matmuls, exposed: a rowwise
-  layer's output all-reduced in the forward, a colwise layer's input gradient in the
-  backward, and what a checkpointed block's recomputation runs again. Sequence
-  parallel makes each all-reduce a reduce-scatter and all-gathers each colwise layer's
-  input and each rowwise layer's output gradient (in float8 for float8 training's layers).
+  layer's output all-reduced in the forward, the gradient of each input the colwise
+  layers take (once for q, k and v, which share it) in the backward, and what a
+  checkpointed block's recomputation runs again. Sequence parallel makes each
+  all-reduce a reduce-scatter and all-gathers each colwise input and each rowwise
+  layer's output gradient (in float8 for float8 training's layers).
 - Pipeline: its schedule simulated (schedule.py) with the sends between stages; what
   the sends add to the simulated step is exposed communication, the bubble what the
   step without them has beyond the busiest rank's work.
@@ -184,17 +185,24 @@ def memory(layout: Layout, model: Model, batch: int) -> Memory:
     units = [u / max(1e-9, p.param_bytes / max(1, p.params)) for u in model.unit_params()]
     w = MASTER[prec]  # gradients in the weights' dtype; a frozen parameter has none
     adam = p.optimizer_bytes / max(1, p.trainable)  # per trained parameter
-    acts = p.activation_bytes * per
+    acts, at_head = p.activation_bytes * per, 0.0
     if layout.tp > 1:
         # What a module held after its forward counts its output too: at most the peak.
+        # A rank peaks where the profile does, or before the backward reaches the blocks
+        # (ModelProfile.head_activation_bytes), when what it divides is small beside the
+        # logits; with sequence parallel each also holds some whole (`_sp_held`).
+        one = model.tp_messages(sp=True)[2] * per if layout.sp else 0.0  # a whole activation
+        at_head = p.head_activation_bytes * per
+        at_head -= min(at_head, model.tp_split(layout.sp, False) * per) * (1 - 1 / layout.tp)
+        at_head += _sp_held(model, False) * one
         acts -= min(acts, model.tp_split(layout.sp) * per) * (1 - 1 / layout.tp)
-        if layout.sp:  # what it holds whole (`_sp_held`)
-            acts += _sp_held(model) * model.tp_messages(sp=True)[2] * per
+        acts += _sp_held(model) * one
     inflight = [m if layout.schedule == "gpipe" else min(m, pp - r) for r in range(pp)]
     held = model.held_activations() * per if pp > 1 else acts
     rest = max(0.0, acts - held)  # a pipeline's last stage: the loss's and step's temporaries
     sends = 2 * model.edge(pp) * per if pp > 1 else 0.0
-    alive = min(1.0, p.peak_grad_bytes / max(1, p.trainable_bytes))
+    alive, alive_head = (min(1.0, g / max(1, p.trainable_bytes))
+                         for g in (p.peak_grad_bytes, p.head_grad_bytes))  # fmt: skip
     rows = []
     for r, share in enumerate(_devices(model, layout)):
         psi = p.params * share.params
@@ -206,7 +214,10 @@ def memory(layout: Layout, model: Model, batch: int) -> Memory:
             whole = [u * f * w for u, f in zip(units, model.gathered(), strict=True)]
             buffers += (sum(whole) if layout.keeps else sum(sorted(whole)[-2:])) * share.params
         mine = share.acts * held * (inflight[r] if pp > 1 else 1) + (rest if r == pp - 1 else 0.0)
-        at_peak = s["grads"] if (layout.dp > 1 and layout.stage == 0) else s["grads"] * alive
+        ddp = layout.dp > 1 and layout.stage == 0  # its gradient buckets live all along
+        at_peak = s["grads"] if ddp else s["grads"] * alive
+        if pp == 1 and at_head + (s["grads"] if ddp else s["grads"] * alive_head) > mine + at_peak:
+            mine, at_peak = at_head, s["grads"] if ddp else s["grads"] * alive_head
         temp, host = p.optimizer_temp_bytes * share.trained, 0.0
         if layout.offload:  # the states and the optimizer step move to the host
             host, temp, at_peak = sum(s.values()), 0.0, 0.0
@@ -219,19 +230,20 @@ def memory(layout: Layout, model: Model, batch: int) -> Memory:
     return max(rows, key=lambda x: x.total)
 
 
-def _sp_held(model: Model) -> float:
+def _sp_held(model: Model, recomputing: bool = True) -> float:
     """Whole activations sequence parallel holds beyond what it splits, in activations
     of the profile's dtype. Each gathered input, kept for its weights' gradient (in
     float8, a byte, where float8 training converts its layer): every one the
     recomputation does not run, and of those it runs one block's at a time (the
-    all-gather is not an op checkpointing keeps: the recomputation gathers again).
-    Under op-level selective checkpointing, each recomputed rowwise layer's output,
-    kept whole before its reduce-scatter (a matmul's output: the policy keeps it)."""
+    all-gather is not an op checkpointing keeps: the recomputation gathers again;
+    `recomputing` False: none, before the backward reaches the blocks). Under op-level
+    selective checkpointing, each recomputed rowwise layer's output, kept whole before
+    its reduce-scatter (a matmul's output: the policy keeps it)."""
     names = model.gatherers()
     again = {n for n, r in zip(names, model.recompute(names), strict=True) if r}
     size = {n: 1 / COMPUTE[model.precision] if model.in_float8(n) else 1.0 for n in names}
     block = max((sum(size[n] for n in again if n.startswith(f"{u}.")) for u in model.units),
-                default=0.0)  # fmt: skip
+                default=0.0) if recomputing else 0.0  # fmt: skip
     gathered = sum(size[n] for n in names if n not in again) + block
     rows = model.recompute(model.styled("rowwise"))
     kept = sum(map(bool, rows)) if model.profile.ac == "selective" else 0
@@ -294,16 +306,16 @@ def _fsdp(
 def tp_collectives(layout: Layout, model: Model) -> dict[str, int]:
     """Tensor parallel's collectives in one forward and backward, by kind, each of a
     whole activation (batch x tokens x width). Plain: a rowwise layer's partial output
-    all-reduced in the forward, a colwise layer's input gradient in the backward.
-    Sequence parallel: the rowwise outputs reduce-scattered and the colwise inputs
-    gathered ("all_gather", in float8 for float8 training's layers), the backward the
-    mirror of each; and "edges", the sequence's gathers as it leaves the blocks (the
-    forward's) and enters them (the backward's, of its gradient). Checkpointing's
-    recomputation runs again what it runs (ModuleCost.recompute, measured by the
-    profile): each input it gathers, and each rowwise output's collective it runs
-    through (torch.utils.checkpoint stops once the backward has every tensor it saves:
-    in a pre-norm block, inside the last rowwise layer), but the reduce-scatters
-    op-level selective checkpointing keeps."""
+    all-reduced in the forward, each colwise input's gradient in the backward (one for
+    the layers that share it: Model.gatherers). Sequence parallel: the rowwise outputs
+    reduce-scattered and the colwise inputs gathered ("all_gather", in float8 for
+    float8 training's layers), the backward the mirror of each; and "edges", the
+    sequence's gathers as it leaves the blocks (the forward's) and enters them (the
+    backward's, of its gradient). Checkpointing's recomputation runs again what it
+    runs (ModuleCost.recompute, measured by the profile): each input it gathers, and
+    each rowwise output's collective it runs through (torch.utils.checkpoint stops
+    once the backward has every tensor it saves: in a pre-norm block, inside the last
+    rowwise layer), but the reduce-scatters op-level selective checkpointing keeps."""
     rows, cols, _ = model.tp_messages(layout.sp)
     through = sum(r == 2 for r in model.recompute(model.styled("rowwise")))
     if not layout.sp:

@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import logging
 import signal
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -70,6 +72,10 @@ class ModuleCost:
     saves, here inside this module), 2 through it (and through what follows it, such
     as tensor parallel's collective of its output). 0 for a checkpointed block itself,
     as above."""
+    input: int = 0
+    """Which tensor its forward took (numbered as the forward first met them; 0: none):
+    the modules that took the same tensor object share a number, as an attention's q,
+    k and v do (tensor parallel redistributes it once for them)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +106,12 @@ class ModelProfile:
     """Peak bytes the forward/backward holds beyond parameters, buffers and gradients."""
     peak_grad_bytes: int
     """Gradients alive at that peak (the backward frees activations as it makes them)."""
+    head_activation_bytes: int
+    """As `activation_bytes`, at the peak before the backward reaches the blocks (the
+    forward's end, the loss, the head's backward): where a tensor-parallel rank peaks
+    when the blocks' share, which it divides, is small beside the logits."""
+    head_grad_bytes: int
+    """Gradients alive at that peak (the head's)."""
     forward: Work
     backward: Work
     """Per-sample work (at `batch_size`), with any recomputation activation
@@ -298,6 +310,7 @@ def _module_costs(
     io: Mapping[str, int],
     scale: float,
     through: Collection[str],
+    took: Mapping[str, int],
 ) -> dict[str, ModuleCost]:
     """Each module's cost; `through`: the modules whose forward returned during the
     backward (the recomputation ran through them: the tracker's post-forward state is
@@ -328,6 +341,7 @@ def _module_costs(
             recomputed_bytes=held(stats, _ModState.PRE_FW_AC, _ModState.POST_FW_AC),
             recompute=2 if name in through
             else 1 if stats and stats.snapshots.get(_ModState.PRE_FW_AC) else 0,
+            input=took.get(name, 0),
         )  # fmt: skip
     return out
 
@@ -396,6 +410,19 @@ def profile_model(
         if backward:
             through.add(names[id(m)])
 
+    took: dict[str, int] = {}  # ModuleCost.input, by a weak reference to each tensor:
+    met: dict[int, tuple[int, Any]] = {}  # holding it would move the tracked peak
+    numbers = itertools.count(1)
+
+    def taking(m: nn.Module, args: Any) -> None:
+        if not args or not isinstance(x := args[0], torch.Tensor) or backward:
+            return
+        number, ref = met.get(id(x), (0, None))
+        if ref is None or ref() is not x:  # new, or a new tensor at a freed one's id
+            number, ref = next(numbers), weakref.ref(x)
+            met[id(x)] = number, ref
+        took[names[id(m)]] = number
+
     with (
         _between_blocks(),
         _quiet_meta_failures(),
@@ -418,12 +445,20 @@ def profile_model(
         fake = sum(nbytes(p) for p in {id(p): p for p in model.parameters()}.values())
         scale = param_bytes / max(1, fake)
         hooks = [m.register_forward_hook(returned) for m in model.modules()]
+        hooks += [m.register_forward_pre_hook(taking) for m in model.modules()]
         if ac != "none":
             apply_levers(model, ac=ac, ac_every=ac_every, owner="plan(...)", doing="plan")
+        head: list[dict[Any, int]] = []  # the tracker's peak as the blocks' backward begins
+
+        def reached(*_: Any) -> None:
+            if not head:
+                head.append(next(iter(tracker.get_tracker_snapshot("peak").values()), {}))
+
         for block in auto_wrap_targets(model):
             module = model.get_submodule(block)
             hooks.append(module.register_forward_hook(_collect))
             hooks.append(module.register_full_backward_pre_hook(_collect))
+            hooks.append(module.register_full_backward_pre_hook(reached))
         opt = optimizer(model.parameters())
         x, y = mode.from_tensor(inputs), mode.from_tensor(targets)
         shapes = {tuple(p.shape) for p in model.parameters()}
@@ -458,7 +493,8 @@ def profile_model(
         finally:
             counter.stop()
         peak = tracker.get_tracker_snapshot("peak")
-        modules = _module_costs(model, tracker, counter.by_module(), io, scale, through)
+        modules = _module_costs(model, tracker, counter.by_module(), io, scale, through, took)
+        met.clear()
         for h in hooks:
             h.remove()
         try:
@@ -486,6 +522,10 @@ def profile_model(
         optimizer_bytes=round(state * scale),
         optimizer_temp_bytes=round(step_kinds.get(_MemRefType.TEMP, 0) * scale),
         activation_bytes=int(kinds.get(_MemRefType.ACT, 0) + kinds.get(_MemRefType.TEMP, 0)),
+        head_activation_bytes=int(
+            sum((head or [kinds])[0].get(k, 0) for k in (_MemRefType.ACT, _MemRefType.TEMP))
+        ),
+        head_grad_bytes=round((head or [kinds])[0].get(_MemRefType.GRAD, 0) * scale),
         peak_grad_bytes=round(kinds.get(_MemRefType.GRAD, 0) * scale),
         forward=replace(fwd.work, flops=float(flops_fwd), fp8=fwd.work.fp8 + fwd.fixed.fp8,
                         fp32=fwd.work.fp32 + fwd.fixed.fp32),

@@ -75,14 +75,15 @@ class Model:
         flops = self._sum(self._holders(), "flops") / max(1.0, p.flops)
         return Share(min(params, 1.0), min(trained, 1.0), min(flops, 1.0), 0.0)
 
-    def tp_split(self, sp: bool = False) -> float:
+    def tp_split(self, sp: bool = False, recomputing: bool = True) -> float:
         """Bytes of the peak (at the profile's batch) tensor parallel divides: what the
         modules holding its layers keep for the backward, less their outputs (a rowwise
         layer's, whole on every rank); with sequence parallel, all the blocks keep. Under
         checkpointing also one block's recomputation: what those modules (with sequence
         parallel, the block's children) hold when run again, less their outputs likewise.
         Where a holder is the block itself, its recomputation is not seen and counts
-        whole. The rest (embeddings, head, the loss) is whole."""
+        whole (`recomputing` False: no block is being recomputed, as before the
+        backward reaches the blocks). The rest (embeddings, head, the loss) is whole."""
         if not self.tp_plan:
             return 0.0
         mods, whole = self.profile.modules, 0 if sp else 1  # a rowwise output is whole
@@ -98,18 +99,20 @@ class Model:
             holders = self._holders()
             kept = part(holders, "activation_bytes")
             groups = [[h for h in holders if h.startswith(u + ".")] for u in self.units]
+        if not recomputing:
+            return kept
         return kept + max((part(g, "recomputed_bytes") for g in groups), default=0.0)
 
     def tp_messages(self, sp: bool = False) -> tuple[int, int, float]:
         """(rowwise layers, colwise inputs) of tensor parallel, whose collectives a step
         runs, and the bytes of each collective. A rowwise layer's output is all-reduced,
-        or with sequence parallel reduce-scattered; a colwise layer's input gradient is
-        all-reduced in the backward, or with sequence parallel each of `gatherers` has
-        its input gathered and the gradient reduce-scattered."""
+        or with sequence parallel reduce-scattered; each input of the colwise layers
+        (`gatherers`) has its gradient all-reduced in the backward, or with sequence
+        parallel is gathered and its gradient reduce-scattered."""
         if not self.tp_plan:
             return 0, 0, 0.0
         rows = self.styled("rowwise")
-        cols = len(self.gatherers() if sp else self.styled("colwise"))
+        cols = len(self.gatherers())
         return len(rows), cols, self._sum(rows, "output_bytes") / max(1, len(rows))
 
     def styled(self, style: str) -> list[str]:
@@ -117,9 +120,18 @@ class Model:
         return [n for n, s in (self.tp_plan or {}).items() if s == style]
 
     def gatherers(self) -> list[str]:
-        """The modules whose input sequence parallel gathers: each colwise layer
-        (TensorParallel gives each `input_layouts=Shard(1)`)."""
-        return self.styled("colwise")
+        """The colwise layers that redistribute their input (sequence parallel: gather
+        it): of those that take the same tensor in one call of the module holding them
+        (ModuleCost.input: an attention's q, k and v), the first, as TensorParallel
+        shares it; a float8 layer each (float8's styles share nothing)."""
+        mods, seen, out = self.profile.modules, set(), []
+        for n in self.styled("colwise"):
+            took = mods[n].input if n in mods and not self.in_float8(n) else 0
+            key = (n.rpartition(".")[0], took) if took else n
+            if key not in seen:
+                seen.add(key)
+                out.append(n)
+        return out
 
     def in_float8(self, name: str) -> bool:
         """Whether float8 training converts the layer `name`, or every layer of tensor

@@ -18,8 +18,9 @@ so that plain models (the GPT in scaletrain.train.models) need no plan.
 
 from __future__ import annotations
 
+import functools
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -180,10 +181,12 @@ class TensorParallel(Strategy):
 
         # Gloo has no float8 collectives (NCCL has): float8 all-gathers on NCCL only.
         float8_comms = topo.backend == "nccl"
-        styles = _float8_styles(module, plan, self.sequence_parallel, float8_comms) or {
-            key: _style(value, self.sequence_parallel) for key, value in plan.items()
+        shared: dict[str, Any] = {}
+        styles = _float8_styles(module, plan, self.sequence_parallel, float8_comms, shared) or {
+            key: _style(value, self.sequence_parallel, shared) for key, value in plan.items()
         }
         parallelize_module(module, mesh, styles)
+        _forget_shared_input(module, plan, shared)
         explain_fixed_head_counts(module, plan, degree)
         if blocks is not None:
             _slice_and_gather(module, blocks, mesh)
@@ -222,32 +225,98 @@ def _reduce_partial_grads(optimizer: torch.optim.Optimizer, *_: Any) -> None:
 # -- applying it --------------------------------------------------------------------
 
 
-def _style(value: Any, sequence_parallel: bool) -> ParallelStyle:
+def _style(value: Any, sequence_parallel: bool, shared: dict[str, Any]) -> ParallelStyle:
+    """torch's style for a plan's string: "colwise" a `_sharing_colwise` layer (over
+    `shared`), "rowwise" RowwiseParallel, "sequence" SequenceParallel; a ParallelStyle
+    of the user's own as given."""
     from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        SequenceParallel,
-    )
+    from torch.distributed.tensor.parallel import RowwiseParallel, SequenceParallel
 
     if not isinstance(value, str):
         return value
     if value == "sequence":
         return SequenceParallel()
+    colwise = _sharing_colwise()
     if not sequence_parallel:
-        return ColwiseParallel() if value == "colwise" else RowwiseParallel()
+        return colwise(shared) if value == "colwise" else RowwiseParallel()
     # Between blocks the activations are sliced on the sequence (dim 1): a colwise
     # layer gathers them (all-gather) and a rowwise layer hands back its slice
-    # (reduce-scatter instead of all-reduce). Gathering per layer rather than once per
-    # attention module (torchtitan's PrepareModuleInput) costs one all-gather per q/k/v
-    # but needs no knowledge of the attention's forward signature.
+    # (reduce-scatter instead of all-reduce).
     if value == "colwise":
-        return ColwiseParallel(input_layouts=Shard(1))
+        return colwise(shared, input_layouts=Shard(1))
     return RowwiseParallel(output_layouts=Shard(1))
 
 
+@functools.cache
+def _sharing_colwise() -> Callable[..., ParallelStyle]:
+    """ColwiseParallel whose layers share one redistribution of an input they take
+    together: q, k and v of one attention (a gated MLP's gate and up) all read the
+    same tensor, and torch's style turns it into a DTensor in each layer. That is an
+    all-reduce of its gradient per layer in the backward (sequence parallel: an
+    all-gather per layer in the forward, a reduce-scatter per layer in the backward).
+    Shared, the layers' gradients add up on the one DTensor first, and the
+    redistribution's backward runs once: Megatron's one collective per attention or
+    MLP. torchtitan gets there by handing the attention module itself a DTensor
+    (PrepareModuleInput); this needs nothing of the module's forward, which may be any
+    model's. The sharing is by identity (the same tensor object, kept alive with its
+    DTensor), so a layer taking another input (a cross-attention's k and v) converts
+    its own; `_forget_shared_input` drops the tensor once its module returns."""
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    class SharingColwise(ColwiseParallel):
+        def __init__(self, shared: dict[str, Any], **layouts: Any) -> None:
+            super().__init__(**layouts)
+            self.shared = shared
+
+        def _prepare_input_fn(  # type: ignore[override]  # bound: it reads self.shared
+            self,
+            input_layouts: Any,
+            desired_input_layouts: Any,
+            mod: nn.Module,
+            inputs: tuple[Any, ...],
+            device_mesh: DeviceMesh,
+        ) -> Any:
+            x = inputs[0]  # a local tensor, or a DTensor (a SequenceParallel norm's output)
+            if self.shared.get("input") is x and self.shared.get("mesh") is device_mesh:
+                return self.shared["dtensor"]
+            dtensor = ColwiseParallel._prepare_input_fn(
+                input_layouts, desired_input_layouts, mod, inputs, device_mesh
+            )
+            self.shared.update(input=x, mesh=device_mesh, dtensor=dtensor)
+            return dtensor
+
+    return SharingColwise
+
+
+def _forget_shared_input(
+    module: nn.Module, plan: Mapping[str, Any], shared: dict[str, Any]
+) -> None:
+    """Hooks: the modules holding the plan's colwise layers (an attention, an MLP) drop
+    the input their layers shared when they are called and when they return, so the
+    cache never holds an activation past its module (a gathered one, under sequence
+    parallel). Correctness never rests on these: sharing needs the same tensor object."""
+    modules = dict(module.named_modules())
+    holders = {
+        name.rpartition(".")[0]
+        for key, value in plan.items()
+        if value == "colwise"
+        for name in matching_modules(module, key)
+    }
+
+    def forget(*_: Any) -> None:
+        shared.clear()
+
+    for name in holders:
+        modules[name].register_forward_pre_hook(forget)
+        modules[name].register_forward_hook(forget, always_call=True)
+
+
 def _float8_styles(
-    module: nn.Module, plan: Mapping[str, Any], sequence_parallel: bool, float8_comms: bool
+    module: nn.Module,
+    plan: Mapping[str, Any],
+    sequence_parallel: bool,
+    float8_comms: bool,
+    shared: dict[str, Any],
 ) -> dict[str, ParallelStyle] | None:
     """The plan with torchao's float8 styles for the float8 layers it names as "colwise" or
     "rowwise"; None for torch's own styles everywhere: when the model has no float8
@@ -280,11 +349,11 @@ def _float8_styles(
         if value not in ("colwise", "rowwise") or not any(
             isinstance(modules[n], float8_linear) for n in names
         ):
-            styles[key] = _style(value, sequence_parallel)
+            styles[key] = _style(value, sequence_parallel, shared)
             continue
         for name in names:
             if not isinstance(modules[name], float8_linear):
-                styles[name] = _style(value, sequence_parallel)
+                styles[name] = _style(value, sequence_parallel, shared)
             elif value == "colwise":
                 styles[name] = (
                     Float8ColwiseParallel(input_layouts=Shard(1))
