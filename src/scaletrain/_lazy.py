@@ -118,13 +118,31 @@ def on_meta() -> Iterator[None]:
                 return func(*args, **kwargs)
             name = getattr(func, "__name__", None)
             if getattr(func, "__module__", None) == "torch.nn.init":
-                if name == "normal_":
-                    return target
                 if name in _UNIFORM_TWINS:
                     return getattr(torch.nn.init, _UNIFORM_TWINS[name])(*args, **kwargs)
-            elif name in _RANDOM_FILLS:
-                return target
-            return func(*args, **kwargs)
+                if name != "normal_":
+                    return func(*args, **kwargs)
+            elif name not in _RANDOM_FILLS:
+                return func(*args, **kwargs)
+            _check_on_one_value(func, target, args, kwargs)
+            return target
+
+    def _check_on_one_value(
+        func: Any, target: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        """The fill run on one value of the target's dtype on the CPU (no compiler
+        there), so what it refuses is refused as the build on meta refused it: a
+        negative std, an integer tensor, a leaf that requires a gradient. Not with a
+        generator of the user's, which may be of another device."""
+        if any(isinstance(a, torch.Generator) for a in (*args, *kwargs.values())):
+            return
+        one = torch.empty(1, dtype=target.dtype, device="cpu")
+        if target.requires_grad:
+            one = one.requires_grad_() if target.is_leaf else one.requires_grad_().clone()
+        if args:
+            func(one, *args[1:], **kwargs)
+        else:
+            func(**{**kwargs, "tensor": one})
 
     with torch.device("meta"), _NoNormalDraws():
         yield

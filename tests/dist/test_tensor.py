@@ -9,6 +9,7 @@ configuration errors; the tests assert on its results.
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import pytest
@@ -203,6 +204,69 @@ def _collectives(rt: Any) -> dict[str, dict[str, int]]:
     return out
 
 
+class _TwoReads(nn.Module):
+    """q and k read one tensor; `mode`: q's read under no_grad, or in a reentrant
+    checkpoint (its forward runs under no_grad), or as k's."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.mode = mode
+        self.q, self.k = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mode == "nograd":
+            with torch.no_grad():
+                q = self.q(x)
+        elif self.mode == "reentrant":
+            q = torch.utils.checkpoint.checkpoint(self.q, x, use_reentrant=True)
+        else:
+            q = self.q(x)
+        return q + self.k(x)
+
+
+class _Heads(nn.Module):
+    """Colwise layers in a ModuleList, which is never called itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.heads = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.heads[0](x) + self.heads[1](x)
+
+
+def _shared_inputs(rt: Any) -> dict[str, Any]:
+    """Each case's input gradient with the layers split (their outputs' local columns
+    summed on each rank: together, the whole output's sum) and whole, and what the
+    shared-input cache holds after the step."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from scaletrain.dist.mesh import device_mesh
+    from scaletrain.strategies.tensor import _forget_shared_input, _style
+
+    mesh = device_mesh(rt.topology, "tp")
+    out = {}
+    for name, make, plan in [
+        *((mode, partial(_TwoReads, mode), {"q": "colwise", "k": "colwise"})
+          for mode in ("plain", "nograd", "reentrant")),
+        ("heads", _Heads, {"heads.0": "colwise", "heads.1": "colwise"}),
+    ]:  # fmt: skip
+        grads = []
+        for split in (False, True):
+            torch.manual_seed(0)
+            model, shared = make(), {}
+            if split:
+                parallelize_module(
+                    model, mesh, {k: _style(v, False, shared) for k, v in plan.items()}
+                )
+                _forget_shared_input(model, plan, shared)
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
+            model(x).sum().backward()
+            grads.append(x.grad)
+        out[name] = {"grads": grads, "cache": sorted(shared)}
+    return out
+
+
 def _job() -> dict[str, Any]:
     import scaletrain as st
     from scaletrain.strategies.tensor import TensorParallel
@@ -214,6 +278,7 @@ def _job() -> dict[str, Any]:
     }
     res.update({name: _train(rt, name) for name in CONFIGS})
     res["collectives"] = _collectives(rt)
+    res["shared_inputs"] = _shared_inputs(rt)
     # Each error is raised on both ranks before any collective, so no rank is stranded.
     res["convnet"] = _error(rt, ConvNet())
     res["bad_key"] = _error(rt, _model(), plan={"blocks.*.attn.qproj": "colwise"})
@@ -360,6 +425,25 @@ def test_an_input_its_colwise_layers_share_is_redistributed_once(
         assert plain == {"all_reduce": 4 * blocks}, plain  # was 6 a block: 3 for q/k/v
         # The sequence's gathers as it leaves the blocks and its gradient enters them: 2.
         assert sp == {"reduce_scatter_tensor": 4 * blocks, "all_gather_into_tensor": 4 * blocks + 2}
+
+
+def test_a_shared_input_keeps_every_gradient_and_nothing_past_the_step(
+    results: list[dict[str, Any]],
+) -> None:
+    """A DTensor made from an input under no_grad (or in a reentrant checkpoint's
+    forward) carries no gradient: handed to the next layer taking that input, it lost
+    that layer's gradient (x.grad None). Colwise layers in a ModuleList, never called
+    itself, kept their shared input (and its DTensor) past the step."""
+    for r in results:
+        for name, case in r["shared_inputs"].items():
+            whole, split = case["grads"]
+            assert split is not None, name
+            torch.testing.assert_close(split, whole, msg=name)
+            # A reentrant checkpoint recomputes q in the backward, after every module
+            # returned: its input stays until the next forward begins.
+            assert case["cache"] == (
+                [] if name != "reentrant" else ["dtensor", "grad", "input", "mesh"]
+            ), name
 
 
 @pytest.mark.parametrize(("ac", "every", "dropout"), CHECKPOINTING)

@@ -510,9 +510,15 @@ def test_a_model_built_to_be_checked_is_the_model_torch_builds_on_meta() -> None
         ((skipped.real >= 1) & (skipped.real <= 2)).all()
     )
     assert torch.empty(1).device.type == "cpu"  # the device is the default again after
-    # torch.nn.init's own checks still run there.
+    # torch.nn.init's own checks still run there, and what a fill refuses is refused.
     with on_meta(), pytest.raises(ValueError, match="fewer than 2 dimensions"):
         nn.init.kaiming_normal_(torch.empty(3))
+    with on_meta(), pytest.raises(RuntimeError, match="std >= 0.0"):
+        nn.init.normal_(torch.empty(3), std=-1.0)
+    with on_meta(), pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+        nn.Parameter(torch.empty(3)).normal_()
+    with on_meta(), pytest.raises(NotImplementedError, match="Long"):
+        torch.empty(3, dtype=torch.long).normal_()
 
 
 def test_an_unknown_command_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:

@@ -277,12 +277,15 @@ def _sharing_colwise() -> Callable[..., ParallelStyle]:
             device_mesh: DeviceMesh,
         ) -> Any:
             x = inputs[0]  # a local tensor, or a DTensor (a SequenceParallel norm's output)
-            if self.shared.get("input") is x and self.shared.get("mesh") is device_mesh:
-                return self.shared["dtensor"]
+            grad = torch.is_grad_enabled()  # one made under no_grad carries no gradient
+            shared = self.shared
+            same = shared.get("input") is x and shared.get("mesh") is device_mesh
+            if same and shared.get("grad") is grad:
+                return shared["dtensor"]
             dtensor = ColwiseParallel._prepare_input_fn(
                 input_layouts, desired_input_layouts, mod, inputs, device_mesh
             )
-            self.shared.update(input=x, mesh=device_mesh, dtensor=dtensor)
+            shared.update(input=x, mesh=device_mesh, grad=grad, dtensor=dtensor)
             return dtensor
 
     return SharingColwise
@@ -291,17 +294,21 @@ def _sharing_colwise() -> Callable[..., ParallelStyle]:
 def _forget_shared_input(
     module: nn.Module, plan: Mapping[str, Any], shared: dict[str, Any]
 ) -> None:
-    """Hooks: the modules holding the plan's colwise layers (an attention, an MLP) drop
-    the input their layers shared when they are called and when they return, so the
-    cache never holds an activation past its module (a gathered one, under sequence
-    parallel). Correctness never rests on these: sharing needs the same tensor object."""
+    """Hooks: the modules holding the plan's colwise layers (an attention, an MLP; above
+    a ModuleList or ModuleDict, which is never called, the module that holds it) drop
+    the input their layers shared when they are called and when they return, and so
+    does the model, so the cache never holds an activation past its module (a
+    gathered one, under sequence parallel) nor one step's input into the next. (A
+    reentrant checkpoint of one colwise layer recomputes it in the backward, after every
+    module returned: that input stays until the next forward begins.)"""
     modules = dict(module.named_modules())
-    holders = {
-        name.rpartition(".")[0]
-        for key, value in plan.items()
-        if value == "colwise"
-        for name in matching_modules(module, key)
-    }
+    holders = {""}
+    for key, value in plan.items():
+        for name in matching_modules(module, key) if value == "colwise" else ():
+            holder = name.rpartition(".")[0]
+            while holder and isinstance(modules[holder], (nn.ModuleList, nn.ModuleDict)):
+                holder = holder.rpartition(".")[0]
+            holders.add(holder)
 
     def forget(*_: Any) -> None:
         shared.clear()
