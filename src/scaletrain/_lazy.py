@@ -84,19 +84,16 @@ _RANDOM_FILLS = frozenset(
 )
 """torch's in-place random fills: they only set values, which a meta tensor has none of."""
 
-_UNIFORM_TWINS = {"xavier_normal_": "xavier_uniform_", "kaiming_normal_": "kaiming_uniform_"}
-"""torch.nn.init's normal initialisations and their uniform twins: the same arguments,
-checked the same way."""
-
 
 @contextlib.contextmanager
 def on_meta() -> Iterator[None]:
     """`with torch.device("meta")` for building a model only to read its structure,
-    without drawing normal values into meta tensors: the tensors' random fills
-    (`_RANDOM_FILLS`) and `torch.nn.init.normal_` are skipped on them, and
-    `torch.nn.init`'s xavier_normal_ and kaiming_normal_ run as their uniform twins, so
-    their checks still run (kaiming_normal_ of a 1-D tensor still raises). A meta tensor
-    has no values, so this changes nothing a build on meta makes. The reason: torch's
+    without drawing random values into meta tensors: the tensors' random fills
+    (`_RANDOM_FILLS`, which torch.nn.init's functions call) and `torch.nn.init.normal_`
+    (which hands the mode its own call) are skipped on them, each run on one CPU value
+    instead to refuse what it refuses; everything around them still runs
+    (kaiming_normal_ of a 1-D tensor still raises). A meta tensor has no values, so this
+    changes nothing a build on meta makes. The reason: torch's
     meta kernel of `normal_` (nn.Embedding's initialisation and most Hugging Face
     models') first imports torch's compiler, seconds of every launch that checks a
     model before any process starts."""
@@ -117,12 +114,8 @@ def on_meta() -> Iterator[None]:
             if not isinstance(target, torch.Tensor) or not target.is_meta:
                 return func(*args, **kwargs)
             name = getattr(func, "__name__", None)
-            if getattr(func, "__module__", None) == "torch.nn.init":
-                if name in _UNIFORM_TWINS:
-                    return getattr(torch.nn.init, _UNIFORM_TWINS[name])(*args, **kwargs)
-                if name != "normal_":
-                    return func(*args, **kwargs)
-            elif name not in _RANDOM_FILLS:
+            initialiser = getattr(func, "__module__", None) == "torch.nn.init"
+            if name != "normal_" if initialiser else name not in _RANDOM_FILLS:
                 return func(*args, **kwargs)
             _check_on_one_value(func, target, args, kwargs)
             return target
