@@ -198,16 +198,21 @@ def _torchtitans_tp(profile: object, layers: list[Any], units: object, tp_plan: 
     """The planner's model of a run with torchtitan's tensor-parallel plan (its llama3
     `apply_tp`) where it goes beyond scaletrain's: the embeddings rowwise, the final
     norm sequence parallel and the head colwise with loss parallelism, so every
-    activation, the logits and the loss's included, is split over tp; and sequence
-    parallel's inputs gathered once per attention and feed-forward module
-    (`PrepareModuleInput`), where scaletrain's TensorParallel gathers once per colwise
-    layer. The planner's two gathers of the sequence at the blocks' ends (scaletrain's)
-    stay: two of a step's hundreds of collectives."""
+    activation, the logits and the loss's included, is split over tp (at the profile's
+    peak and at the head's alike); and sequence parallel's inputs gathered once per
+    attention and feed-forward module (`PrepareModuleInput`, as scaletrain's
+    TensorParallel shares one gather among the layers taking one input), named by the
+    module, whose inputs torchtitan's float8 styles gather in float8. The planner's two
+    gathers of the sequence at the blocks' ends (scaletrain's) stay: two of a step's
+    hundreds of collectives."""
     from scaletrain.planner.structure import Model
 
     class Torchtitan(Model):
-        def tp_split(self, sp: bool = False) -> float:
-            return float(self.profile.activation_bytes) if sp else super().tp_split(sp)
+        def tp_split(self, sp: bool = False, recomputing: bool = True) -> float:
+            if not sp:
+                return super().tp_split(sp, recomputing)
+            p = self.profile
+            return float(p.activation_bytes if recomputing else p.head_activation_bytes)
 
         def gatherers(self) -> list[str]:
             return sorted({n.rpartition(".")[0] for n in super().gatherers()})
