@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import itertools
-import logging
 import signal
 import threading
 import warnings
@@ -35,15 +34,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import (
-    DataDependentOutputException,
-    DynamicOutputShapeException,
-    UnsupportedOperatorException,
-)
 
 from scaletrain._lazy import on_meta
-from scaletrain.errors import ConfigError, ScaletrainError, say
+from scaletrain.errors import ConfigError, say
 from scaletrain.planner.kernels import GroupedMm, Kernels, Work, nbytes
+from scaletrain.planner.refusals import quiet_meta_failures, refused
 from scaletrain.precision import AUTOCAST_DTYPES
 
 __all__ = ["ModelProfile", "ModuleCost", "profile_model"]
@@ -191,89 +186,6 @@ def _between_blocks() -> Any:
         if main and _INTERRUPTED:
             _INTERRUPTED.clear()
             raise KeyboardInterrupt
-
-
-_FAKE_LIMITS = (DataDependentOutputException, DynamicOutputShapeException,
-                UnsupportedOperatorException)  # fmt: skip
-"""What a step fake tensors cannot run raises: an op whose result depends on values
-(.nonzero(), .item()) or one with no fake kernel (a custom op registered without)."""
-_NO_FAKE = "There was no fake impl registered for <CustomOpDef("
-"""torch.library.custom_op's RuntimeError for an op without a fake kernel."""
-_NUMPY = ".numpy() is not supported for tensor subclasses"
-"""A fake tensor's RuntimeError for .numpy()."""
-
-
-def _unprofiled(what: str, exc: RuntimeError) -> ConfigError | None:
-    """The refusal of a step fake tensors cannot run (`_FAKE_LIMITS`, a custom op
-    without a fake kernel, .numpy()), in one line; None for another error."""
-    text = str(exc)
-    custom = text.startswith(_NO_FAKE)
-    if not (isinstance(exc, _FAKE_LIMITS) or custom or _NUMPY in text):
-        return None
-    op = str(getattr(exc, "func", exc)).removesuffix(".default")
-    measure = say(
-        api="train a few steps: the run's step ledger reports each phase's time and the "
-        "peak memory",
-        cli="scaletrain train --max-steps 20 reports each phase's time and the peak memory",
-    )
-    if isinstance(exc, UnsupportedOperatorException) or custom:
-        # torch.library.custom_op names the op and the function to register it with.
-        op, _, rest = text.removeprefix(_NO_FAKE).partition(")>") if custom else (op, "", "")
-        how = rest.partition("Please use `")[2].partition("`")[0] or "torch.library.register_fake"
-        why = (
-            f"runs {op}, which has no fake-tensor kernel, and a plan runs one step on "
-            f"fake tensors. Fix: register one ({how})"
-        )
-    else:
-        shown = (
-            ".item() or the like (a tensor read as a Python number or bool: .tolist(), "
-            "`if tensor:`)" if "scalar_dense" in op
-            else ".numpy() (a tensor read into NumPy)" if _NUMPY in text
-            else op
-        )  # fmt: skip
-        fix = (
-            "read it after the step (logging, metrics), not inside it" if _NUMPY in text
-            else "compute that part from shapes alone (a mixture of experts: transformers' "
-            "grouped matmuls, not a loop over the experts each token picks)"
-        )  # fmt: skip
-        why = (
-            f"runs {shown}, whose result depends on the values of its inputs, and a plan "
-            f"runs one step on fake tensors, which hold shapes but no values. Fix: {fix}"
-        )
-    return ConfigError(
-        f"{say(api='plan(...): ', cli='')}{what} cannot be profiled: it {why}, or measure "
-        f"it: {measure}.",
-        field="model",
-    )
-
-
-def _refused(what: str, exc: Exception) -> ConfigError | None:
-    """The refusal of a step that failed under the profile: one fake tensors cannot run
-    (`_unprofiled`), or an error the user's own code raised (their file and line, as a
-    model module's failing factory is shown); None for any other (a library's own, or
-    scaletrain's: its traceback)."""
-    from scaletrain.train.user_code import raised_in_user_code, user_code_error
-
-    if isinstance(exc, ScaletrainError):
-        return None
-    if isinstance(exc, RuntimeError) and (refusal := _unprofiled(what, exc)):
-        return refusal
-    if raised_in_user_code(exc):
-        return user_code_error(exc, f"{say(api='plan(...): ', cli='')}{what}", "model")
-    return None
-
-
-@contextlib.contextmanager
-def _quiet_meta_failures() -> Any:
-    """torch's fake-tensor mode logs each op whose meta kernel raised, traceback and
-    all, before the error reaches the profile, which says it once (`_refused`)."""
-    log = logging.getLogger("torch._subclasses.fake_tensor")
-    level = log.level
-    log.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        log.setLevel(level)
 
 
 class _NoHook:
@@ -425,7 +337,7 @@ def profile_model(
 
     with (
         _between_blocks(),
-        _quiet_meta_failures(),
+        quiet_meta_failures(),
         FakeTensorMode(allow_non_fake_inputs=True) as mode,
         GroupedMm(),
     ):
@@ -487,7 +399,7 @@ def profile_model(
                     loss.backward()
                 flops_all = counter.count()
         except Exception as exc:
-            if (refusal := _refused(f"{label}'s step", exc)) is None:
+            if (refusal := refused(f"{label}'s step", exc)) is None:
                 raise
             raise refusal from None
         finally:
@@ -504,7 +416,7 @@ def profile_model(
                 step_tracker.track_external(model, opt)
                 opt.step()
         except Exception as exc:
-            if (refusal := _refused(f"{label}'s optimizer", exc)) is None:
+            if (refusal := refused(f"{label}'s optimizer", exc)) is None:
                 raise
             raise refusal from None
         step_peak = step_tracker.get_tracker_snapshot("peak")
