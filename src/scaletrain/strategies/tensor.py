@@ -259,8 +259,9 @@ def _sharing_colwise() -> Callable[..., ParallelStyle]:
     MLP. torchtitan gets there by handing the attention module itself a DTensor
     (PrepareModuleInput); this needs nothing of the module's forward, which may be any
     model's. The sharing is by identity (the same tensor object, kept alive with its
-    DTensor), so a layer taking another input (a cross-attention's k and v) converts
-    its own; `_forget_shared_input` drops the tensor once its module returns."""
+    DTensor, under the same grad mode), so a layer taking another input (a
+    cross-attention's k and v) converts its own; `_forget_shared_input` drops the
+    tensor once its module returns."""
     from torch.distributed.tensor.parallel import ColwiseParallel
 
     class SharingColwise(ColwiseParallel):
