@@ -72,6 +72,20 @@ def test_a_factory_that_raises_names_its_line_and_the_meta_device(module: Path) 
     assert f"correct your code at {module}, line 12" in said, said
 
 
+def test_an_initialisation_a_build_on_meta_refuses_shows_no_dispatch_frames(
+    module: Path,
+) -> None:
+    """The check's build on meta runs under a torch-function mode (and the meta device
+    is one): torch.overrides' frames between the user's line and torch.nn.init's said
+    nothing the message does not."""
+    module.write_text(
+        GOOD + "\ndef negative():\n    return nn.init.normal_(nn.Linear(4, 3).weight, std=-1.0)\n"
+    )
+    said = _refused(f"{module}:negative")
+    assert "std >= 0.0" in said and f"correct your code at {module}, line 12" in said, said
+    assert "torch/overrides.py" not in said, said
+
+
 def test_a_datasets_function_of_the_wrong_form_is_refused_before_it_is_called(
     module: Path,
 ) -> None:

@@ -32,11 +32,11 @@ def _ours(module: str, filename: str) -> bool:
     )  # fmt: skip
 
 
-_TORCH_INTERNALS = ("torch._", "torch.utils._", "torch.utils.flop_counter",
+_TORCH_INTERNALS = ("torch._", "torch.utils._", "torch.utils.flop_counter", "torch.overrides",
                     "torch.distributed._tools", "torch.nn.modules.module")  # fmt: skip
-"""torch's dispatch, fake-tensor, counting and module-call machinery (and torch's own
-`torch._check`): frames between a user's line and the check that raised, which say
-less than the message does."""
+"""torch's dispatch (a torch-function mode's handling among it), fake-tensor, counting
+and module-call machinery (and torch's own `torch._check`): frames between a user's
+line and the check that raised, which say less than the message does."""
 
 
 def _own_frames(exc: BaseException) -> traceback.StackSummary:
