@@ -93,10 +93,10 @@ def on_meta() -> Iterator[None]:
     (which hands the mode its own call) are skipped on them, each run on one CPU value
     instead to refuse what it refuses; everything around them still runs
     (kaiming_normal_ of a 1-D tensor still raises). A meta tensor has no values, so this
-    changes nothing a build on meta makes. The reason: torch's
-    meta kernel of `normal_` (nn.Embedding's initialisation and most Hugging Face
-    models') first imports torch's compiler, seconds of every launch that checks a
-    model before any process starts."""
+    changes nothing a build on meta makes. The reason: torch's meta kernel of
+    `normal_` (nn.Embedding's initialisation and most Hugging Face models') first
+    imports torch's compiler, seconds of every launch that checks a model before any
+    process starts."""
     import torch
     from torch.overrides import TorchFunctionMode
 

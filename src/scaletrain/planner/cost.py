@@ -216,8 +216,9 @@ def memory(layout: Layout, model: Model, batch: int) -> Memory:
         mine = share.acts * held * (inflight[r] if pp > 1 else 1) + (rest if r == pp - 1 else 0.0)
         ddp = layout.dp > 1 and layout.stage == 0  # its gradient buckets live all along
         at_peak = s["grads"] if ddp else s["grads"] * alive
-        if pp == 1 and at_head + (s["grads"] if ddp else s["grads"] * alive_head) > mine + at_peak:
-            mine, at_peak = at_head, s["grads"] if ddp else s["grads"] * alive_head
+        head_grads = s["grads"] if ddp else s["grads"] * alive_head
+        if layout.tp > 1 and pp == 1 and at_head + head_grads > mine + at_peak:
+            mine, at_peak = at_head, head_grads
         temp, host = p.optimizer_temp_bytes * share.trained, 0.0
         if layout.offload:  # the states and the optimizer step move to the host
             host, temp, at_peak = sum(s.values()), 0.0, 0.0
