@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sys
 import types
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -592,3 +593,56 @@ def test_a_pipeline_that_cannot_split_the_blocks_says_so(tmp_path: Path) -> None
     mine = st.plan("gpt", devices=2, hardware="h100-sxm",
                    layouts=[Layout("pipeline", pp=2, schedule="1f1b", microbatches=2)])  # fmt: skip
     assert not any("top-level layers" in n for n in mine.rows[0].notes)  # its blocks split
+
+
+def test_a_sweep_profiles_a_model_once_and_a_changed_model_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A profile depends on the model, its batch and the levers, not on the devices or
+    the hardware: a sweep of them profiled the model again for each plan (37 s each for
+    the 8B recipe). Kept for a recipe and a config.json (their code is fixed in a
+    process), by what shapes them; a model module, whose code its user may edit and
+    reload, is profiled at each plan."""
+    from collections import OrderedDict
+
+    import scaletrain as st
+    import scaletrain.planner.api as api
+    from scaletrain.train import llama
+
+    profiled: list[str] = []
+    real = api.profile_model
+    monkeypatch.setattr(
+        api, "profile_model", lambda *a, **k: profiled.append(k["name"]) or real(*a, **k)
+    )
+    monkeypatch.setattr(api, "_PROFILES", OrderedDict())
+
+    def rows(*args: Any, **kwargs: Any) -> list[tuple[str, float, float]]:
+        p = st.plan(*args, hardware=kwargs.pop("hardware", "h100-sxm"), **kwargs)
+        return [(r.layout.label, r.memory.total, r.time.total) for r in p.rows]
+
+    first = rows("llama", devices=2, batch_size=2)
+    assert profiled == ["llama"]
+    assert rows("llama", devices=2, batch_size=2) == first  # the same plan, not profiled
+    rows("llama", devices=8, batch_size=2, hardware="a100-sxm")
+    assert profiled == ["llama"]
+    for changed in ({"batch_size": 4}, {"ac": "full"}, {"precision": "bf16-mixed"},
+                    {"seq_len": 64}):  # fmt: skip
+        rows("llama", devices=2, **{"batch_size": 2, **changed})
+    assert len(profiled) == 5
+    # The recipe's model changed (its shape's heads and MLP): profiled again.
+    debug = llama.LLAMA_SHAPES["debug"]
+    for shape in (replace(debug, n_heads=8, n_kv_heads=None), replace(debug, multiple_of=64)):
+        monkeypatch.setitem(llama.LLAMA_SHAPES, "debug", shape)
+        rows("llama", devices=2, batch_size=2)
+    assert len(profiled) == 7
+    # A config.json's text, as it is when planned.
+    folder = _config(tmp_path, LLAMA)
+    rows(model=str(folder), devices=2)
+    rows(model=str(folder), devices=4)
+    _config(tmp_path, {**LLAMA, "intermediate_size": 96})
+    rows(model=str(folder), devices=2)
+    assert len(profiled) == 9
+    module = _module(tmp_path)
+    rows(model=module, devices=2)
+    rows(model=module, devices=2)
+    assert len(profiled) == 11

@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import functools
 import math
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+
+import torch
 
 from scaletrain.errors import ConfigError, say, spell, unknown
 from scaletrain.hardware import Hardware, load
@@ -30,6 +33,12 @@ from scaletrain.strategies.tensor_plan import (
 )
 
 __all__ = ["PRECISIONS", "Plan", "plan"]
+
+_KEPT_PROFILES = 16
+_PROFILES: OrderedDict[tuple[str, ...], ModelProfile] = OrderedDict()
+"""The profiles of the latest plans of recipes and config.json models (`PlannedModel.key`),
+by what shapes them: a profile does not depend on the devices or the hardware, so a sweep
+of them in one process (a notebook, plan_accuracy.py) profiles each model once."""
 
 
 @dataclass(slots=True)
@@ -418,15 +427,29 @@ def plan(
         elif ties:
             layouts = [x for x in layouts if x.pp not in ties]
             skipped.append(f"{'pipelines' if ties == pps else _pipes(ties)}: {tied(ties[0])}")
+
+    def profiled(kind: bool) -> ModelProfile:  # the kept one where there is one
+        levers = (batch, precision, ac, ac_every, kind, float8, torch.get_default_dtype())
+        key = None if planned.key is None else (*planned.key, *map(str, levers))
+        if key is not None and key in _PROFILES:
+            _PROFILES.move_to_end(key)
+            return _PROFILES[key]
+        profile = profile_model(
+            planned.build, planned.example(batch), planned.loss, planned.optimizer,
+            precision=precision, ac=ac, ac_every=ac_every, name=planned.name,
+            gathered=kind, float8=planned.blocks if float8 else None,
+        )  # fmt: skip
+        if key is not None:
+            _PROFILES[key] = profile
+            while len(_PROFILES) > _KEPT_PROFILES:
+                _PROFILES.popitem(last=False)
+        return profile
+
     # A sharded FSDP row's step runs in the compute dtype (cost.gathered): a profile of
     # its own, taken only where a row needs it.
     shapes = {
         kind: Model(
-            profile_model(
-                planned.build, planned.example(batch), planned.loss, planned.optimizer,
-                precision=precision, ac=ac, ac_every=ac_every, name=planned.name,
-                gathered=kind, float8=planned.blocks if float8 else None,
-            ),
+            profiled(kind),
             cut, planned.blocks, tp_plan, compiled=bool(compile), precision=precision,
             sp_blocks=sp_blocks, float8=fp8,
         )

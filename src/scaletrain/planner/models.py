@@ -8,6 +8,7 @@ step computes in).
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -57,6 +58,11 @@ class PlannedModel:
     """The model as `build` makes it, on the meta device (sizes, names, no memory)."""
     no_tp: str = ""
     """Why TensorParallel cannot cut it where it declares a plan (`_tp_plan`)."""
+    key: tuple[str, ...] | None = None
+    """What a profile of it depends on, where its code is fixed within a process (a
+    recipe's, or transformers' for a config.json: the recipe's name or the file's text,
+    `_fingerprint`, the tokens per sample), so a profile of it can be reused; None for
+    a model module, whose code its user may edit and reload."""
 
 
 def resolve_model(
@@ -114,6 +120,7 @@ def resolve_model(
         r = load_recipe(model)
         check_recipe(r, training=False)
     name = r.spec or r.name
+    source = f"recipe {r.name}" if model is None else None
     with on_meta():
         net = r.build()
     inputs, _ = r.example(1)
@@ -134,6 +141,7 @@ def resolve_model(
         # replica, as long as the model takes (HF_SEQ_LEN at most), not at its recipe's
         # short default.
         name = f"{type(net).__name__} ({hf})"
+        source = f"config.json {hf.read_text(encoding='utf-8', errors='replace')}"
         most = getattr(getattr(net, "config", None), "max_position_embeddings", None)
         default, per_replica = min(HF_SEQ_LEN, most or HF_SEQ_LEN), 1
     tokens = _tokens_of(name, net, seq_len, default) if seq else None
@@ -151,7 +159,18 @@ def resolve_model(
         name=name, build=r.build, example=example, loss=r.loss,
         optimizer=partial(r.optimizer, lr=r.lr), batch_size=batch_size or per_replica,
         seq_len=tokens, tp_plan=tp_plan, blocks=tuple(blocks), net=net, no_tp=no_tp,
+        key=None if source is None else (source, _fingerprint(net, blocks), str(tokens)),
     )  # fmt: skip
+
+
+def _fingerprint(net: nn.Module, blocks: Iterable[str]) -> str:
+    """What a profile of a model whose code is fixed (a recipe's, transformers') depends
+    on beyond that code: its modules, their config, its parameters' and buffers' shapes,
+    dtypes and training, and its blocks (what checkpointing acts on)."""
+    text = [repr(net), repr(getattr(net, "config", None)), *blocks]
+    text += (f"{n} {tuple(p.shape)} {p.dtype} {p.requires_grad}" for n, p in net.named_parameters())
+    text += (f"{n} {tuple(b.shape)} {b.dtype}" for n, b in net.named_buffers())
+    return hashlib.sha256("\n".join(text).encode()).hexdigest()
 
 
 def _tokens_of(name: str, net: nn.Module, seq_len: int | None, default: int) -> int:
