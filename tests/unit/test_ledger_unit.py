@@ -535,6 +535,40 @@ def test_a_rank_that_recompiles_is_no_straggler_and_its_steps_no_slow_steps(
     assert "compil" not in _printed(summary)
 
 
+def test_a_run_of_only_its_warm_up_says_no_step_was_measured(tmp_path: Path) -> None:
+    """A run of one step (`--max-steps 1`, a smoke test) has only its warm-up, which the
+    statistics leave out: its summary printed a table of dashes with "rank -1", and its
+    line "- ms/step (..., 0 steps)", and `scaletrain report` of it raised a TypeError.
+    Each says why there is nothing to show."""
+    from scaletrain.observe.metrics.summary import summary_line
+
+    ledger, clock = _ledger(tmp_path, world_size=1)
+    _step(ledger, clock)
+    ledger.finish()
+    summary = json.loads((tmp_path / "observe" / "summary.json").read_text())
+    out = _printed(summary)
+    assert out.startswith(
+        "where the time goes: no step measured: step 1 was warm-up or profiled, which the "
+        "step times leave out (each rank's first step is its warm-up); a run of more steps "
+        "shows them"
+    ), out
+    assert "rank -1" not in out and "┃" not in out
+    line = summary_line(summary, tmp_path)
+    assert line.startswith("scaletrain: no step measured: step 1 was warm-up"), line
+    assert "ms/step" not in line
+    from scaletrain.observe.report.html import write_report
+
+    page = write_report(tmp_path).read_text()  # it raised a TypeError on the step's None
+    assert "median step</th><td>no step measured: step 1 was warm-up" in page
+    two, clock = _ledger(tmp_path / "two", world_size=1)
+    for _ in range(2):
+        _step(two, clock)
+    two.finish()
+    summary = json.loads((tmp_path / "two" / "observe" / "summary.json").read_text())
+    assert "mean of 1 step in 1-2" in _printed(summary)  # the table, of the one counted
+    assert "(1 rank, 1 step)" in summary_line(summary, None)
+
+
 @pytest.mark.timeout(120)
 def test_a_compiled_model_shows_its_compile_time_as_the_compile_phase(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]

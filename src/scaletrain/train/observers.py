@@ -94,8 +94,8 @@ class ProgressPrinter(LoopObserver):
         # A resumed start trained from where it resumed: its time is that part's.
         end, start = int(summary["steps"]), int(summary.get("started_at") or 0)
         trained = (
-            f"{end - start} steps (steps {start + 1}-{end}, resumed at {start})" if start
-            else f"{end} steps"
+            f"{_steps(end - start)} (steps {start + 1}-{end}, resumed at {start})" if start
+            else _steps(end)
         )  # fmt: skip
         self.progress.print(
             f"done: {trained} in {summary['train_time_s']:.1f} s"
@@ -170,3 +170,7 @@ class MetricsLog(LoopObserver):
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def _steps(n: int) -> str:
+    return f"{n} step{'' if n == 1 else 's'}"

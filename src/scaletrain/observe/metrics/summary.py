@@ -34,6 +34,7 @@ __all__ = [
     "print_summary",
     "summary_line",
     "summary_table",
+    "unmeasured_reason",
 ]
 
 
@@ -265,7 +266,7 @@ def summary_table(summary: dict[str, Any]) -> Any:
         "warm-up, compiling and profiled" if summary.get("compile") else "warm-up and profiled"
     )
     table = Table(
-        title=f"where the time goes: ms per step (mean of {counted} steps in "
+        title=f"where the time goes: ms per step (mean of {counted} step{'s' * (counted != 1)} in "
         f"{summary['first_step']}-{summary['last_step']}, {skipped} steps left "
         f"out; min / median / max over {world} rank{'s' if world != 1 else ''})",
         title_justify="left",
@@ -356,7 +357,8 @@ def summary_line(summary: dict[str, Any], out: Path | None) -> str:
     step = summary["phases"]["step"]["median"]
     counted = max((r["steps"] for r in summary["ranks"]), default=0)
     over = f"median of {world} ranks" if world > 1 else "1 rank"
-    parts = [f"{_ms(step)} ms/step ({over}, {counted} steps)"]
+    counts = f"{counted} step{'s' * (counted != 1)}"
+    parts = [unmeasured_reason(summary) or f"{_ms(step)} ms/step ({over}, {counts})"]
     mfu = summary.get("mfu") or {}
     if mfu.get("datasheet") is not None:
         parts.append(f"MFU {mfu['datasheet']:.1%} of the datasheet peak")
@@ -383,7 +385,23 @@ def print_line(summary: dict[str, Any], say: Callable[[Any], None], out: Path | 
     say(summary_line(summary, out))
 
 
+def unmeasured_reason(summary: dict[str, Any]) -> str | None:
+    """Why no step is in the statistics, where none is: a run of one step has only its
+    warm-up (a table of it showed no figure and rank -1)."""
+    if max((r["steps"] for r in summary["ranks"]), default=0) > 0:
+        return None
+    first, last = summary["first_step"], summary["last_step"]
+    steps = f"step {first}" if first == last else f"steps {first}-{last}"
+    skipped = "warm-up, compiling or profiled" if summary.get("compile") else "warm-up or profiled"
+    return (
+        f"no step measured: {steps} {'was' if first == last else 'were'} {skipped}, which "
+        "the step times leave out (each rank's first step is its warm-up); a run of more "
+        "steps shows them"
+    )
+
+
 def print_summary(summary: dict[str, Any], say: Callable[[Any], None]) -> None:
-    say(summary_table(summary))
+    unmeasured = unmeasured_reason(summary)
+    say(summary_table(summary) if unmeasured is None else f"where the time goes: {unmeasured}")
     for line in _lines(summary):
         say(line)

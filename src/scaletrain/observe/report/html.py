@@ -19,7 +19,7 @@ from scaletrain.errors import ScaletrainError
 from scaletrain.observe.metrics.phases import PHASE_DOCS, PHASES
 from scaletrain.observe.metrics.records import OBSERVE_DIR, RunRecords, peak_memory, read_run
 from scaletrain.observe.metrics.stragglers import what_slowed
-from scaletrain.observe.metrics.summary import compile_line
+from scaletrain.observe.metrics.summary import compile_line, unmeasured_reason
 
 __all__ = ["ReportError", "write_report"]
 
@@ -248,7 +248,9 @@ def _facts(records: RunRecords) -> str:
     ]
     if s:
         rows.append(("steps", f"{s['first_step']}-{s['last_step']}"))
-        rows.append(("median step", f"{s['phases']['step']['median'] * 1e3:.2f} ms"))
+        median = s["phases"]["step"]["median"]
+        shown = "-" if median is None else f"{median * 1e3:.2f} ms"
+        rows.append(("median step", unmeasured_reason(s) or shown))
         compiled = compile_line(s)
         if compiled:
             rows.append(
