@@ -460,6 +460,22 @@ def test_check_of_a_file_names_the_run_it_is_in(
     assert code == 2 and "is a file, not a finished run" in err, err
 
 
+def test_check_of_a_run_of_only_its_warm_up_says_no_step_was_counted(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run of `--max-steps 1` has only its warm-up step, which the run's own summary
+    leaves out: --check compared the plan with it ("4.0 ms predicted, 2280.5 ms
+    measured (-99.8%)")."""
+    hw = str(cpu_hardware_file(tmp_path / "cpu.toml"))
+    code, err = _plan(capsys, "--check", str(_ledger_run(tmp_path / "one", steps=1)),
+                      "--hardware", hw)  # fmt: skip
+    assert code == 2 and err.count("scaletrain: error:") == 1, err
+    assert "the run's ledger counts no step: each of its steps was warm-up" in err, err
+    assert "Fix: a run of at least 2 steps in one start (--max-steps)" in err, err
+    assert cli.main(["plan", "--check", str(_ledger_run(tmp_path / "two", steps=2)),
+                     "--hardware", hw]) == 0  # fmt: skip
+
+
 def test_check_of_a_run_whose_ledger_wrote_no_file_says_so(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

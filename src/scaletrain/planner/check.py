@@ -102,10 +102,18 @@ def measured(run: str | Path, records: RunRecords | None = None) -> tuple[float,
     RUN/observe/ (`records`: what `_records` read of it), as the module docstring says."""
     records = records or _records(run)
     medians = phase_medians(records).values()
-    if not medians:
+    if not any(rr.steps for rr in records.ranks.values()):
         raise ConfigError(
             f"{spell('check', str(run))}: the run's ledger (RUN/observe/) holds no step. "
             "Fix: a run trained with the ledger on (the default) for some steps.",
+            field="check",
+        )
+    if not medians:  # a 1-step run: its warm-up, which is no step's measure
+        raise ConfigError(
+            f"{spell('check', str(run))}: the run's ledger counts no step: each of its steps "
+            "was warm-up, compiling or profiled, which the step times leave out (each "
+            "start's first step is its warm-up). Fix: a run of at least 2 steps in one "
+            "start (--max-steps), better 20 or more.",
             field="check",
         )
     work = max(m["step"] - sum(m[p] for p in NOT_PLANNED) for m in medians)

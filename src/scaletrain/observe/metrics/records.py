@@ -246,11 +246,11 @@ def read_run(run_dir: str | Path) -> RunRecords:
 def phase_medians(run: str | Path | RunRecords) -> dict[int, dict[str, float]]:
     """Per rank: the median seconds per step of every phase, and of the whole step
     ("step"), over the steps the statistics count (warm-up, profiled and compiling steps
-    out)."""
+    out); a rank that counted none is left out (its warm-up is no step's measure)."""
     records = run if isinstance(run, RunRecords) else read_run(run)
     out: dict[int, dict[str, float]] = {}
     for rank, rr in records.ranks.items():
-        steps = [s for s in rr.steps if s.counted] or rr.steps
+        steps = [s for s in rr.steps if s.counted]
         if not steps:
             continue
         medians = {n: statistics.median(s.phases.get(n, 0.0) for s in steps) for n in PHASES}
