@@ -569,6 +569,33 @@ def test_a_run_of_only_its_warm_up_says_no_step_was_measured(tmp_path: Path) -> 
     assert "(1 rank, 1 step)" in summary_line(summary, None)
 
 
+def test_report_output_is_a_new_file_a_report_or_a_directory(tmp_path: Path) -> None:
+    """--output in a directory that does not exist ended in a FileNotFoundError's
+    traceback, --output DIR in an IsADirectoryError's, and --output of a file the user
+    saved replaced it."""
+    from scaletrain.observe.report.html import write_report
+    from tests.inprocess import run_cli
+
+    run = tmp_path / "run"
+    ledger, clock = _ledger(run)
+    for _ in range(3):
+        _step(ledger, clock)
+    ledger.finish()
+    for bad, words in (
+        (tmp_path / "nodir" / "x.html", f"the directory {tmp_path / 'nodir'} does not exist"),
+        (tmp_path / "notes.txt", "exists and is not a scaletrain report: writing the report"),
+    ):
+        (tmp_path / "notes.txt").write_text("my notes")
+        done = run_cli("report", str(run), "--output", str(bad), cwd=tmp_path)
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+        assert f"scaletrain: error: --output {bad}: " in done.stderr and words in done.stderr
+        assert done.stderr.count("scaletrain: error") == 1, done.stderr
+    assert (tmp_path / "notes.txt").read_text() == "my notes"
+    (tmp_path / "out").mkdir()
+    assert write_report(run, tmp_path / "out") == tmp_path / "out" / "report.html"
+    assert write_report(run, tmp_path / "out" / "report.html").is_file()  # ours: rewritten
+
+
 @pytest.mark.timeout(120)
 def test_a_compiled_model_shows_its_compile_time_as_the_compile_phase(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]

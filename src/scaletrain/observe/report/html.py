@@ -15,7 +15,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from scaletrain.errors import ScaletrainError
+from scaletrain.errors import ScaletrainError, say
 from scaletrain.observe.metrics.phases import PHASE_DOCS, PHASES
 from scaletrain.observe.metrics.records import OBSERVE_DIR, RunRecords, peak_memory, read_run
 from scaletrain.observe.metrics.stragglers import what_slowed
@@ -286,6 +286,7 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
             "scaletrain report draws with plotly, which is not installed. Fix: "
             "pip install 'scaletrain[report]' (or pip install plotly)."
         ) from None
+    target = _target(run, out)
     parts = []
     for i, (title, fig, note) in enumerate(_figures(records, _metrics(run))):
         div = fig.to_html(full_html=False, include_plotlyjs=(i == 0), config={"displaylogo": False})
@@ -297,6 +298,36 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
 table.facts th{{text-align:left;padding-right:1em}} .note{{color:#555}}</style></head>
 <body><h1>scaletrain report</h1>{_facts(records)}{"".join(parts)}</body></html>
 """
-    target = Path(out) if out is not None else run / "report.html"
     target.write_text(page, encoding="utf-8")
     return target
+
+
+def _target(run: Path, out: str | Path | None) -> Path:
+    """Where the report goes: RUN/report.html, `out`, or report.html in the directory
+    `out` names. Refused, before any figure is drawn: a directory that is not there, and
+    a file that is not a report of ours (writing would replace what the user saved)."""
+    if out is None:
+        return run / "report.html"
+    given = Path(out)
+    target = given / "report.html" if given.is_dir() else given
+    named = say(api=f"write_report(..., out={str(out)!r})", cli=f"--output {out}")
+    if not target.parent.is_dir():
+        raise ReportError(
+            f"{named}: the directory {target.parent} does not exist. Fix: create it first "
+            "(mkdir -p), or give a file in a directory that exists."
+        )
+    if target.exists() and not _ours(target):
+        raise ReportError(
+            f"{named}: {target} exists and is not a scaletrain report: writing the report "
+            "would replace it. Fix: another file name, or move that file away first."
+        )
+    return target
+
+
+def _ours(path: Path) -> bool:
+    """Whether `path` is a report this module wrote (its title says so)."""
+    try:
+        with path.open(encoding="utf-8", errors="replace") as f:
+            return "<title>scaletrain report: " in f.read(4096)
+    except OSError:
+        return False
