@@ -129,11 +129,18 @@ def test_extending_20_to_40_equals_a_straight_40(
     # Inside the warm-up, or constant, the rate does not depend on the length: nothing
     # to say about it.
     assert "learning rate at step" not in log, log
+    extended = log
     code, log = _train(straight, data, "--max-steps", "40", *lr)
     assert code == 0, log
     assert _same_weights(run, straight)
-    steps = [r["steps"] for r in _records(run) if r["event"] == "summary"]
-    assert steps == [20, 40]
+    summaries = [r for r in _records(run) if r["event"] == "summary"]
+    assert [r["steps"] for r in summaries] == [20, 40]
+    # The time and pace printed are this start's, not the whole run's (they said the
+    # whole run's beside this start's count); summary.json keeps both.
+    first, second = summaries
+    assert second["start_time_s"] == pytest.approx(second["train_time_s"] - first["train_time_s"])
+    pace = f"in {second['start_time_s']:.1f} s, {second['start_samples_per_s']:,.0f} samples/s"
+    assert f"resumed at 20) {pace} over " in extended, extended
 
 
 def test_cosine_decay_depends_on_the_length(cosine_extended: tuple[Path, Path, str]) -> None:

@@ -296,3 +296,34 @@ def test_a_tracker_not_installed_says_how_to_install_it(monkeypatch: pytest.Monk
         "--track mlflow: mlflow needs the mlflow package, which is not installed. Fix: pip "
         "install 'scaletrain[mlflow]', or leave mlflow out of the list."
     )
+
+
+def test_the_closing_line_speaks_of_this_start() -> None:
+    """A resumed start's closing line gave its own step count beside the whole run's
+    time and pace ("done: 2 steps (steps 4-5, resumed at 3) in 0.3 s, 598 samples/s":
+    0.3 s and 598 were the 5 steps'), a start with nothing left to train "done: 0
+    steps (steps 21-20, resumed at 20)", and one step "1 steps"."""
+    import io
+
+    from rich.console import Console
+
+    from scaletrain.train.observers import ProgressPrinter
+    from scaletrain.train.progress import StepProgress
+
+    def said(**summary: Any) -> str:
+        out = io.StringIO()
+        printer = ProgressPrinter(StepProgress(enabled=True, console=Console(file=out, width=400)))
+        base = {"task": "classification", "val_loss": None, "out": "run", "world_size": 2,
+                "train_time_s": 0.27, "samples_per_s": 598.0}  # fmt: skip
+        printer.on_run_end({**base, **summary})
+        return " ".join(out.getvalue().split())
+
+    resumed = said(steps=5, started_at=3, start_time_s=0.08, start_samples_per_s=800.0)
+    assert resumed.startswith(
+        "done: 2 steps (steps 4-5, resumed at 3) in 0.1 s, 800 samples/s over 2 processes;"
+    ), resumed
+    nothing = said(steps=20, started_at=20, start_time_s=0.0, start_samples_per_s=0.0)
+    assert nothing.startswith("done: no step left to train (resumed at step 20, the run's "
+                              "last); evaluation skipped"), nothing  # fmt: skip
+    one = said(steps=1, started_at=0, start_time_s=0.27, start_samples_per_s=598.0)
+    assert one.startswith("done: 1 step in 0.3 s, 598 samples/s over 2 processes;"), one

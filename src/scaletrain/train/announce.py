@@ -141,6 +141,7 @@ def run_summary(session: Session) -> dict[str, Any]:
     """The finished run's last record: what trained, how long it took, how fast, its
     last evaluation, where it came from (a fork) and its last checkpoint."""
     done, rt, recipe = session.done, session.rt, session.recipe
+    compiling = session.compile_time() - done.compile_before
     summary: dict[str, Any] = {
         "event": "summary",
         "recipe": recipe.name if recipe.spec is None else None,
@@ -159,6 +160,11 @@ def run_summary(session: Session) -> dict[str, Any]:
         # Throughput of training, not of compiling (the ledger leaves those steps out
         # of its step time too).
         "samples_per_s": done.samples / max(done.train_time - session.compile_time(), 1e-9),
+        # This start's (a resumed run's part): what the closing line reports.
+        "start_time_s": done.train_time - done.time_before,
+        "start_compile_time_s": compiling,
+        "start_samples_per_s": (done.samples - done.samples_before)
+        / max(done.train_time - done.time_before - compiling, 1e-9),
         "val_loss": done.last_eval.loss if done.last_eval else None,
         "val_acc": done.last_eval.accuracy if done.last_eval else None,
         "out": str(session.out),

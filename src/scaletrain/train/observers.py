@@ -91,23 +91,24 @@ class ProgressPrinter(LoopObserver):
                 f"; kept the last checkpoint to extend or fork the run ({summary['checkpoint']}, "
                 f"{_size(int(summary.get('checkpoint_bytes') or 0))}; --no-save-last skips it)"
             )
-        # A resumed start trained from where it resumed: its time is that part's.
+        # A resumed start trained from where it resumed: its count, time and pace are
+        # that part's (summary.json keeps the whole run's too).
         end, start = int(summary["steps"]), int(summary.get("started_at") or 0)
+        seconds = float(summary.get("start_time_s", summary["train_time_s"]))
+        rate = float(summary.get("start_samples_per_s", summary["samples_per_s"]))
+        compiled = summary.get("start_compile_time_s", summary.get("compile_time_s"))
+        pace = (
+            f" in {seconds:.1f} s" + (f" ({compiled:.1f} s of it compiling)" if compiled else "")
+            + f", {rate:,.0f} samples/s over "
+            + _plural(int(summary["world_size"]), "process", "processes")
+        )  # fmt: skip
         trained = (
-            f"{_steps(end - start)} (steps {start + 1}-{end}, resumed at {start})" if start
-            else _steps(end)
+            f"no step left to train (resumed at step {start}, the run's last)" if start >= end
+            else f"{_plural(end - start, 'step')} (steps {start + 1}-{end}, resumed at {start}){pace}"
+            if start else f"{_plural(end, 'step')}{pace}"
         )  # fmt: skip
         self.progress.print(
-            f"done: {trained} in {summary['train_time_s']:.1f} s"
-            + (
-                f" ({summary['compile_time_s']:.1f} s of it compiling)"
-                if summary.get("compile_time_s")
-                else ""
-            )
-            + ", "
-            f"{summary['samples_per_s']:,.0f} samples/s over "
-            f"{_plural(int(summary['world_size']), 'process', 'processes')}{result}. "
-            f"Wrote {out}/metrics.jsonl and {out}/model.pt{kept}"
+            f"done: {trained}{result}. Wrote {out}/metrics.jsonl and {out}/model.pt{kept}"
         )
 
     def close(self) -> None:
@@ -170,7 +171,3 @@ class MetricsLog(LoopObserver):
         if self._file is not None:
             self._file.close()
             self._file = None
-
-
-def _steps(n: int) -> str:
-    return f"{n} step{'' if n == 1 else 's'}"

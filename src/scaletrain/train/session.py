@@ -74,6 +74,10 @@ class _Progress:
     compile_before: float = 0.0
     """torch.compile's seconds inside train_time before this start (a resumed run's)."""
     samples: int = 0
+    time_before: float = 0.0
+    samples_before: int = 0
+    """train_time and samples before this start (a resumed run's): this start's share is
+    what it added."""
     stopped_by: str | None = None
     last_eval: EvalEvent | None = None
     saved: Path | None = None
@@ -241,6 +245,7 @@ class Session:
         done.train_time = float(values.get("train_time", 0.0))
         done.compile_before = float(values.get("compile_time", 0.0))
         done.samples = int(values.get("samples", 0))
+        done.time_before, done.samples_before = done.train_time, done.samples
         self._load_loss_scale(values)
         if saved is not None and not lr_given:
             # The run's own peak learning rate, also at another data-parallel size
