@@ -55,3 +55,24 @@ def test_a_start_over_sets_aside_what_the_interrupted_run_wrote(tmp_path: Path) 
     # --overwrite later removes those too.
     clear_run(tmp_path)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_resume_at_another_size_says_why_its_end_moved() -> None:
+    """A run of 2 ranks resumed on 1 with --max-steps 6 (it was 2) said "the run now ends
+    at step 6 (it was 2: the global batch changed with the data-parallel size)": the
+    new --max-steps moved it. The global batch is the reason only where nobody asked."""
+    from scaletrain.checkpoint.manager import Resumed
+    from scaletrain.train.resume import resume_lines
+
+    path = Path("run/checkpoints/step-000002")
+    values = {"step": 2, "total_steps": 2,
+              "config": {"max_steps": 2, "epochs": 1, "run": {"data_parallel_size": 2}}}  # fmt: skip
+    asked = resume_lines(Resumed(path, values), values, 6, fork=None, dp_size=1,
+                         length={"max_steps": 6, "epochs": 1})  # fmt: skip
+    assert asked[0] == f"  resumed at step 2, extending to 6 (it was 2) from {path}", asked
+    assert "data-parallel size 2 -> 1" in asked[1]
+    epochs = {"step": 2, "total_steps": 20,
+              "config": {"max_steps": None, "epochs": 1, "run": {"data_parallel_size": 2}}}  # fmt: skip
+    regrouped = resume_lines(Resumed(path, epochs), epochs, 40, fork=None, dp_size=1,
+                             length={"max_steps": None, "epochs": 1})  # fmt: skip
+    assert "(it was 20: the global batch changed with the data-parallel size)" in regrouped[0]

@@ -73,6 +73,7 @@ def _header_lines(session: Session) -> list[str]:
         session.total_steps,
         fork=cfg.fork_optimizer if cfg.fork else None,
         dp_size=rt.dp_size,
+        length={"max_steps": cfg.max_steps, "epochs": session.epochs_wanted},
     )
     header += _lr_change(session)
     return header

@@ -146,10 +146,13 @@ def resume_lines(
     *,
     fork: bool | None,
     dp_size: int = 1,
+    length: Mapping[str, Any] | None = None,
 ) -> list[str]:
     """The header's lines about where the run starts: checkpoints skipped (and why), the
     checkpoint resumed or forked from, and whether the run was extended or shortened.
-    `fork`: None for a resume, else whether the optimizer state came along."""
+    `fork`: None for a resume, else whether the optimizer state came along. `length`:
+    the settings of the run's length now (max_steps, epochs), which say whether a new
+    end was asked for."""
     if resumed is None:
         return []
     lines = [f"  skipped {path}: {why}" for path, why in resumed.rejected]
@@ -159,10 +162,12 @@ def resume_lines(
         taken = "weights and optimizer state" if fork else "weights"
         return [*lines, f"  forked from {resumed.path}: its {taken}, from step 0"]
     saved_total = values.get("total_steps")
-    saved_dp = (values.get("config") or {}).get("run", {}).get("data_parallel_size")
+    saved = values.get("config") or {}
+    saved_dp = saved.get("run", {}).get("data_parallel_size")
     regrouped = saved_dp is not None and saved_dp != dp_size
+    asked = any(saved.get(k, v) != v for k, v in (length or {}).items())
     step = int(values["step"])
-    if regrouped and saved_total and int(saved_total) != total:
+    if regrouped and not asked and saved_total and int(saved_total) != total:
         # Not an extension asked for: the same epochs take another number of steps.
         words = (
             f"resumed at step {step} from {resumed.path}; the run now ends at step {total} "
