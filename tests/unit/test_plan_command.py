@@ -381,6 +381,18 @@ def test_check_says_what_it_planned(capsys: pytest.CaptureFixture[str], tmp_path
     assert head.startswith("check: ddp dp=1 (the run's layout) for split-net ("), head
     assert "on 1 device(s), 1 node(s) of test-cpu" in head
     assert "precision 32, batch 8 per replica, activation checkpointing none" in head
+    # A run that accumulated gradients is planned as it trained: 4 micro-steps a step
+    # (it was priced as one, 6.1 ms against 47.6 measured).
+    acc = _ledger_run(tmp_path / "acc", accumulate=4)
+    assert cli.main(["plan", "--check", str(acc), "--hardware", str(hw)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "batch 8 per replica x 4 micro-steps" in lines[0], lines[0]
+    from scaletrain.planner.check import check_run
+
+    one, four = (check_run(r, str(hw)).predicted.time for r in (run, acc))
+    assert four.compute > 2 * one.compute, (one, four)  # 4 forwards and backwards, 1 step
+    code, err = _plan(capsys, "--check", str(acc), "--accumulate", "2")
+    assert code == 2 and "--accumulate 2 was given too" in err, err
 
 
 def test_check_plans_a_float8_run_in_float8(

@@ -60,6 +60,9 @@ class Plan:
     """Layouts of the devices not planned, each with the reason."""
     float8: bool = False
     """Whether the blocks' Linear layers train in float8."""
+    accumulate: int = 1
+    """Micro-steps of `batch_size` samples per replica in each step (gradient
+    accumulation)."""
 
     def row(self, label: str) -> Estimate:
         """The row of a layout's label ("fsdp dp=8") or strategy ("fsdp": its first)."""
@@ -71,8 +74,10 @@ class Plan:
         )
 
     def throughput(self, row: Estimate) -> float:
-        """Samples per second of the whole job (every replica takes `batch_size`)."""
-        return self.batch_size * row.layout.dp / max(row.time.total, 1e-12)
+        """Samples per second of the whole job (every replica takes `batch_size` in each
+        of `accumulate` micro-steps)."""
+        samples = self.batch_size * self.accumulate * row.layout.dp
+        return samples / max(row.time.total, 1e-12)
 
     def tokens_per_device(self, row: Estimate) -> float:
         """Tokens (samples for a model without a sequence) per second per device."""
@@ -85,6 +90,7 @@ class Plan:
         if not peak:
             return None
         flops = self.profile.model_flops * self.batch_size / self.profile.batch_size
+        flops *= self.accumulate
         return flops * row.layout.dp / row.time.total / (peak * row.layout.devices)
 
     def planned(self) -> str:
@@ -98,7 +104,9 @@ class Plan:
             f"device(s), {self.nodes} node(s) of {self.hardware.name} "
             f"({self.hardware.description}); precision {self.precision}"
             f"{', float8' if self.float8 else ''}, batch "
-            f"{self.batch_size} per replica, activation checkpointing {prof.ac}"
+            f"{self.batch_size} per replica"
+            f"{f' x {self.accumulate} micro-steps' if self.accumulate > 1 else ''}, "
+            f"activation checkpointing {prof.ac}"
         )
 
     def table(self) -> str:
@@ -217,7 +225,8 @@ def _recommend(plan: Plan, checkpoints: bool) -> tuple[Estimate | None, str]:
     if not fitting:
         fixes = [
             "more devices",
-            f"a smaller {spell('batch_size')}" if plan.batch_size > 1 else "",
+            f"a smaller {spell('batch_size')} (and {spell('accumulate')} for the same global "
+            "batch)" if plan.batch_size > 1 else "",
             spell("ac", "full") if checkpoints and not plan.profile.ac.startswith("full") else "",
             spell("precision", "bf16-mixed") if plan.precision == "32" else "",
             "a hardware file with a [host] table (FSDP's CPU offload)"
@@ -259,13 +268,16 @@ def plan(
     compile: bool = False,
     float8: bool = False,
     layouts: list[Layout] | None = None,
+    accumulate: int = 1,
 ) -> Plan:
     """Memory per device and step time of every layout of `devices` for a recipe, a
     model ("module:factory") or a Hugging Face config.json, on `hardware` (a shipped
     profile such as "h100-sxm", a hardware file, or None: this machine's calibration).
-    `ac`/`ac_every`/`compile`/`float8` as training takes them; `layouts` picks the rows.
+    `ac`/`ac_every`/`compile`/`float8`/`accumulate` as training takes them (`batch_size`
+    samples per replica in each of `accumulate` micro-steps); `layouts` picks the rows.
     `Plan.table()` is what `scaletrain plan` prints."""
     _whole("devices", devices)
+    _whole("accumulate", accumulate)
     if batch_size is not None:
         _whole("batch_size", batch_size)
     if not isinstance(precision, str) or canonical(precision) not in PRECISIONS:
@@ -459,8 +471,9 @@ def plan(
         model=planned.name, devices=devices, nodes=-(-devices // hw.devices_per_node),
         hardware=hw, precision=precision, batch_size=batch,
         profile=next(iter(shapes.values())).profile,
-        rows=[estimate(x, shapes[gathered(x, precision)], hw, batch) for x in layouts],
-        recommended=None, reason="", skipped=skipped, float8=float8,
+        rows=[estimate(x, shapes[gathered(x, precision)], hw, batch, accumulate)
+              for x in layouts],
+        recommended=None, reason="", skipped=skipped, float8=float8, accumulate=accumulate,
     )  # fmt: skip
     result.recommended, result.reason = _recommend(result, bool(planned.blocks))
     dtype = DTYPE[precision]

@@ -267,6 +267,7 @@ def check_run(run: str | Path, hardware: str | None = None) -> Check:
             result = plan(
                 None if model else cfg.get("recipe"), model=model, devices=world,
                 hardware=hardware, batch_size=int(cfg["batch_size"]), seq_len=seq_len,
+                accumulate=int(cfg.get("accumulate") or 1),
                 precision=str(cfg.get("precision", "32")),
                 ac=str(cfg.get("ac", "none")), ac_every=cfg.get("ac_every"),
                 compile=bool(cfg.get("compile", False)), float8=bool(cfg.get("float8", False)),

@@ -45,6 +45,10 @@ def add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "this machine's calibration (--calibrate)",
     )  # fmt: skip
     p.add_argument("--batch-size", metavar="B", type=int, default=None, help="per replica")
+    p.add_argument(
+        "--accumulate", metavar="K", type=int, default=None,
+        help="micro-steps of --batch-size per step (gradient accumulation; default 1)",
+    )  # fmt: skip
     p.add_argument("--seq-len", metavar="T", type=int, default=None, help="tokens per sample")
     # --precision and --ac default to None, resolved where the plan is made ("32",
     # "none"): `--check`, which takes them from the run, tells a given one apart.
@@ -74,8 +78,8 @@ def add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def run_plan(ns: argparse.Namespace) -> int:
-    model_flags = ("recipe", "model", "devices", "batch_size", "seq_len", "precision", "ac",
-                   "ac_every", "compile", "float8")  # fmt: skip
+    model_flags = ("recipe", "model", "devices", "batch_size", "accumulate", "seq_len",
+                   "precision", "ac", "ac_every", "compile", "float8")  # fmt: skip
     if ns.calibrate is not None:
         if given := [f for f in (*model_flags, "hardware", "check") if _given(ns, f)]:
             raise ConfigError(
@@ -96,7 +100,8 @@ def run_plan(ns: argparse.Namespace) -> int:
         if given := [f for f in model_flags if _given(ns, f)]:
             raise ConfigError(
                 f"{spell('check', ns.check)} takes the model and how it trained (devices, "
-                "batch, sequence, precision, activation checkpointing, compile, float8) from "
+                "batch, accumulation, sequence, precision, activation checkpointing, compile, "
+                "float8) from "
                 f"the run's config.json, but {spell(given[0], getattr(ns, given[0]))} was "
                 f"given too. Fix: drop it, or plan without {spell('check')}.",
                 field="check",
@@ -118,7 +123,7 @@ def run_plan(ns: argparse.Namespace) -> int:
         batch_size=ns.batch_size, seq_len=ns.seq_len,
         precision="32" if ns.precision is None else ns.precision,
         ac="none" if ns.ac is None else ns.ac, ac_every=ns.ac_every, compile=ns.compile,
-        float8=ns.float8,
+        float8=ns.float8, accumulate=1 if ns.accumulate is None else ns.accumulate,
     )  # fmt: skip
     print(result.table())
     return EXIT_OK

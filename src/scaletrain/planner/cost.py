@@ -47,6 +47,10 @@ link each group spans (hardware.Link), exposed where it outlasts what hides it:
 - Pipeline: its schedule simulated (schedule.py) with the sends between stages; what
   the sends add to the simulated step is exposed communication, the bubble what the
   step without them has beyond the busiest rank's work.
+- Gradient accumulation (K micro-steps a step): each micro-step's work, tensor
+  parallel's and a pipeline's collectives and FSDP's gathers K times, the gradients
+  reduced once, in the last (DDP's no_sync; FSDP keeps them whole until then, which
+  its memory counts).
 """
 
 from __future__ import annotations
@@ -175,11 +179,11 @@ def _local(model: Model, layout: Layout) -> Share:
     return Share(*map(max, zip(*_devices(model, layout), strict=True)))
 
 
-def memory(layout: Layout, model: Model, batch: int) -> Memory:
-    """Bytes per device of `layout` at `batch` samples per data-parallel replica: of the
-    pipeline stage whose device's peak is the highest (a stage holds its own layers'
-    parameters, the gradients and optimizer state of those it trains, and its
-    activations)."""
+def memory(layout: Layout, model: Model, batch: int, accumulate: int = 1) -> Memory:
+    """Bytes per device of `layout` at `batch` samples per data-parallel replica and
+    micro-step (`accumulate` of them a step): of the pipeline stage whose device's peak
+    is the highest (a stage holds its own layers' parameters, the gradients and
+    optimizer state of those it trains, and its activations)."""
     p, prec, pp, m = model.profile, model.precision, layout.pp, layout.microbatches or 1
     per = p.per_sample(batch / m)
     units = [u / max(1e-9, p.param_bytes / max(1, p.params)) for u in model.unit_params()]
@@ -223,6 +227,10 @@ def memory(layout: Layout, model: Model, batch: int) -> Memory:
         if layout.offload:  # the states and the optimizer step move to the host
             host, temp, at_peak = sum(s.values()), 0.0, 0.0
             s = dict.fromkeys(s, 0.0)
+        if accumulate > 1 and layout.dp > 1 and layout.stage >= 2:
+            # Accumulating, FSDP keeps each gradient whole (in its reduce dtype, the
+            # weights') until the last micro-step reduce-scatters the sum.
+            at_peak = max(at_peak, psi * each * w)
         rows.append(Memory(
             params=s["params"], grads=s["grads"], optimizer=s["optimizer"],
             activations=max(0.0, mine), buffers=buffers, grads_at_peak=at_peak,
@@ -281,11 +289,11 @@ def _ddp(layout: Layout, model: Model, hw: Hardware, bwd_s: float) -> tuple[floa
 
 
 def _fsdp(
-    layout: Layout, model: Model, hw: Hardware, fwd_s: float, bwd_s: float
+    layout: Layout, model: Model, hw: Hardware, fwd_s: float, bwd_s: float, accumulate: int
 ) -> tuple[float, float]:
     """(communication, exposed) of FSDP (module docstring): each unit gathered in the
     compute dtype (float8 layers' weights in float8), again for the backward unless it
-    keeps them."""
+    keeps them, in each of `accumulate` micro-steps; reduced in the last."""
     link, n = _link(hw, layout.dp * layout.tp), layout.dp
     host = hw.host if layout.offload else None
     local = _local(model, layout)
@@ -300,8 +308,10 @@ def _fsdp(
     scatters = [link.time("reduce_scatter", g, n) + copy(g) for g in grads]
     gather, scatter = sum(gathers), sum(scatters)
     again = 0.0 if layout.keeps else gather
-    exposed = gathers[0] + max(0.0, gather - fwd_s) + max(scatters[-1], again + scatter - bwd_s)
-    return gather + again + scatter, exposed
+    forward = gathers[0] + max(0.0, gather - fwd_s)
+    exposed = forward + max(scatters[-1], again + scatter - bwd_s)
+    exposed += (accumulate - 1) * (forward + max(0.0, again - bwd_s))  # reducing nothing
+    return accumulate * (gather + again) + scatter, exposed
 
 
 def tp_collectives(layout: Layout, model: Model) -> dict[str, int]:
@@ -375,9 +385,13 @@ def _pipeline(
     return busiest, hop * crossings, sends, max(0.0, idle - busiest)
 
 
-def step_time(layout: Layout, model: Model, hw: Hardware, batch: int) -> StepTime:
-    """Seconds of one step of `layout` at `batch` samples per replica on `hw`: the
-    device's own work, then each parallelism's communication (the functions above)."""
+def step_time(
+    layout: Layout, model: Model, hw: Hardware, batch: int, accumulate: int = 1
+) -> StepTime:
+    """Seconds of one step of `layout` at `batch` samples per replica and micro-step on
+    `hw`: the device's own work in each of `accumulate` micro-steps, then each
+    parallelism's communication (the functions above; data parallelism reduces the
+    gradients once, in the last micro-step), and the optimizer's step."""
     p, dtype, compiled = model.profile, DTYPE[model.precision], model.compiled
     local = _local(model, layout)
     share, trained = local.work, local.trained  # the optimizer steps the trained parameters
@@ -400,16 +414,18 @@ def step_time(layout: Layout, model: Model, hw: Hardware, batch: int) -> StepTim
         opt_s = p.optimizer.bytes * trained / layout.dp / host.memory_bandwidth
         opt_s += p.optimizer.kernels * trained * hw.launch
     work, comm, exposed, bubble = fwd_s + bwd_s, 0.0, 0.0, 0.0
-    if layout.dp > 1 and layout.stage:
-        comm, exposed = _fsdp(layout, model, hw, fwd_s, bwd_s)
-    elif layout.dp > 1:
-        comm, exposed = _ddp(layout, model, hw, bwd_s)
     if layout.tp > 1:
         tp = _tensor(layout, model, hw, batch)
         comm, exposed = comm + tp, exposed + tp
     if layout.pp > 1:
         work, sends, waited, bubble = _pipeline(layout, model, hw, batch, fwd_s, bwd_s, share)
         comm, exposed = comm + sends, exposed + waited
+    k = accumulate  # each micro-step's own work and collectives, then the step's
+    work, comm, exposed, bubble = k * work, k * comm, k * exposed, k * bubble
+    if layout.dp > 1:
+        dp = _fsdp(layout, model, hw, fwd_s, bwd_s, k) if layout.stage else _ddp(
+            layout, model, hw, bwd_s)  # fmt: skip
+        comm, exposed = comm + dp[0], exposed + dp[1]
     return StepTime(work + opt_s, comm, exposed, bubble, floor=fwd_floor and bwd_floor)
 
 
@@ -418,9 +434,12 @@ def _size(nbytes: float) -> str:
     return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
-def estimate(layout: Layout, model: Model, hw: Hardware, batch: int) -> Estimate:
+def estimate(
+    layout: Layout, model: Model, hw: Hardware, batch: int, accumulate: int = 1
+) -> Estimate:
     """One row of a plan: `layout`'s memory and step time, and whether it fits."""
-    mem, time = memory(layout, model, batch), step_time(layout, model, hw, batch)
+    mem = memory(layout, model, batch, accumulate)
+    time = step_time(layout, model, hw, batch, accumulate)
     host = hw.host if layout.offload else None
     notes = []
     # A CPU machine's memory is its node's, shared by the processes on it; a GPU's

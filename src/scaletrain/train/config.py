@@ -118,7 +118,8 @@ class TrainConfig:
     max_steps: int | None = None
     """Stop after this many optimizer steps in all (default: run every epoch)."""
     batch_size: int | None = None
-    """Samples per data-parallel replica per step (default: the recipe's)."""
+    """Samples per data-parallel replica per step, in each of its --accumulate micro-steps
+    (default: the recipe's)."""
     lr: float | None = None
     """Peak learning rate (default: the recipe's, scaled linearly with the global batch)."""
     schedule: Schedule = "cosine"
