@@ -498,3 +498,17 @@ def test_check_of_a_run_whose_ledger_wrote_no_file_says_so(
     code = cli.main(["plan", "--check", str(tmp_path / "run"), "--hardware", "h100-sxm"])
     err = capsys.readouterr().err
     assert code == 2 and "the run's ledger (RUN/observe/) holds no step. Fix:" in err, err
+
+
+@pytest.mark.parametrize("strategy", ["dp", "model-parallel"])
+def test_check_of_a_one_process_run_over_several_devices_is_refused(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, strategy: str
+) -> None:
+    """A run of --strategy dp or model-parallel (one process over its devices) was
+    checked against `ddp dp=1 (the run's layout)`: one device, which it was not."""
+    hw = str(cpu_hardware_file(tmp_path / "cpu.toml"))
+    run = _ledger_run(tmp_path / "run", strategy=strategy)
+    code, err = _plan(capsys, "--check", str(run), "--hardware", hw)
+    assert code == 2 and err.count("scaletrain: error:") == 1, err
+    assert f"the run trained with --strategy {strategy} (" in err
+    assert "a plan's rows are one process per device: none is that run's layout" in err

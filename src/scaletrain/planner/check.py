@@ -39,6 +39,12 @@ __all__ = ["Check", "check_run", "layout_of", "measured"]
 
 NOT_MEASURED = "not measured by the run"
 
+ONE_PROCESS = {
+    "dp": "DataParallel: one process driving every GPU",
+    "model-parallel": "one process, its layers placed over the devices",
+}
+"""Strategies of one process over several devices, which no row of a plan is."""
+
 NOT_PLANNED = ("data", "h2d", "checkpoint", "eval", "compile")
 """Ledger phases a plan does not predict (input pipeline, saving, evaluating, compiling)."""
 
@@ -249,6 +255,14 @@ def check_run(run: str | Path, hardware: str | None = None) -> Check:
             field="hardware",
         )
     world = int(cfg.get("run", {}).get("world_size", cfg.get("nproc") or 1))
+    if (strategy := cfg.get("strategy")) in ONE_PROCESS:
+        raise ConfigError(
+            f"{spell('check', str(run))}: the run trained with --strategy {strategy} "
+            f"({ONE_PROCESS[strategy]}), and a plan's rows are one process per device: "
+            "none is that run's layout. Fix: check a run of ddp, fsdp, tensor, pipeline or "
+            "a mesh (--strategy single is `ddp dp=1`'s one device).",
+            field="check",
+        )
     step, memory, on_gpu = measured(base, records)
     no_memory = _no_memory(records) if memory is None else NOT_MEASURED
     layout = layout_of(cfg.get("strategy", "ddp"), cfg.get("mesh"), world)
