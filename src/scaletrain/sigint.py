@@ -9,7 +9,19 @@ import signal
 import threading
 from collections.abc import Iterator
 
-__all__ = ["ctrl_c_held", "sigint_blocked"]
+__all__ = ["ONE_CTRL_C_S", "ctrl_c_held", "once_more", "sigint_blocked"]
+
+ONE_CTRL_C_S = 0.25
+"""A SIGINT this soon after the one before is the same Ctrl-C delivered again, not a second
+press: `timeout -s INT` sends it to its command and then to its process group (the
+command again), as a `kill -INT` of a job's process group and a launcher's forwarding
+do. A person's second press comes later."""
+
+
+def once_more(last: float | None, now: float) -> bool:
+    """Whether a SIGINT at `now` (time.monotonic) repeats the one handled at `last`
+    (None: none was), by ONE_CTRL_C_S."""
+    return last is not None and now - last < ONE_CTRL_C_S
 
 
 @contextlib.contextmanager

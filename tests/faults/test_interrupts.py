@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from scaletrain.sigint import ONE_CTRL_C_S
 from scaletrain.testing import launcher_free_env, write_fake_mnist
 from tests.inprocess import run_cli
 
@@ -115,9 +116,11 @@ def test_second_ctrl_c_aborts_at_once(data: Path, tmp_path: Path, nproc: str) ->
     run = _Run(out, data, "--nproc", nproc, "--batch-size", "200")
     run.wait_for("epoch 1/3 step 2/")
     run.proc.send_signal(signal.SIGINT)
-    # A person presses twice; two signals sent back to back would reach Python as one.
-    # The second press lands while the workers finish their step and save.
+    # A person presses twice; two signals sent back to back would reach Python as one,
+    # and one within ONE_CTRL_C_S of the first is that one delivered again. The second
+    # press lands while the workers finish their step and save.
     run.wait_for("finishing this step")
+    time.sleep(ONE_CTRL_C_S)
     run.proc.send_signal(signal.SIGINT)
     start = time.monotonic()
     code = run.finish(timeout=60)

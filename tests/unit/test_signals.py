@@ -63,11 +63,52 @@ def test_a_second_ctrl_c_runs_the_abort_hook_before_it_ends_the_process() -> Non
         "from scaletrain.runtime.signals import StopRequest\n"
         "StopRequest(on_abort=lambda: print('tidied', flush=True)).install()\n"
         "os.kill(os.getpid(), signal.SIGINT)\n"
-        "time.sleep(0.1)\n"
+        "time.sleep(0.5)\n"
         "os.kill(os.getpid(), signal.SIGINT)\n"
         "time.sleep(5)\n"
     )
     assert done.returncode == 130 and done.stdout == "tidied\n", done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("where", ["one process", "launcher"])
+def test_one_ctrl_c_delivered_twice_is_one_ctrl_c(where: str) -> None:
+    """`timeout -s INT` sends its SIGINT to the command and then to its process group
+    (the command again): the launcher took the two as a second Ctrl-C, killed the
+    workers mid-save and left a checkpoint without its manifest. Two within
+    ONE_CTRL_C_S are one; a press after that is the second."""
+    if where == "one process":
+        setup = (
+            "from scaletrain.runtime.signals import StopRequest\n"
+            "StopRequest(on_abort=lambda: print('aborted', flush=True)).install()\n"
+        )
+    else:  # the agent's stop (SignalException) caught here; killing the workers said
+        setup = (
+            "from scaletrain.launch.interrupts import _Interrupts\n"
+            "_Interrupts(quiet=True, workers=lambda: print('aborted', flush=True) or []"
+            ").__enter__()\n"
+        )
+    done = _python(
+        "import os, signal, time\n"
+        + setup
+        + "def press():  # one delivery, handled, then the same again\n"
+        "    for _ in range(2):\n"
+        "        try:\n"
+        "            os.kill(os.getpid(), signal.SIGINT)\n"
+        "            time.sleep(0.02)\n"
+        "        except BaseException as exc:\n"
+        "            print('stopping:', type(exc).__name__, flush=True)\n"
+        "press()\n"
+        "print('one Ctrl-C', flush=True)\n"
+        "time.sleep(0.5)\n"
+        "press()\n"
+        "time.sleep(0.5)\n"
+        "print('went on', flush=True)\n"
+    )
+    lines = done.stdout.splitlines()
+    assert "one Ctrl-C" in lines, done.stdout + done.stderr
+    first, second = lines[: lines.index("one Ctrl-C")], lines[lines.index("one Ctrl-C") + 1 :]
+    assert "aborted" not in first, done.stdout + done.stderr
+    assert second == (["aborted", "went on"] if where == "launcher" else ["aborted"]), done.stdout
 
 
 _LOOP = (

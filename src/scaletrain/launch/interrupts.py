@@ -15,8 +15,11 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
+
+from scaletrain.sigint import once_more
 
 __all__: list[str] = []
 
@@ -61,6 +64,7 @@ class _Interrupts:
         self.prog = prog
         self.workers = workers or _child_pids
         self.count = 0
+        self._last: float | None = None
         self._previous: Any = None
         self._others: dict[signal.Signals, Any] = {}
         self._hushed: list[tuple[Any, int]] = []
@@ -90,6 +94,8 @@ class _Interrupts:
         )
 
     def _handle(self, signum: int, frame: Any) -> None:
+        if once_more(self._last, time.monotonic()):  # the last Ctrl-C, delivered again
+            return
         self.count += 1
         if self.count == 1:
             from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -107,6 +113,7 @@ class _Interrupts:
                 import logging
 
                 self._hushed = _raise_levels(logging.ERROR)
+            self._last = time.monotonic()  # handled: a repeat counts from here
             raise SignalException("Ctrl-C", sigval=signal.SIGINT)
         for pid in self.workers():
             with contextlib.suppress(OSError):
@@ -118,6 +125,7 @@ class _Interrupts:
             file=sys.stderr,
             flush=True,
         )
+        self._last = time.monotonic()
 
 
 @contextlib.contextmanager

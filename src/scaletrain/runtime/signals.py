@@ -20,12 +20,13 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
 from scaletrain.exitcodes import EXIT_ABORTED
-from scaletrain.sigint import ctrl_c_held, sigint_blocked
+from scaletrain.sigint import ctrl_c_held, once_more, sigint_blocked
 
 __all__ = ["StopRequest", "ctrl_c_held", "sigint_blocked"]
 
@@ -38,6 +39,7 @@ class StopRequest:
 
     def __init__(self, on_abort: Callable[[], None] | None = None) -> None:
         self.signal: int | None = None
+        self._last_ctrl_c: float | None = None
         self._previous: dict[int, Any] = {}
         self.on_abort = on_abort
         """Called before a second Ctrl-C ends the process (no `finally` runs then): what
@@ -66,6 +68,10 @@ class StopRequest:
             signal.signal(signal.SIGINT, self._handle)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if signum == signal.SIGINT and once_more(self._last_ctrl_c, time.monotonic()):
+            return  # the last Ctrl-C, delivered again
+        if signum == signal.SIGINT:
+            self._last_ctrl_c = time.monotonic()
         if signum == signal.SIGINT and self.signal == signal.SIGINT:
             # Ctrl-C a second time: the user means now. No traceback, no save; the
             # checkpoints already written are complete (atomic writes) and stay.
