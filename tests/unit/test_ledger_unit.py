@@ -711,3 +711,21 @@ def test_the_ledgers_flops_are_the_models_with_or_without_checkpointing(
             assert rt.ledger is not None
             counted[ac] = rt.ledger.flops_per_step
     assert counted["none"] and counted["full"] == counted["none"], counted
+
+
+def test_checkpoint_advice_holds_whether_background_saves_are_on_or_not() -> None:
+    """A run with --async-save on was told "--async-save writes them in the background,
+    or save less often": the flag it had. Saving less often comes first; the background
+    save's own share (its copy of the state) is named."""
+    from scaletrain.errors import use_cli_names
+    from scaletrain.observe.metrics.summary import advice
+
+    phases = {p: {"median": 0.0} for p in ("data", "comm", "sync", "eval")}
+    summary = {"stragglers": [], "ranks": [{"peer_group": 0}],
+               "phases": {**phases, "checkpoint": {"median": 0.4}, "step": {"median": 1.0}}}  # fmt: skip
+    use_cli_names()
+    said = advice(summary)
+    assert said is not None and said.startswith(
+        "Checkpoints stall training 40% of the time: save less often; --async-save writes"
+    ), said
+    assert "where it is on already, this is the copy of the state it takes first" in said

@@ -207,8 +207,9 @@ def advice(summary: dict[str, Any]) -> str | None:
     checkpoint, evaluation = _share(summary, "checkpoint"), _share(summary, "eval")
     if checkpoint >= 0.1:
         return (
-            f"Checkpoints stall training {checkpoint:.0%} of the time: "
-            f"{spell('async_save', True)} writes them in the background, or save less often."
+            f"Checkpoints stall training {checkpoint:.0%} of the time: save less often; "
+            f"{spell('async_save', True)} writes them in the background (where it is on "
+            "already, this is the copy of the state it takes first)."
         )
     if evaluation >= 0.25:
         return (
