@@ -119,7 +119,7 @@ def test_second_ctrl_c_aborts_at_once(data: Path, tmp_path: Path, nproc: str) ->
     # A person presses twice; two signals sent back to back would reach Python as one,
     # and one within ONE_CTRL_C_S of the first is that one delivered again. The second
     # press lands while the workers finish their step and save.
-    run.wait_for("finishing this step")
+    run.wait_for("stopping after this step or the next")
     time.sleep(ONE_CTRL_C_S)
     run.proc.send_signal(signal.SIGINT)
     start = time.monotonic()

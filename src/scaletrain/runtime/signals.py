@@ -86,7 +86,8 @@ class StopRequest:
             self.signal = signum
             if signum == signal.SIGINT and os.environ.get("RANK", "0") == "0":
                 print(
-                    "\nscaletrain: Ctrl-C: finishing this step, then saving and stopping "
+                    "\nscaletrain: Ctrl-C: stopping after this step or the next (the ranks "
+                    "agree on one), then saving "
                     "(Ctrl-C again to abort without saving).",
                     file=sys.stderr,
                     flush=True,
