@@ -729,3 +729,36 @@ def test_checkpoint_advice_holds_whether_background_saves_are_on_or_not() -> Non
         "Checkpoints stall training 40% of the time: save less often; --async-save writes"
     ), said
     assert "where it is on already, this is the copy of the state it takes first" in said
+
+
+def test_a_start_resumed_from_an_older_checkpoint_supersedes_what_followed_it(
+    tmp_path: Path,
+) -> None:
+    """A run that logged steps 1-10, then resumed from its checkpoint at step 5 and went
+    on to 12, kept both copies of steps 6-10 in its ledger and metrics.jsonl: the
+    report's lines ran 1-10 and back to 6, and its step statistics counted 6-10 twice."""
+    from scaletrain.observe.metrics.phases import PHASES
+    from scaletrain.observe.report.html import _metrics
+
+    def step(s: int, wall: float) -> dict[str, object]:
+        return {"kind": "step", "step": s, "t": float(s), "wall": wall,
+                "p": [0.0] * len(PHASES), "flags": []}  # fmt: skip
+
+    lines: list[dict[str, object]] = [{"kind": "run", "rank": 0, "start_step": 0}]
+    lines += [step(s, 1.0) for s in range(1, 11)]
+    lines += [{"kind": "memory", "step": 10, "rss_peak": 900}]
+    lines += [{"kind": "run", "rank": 0, "start_step": 5}]
+    lines += [step(s, 2.0) for s in range(6, 13)]
+    (tmp_path / "observe").mkdir()
+    (tmp_path / "observe" / "rank0.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    (rank,) = read_run(tmp_path).ranks.values()
+    assert [s.step for s in rank.steps] == list(range(1, 13))
+    assert [s.wall for s in rank.steps[5:]] == [2.0] * 7  # the later start's
+    assert rank.memory == []  # step 10's was the superseded start's
+    metrics = [{"event": "train", "step": s, "loss": 1.0} for s in (5, 10)]
+    metrics += [{"event": "eval", "step": 10, "val_loss": 1.0}]
+    metrics += [{"event": "train", "step": s, "loss": 0.5} for s in (10, 15)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in metrics))
+    kept = [(r["event"], r["step"], r["loss"]) for r in _metrics(tmp_path) if "loss" in r]
+    assert kept == [("train", 5, 1.0), ("train", 10, 0.5), ("train", 15, 0.5)]
+    assert not [r for r in _metrics(tmp_path) if r["event"] == "eval"]

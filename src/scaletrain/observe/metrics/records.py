@@ -197,6 +197,11 @@ def _read_rank(path: Path, rank: int) -> RankRecords:
             if kind == "run":
                 out.header = rec
                 names = list(rec.get("phases", PHASES))
+                # A start resumed from an older checkpoint trains its steps again: what
+                # the start before recorded past that checkpoint is superseded.
+                start = int(rec.get("start_step") or 0)
+                out.steps = [x for x in out.steps if x.step <= start]
+                out.memory = [m for m in out.memory if int(m.get("step", 0)) <= start]
             elif kind == "step":
                 phases = {n: float(v or 0.0) for n, v in zip(names, rec["p"], strict=False)}
                 out.steps.append(

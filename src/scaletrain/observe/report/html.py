@@ -45,15 +45,26 @@ class ReportError(ScaletrainError):
 
 
 def _metrics(run: Path) -> list[dict[str, Any]]:
+    """RUN/metrics.jsonl's records, less those a start resumed from an older checkpoint
+    trained again (its first train record's step, and every later one, supersede
+    what the start before recorded from that step on)."""
     path = run / "metrics.jsonl"
     if not path.is_file():
         return []
-    out = []
+    out: list[dict[str, Any]] = []
+    last = 0
     for line in path.read_text(encoding="utf-8").splitlines():
         try:
-            out.append(json.loads(line))
+            rec = json.loads(line)
         except json.JSONDecodeError:
             continue
+        step = rec.get("step") if isinstance(rec, dict) else None
+        if isinstance(step, int):
+            if rec.get("event") == "train" and step <= last:  # a step trained again
+                out = [r for r in out if not (isinstance(r.get("step"), int) and r["step"] >= step)]
+                last = step
+            last = max(last, step)
+        out.append(rec)
     return out
 
 
