@@ -560,6 +560,14 @@ def test_a_run_of_only_its_warm_up_says_no_step_was_measured(tmp_path: Path) -> 
 
     page = write_report(tmp_path).read_text()  # it raised a TypeError on the step's None
     assert "median step</th><td>no step measured: step 1 was warm-up" in page
+    # The step sections say why they are empty (they were blank charts).
+    assert page.count("<p class='note'>No step measured: step 1 was warm-up") == 3, page
+    # Memory: the ledger writes it as a window closes, so a start this short has none
+    # there; the summary's peak (what the console printed) is drawn.
+    assert '"name":"RSS"' not in page
+    summary["ranks"][0]["rss_peak"] = 123 * 2**20
+    (tmp_path / "observe" / "summary.json").write_text(json.dumps(summary))
+    assert '"name":"RSS"' in write_report(tmp_path).read_text()
     two, clock = _ledger(tmp_path / "two", world_size=1)
     for _ in range(2):
         _step(two, clock)

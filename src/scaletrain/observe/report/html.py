@@ -102,6 +102,10 @@ def _figures(records: RunRecords, metrics: list[dict[str, Any]]) -> list[tuple[s
     from plotly.subplots import make_subplots
 
     figs: list[tuple[str, Any, str]] = []
+    summary = records.summary or {}
+    # A run of only its warm-up step has no step to show: the step sections say why.
+    why = unmeasured_reason(summary) if summary.get("ranks") else None
+    unmeasured = f"{why[0].upper()}{why[1:]}." if why else ""
     means = _rank_means(records)
     ranks = sorted(means)
     labels = [f"rank {r}" for r in ranks]
@@ -114,8 +118,8 @@ def _figures(records: RunRecords, metrics: list[dict[str, Any]]) -> list[tuple[s
             fig.add_bar(name=name, x=labels, y=values, marker_color=_COLORS[name],
                         hovertemplate=f"{name}: %{{y:.2f}} ms<extra>{html.escape(PHASE_DOCS[name])}</extra>")  # fmt: skip
     fig.update_layout(barmode="stack", yaxis_title="ms per step (mean)", **layout)
-    figs.append(("Step breakdown per rank", fig, "Where each rank's step goes; the bars' "
-                 "heights are the mean step time. A taller bar is a slower rank."))  # fmt: skip
+    figs.append(("Step breakdown per rank", fig, unmeasured or "Where each rank's step goes; "
+                 "the bars' heights are the mean step time. A taller bar is a slower rank."))  # fmt: skip
 
     fig = go.Figure()
     for rank, rr in records.ranks.items():
@@ -124,8 +128,8 @@ def _figures(records: RunRecords, metrics: list[dict[str, Any]]) -> list[tuple[s
             x, y = _binned([s.step for s in steps], [s.wall * 1e3 for s in steps])
             fig.add_scatter(name=f"rank {rank}", x=x, y=y, mode="lines")
     fig.update_layout(xaxis_title="step", yaxis_title="step time (ms)", **layout)
-    figs.append(("Step time per rank over the run", fig, "The straggler view: a rank "
-                 "whose line sits above the others is slow; spikes are checkpoints and "
+    figs.append(("Step time per rank over the run", fig, unmeasured or "The straggler view: a "
+                 "rank whose line sits above the others is slow; spikes are checkpoints and "
                  "evaluations (steps that compiled are left out, as the warm-up step)."))  # fmt: skip
 
     fig = go.Figure()
@@ -159,8 +163,8 @@ def _figures(records: RunRecords, metrics: list[dict[str, Any]]) -> list[tuple[s
         barmode="group",
         **layout,
     )
-    figs.append(("Overlap of communication with compute", fig, "How much of the gradient "
-                 "all-reduce ran while backward was computing; the rest is exposed."))  # fmt: skip
+    figs.append(("Overlap of communication with compute", fig, unmeasured or "How much of "
+                 "the gradient all-reduce ran while backward was computing; the rest is exposed."))  # fmt: skip
 
     fig = go.Figure()
     train = [m for m in metrics if m.get("event") == "train"]
@@ -194,7 +198,6 @@ def _figures(records: RunRecords, metrics: list[dict[str, Any]]) -> list[tuple[s
         fig.update_yaxes(title_text="learning rate", secondary_y=True)
         figs.append(("Loss and learning rate", fig, ""))
 
-    summary = records.summary or {}
     mfu_ranks = [r for r in summary.get("ranks", []) if r.get("mfu")]
     if mfu_ranks:
         fig = go.Figure()
@@ -211,6 +214,13 @@ def _figures(records: RunRecords, metrics: list[dict[str, Any]]) -> list[tuple[s
         figs.append(("MFU", fig, _mfu_note(summary)))
 
     peaks = peak_memory(records)
+    # The ledger writes memory as a window closes (not in a start of under 10 steps);
+    # the summary has each rank's peak over the whole start, as the console printed it.
+    for r in summary.get("ranks", []):
+        mine = peaks.setdefault(r["rank"], {})
+        for key in ("allocated_peak", "reserved_peak", "rss_peak"):
+            known = [v for v in (mine.get(key), r.get(key)) if v is not None]
+            mine[key] = int(max(known)) if known else None
     fig = go.Figure()
     mem_ranks = sorted(peaks)
     for key, name in (
