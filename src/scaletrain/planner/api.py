@@ -180,7 +180,7 @@ def _skipped(
         if devices % p == 0 and p not in tied and all(x.pp != p for x in rows)
     ]  # fmt: skip
     if few := [p for p in missing if p > layers]:
-        out.append(f"{_pipes(few)}: {name} has {layers} top-level layers")
+        out.append(f"{_pipes(few)}: {name} has {_layers(layers)}")
     if cut := [p for p in missing if p <= layers]:
         counts = sorted({m for p in cut for m in microbatch_counts(p)})
         out.append(
@@ -189,6 +189,10 @@ def _skipped(
             "multiple"
         )
     return out
+
+
+def _layers(n: int) -> str:
+    return f"{n} top-level layer{'' if n == 1 else 's'}"
 
 
 def _pipes(pps: list[int]) -> str:
@@ -388,13 +392,13 @@ def plan(
                      "schedule='1f1b'" if x.pp <= layers else ""]  # fmt: skip
             raise ConfigError(
                 f"{where}: interleaved 1F1B runs 2 stages on each of the {x.pp} ranks, and "
-                f"{planned.name} has {layers} top-level layers. Fix: "
+                f"{planned.name} has {_layers(layers)}. Fix: "
                 f"{', or '.join(f for f in fixes if f) or 'a layout without a pipeline'}.",
                 field="layouts",
             )
         if x.pp > max(1, layers):
             raise ConfigError(
-                f"{where}: {planned.name} has {layers} top-level layers, the most stages a "
+                f"{where}: {planned.name} has {_layers(layers)}, the most stages a "
                 "pipeline cuts it into. Fix: "
                 + (f"pp={layers} or fewer." if layers > 1 else "a layout without a pipeline."),
                 field="layouts",

@@ -325,7 +325,13 @@ def _lines(summary: dict[str, Any]) -> list[str]:
             parts.append(f"{mfu['datasheet']:.1%} of the datasheet peak")
         else:
             parts.append(f"no datasheet peak known for {summary['device_name']}")
-        lines.append(f"MFU: {', '.join(parts)} ({(mfu.get('achieved') or 0) / 1e12:.3f} TFLOP/s)")
+        achieved = mfu.get("achieved") or 0.0
+        rate = (
+            f"{achieved / 1e12:.3f} TFLOP/s"
+            if achieved >= 1e11
+            else f"{achieved / 1e9:.2f} GFLOP/s"
+        )
+        lines.append(f"MFU: {', '.join(parts)} ({rate})")
         if mfu.get("error"):
             lines.append(f"[bold red]measurement error:[/] {mfu['error']}")
         if (mfu.get("measured") or 0.0) > 1.0:
