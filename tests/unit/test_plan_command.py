@@ -512,3 +512,25 @@ def test_check_of_a_one_process_run_over_several_devices_is_refused(
     assert code == 2 and err.count("scaletrain: error:") == 1, err
     assert f"the run trained with --strategy {strategy} (" in err
     assert "a plan's rows are one process per device: none is that run's layout" in err
+
+
+def test_a_long_profile_is_announced_once_on_stderr(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`scaletrain plan --recipe llama-8b --float8 --compile` printed nothing for over
+    three minutes (the fake step of 8B parameters): a model that large is announced
+    before its profile, once, on stderr; the table alone goes to stdout, and a profile
+    kept from an earlier plan is not announced."""
+    import scaletrain.planner.api as api
+
+    monkeypatch.setattr(api, "LONG_PROFILE", 1)  # every model is large here
+    monkeypatch.setattr(api, "_PROFILES", type(api._PROFILES)())
+    args = ["plan", "--recipe", "gpt", "--devices", "4", "--hardware", "h100-sxm",
+            "--precision", "bf16-mixed"]  # fmt: skip
+    assert cli.main(args) == 0  # two profiles (sharded FSDP's and the others')
+    out, err = capsys.readouterr()
+    assert err.count("scaletrain plan: profiling gpt (") == 1, err
+    assert "a fake forward, backward and optimizer step, a few minutes on a CPU" in err
+    assert "profiling" not in out
+    assert cli.main(args) == 0
+    assert "profiling" not in capsys.readouterr().err  # kept: nothing to wait for

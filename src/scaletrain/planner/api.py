@@ -34,6 +34,9 @@ from scaletrain.strategies.tensor_plan import (
 
 __all__ = ["PRECISIONS", "Plan", "plan"]
 
+LONG_PROFILE = 10**9
+"""Parameters from which a plan's profile takes minutes on a CPU (a fake step's ops
+grow with the layers): `plan(progress=...)` is told before it begins."""
 _KEPT_PROFILES = 16
 _PROFILES: OrderedDict[tuple[str, ...], ModelProfile] = OrderedDict()
 """The profiles of the latest plans of recipes and config.json models (`PlannedModel.key`),
@@ -273,13 +276,15 @@ def plan(
     float8: bool = False,
     layouts: list[Layout] | None = None,
     accumulate: int = 1,
+    progress: Callable[[str], None] | None = None,
 ) -> Plan:
     """Memory per device and step time of every layout of `devices` for a recipe, a
     model ("module:factory") or a Hugging Face config.json, on `hardware` (a shipped
     profile such as "h100-sxm", a hardware file, or None: this machine's calibration).
     `ac`/`ac_every`/`compile`/`float8`/`accumulate` as training takes them (`batch_size`
     samples per replica in each of `accumulate` micro-steps); `layouts` picks the rows.
-    `Plan.table()` is what `scaletrain plan` prints."""
+    `progress` is told, in a line, of a profile that takes a while (a model of a
+    billion parameters or more). `Plan.table()` is what `scaletrain plan` prints."""
     _whole("devices", devices)
     _whole("accumulate", accumulate)
     if batch_size is not None:
@@ -444,12 +449,19 @@ def plan(
             layouts = [x for x in layouts if x.pp not in ties]
             skipped.append(f"{'pipelines' if ties == pps else _pipes(ties)}: {tied(ties[0])}")
 
+    to_tell = [progress] if progress is not None else []  # said once
+
     def profiled(kind: bool) -> ModelProfile:  # the kept one where there is one
         levers = (batch, precision, ac, ac_every, kind, float8, torch.get_default_dtype())
         key = None if planned.key is None else (*planned.key, *map(str, levers))
         if key is not None and key in _PROFILES:
             _PROFILES.move_to_end(key)
             return _PROFILES[key]
+        if to_tell and (params := sum(p.numel() for p in net.parameters())) >= LONG_PROFILE:
+            to_tell.pop()(
+                f"profiling {planned.name} ({_count(params)} parameters): a fake forward, "
+                "backward and optimizer step, a few minutes on a CPU for a model this size"
+            )
         profile = profile_model(
             planned.build, planned.example(batch), planned.loss, planned.optimizer,
             precision=precision, ac=ac, ac_every=ac_every, name=planned.name,

@@ -4,6 +4,7 @@ and `--calibrate`)."""
 from __future__ import annotations
 
 import argparse
+import sys
 
 from scaletrain.errors import ConfigError, spell
 from scaletrain.exitcodes import EXIT_OK
@@ -124,6 +125,7 @@ def run_plan(ns: argparse.Namespace) -> int:
         precision="32" if ns.precision is None else ns.precision,
         ac="none" if ns.ac is None else ns.ac, ac_every=ns.ac_every, compile=ns.compile,
         float8=ns.float8, accumulate=1 if ns.accumulate is None else ns.accumulate,
+        progress=lambda line: print(f"scaletrain plan: {line}", file=sys.stderr, flush=True),
     )  # fmt: skip
     print(result.table())
     return EXIT_OK
