@@ -92,7 +92,12 @@ def closest(value: object, choices: Sequence[str]) -> list[str]:
     starts = [c for c in choices if v and c.lower().startswith(v)]
     if 0 < len(starts) <= 2:
         return starts
-    close = difflib.get_close_matches(v, list(choices), n=2, cutoff=0.6)
+    close = difflib.get_close_matches(v, list(choices), n=3, cutoff=0.6)
+    # Choices one keystroke away (a letter added, dropped or changed) are each as likely:
+    # `dpp` is `dp` or `ddp`.
+    if len(one := [c for c in close if _one_edit(v, c.lower())]) >= 2:
+        return one[:2]
+    close = close[:2]
     if len(close) == 2:
         # A second spelling only when it is about as near as the first: `--nodez` is
         # `--nnodes` (0.73), not also `--model` (0.6).
@@ -100,6 +105,16 @@ def closest(value: object, choices: Sequence[str]) -> list[str]:
         if second < first - 0.1:
             close = close[:1]
     return close
+
+
+def _one_edit(a: str, b: str) -> bool:
+    """Whether `b` is `a` with one letter added, dropped or changed."""
+    if abs(len(a) - len(b)) > 1 or a == b:
+        return False
+    if len(a) == len(b):
+        return sum(x != y for x, y in zip(a, b, strict=True)) == 1
+    short, long = sorted((a, b), key=len)
+    return any(long[:i] + long[i + 1 :] == short for i in range(len(long)))
 
 
 def near_fix(field: str, value: object, choices: Sequence[str]) -> str:

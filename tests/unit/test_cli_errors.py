@@ -62,6 +62,10 @@ def test_the_choices_a_typo_meant() -> None:
     assert closest("gtp", ["convnet", "gpt", "wrn"]) == ["gpt"]
     assert closest("fp8", ["32", "bf16-mixed"]) == []
     assert closest("n", ["nproc", "nnodes", "no-ledger", "node-rank"]) == []
+    # One keystroke from two choices: both (`dpp` said only `dp`, not the likelier `ddp`).
+    strategies = ["ddp", "fsdp", "tensor", "pipeline", "dp", "model-parallel", "single"]
+    assert sorted(closest("dpp", strategies)) == ["ddp", "dp"]
+    assert closest("nodez", ["nnodes", "model", "nproc"]) == ["nnodes"]
     assert unknown("recipe", "gtp", ["convnet", "gpt"]).endswith("Fix: recipe='gpt'.")
 
 
