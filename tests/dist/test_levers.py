@@ -169,12 +169,15 @@ def test_the_docs_commands_train_with_checkpointing_and_compile(tmp_path: Path) 
         assert done.returncode == 0, done.stdout + done.stderr
         return done.stdout + done.stderr
 
-    run(first, "--max-steps", "3", "--out", str(tmp_path / "selective"), here=True)
+    header = run(first, "--max-steps", "3", "--out", str(tmp_path / "selective"), here=True)
+    # The run's header names its levers (it named precision and accumulation, not these).
+    assert "activation checkpointing selective" in _strategy_line(header), header
     config = json.loads((tmp_path / "selective" / "config.json").read_text())
     assert (config["ac"], config["compile"]) == ("selective", False)
 
     # The compiled run in a process of its own: inductor's state stays there.
     said = run(second, "--out", str(tmp_path / "compiled"), "--nproc", "1")
+    assert "activation checkpointing full, compiled" in _strategy_line(said), said
     eager = [w for w in second if w != "--compile"]
     run(eager, "--out", str(tmp_path / "eager"), "--nproc", "1", here=True)
 
@@ -224,3 +227,8 @@ def test_a_checkpointed_pipeline_stage_updates_batchnorms_statistics_once() -> N
         assert want and got.keys() == want.keys()
         for name, value in want.items():
             assert torch.equal(got[name], value), name
+
+
+def _strategy_line(output: str) -> str:
+    """The header's second line: "  strategy ddp, 2 processes x gloo on cpu, ..."."""
+    return next((line for line in output.splitlines() if line.startswith("  strategy ")), "")

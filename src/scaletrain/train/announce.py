@@ -53,6 +53,10 @@ def _header_lines(session: Session) -> list[str]:
     extras = [f"precision {cfg.precision}"] if cfg.precision != "32" else []
     if cfg.accumulate > 1:
         extras.append(f"accumulate {cfg.accumulate}")
+    if cfg.ac != "none":  # the large-model levers, as the run's flags name them
+        every = f" (1 block in {cfg.ac_every} whole)" if cfg.ac_every else ""
+        extras.append(f"activation checkpointing {cfg.ac}{every}")
+    extras += [name for name, on in (("compiled", cfg.compile), ("float8", cfg.float8)) if on]
     micro = f" x {cfg.accumulate} micro-steps" if cfg.accumulate > 1 else ""
     kind, what = ("model", recipe.spec) if recipe.spec else ("recipe", recipe.name)
     header = [
