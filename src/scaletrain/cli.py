@@ -71,7 +71,11 @@ def _add_report(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         ),
     )
     p.add_argument("run", metavar="RUN", help="a run directory (--out of scaletrain train)")
-    p.add_argument("--output", metavar="FILE", default=None, help="write here instead")
+    p.add_argument(
+        "--output", metavar="FILE", default=None,
+        help="write here instead (a directory: report.html in it); a file that is not a "
+        "report is never replaced",
+    )  # fmt: skip
 
 
 def _add_plan(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
