@@ -11,11 +11,11 @@ from collections.abc import Iterator
 
 __all__ = ["ONE_CTRL_C_S", "ctrl_c_held", "once_more", "sigint_blocked"]
 
-ONE_CTRL_C_S = 0.25
+ONE_CTRL_C_S = 0.1
 """A SIGINT this soon after the one before is the same Ctrl-C delivered again, not a second
 press: `timeout -s INT` sends it to its command and then to its process group (the
 command again), as a `kill -INT` of a job's process group and a launcher's forwarding
-do. A person's second press comes later."""
+do, microseconds apart. A person's second press comes later."""
 
 
 def once_more(last: float | None, now: float) -> bool:

@@ -549,7 +549,7 @@ def test_a_run_of_only_its_warm_up_says_no_step_was_measured(tmp_path: Path) -> 
     out = _printed(summary)
     assert out.startswith(
         "where the time goes: no step measured: step 1 was warm-up or profiled, which the "
-        "step times leave out (each rank's first step is its warm-up); a run of more steps "
+        "step times leave out (each start's first step is its warm-up); a run of more steps "
         "shows them"
     ), out
     assert "rank -1" not in out and "┃" not in out
@@ -599,6 +599,12 @@ def test_report_output_is_a_new_file_a_report_or_a_directory(tmp_path: Path) -> 
         assert f"scaletrain: error: --output {bad}: " in done.stderr and words in done.stderr
         assert done.stderr.count("scaletrain: error") == 1, done.stderr
     assert (tmp_path / "notes.txt").read_text() == "my notes"
+    # "new/" names a directory, which must exist (it was written as a file named new).
+    done = run_cli("report", str(run), "--output", f"{tmp_path / 'new'}/", cwd=tmp_path)
+    assert (
+        done.returncode == 2 and f"the directory {tmp_path / 'new'} does not exist" in done.stderr
+    )
+    assert not (tmp_path / "new").exists()
     (tmp_path / "out").mkdir()
     assert write_report(run, tmp_path / "out") == tmp_path / "out" / "report.html"
     assert write_report(run, tmp_path / "out" / "report.html").is_file()  # ours: rewritten
@@ -752,17 +758,28 @@ def test_a_start_resumed_from_an_older_checkpoint_supersedes_what_followed_it(
         return {"kind": "step", "step": s, "t": float(s), "wall": wall,
                 "p": [0.0] * len(PHASES), "flags": []}  # fmt: skip
 
-    lines: list[dict[str, object]] = [{"kind": "run", "rank": 0, "start_step": 0}]
-    lines += [step(s, 1.0) for s in range(1, 11)]
-    lines += [{"kind": "memory", "step": 10, "rss_peak": 900}]
-    lines += [{"kind": "run", "rank": 0, "start_step": 5}]
-    lines += [step(s, 2.0) for s in range(6, 13)]
+    def header(start: int, unix: float, world: int = 2) -> dict[str, object]:
+        return {"kind": "run", "start_step": start, "unix": unix, "world_size": world}
+
+    def write(rank: int, lines: list[dict[str, object]]) -> None:
+        text = "".join(json.dumps(x) + "\n" for x in lines)
+        (tmp_path / "observe" / f"rank{rank}.jsonl").write_text(text)
+
     (tmp_path / "observe").mkdir()
-    (tmp_path / "observe" / "rank0.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
-    (rank,) = read_run(tmp_path).ranks.values()
-    assert [s.step for s in rank.steps] == list(range(1, 13))
-    assert [s.wall for s in rank.steps[5:]] == [2.0] * 7  # the later start's
-    assert rank.memory == []  # step 10's was the superseded start's
+    first = [header(0, 100.0, 4), *(step(s, 1.0) for s in range(1, 11))]
+    first += [{"kind": "memory", "step": 10, "rss_peak": 900}]
+    # The later start, of 2 ranks: its header written twice (a run directory given
+    # twice), the first saying step 0, which supersedes nothing by itself.
+    later = [header(0, 200.0), header(5, 200.1), *(step(s, 2.0) for s in range(6, 13))]
+    for rank in range(4):
+        write(rank, first + (later if rank < 2 else []))
+    ranks = read_run(tmp_path).ranks
+    for rank in (0, 1):
+        assert [s.step for s in ranks[rank].steps] == list(range(1, 13))
+        assert [s.wall for s in ranks[rank].steps[5:]] == [2.0] * 7  # the later start's
+        assert ranks[rank].memory == []  # step 10's was the superseded start's
+    for rank in (2, 3):  # not in the later start: its steps 1-5 stand, 6-10 are gone
+        assert [s.step for s in ranks[rank].steps] == list(range(1, 6))
     metrics = [{"event": "train", "step": s, "loss": 1.0} for s in (5, 10)]
     metrics += [{"event": "eval", "step": 10, "val_loss": 1.0}]
     metrics += [{"event": "train", "step": s, "loss": 0.5} for s in (10, 15)]

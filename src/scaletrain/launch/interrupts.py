@@ -96,6 +96,7 @@ class _Interrupts:
     def _handle(self, signum: int, frame: Any) -> None:
         if once_more(self._last, time.monotonic()):  # the last Ctrl-C, delivered again
             return
+        self._last = time.monotonic()  # and again as it is handled: a repeat inside counts
         self.count += 1
         if self.count == 1:
             from torch.distributed.elastic.multiprocessing.api import SignalException

@@ -54,7 +54,9 @@ def _header_lines(session: Session) -> list[str]:
     if cfg.accumulate > 1:
         extras.append(f"accumulate {cfg.accumulate}")
     if cfg.ac != "none":  # the large-model levers, as the run's flags name them
-        every = f" (1 block in {cfg.ac_every} whole)" if cfg.ac_every else ""
+        k = cfg.ac_every or 0
+        nth = f"{k}{'th' if 10 <= k % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(k % 10, 'th')}"
+        every = f", every {nth} block whole" if k else ""
         extras.append(f"activation checkpointing {cfg.ac}{every}")
     extras += [name for name, on in (("compiled", cfg.compile), ("float8", cfg.float8)) if on]
     micro = f" x {cfg.accumulate} micro-steps" if cfg.accumulate > 1 else ""

@@ -171,6 +171,14 @@ class RankRecords:
     memory: list[dict[str, Any]] = field(default_factory=list)
     flops: dict[str, Any] | None = None
     profiles: list[dict[str, Any]] = field(default_factory=list)
+    first_step: int | None = None
+    """The first step its last start recorded (None: it recorded none)."""
+
+    def supersede(self, step: int) -> None:
+        """Drop what was recorded from `step` on: a later start trained it again (a run
+        resumed from a checkpoint before it)."""
+        self.steps = [x for x in self.steps if x.step < step]
+        self.memory = [m for m in self.memory if int(m.get("step", 0)) < step]
 
 
 @dataclass(slots=True)
@@ -197,12 +205,14 @@ def _read_rank(path: Path, rank: int) -> RankRecords:
             if kind == "run":
                 out.header = rec
                 names = list(rec.get("phases", PHASES))
-                # A start resumed from an older checkpoint trains its steps again: what
-                # the start before recorded past that checkpoint is superseded.
-                start = int(rec.get("start_step") or 0)
-                out.steps = [x for x in out.steps if x.step <= start]
-                out.memory = [m for m in out.memory if int(m.get("step", 0)) <= start]
+                out.first_step = None
             elif kind == "step":
+                if out.first_step is None:
+                    # A start's first step: one resumed from an older checkpoint trains
+                    # its steps again, and what the start before recorded from there on
+                    # is superseded.
+                    out.first_step = int(rec["step"])
+                    out.supersede(out.first_step)
                 phases = {n: float(v or 0.0) for n, v in zip(names, rec["p"], strict=False)}
                 out.steps.append(
                     StepRecord(
@@ -237,6 +247,14 @@ def read_run(run_dir: str | Path) -> RunRecords:
         digits = path.stem.removeprefix("rank")
         if digits.isdigit():
             ranks[int(digits)] = _read_rank(path, int(digits))
+    # A later start of fewer ranks leaves the others' files as they were: what they
+    # recorded from its first step on is superseded too.
+    latest = max(ranks.values(), key=lambda rr: float(rr.header.get("unix") or 0), default=None)
+    if latest is not None and latest.first_step is not None and latest.header.get("unix"):
+        world = int(latest.header.get("world_size") or len(ranks))
+        for rank, rr in ranks.items():
+            if rank >= world:
+                rr.supersede(latest.first_step)
     windows = []
     if (base / "windows.jsonl").is_file():
         for line in (base / "windows.jsonl").read_text(encoding="utf-8").splitlines():

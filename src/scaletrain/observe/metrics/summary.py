@@ -402,7 +402,7 @@ def unmeasured_reason(summary: dict[str, Any]) -> str | None:
     skipped = "warm-up, compiling or profiled" if summary.get("compile") else "warm-up or profiled"
     return (
         f"no step measured: {steps} {'was' if first == last else 'were'} {skipped}, which "
-        "the step times leave out (each rank's first step is its warm-up); a run of more "
+        "the step times leave out (each start's first step is its warm-up); a run of more "
         "steps shows them"
     )
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import html
 import json
+import os
 import statistics
 from pathlib import Path
 from typing import Any
@@ -103,8 +104,10 @@ def _figures(records: RunRecords, metrics: list[dict[str, Any]]) -> list[tuple[s
 
     figs: list[tuple[str, Any, str]] = []
     summary = records.summary or {}
-    # A run of only its warm-up step has no step to show: the step sections say why.
-    why = unmeasured_reason(summary) if summary.get("ranks") else None
+    # A run of only its warm-up step has no step to show: the step sections say why
+    # (summary.json is its last start's; an earlier start's steps are still drawn).
+    counted = any(s.counted for rr in records.ranks.values() for s in rr.steps)
+    why = unmeasured_reason(summary) if summary.get("ranks") and not counted else None
     unmeasured = f"{why[0].upper()}{why[1:]}." if why else ""
     means = _rank_means(records)
     ranks = sorted(means)
@@ -271,7 +274,10 @@ def _facts(records: RunRecords) -> str:
         rows.append(("steps", f"{s['first_step']}-{s['last_step']}"))
         median = s["phases"]["step"]["median"]
         shown = "-" if median is None else f"{median * 1e3:.2f} ms"
-        rows.append(("median step", unmeasured_reason(s) or shown))
+        why = unmeasured_reason(s)
+        if why and any(x.counted for rr in records.ranks.values() for x in rr.steps):
+            why = f"the last start's: {why}"  # summary.json is its; earlier ones measured
+        rows.append(("median step", why or shown))
         compiled = compile_line(s)
         if compiled:
             rows.append(
@@ -330,7 +336,8 @@ def _target(run: Path, out: str | Path | None) -> Path:
     if out is None:
         return run / "report.html"
     given = Path(out)
-    target = given / "report.html" if given.is_dir() else given
+    folder = given.is_dir() or str(out).endswith(("/", os.sep))  # "runs/new/": a directory
+    target = given / "report.html" if folder else given
     named = say(api=f"write_report(..., out={str(out)!r})", cli=f"--output {out}")
     if not target.parent.is_dir():
         raise ReportError(
