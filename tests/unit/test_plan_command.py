@@ -482,8 +482,8 @@ def test_check_of_a_run_of_only_its_warm_up_says_no_step_was_counted(
     code, err = _plan(capsys, "--check", str(_ledger_run(tmp_path / "one", steps=1)),
                       "--hardware", hw)  # fmt: skip
     assert code == 2 and err.count("scaletrain: error:") == 1, err
-    assert "the run's ledger counts no step: each of its steps was warm-up" in err, err
-    assert "Fix: a run of at least 2 steps in one start (--max-steps)" in err, err
+    assert "the run's ledger counts no step of its last start (the layout its" in err, err
+    assert "Fix: a start of at least 2 steps (--max-steps)" in err, err
     assert cli.main(["plan", "--check", str(_ledger_run(tmp_path / "two", steps=2)),
                      "--hardware", hw]) == 0  # fmt: skip
 
@@ -534,3 +534,28 @@ def test_a_long_profile_is_announced_once_on_stderr(
     assert "profiling" not in out
     assert cli.main(args) == 0
     assert "profiling" not in capsys.readouterr().err  # kept: nothing to wait for
+
+
+def test_check_measures_the_last_start_whose_layout_it_plans(tmp_path: Path) -> None:
+    """A run of 2 ranks resumed on 1: --check plans the 1-rank layout (its config.json's)
+    but measured the median over both starts' steps, rank 1's included."""
+    import json
+
+    from scaletrain.observe.metrics.phases import PHASES
+    from scaletrain.planner.check import measured
+
+    def step(s: int, wall: float, warm: bool = False) -> dict[str, object]:
+        return {"kind": "step", "step": s, "t": float(s), "wall": wall,
+                "p": [0.0] * len(PHASES), "flags": ["warmup"] if warm else []}  # fmt: skip
+
+    run = tmp_path / "run"
+    (run / "observe").mkdir(parents=True)
+    first = [{"kind": "run", "world_size": 2, "unix": 100.0, "start_step": 0}]
+    first += [step(s, 0.01, s == 1) for s in range(1, 11)]
+    later = [{"kind": "run", "world_size": 1, "unix": 200.0, "start_step": 10}]
+    later += [step(s, 0.03, s == 11) for s in range(11, 18)]
+    for rank, lines in ((0, first + later), (1, first)):
+        text = "".join(json.dumps(x) + "\n" for x in lines)
+        (run / "observe" / f"rank{rank}.jsonl").write_text(text)
+    seconds, _, _ = measured(run)
+    assert seconds == pytest.approx(0.03)  # the median over both starts was 0.01
