@@ -17,6 +17,7 @@ from torch import nn
 
 import scaletrain as st
 import scaletrain.planner.api as api
+import scaletrain.planner.result as result
 from scaletrain.errors import ConfigError
 from scaletrain.hardware import Hardware, Host, Link, write
 from scaletrain.planner.cost import (
@@ -1358,10 +1359,10 @@ def test_the_recommendation_offloads_only_what_fits_no_other_way() -> None:
     # Faster by a rounding (the ratio shows 1.00x) is the same time: the larger peak
     # won, and the reason said "1.00x fsdp (the same time, less memory)" of it.
     quick = replace(keep, time=replace(keep.time, compute=keep.time.compute * 0.997))
-    best, why = api._recommend(replace(tie, rows=[quick, fsdp]), True)
+    best, why = result.recommend(replace(tie, rows=[quick, fsdp]), True)
     assert best is fsdp and why.endswith(", 1.00x fsdp-keep dp=8 (the same time, less memory)")
     slow = replace(fsdp, time=replace(fsdp.time, compute=fsdp.time.compute * 1.02))
-    best, why = api._recommend(replace(tie, rows=[keep, slow]), True)
+    best, why = result.recommend(replace(tie, rows=[keep, slow]), True)
     assert best is keep and why.endswith(", 1.02x fsdp dp=8"), why
 
 

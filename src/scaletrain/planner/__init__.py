@@ -4,8 +4,8 @@ A model's profile (profile.py, its kernels counted by kernels.py, of what models
 resolves `--model` to; structure.py adds its layers and plans), a layout (layout.py)
 and a hardware file (scaletrain.hardware) go into cost.py's `memory` and `step_time`
 (a pipeline's step simulated by schedule.py); api.py prices every layout of N
-devices into a `Plan`, check.py sets a finished run beside its plan, command.py is
-the CLI.
+devices into a `Plan` (result.py: its rows, table and recommendation), check.py sets
+a finished run beside its plan, command.py is the CLI.
 """
 
 from scaletrain.planner.layout import Layout
