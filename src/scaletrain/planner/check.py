@@ -13,7 +13,6 @@ a CPU run's step priced on an H100 says nothing of either.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 from collections.abc import Iterator
@@ -107,7 +106,9 @@ class Check:
 def measured(run: str | Path, records: RunRecords | None = None) -> tuple[float, int | None, bool]:
     """(seconds of training work per step, memory, whether that is a GPU's) from
     RUN/observe/ (`records`: what `_records` read of it), as the module docstring says."""
-    records = _last_start(records or _records(run))
+    # The plan is made for config.json's layout, the last start's: an earlier start at
+    # another world size is another layout.
+    records = (records or _records(run)).last_start()
     medians = phase_medians(records).values()
     if not any(rr.steps for rr in records.ranks.values()):
         raise ConfigError(
@@ -128,25 +129,6 @@ def measured(run: str | Path, records: RunRecords | None = None) -> tuple[float,
     if allocated := [p["allocated_peak"] for p in peaks if p["allocated_peak"]]:
         return work, max(allocated), True
     return work, max((p["rss_growth"] for p in peaks if p["rss_growth"]), default=None), False
-
-
-def _last_start(records: RunRecords) -> RunRecords:
-    """The run's last start alone: its ranks (its header's world size) and their steps
-    from its first on. Its config.json, which the plan is made for, is that start's: an
-    earlier start at another world size is another layout."""
-    if not records.ranks:
-        return records
-    latest = max(records.ranks.values(), key=lambda rr: float(rr.header.get("unix") or 0))
-    world = int(latest.header.get("world_size") or len(records.ranks))
-    ranks = {}
-    for rank, rr in records.ranks.items():
-        if rank < world:
-            first = rr.first_step or 0
-            ranks[rank] = dataclasses.replace(
-                rr, steps=[s for s in rr.steps if s.step >= first],
-                memory=[m for m in rr.memory if int(m.get("step", 0)) >= first],
-            )  # fmt: skip
-    return dataclasses.replace(records, ranks=ranks)
 
 
 def _records(run: str | Path) -> RunRecords:

@@ -39,6 +39,7 @@ Times are seconds, rounded to the microsecond. `read_run(RUN)` reads it all back
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 from dataclasses import dataclass, field
@@ -188,6 +189,33 @@ class RunRecords:
     windows: list[dict[str, Any]]
     summary: dict[str, Any] | None
 
+    @property
+    def counted(self) -> bool:
+        """Whether any rank's statistics counted a step (a run of only its warm-up: no)."""
+        return any(s.counted for rr in self.ranks.values() for s in rr.steps)
+
+    def last_start(self) -> RunRecords:
+        """The run's last start alone: its ranks (its header's world size) and their
+        steps and memory from its first step on."""
+        latest = _latest(self.ranks)
+        if latest is None:
+            return self
+        world = int(latest.header.get("world_size") or len(self.ranks))
+        ranks = {}
+        for rank, rr in self.ranks.items():
+            if rank < world:
+                first = rr.first_step or 0
+                ranks[rank] = dataclasses.replace(
+                    rr, steps=[s for s in rr.steps if s.step >= first],
+                    memory=[m for m in rr.memory if int(m.get("step", 0)) >= first],
+                )  # fmt: skip
+        return dataclasses.replace(self, ranks=ranks)
+
+
+def _latest(ranks: dict[int, RankRecords]) -> RankRecords | None:
+    """The rank whose header is the newest (its start the run's last), None if none."""
+    return max(ranks.values(), key=lambda rr: float(rr.header.get("unix") or 0), default=None)
+
 
 def _read_rank(path: Path, rank: int) -> RankRecords:
     out = RankRecords(rank)
@@ -249,7 +277,7 @@ def read_run(run_dir: str | Path) -> RunRecords:
             ranks[int(digits)] = _read_rank(path, int(digits))
     # A later start of fewer ranks leaves the others' files as they were: what they
     # recorded from its first step on is superseded too.
-    latest = max(ranks.values(), key=lambda rr: float(rr.header.get("unix") or 0), default=None)
+    latest = _latest(ranks)
     if latest is not None and latest.first_step is not None and latest.header.get("unix"):
         world = int(latest.header.get("world_size") or len(ranks))
         for rank, rr in ranks.items():

@@ -106,8 +106,7 @@ def _figures(records: RunRecords, metrics: list[dict[str, Any]]) -> list[tuple[s
     summary = records.summary or {}
     # A run of only its warm-up step has no step to show: the step sections say why
     # (summary.json is its last start's; an earlier start's steps are still drawn).
-    counted = any(s.counted for rr in records.ranks.values() for s in rr.steps)
-    why = unmeasured_reason(summary) if summary.get("ranks") and not counted else None
+    why = unmeasured_reason(summary) if summary.get("ranks") and not records.counted else None
     unmeasured = f"{why[0].upper()}{why[1:]}." if why else ""
     means = _rank_means(records)
     ranks = sorted(means)
@@ -275,7 +274,7 @@ def _facts(records: RunRecords) -> str:
         median = s["phases"]["step"]["median"]
         shown = "-" if median is None else f"{median * 1e3:.2f} ms"
         why = unmeasured_reason(s)
-        if why and any(x.counted for rr in records.ranks.values() for x in rr.steps):
+        if why and records.counted:
             why = f"the last start's: {why}"  # summary.json is its; earlier ones measured
         rows.append(("median step", why or shown))
         compiled = compile_line(s)
