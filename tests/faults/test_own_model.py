@@ -234,3 +234,37 @@ def test_the_docs_own_model_runs_as_written(tmp_path: Path) -> None:
     # each of the processes it starts.
     assert "model mymodel.py:build" in logs[2] and "2 processes" in logs[2], logs[2]
     assert "strategy fsdp" in logs[2]
+
+
+def test_samples_longer_than_the_models_position_table_are_refused_before_the_first_step(
+    project: Path, tmp_path: Path
+) -> None:
+    """A GPT-2-shaped model (a learned position table of 8 rows) on data of 16-token
+    samples: one line in the words of --model, not an IndexError traceback from each rank
+    (on a GPU, a device-side assert)."""
+    (project / "posmod.py").write_text(
+        "import torch\nfrom torch import nn\n\n"
+        "class Net(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.wte, self.wpe = nn.Embedding(20, 8), nn.Embedding(8, 8)\n"
+        "        self.head = nn.Linear(8, 20)\n\n"
+        "    def forward(self, x):\n"
+        "        return self.head(self.wte(x) + self.wpe(torch.arange(x.shape[1])))\n\n"
+        "def build():\n    return Net()\n\n"
+        "def datasets(split):\n"
+        "    x = torch.randint(0, 20, (32, 16))\n"
+        "    return torch.utils.data.TensorDataset(x, x)\n\n"
+        "def loss(out, y):\n"
+        "    return nn.functional.cross_entropy(out.flatten(0, 1), y.flatten())\n"
+    )
+    out = tmp_path / "run"
+    proc = run_cli(
+        "train", "--model", "posmod:build", "--nproc", "1", "--max-steps", "2",
+        "--batch-size", "4", "--out", str(out), "--hang-timeout", "0", cwd=project,
+    )  # fmt: skip
+    said = proc.stdout + proc.stderr
+    assert proc.returncode == 2, said
+    assert said.count("its position table wpe has 8 rows") == 1, said
+    assert "--model posmod:build" in said and "Traceback" not in said, said
+    assert "IndexError" in said  # what the first step would have raised, named

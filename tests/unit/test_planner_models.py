@@ -142,6 +142,24 @@ def test_a_model_modules_example_without_seq_len_is_refused_with_the_fix(tmp_pat
     assert err.field == "seq_len"
 
 
+def test_a_model_modules_sequence_is_refused_beyond_its_position_table(tmp_path: Path) -> None:
+    """A model module with no config stating its longest sequence: its learned position
+    table's rows are the limit (beyond them its first step indexes past the table)."""
+    path = tmp_path / "posmodel.py"
+    path.write_text(
+        SEQ_MODULE.format(config="None", seq_param=", seq_len=12", seq="seq_len").replace(
+            "self.head = nn.Linear(8, 50)",
+            "self.head = nn.Linear(8, 50)\n        self.pos_emb = nn.Embedding(24, 8)",
+        )
+    )
+    spec = f"{path}:build"
+    assert resolve_model(model=spec, seq_len=24).seq_len == 24
+    err = _refused(r"seq_len=25 is more than .*posmodel.py:build takes: its position table "
+                   r"pos_emb holds 24 positions\. Fix: seq_len=24 or less", model=spec,
+                   seq_len=25)  # fmt: skip
+    assert err.field == "seq_len"
+
+
 @pytest.mark.parametrize("kwargs", [{"recipe": "convnet"}, {"recipe": "wrn"}])
 def test_seq_len_is_refused_for_a_model_without_a_sequence(kwargs: dict[str, Any]) -> None:
     err = _refused(r"seq_len=128 only applies to sequence models .*inputs are float32 of shape "

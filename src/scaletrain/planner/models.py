@@ -22,16 +22,13 @@ from scaletrain._lazy import on_meta
 from scaletrain.errors import ConfigError, article, spell
 from scaletrain.strategies.blocks import auto_wrap_targets
 from scaletrain.strategies.tensor_plan import declared_tp_plan, default_tp_plan
+from scaletrain.train.positions import longest_sequence
 
 __all__ = ["HF_SEQ_LEN", "PlannedModel", "resolve_model"]
 
 HF_SEQ_LEN = 4096
 """Tokens per sample of a `config.json` model where none is given (or its maximum,
 max_position_embeddings, where that is less)."""
-
-_MAX_SEQ_FIELDS = ("max_position_embeddings", "max_seq_len", "block_size", "n_positions")
-"""Where a model's config states the longest sequence it takes (Hugging Face,
-LlamaShape, GPTConfig, GPT-2's own name)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,16 +172,16 @@ def _fingerprint(net: nn.Module, blocks: Iterable[str]) -> str:
 
 def _tokens_of(name: str, net: nn.Module, seq_len: int | None, default: int) -> int:
     """Tokens per sample: `seq_len`, refused beyond the longest sequence the model's
-    config states, else `default`."""
-    config = getattr(net, "config", None)
-    found = ((f, getattr(config, f, None)) for f in _MAX_SEQ_FIELDS)
-    field, most = next(((f, v) for f, v in found if isinstance(v, int) and v > 0), ("", None))
-    if seq_len is not None and most is not None and seq_len > most:
+    config states or its position table holds (`longest_sequence`), else `default`."""
+    if seq_len is not None and (most := longest_sequence(net)) and seq_len > most[1]:
+        where, tokens = most
         raise ConfigError(
-            f"{spell('seq_len', seq_len)} is more than {name} takes: its config.{field} is "
-            f"{most}. Fix: {spell('seq_len', most)} or less.",
+            f"{spell('seq_len', seq_len)} is more than {name} takes: its "
+            + (f"{where} is {tokens}" if where.startswith("config.")
+               else f"position table {where} holds {tokens} positions")
+            + f". Fix: {spell('seq_len', tokens)} or less.",
             field="seq_len",
-        )
+        )  # fmt: skip
     return seq_len or default
 
 

@@ -29,6 +29,7 @@ from scaletrain.train.announce import fork_parent, plural, run_info, run_summary
 from scaletrain.train.config import TrainConfig
 from scaletrain.train.length import RunLength
 from scaletrain.train.loop import TimedBatches, evaluate, seed_everything, train_step
+from scaletrain.train.positions import check_sample_length
 from scaletrain.train.recipes import Recipe
 from scaletrain.train.resolved import resolved_config
 from scaletrain.train.resume import (
@@ -123,6 +124,8 @@ class Session:
             self.train_set = recipe.data(cfg.data_dir, "train")
             self.test_set = recipe.data(cfg.data_dir, "test")
         model = recipe.build()
+        named = spell("model", recipe.spec) if recipe.spec else spell("recipe", recipe.name)
+        check_sample_length(model, {"training": self.train_set, "test": self.test_set}, named)
         if self.sync_bn:
             model = sync_batchnorm(model)
         self.global_batch = self.batch_size * rt.dp_size * cfg.accumulate
