@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from scaletrain.data import ShardedSampler
+from scaletrain.errors import ConfigError
 from scaletrain.testing import launcher_variables, run_ranks
 
 pytestmark = pytest.mark.timeout(180)
@@ -57,7 +58,7 @@ def _job(order_file: str) -> dict[str, Any]:
     import scaletrain as st
     from scaletrain.train import evaluate
 
-    rt = st.init(strategy="ddp")
+    rt = st.init(strategy="ddp", timeout=123)
     res: dict[str, Any] = {
         "rank": rt.rank,
         "world_size": rt.world_size,
@@ -70,6 +71,27 @@ def _job(order_file: str) -> dict[str, Any]:
     r = rt.rank
     values = {"vec": torch.tensor([r + 1.0, 2.0 * (r + 1)]), "count": r + 1, "half": 0.5 * r}
     res["reduce"] = {op: rt.reduce(values, op=op) for op in ("sum", "mean", "max", "min")}
+    # Names or shapes that differ between ranks: refused on every rank (they added
+    # unrelated values, or hung the collective); names in another order are the same.
+    refused: dict[str, str | None] = {}
+    for case, given in {
+        "names": {"a" if r == 0 else "b": 1.0},
+        "extra": {"a": 1.0, **({"b": 2.0} if r else {})},
+        "shape": {"a": torch.ones(2 + r)},
+    }.items():
+        try:
+            refused[case] = repr(rt.reduce(given))
+        except ConfigError as exc:
+            refused[case] = f"ConfigError: {exc}"
+    res["refused"] = refused
+    res["mixed"] = rt.reduce({"a": 1 if r == 0 else 1.5, "b": 2})
+    res["order"] = rt.reduce({"x": 1.0, "y": 2.0} if r == 0 else {"y": 2.0, "x": 1.0})
+    # scaletrain's own group waits as long as st.init(timeout=...) says (torch gives a
+    # new group 30 minutes): a peer missing from rt.reduce fails, not hangs.
+    from scaletrain.dist.collectives import control_group
+
+    cpu = control_group()._get_backend(torch.device("cpu"))
+    res["control_timeout_s"] = cpu.options._timeout.total_seconds()
 
     # rank_zero_first: rank 0 writes first, the others only after it finished.
     with rt.rank_zero_first(), open(order_file, "a") as f:
@@ -184,6 +206,22 @@ def test_reduce_each_op(job: Any) -> None:
             assert got["count"] == pytest.approx(count, abs=0)
             assert got["half"] == pytest.approx(half, abs=1e-12)
         assert isinstance(r["reduce"]["sum"]["count"], int)
+
+
+def test_reduce_refuses_names_or_shapes_that_differ_between_ranks(job: Any) -> None:
+    world_size, results = job
+    for r in results:
+        for case, said in r["refused"].items():
+            assert said.startswith("ConfigError: rt.reduce: the ranks passed different names "
+                                   "or shapes to reduce (this rank: "), (case, said)  # fmt: skip
+            assert "Fix: give every rank every name" in said, said
+        assert "this rank: 'a' [3])" in r["refused"]["shape"] or r["rank"] != 1
+        # An int comes back an int only where the result is whole: every rank agrees.
+        assert r["mixed"] == {"a": 1 + 1.5 * (world_size - 1), "b": 2 * world_size}
+        assert isinstance(r["mixed"]["b"], int)
+        assert r["order"] == {"x": world_size * 1.0, "y": world_size * 2.0}
+        assert list(r["order"]) == (["x", "y"] if r["rank"] == 0 else ["y", "x"])
+        assert r["control_timeout_s"] == 123
 
 
 def test_rank_zero_first_runs_rank_zero_before_the_others(job: Any) -> None:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from scaletrain.checkpoint.catalog import Retention
 from scaletrain.dist.agreement import describe, distributed
+from scaletrain.dist.collectives import gloo_group
 from scaletrain.errors import CheckpointError
 
 __all__ = ["AsyncSaver", "PendingCheckpoint", "default_saver", "wait_pending"]
@@ -99,7 +100,7 @@ class AsyncSaver:
             return None
         world = dist.group.WORLD
         if self._group is None or self._group[0] is not world:
-            self._group = (world, dist.new_group(backend="gloo"))
+            self._group = (world, gloo_group())
         return self._group[1]
 
     def settle(self) -> str | None:

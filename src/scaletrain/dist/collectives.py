@@ -14,8 +14,10 @@ loop still holds keeps it), so it is left to the collectives DDP runs itself, an
 from __future__ import annotations
 
 import contextlib
+import datetime
 import math
 import pickle
+import zlib
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -81,9 +83,13 @@ def reduce_values(
 ) -> dict[str, Any]:
     """Reduce every value across ranks in ONE collective.
 
-    Values are packed into a single float64 vector (exact for counts below 2**53),
-    so reducing a dict of metrics costs one all-reduce, not one per key. Tensors
-    come back as tensors of their own dtype and device, numbers as numbers.
+    Values are packed into a single float64 vector (exact for counts below 2**53), in
+    the order of their names, so reducing a dict of metrics costs one all-reduce, not
+    one per key. Tensors come back as tensors of their own dtype and device, numbers as
+    numbers: an int as an int where the result is whole (a float from another rank can
+    make it not). Every rank must pass the same names with values of the same shapes:
+    one tiny collective on scaletrain's CPU group checks that first (`_same_values`), as
+    a mismatch would add unrelated values or hang the collective.
     """
     if op not in REDUCE_OPS:
         raise ConfigError(f"op={op!r} is not a reduction; expected one of {', '.join(REDUCE_OPS)}.")
@@ -93,11 +99,9 @@ def reduce_values(
             "one collective. Fix: name the value, e.g. rt.reduce({'loss': loss})['loss'], or "
             "pass every value of the step at once: rt.reduce({'loss': loss, 'count': n})."
         )
-    if not values:
-        return {}
     shapes: list[tuple[str, torch.Size, torch.dtype | None, torch.device | None]] = []
     flat: list[torch.Tensor] = []
-    for key, value in values.items():
+    for key, value in sorted(values.items(), key=lambda kv: str(kv[0])):
         if isinstance(value, torch.Tensor):
             t = value.detach()
             shapes.append((key, t.shape, t.dtype, t.device))
@@ -110,6 +114,10 @@ def reduce_values(
                 f"reduce() got {key}={value!r} of type {type(value).__name__}; expected tensors "
                 "or numbers (int/float). Convert it, e.g. torch.tensor(x)."
             )
+    if _active():
+        _same_values([(key, tuple(shape)) for key, shape, _, _ in shapes])
+    if not values:
+        return {}
     comm_device = device if device is not None else torch.device("cpu")
     buf = torch.cat([f.to(device=comm_device, dtype=torch.float64) for f in flat])
     if _active():
@@ -125,21 +133,38 @@ def reduce_values(
         dist.all_reduce(buf, op=dist_op, group=group)
         if op == "mean":
             buf /= dist.get_world_size()
-    out: dict[str, Any] = {}
+    reduced: dict[str, Any] = {}
     offset = 0
     for key, shape, dtype, dev in shapes:
         n = shape.numel()
         chunk = buf[offset : offset + n]
         offset += n
         if dtype is None:
-            number = chunk.item()
-            original = values[key]
-            is_int = isinstance(original, int) and op != "mean"
-            out[key] = round(number) if is_int else float(number)
+            number = float(chunk.item())
+            is_int = isinstance(values[key], int) and op != "mean" and number.is_integer()
+            reduced[key] = round(number) if is_int else number
         else:
             # A copy: a view would keep `buf`, which the collective had, alive in the caller.
-            out[key] = chunk.reshape(shape).to(device=dev, dtype=dtype, copy=True)
-    return out
+            reduced[key] = chunk.reshape(shape).to(device=dev, dtype=dtype, copy=True)
+    return {key: reduced[key] for key in values}
+
+
+def _same_values(layout: list[tuple[str, tuple[int, ...]]]) -> None:
+    """Raise on every rank where the ranks' names and shapes (`layout`, in packing
+    order) differ: one all-reduce (MAX) of this rank's count of elements and a checksum
+    of its layout, beside their negatives (whose MAX is the smallest)."""
+    said = ", ".join(f"{k!r}" + (f" {list(s)}" if s else "") for k, s in layout) or "nothing"
+    size = sum(math.prod(s) for _, s in layout)
+    check = zlib.crc32(repr(layout).encode())
+    t = torch.tensor([size, check, -size, -check], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=control_group())
+    if t[0] != -t[2] or t[1] != -t[3]:
+        raise ConfigError(
+            "rt.reduce: the ranks passed different names or shapes to reduce (this rank: "
+            f"{said}); the values are reduced name by name in one collective, so every rank "
+            "passes the same names, each value of the same shape. Fix: give every rank "
+            "every name, with 0 (or zeros) where a rank has nothing to add."
+        )
 
 
 @contextlib.contextmanager
@@ -174,6 +199,23 @@ def rank_first(is_first: bool) -> Iterator[None]:
         raise PeerFailure("another node's first rank failed inside rank_zero_first()")
 
 
+_TIMEOUT: list[datetime.timedelta] = []
+"""The job's collective timeout, as `init_process_group` set the default group's
+(`st.init(timeout=...)`); empty where scaletrain did not make that group."""
+
+
+def set_collective_timeout(timeout: datetime.timedelta) -> None:
+    """The timeout of the groups scaletrain makes beside the default one (`gloo_group`)."""
+    _TIMEOUT[:] = [timeout]
+
+
+def gloo_group() -> Any:
+    """A new Gloo group over every rank (a collective), with the job's timeout: torch's
+    new_group gives a group its backend's default (30 minutes), not the default group's,
+    so a peer missing from one of scaletrain's collectives would hang that long."""
+    return dist.new_group(backend="gloo", timeout=_TIMEOUT[0] if _TIMEOUT else None)
+
+
 def control_group() -> Any:
     """scaletrain's CPU (Gloo) group over every rank, made once per default process group
     (a collective: every rank makes it at the same point, at its first use).
@@ -183,7 +225,7 @@ def control_group() -> Any:
     global _CONTROL
     world = dist.group.WORLD
     if _CONTROL[0] is not world:
-        _CONTROL = (world, dist.new_group(backend="gloo"))
+        _CONTROL = (world, gloo_group())
     return _CONTROL[1]
 
 

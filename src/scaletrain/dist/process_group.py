@@ -10,7 +10,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from scaletrain.dist.collectives import release_control_group
+from scaletrain.dist.collectives import release_control_group, set_collective_timeout
 from scaletrain.dist.reach import check_master, gloo_interface, join_store
 from scaletrain.env.base import ClusterEnv
 from scaletrain.errors import ConfigError
@@ -56,6 +56,7 @@ def init_process_group(
         raise ConfigError(f"timeout={timeout_s!r} s must be positive, e.g. 600 for ten minutes.")
     if env.world_size == 1:
         return
+    set_collective_timeout(_dt.timedelta(seconds=timeout_s))
     if is_initialized():
         if dist.get_world_size() != env.world_size or dist.get_rank() != env.rank:
             raise ConfigError(
