@@ -202,6 +202,57 @@ def test_library_mistakes_are_refused_in_the_apis_words(monkeypatch: pytest.Monk
         assert "save_checkpoint" not in message and "latest_checkpoint" not in message
 
 
+def test_setup_clip_and_loader_refuse_what_fails_later_inside_torch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A second rt.setup of a model wrapped it again (DDP(DDP(...)): its first backward
+    raised torch's "please file an issue"); clip_grad_norm took max_norm=-1.0 (the
+    gradients' sign flipped) and an optimizer of None (AttributeError); rt.loader took a
+    DataLoader, an IterableDataset or a dict and failed at the first batch."""
+    from scaletrain.testing import launcher_variables
+
+    for var in launcher_variables():
+        monkeypatch.delenv(var)
+    with st.init(strategy="single", env="local") as rt:
+        model = torch.nn.Linear(4, 1)
+        model, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        with pytest.raises(st.ConfigError, match=r"^rt.setup\(model\): this Linear is already "
+                           r"set up .*Fix: call rt.setup once per model"):  # fmt: skip
+            rt.setup(model, opt)
+        with pytest.raises(st.ConfigError, match=r"rt.setup\(model\): got a str; expected"):
+            rt.setup("model")  # type: ignore[call-overload]
+        with pytest.raises(st.ConfigError, match=r"the optimizer is a list; expected a torch"):
+            rt.setup(torch.nn.Linear(2, 2), [])  # type: ignore[call-overload]
+        model(torch.ones(2, 4)).sum().backward()
+        before = model.weight.grad.clone()
+        for kwargs, said in (
+            ({"max_norm": -1.0}, r"max_norm=-1.0\): expected a positive number"),
+            ({"max_norm": "1.0"}, r"max_norm='1.0'\): expected a positive number"),
+            ({"max_norm": 1.0, "norm_type": 0}, r"norm_type=0\): expected a positive number"),
+        ):
+            with pytest.raises(st.ConfigError, match=said):
+                rt.clip_grad_norm(model, opt, **kwargs)  # type: ignore[arg-type]
+        with pytest.raises(st.ConfigError, match=r"the optimizer is a NoneType; expected"):
+            rt.clip_grad_norm(model, None, max_norm=1.0)  # type: ignore[arg-type]
+        assert torch.equal(model.weight.grad, before)  # nothing clipped by a refusal
+        data = torch.utils.data.TensorDataset(torch.zeros(8, 2), torch.zeros(8))
+
+        class Stream(torch.utils.data.IterableDataset[int]):
+            def __iter__(self):  # type: ignore[no-untyped-def]
+                yield 1
+
+        for dataset, said in (
+            (torch.utils.data.DataLoader(data, batch_size=4), r"got a DataLoader; .*Fix: pass "
+             r"its dataset \(rt.loader\(loader.dataset"),
+            (Stream(), r"got a Stream; expected a map-style dataset"),
+            ((x for x in range(3)), r"got a generator; expected a map-style dataset"),
+            ({"a": 1}, r"got a dict; .*Fix: a list of samples"),
+        ):  # fmt: skip
+            with pytest.raises(st.ConfigError, match=said):
+                rt.loader(dataset, batch_size=4)
+        assert len(rt.loader(data, batch_size=4)) == 2 and len(rt.loader([1, 2], 1)) == 2
+
+
 def test_dir_shows_the_public_names_only() -> None:
     """Issue 26 item 20: dir(scaletrain) listed TYPE_CHECKING, annotations and
     lazy_attributes, the package's own imports."""

@@ -19,9 +19,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from scaletrain.data.sampler import ShardedSampler
-from scaletrain.errors import ConfigError
+from scaletrain.errors import ConfigError, article
 
-__all__ = ["ShardedLoader"]
+__all__ = ["ShardedLoader", "check_dataset"]
 
 _HANDOUTS = itertools.count(1)
 """Numbers the batches every loader of the process hands out: the latest one is the
@@ -197,3 +197,32 @@ class ShardedLoader:
             self.handed_out_at = next(_HANDOUTS)
             yield batch
         sampler.set_epoch(epoch + 1)
+
+
+def check_dataset(dataset: Any) -> None:
+    """rt.loader shards a map-style dataset by index: a DataLoader, an iterable dataset
+    or a generator fails at the first batch, inside torch, with torch's words."""
+    from torch.utils.data import IterableDataset
+
+    kind = article(type(dataset).__name__)
+    if isinstance(dataset, DataLoader):
+        raise ConfigError(
+            f"rt.loader(dataset, ...): got {kind}; rt.loader makes the loader itself, each "
+            "rank taking its shard of the dataset's indices. Fix: pass its dataset "
+            "(rt.loader(loader.dataset, batch_size, collate_fn=loader.collate_fn))."
+        )
+    if isinstance(dataset, IterableDataset) or not (
+        hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")
+    ):
+        raise ConfigError(
+            f"rt.loader(dataset, ...): got {kind}; expected a map-style dataset (with "
+            "__len__ and __getitem__, e.g. a torch.utils.data.Dataset or a list), whose "
+            "indices rt.loader shards between the ranks. Fix: a map-style dataset; a stream "
+            "(an IterableDataset, a generator) has no indices to shard: load it into one, "
+            "or give each rank its own part of the stream with torch's own DataLoader."
+        )
+    if isinstance(dataset, dict):
+        raise ConfigError(
+            "rt.loader(dataset, ...): got a dict; rt.loader reads samples by index 0, 1, "
+            "... Fix: a list of samples, or a Dataset (e.g. TensorDataset(inputs, targets))."
+        )

@@ -22,8 +22,10 @@ from scaletrain import dist as _dist
 from scaletrain.accumulation import AccumulationStep, Accumulator
 from scaletrain.checkpoint import CheckpointScope
 from scaletrain.data import ShardedLoader, ShardedSampler
+from scaletrain.data.loader import check_dataset
 from scaletrain.dist.topology import Topology
 from scaletrain.env.base import ClusterEnv
+from scaletrain.errors import ConfigError, article
 from scaletrain.observe.metrics import phases as _phases
 from scaletrain.observe.metrics.ledger import StepLedger
 from scaletrain.precision import Precision
@@ -76,6 +78,8 @@ class Runtime(Collectives):
         self._stopping: StopAgreement | None = None
         self._stop_reason: str | None = None
         self._loaders: weakref.WeakSet[ShardedLoader] = weakref.WeakSet()
+        self._set_up: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        """The models rt.setup returned, and the modules it wrapped: set up once each."""
 
     def __repr__(self) -> str:
         return (
@@ -94,7 +98,27 @@ class Runtime(Collectives):
     def setup(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
     ) -> nn.Module | tuple[nn.Module, torch.optim.Optimizer]:
-        """Move the model to this process's device and wrap it for the strategy."""
+        """Move the model to this process's device and wrap it for the strategy. Once
+        per model: use what it returns (a second setup would wrap the wrapper)."""
+        if not isinstance(model, nn.Module):
+            raise ConfigError(
+                f"rt.setup(model): got {article(type(model).__name__)}; expected the "
+                "torch.nn.Module to train. Fix: rt.setup(model) or rt.setup(model, optimizer)."
+            )
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigError(
+                f"rt.setup(model, optimizer): the optimizer is "
+                f"{article(type(optimizer).__name__)}; expected a torch.optim.Optimizer over "
+                "the model's parameters. Fix: e.g. rt.setup(model, torch.optim.AdamW("
+                "model.parameters())), or rt.setup(model) alone."
+            )
+        if model in self._set_up:
+            raise ConfigError(
+                f"rt.setup(model): this {type(model).__name__} is already set up (rt.setup "
+                "returned it, or wrapped it): a second setup would wrap it again, and its "
+                "first backward fails. Fix: call rt.setup once per model and use what it "
+                "returned."
+            )
         model = self.precision.convert_module(model)
         wrapped = self.strategy.setup_module(model, self.topology)
         opt = (
@@ -102,6 +126,7 @@ class Runtime(Collectives):
             if optimizer is None
             else self.strategy.setup_optimizer(optimizer, wrapped, self.topology)
         )
+        self._set_up.update((model, wrapped, self.strategy.unwrap(wrapped)))
         if self.ledger is not None:
             from scaletrain.observe.metrics.attach import attach_model
 
@@ -212,6 +237,20 @@ class Runtime(Collectives):
         pipeline stages' norms across the stages, so every rank clips with the same
         global norm a single process would compute. Returns that norm.
         """
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigError(
+                f"rt.clip_grad_norm(model, optimizer, max_norm): the optimizer is "
+                f"{article(type(optimizer).__name__)}; expected the torch.optim.Optimizer "
+                "whose gradients to clip (its parameters' gradients are the ones clipped). "
+                "Fix: rt.clip_grad_norm(model, optimizer, max_norm=1.0)."
+            )
+        for name, value in (("max_norm", max_norm), ("norm_type", norm_type)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ConfigError(
+                    f"rt.clip_grad_norm(..., {name}={value!r}): expected a positive number "
+                    "(a negative max_norm would flip the gradients' sign). Fix: e.g. "
+                    f"{name}={1.0 if name == 'max_norm' else 2.0}."
+                )
         self.precision.unscale(optimizer)
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         group = self.strategy.model_parallel_group(self.topology)
@@ -258,6 +297,7 @@ class Runtime(Collectives):
         For evaluation pass `shuffle=False, pad=False`: shards then differ by at most
         one sample and every sample is counted exactly once across ranks.
         """
+        check_dataset(dataset)
         sampler = ShardedSampler(
             dataset,
             num_replicas=self.dp_size,
