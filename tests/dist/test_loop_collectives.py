@@ -258,3 +258,23 @@ def test_one_process_without_a_process_group(monkeypatch: pytest.MonkeyPatch) ->
             assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.bfloat16
     finally:
         rt.shutdown()
+
+
+def _tensor_job() -> dict[str, Any]:
+    import scaletrain as st
+
+    rt = st.init(strategy="tensor", ledger=False)
+    loader = rt.loader(TensorDataset(torch.arange(N)), batch_size=BATCH, shuffle=False)
+    rows = torch.cat([rt.gather_for_metrics(idx) for (idx,) in loader])
+    count = rt.reduce({"count": sum(len(idx) for (idx,) in loader)})["count"]
+    return {"rows": rows.tolist(), "count": count, "dp": (rt.dp_rank, rt.dp_size)}
+
+
+def test_gather_for_metrics_counts_a_tensor_parallel_replicas_samples_once() -> None:
+    """Both tensor-parallel ranks of the one replica read the same batches: gathered from
+    every rank, each sample came back twice (and a metric over them counted it twice)."""
+    for res in run_ranks(_tensor_job, 2, timeout=150):
+        assert res["dp"] == (0, 1)
+        assert res["rows"] == list(range(N)), res["rows"]
+        # rt.reduce sums over every rank, as its docstring says: N per rank.
+        assert res["count"] == 2 * N

@@ -38,7 +38,14 @@ class Collectives(Place):
     def reduce(
         self, values: Mapping[str, torch.Tensor | float | int], op: str = "sum"
     ) -> dict[str, Any]:
-        """Reduce a dict of tensors/numbers over all ranks in one collective."""
+        """Reduce a dict of tensors/numbers over all ranks in one collective: the same
+        names on every rank, each value of the same shape.
+
+        Over every rank: under tensor or pipeline parallelism the ranks of one replica
+        read the same batch (`rt.loader` shards between replicas), so a sum of per-sample
+        counts holds each sample once per rank of its replica; divide it by
+        `rt.world_size // rt.dp_size`, or gather the rows with `rt.gather_for_metrics`,
+        which counts each sample once."""
         device = self.device if self.backend == "nccl" else None
         with self._phase(_phases.SYNC):
             return _dist.reduce_values(values, op, device=device)
@@ -85,7 +92,17 @@ class Collectives(Place):
                 leaves = [real_rows(t, source, name) for t in leaves]
             except ConfigError as exc:
                 problem = str(exc)
+        if problem is None and not self._replicas_first_rank():
+            # Tensor-parallel and pipeline peers of a replica hold the same batch and the
+            # same outputs: its first rank's rows stand for them all.
+            leaves = [t[:0] if t.dim() else t.reshape(1)[:0] for t in leaves]
         return rebuild(data, self._gather(leaves, name, problem))
+
+    def _replicas_first_rank(self) -> bool:
+        """Whether this rank is the first of its data-parallel replica: at 0 along every
+        mesh dimension but "dp" (tensor parallel's, a pipeline's)."""
+        mesh = self.topology.mesh_shape
+        return all(self.topology.coordinate(d) == 0 for d in mesh if d != "dp")
 
     def _gather(
         self, leaves: list[torch.Tensor], name: str, problem: str | None
