@@ -204,9 +204,20 @@ def sleep(where):
     open(os.path.join(where, str(os.getpid())), "w").close()
     time.sleep(300)
 
+def stop(where):
+    # A loop of one's own that stops when asked and returns, as the docs teach.
+    rt = st.init(strategy="ddp")
+    for step in range(3000):
+        time.sleep(0.1)
+        if rt.should_stop():
+            rt.shutdown()
+            return step
+        if step == 1:  # it has asked: SIGINT is a request to stop from here on
+            open(os.path.join(where, str(os.getpid())), "w").close()
+
 if __name__ == "__main__":
     try:
-        st.launch(sleep, nproc=2, args=(sys.argv[1],))
+        st.launch(globals()[sys.argv[2]], nproc=2, args=(sys.argv[1],))
     except KeyboardInterrupt:
         print("interrupted", flush=True)
         sys.exit(3)
@@ -222,7 +233,11 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_ctrl_c_ends_the_ranks(tmp_path: Path) -> None:
+@pytest.mark.parametrize("work", ["sleep", "stop"])
+def test_ctrl_c_ends_the_ranks(tmp_path: Path, work: str) -> None:
+    """A rank asleep ends on the forwarded SIGINT; one that asks rt.should_stop returns.
+    A rank that returned waited for torch's agent to read its value, and its shutdown
+    never did: st.launch ended 30 s after the ranks had stopped."""
     script = tmp_path / "sleeper.py"
     script.write_text(textwrap.dedent(_SLEEPER))
     pids = tmp_path / "pids"
@@ -232,7 +247,7 @@ def test_ctrl_c_ends_the_ranks(tmp_path: Path) -> None:
     # Its own session: the signal reaches the launching process only, as a notebook's
     # "interrupt the kernel" does; the ranks hear of it from the agent.
     proc = subprocess.Popen(
-        [sys.executable, str(script), str(pids)],
+        [sys.executable, str(script), str(pids), work],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -247,7 +262,9 @@ def test_ctrl_c_ends_the_ranks(tmp_path: Path) -> None:
             time.sleep(0.05)
         ranks = [int(p.name) for p in pids.iterdir()]
         proc.send_signal(signal.SIGINT)
+        sent = time.monotonic()
         out, err = proc.communicate(timeout=60)
+        took = time.monotonic() - sent
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -258,3 +275,4 @@ def test_ctrl_c_ends_the_ranks(tmp_path: Path) -> None:
     # The agent's warnings repeated that line, one per worker.
     assert "death signal" not in err and "closing signal" not in err, err
     assert not [pid for pid in ranks if _alive(pid)]
+    assert took < 20, f"st.launch ended {took:.1f} s after Ctrl-C"

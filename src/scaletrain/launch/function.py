@@ -386,7 +386,7 @@ def launch_function(
     def ours() -> list[int]:
         return sorted(_spawned_children() - before)
 
-    interrupts = _Interrupts(quiet=False, prog=_PROG, workers=ours)
+    interrupts = _Interrupts(quiet=False, prog=_PROG, workers=ours, forward=True)
     stopped_by: signal.Signals | None = None
     ended = False  # every rank has ended, as the agent saw it
     with contextlib.ExitStack() as stack:

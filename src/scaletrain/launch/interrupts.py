@@ -55,14 +55,22 @@ class _Interrupts:
     finishes its step, saves and exits). The second one kills every worker's process
     group at once: the user means now. `workers` lists the processes it kills (all of
     this process's children by default) and `prog` names the launcher in its notice.
+
+    `forward`: the first one is sent to the workers by this process instead, and the
+    agent goes on watching them, for workers that are functions (st.launch): one that
+    returns waits for the agent to read its value, which torch's shutdown never does
+    (it waited 30 s for them, then killed them). Before any worker has started it is
+    torch's shutdown all the same (none would get it).
     """
 
     def __init__(
-        self, quiet: bool, *, prog: str = _PROG, workers: Callable[[], list[int]] | None = None
-    ) -> None:
+        self, quiet: bool, *, prog: str = _PROG, workers: Callable[[], list[int]] | None = None,
+        forward: bool = False,
+    ) -> None:  # fmt: skip
         self.quiet = quiet
         self.prog = prog
         self.workers = workers or _child_pids
+        self.forward = forward
         self.count = 0
         self._last: float | None = None
         self._previous: Any = None
@@ -115,6 +123,11 @@ class _Interrupts:
 
                 self._hushed = _raise_levels(logging.ERROR)
             self._last = time.monotonic()  # handled: a repeat counts from here
+            if self.forward and (workers := self.workers()):
+                for pid in workers:
+                    with contextlib.suppress(OSError):
+                        os.kill(pid, signal.SIGINT)
+                return
             raise SignalException("Ctrl-C", sigval=signal.SIGINT)
         for pid in self.workers():
             with contextlib.suppress(OSError):
