@@ -304,3 +304,33 @@ def test_errors_say_what_and_how_to_fix(job: Any) -> None:
         assert "rt.unwrap(model) is the full model" in errors["called"]
         msg = errors["indivisible"]
         assert "microbatches=4" in msg and "6 sample(s)" in msg and "drop_last=True" in msg
+
+
+def _hf_job() -> dict[str, Any]:
+    """A Hugging Face causal LM as transformers builds it (use_cache on, its default)
+    under the library's Pipeline: its tracer cannot return the key-value cache."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import scaletrain as st
+    from scaletrain.train.loop import logits_of
+
+    rt = st.init(strategy=st.Pipeline(microbatches=2), ledger=False)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=64, max_position_embeddings=16,
+    )  # fmt: skip
+    model = rt.setup(LlamaForCausalLM(config))
+    x = torch.randint(0, 64, (4, 8))
+
+    def loss_fn(out: Any, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(logits_of(out).flatten(0, 1), y.flatten())
+
+    loss = rt.forward_backward(model, x, x, loss_fn)
+    return {"loss": float(loss), "use_cache": rt.unwrap(model).config.use_cache}
+
+
+def test_a_hugging_face_model_is_traced_without_its_kv_cache() -> None:
+    for res in run_ranks(_hf_job, 2, timeout=200):
+        assert 3.0 < res["loss"] < 5.5, res  # about log(64) at random weights
+        assert res["use_cache"] is True  # the user's setting, put back after the trace

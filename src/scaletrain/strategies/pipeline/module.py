@@ -326,7 +326,11 @@ class PipelineModule(nn.Module):
 
         spec = dict.fromkeys(self.split_points, SplitPoint.BEGINNING)
         try:
-            with _restore_forwards(self.module, self.split_points), warnings.catch_warnings():
+            with (
+                _restore_forwards(self.module, self.split_points),
+                _no_kv_cache(self.module),
+                warnings.catch_warnings(),
+            ):
                 # torch 2.13's own tracer trips its own pytree deprecation; not the user's.
                 warnings.filterwarnings("ignore", ".*isinstance.treespec, LeafSpec", FutureWarning)
                 pipe = pipeline(self.module, mb_args=(example,), split_spec=spec)
@@ -413,6 +417,22 @@ class PipelineModule(nn.Module):
                 "rt.predict call (tracing needs an example batch); call one first."
             )
         return self._local_names
+
+
+@contextlib.contextmanager
+def _no_kv_cache(model: nn.Module) -> Iterator[None]:
+    """A Hugging Face model traced without its key-value cache (config.use_cache: its
+    DynamicCache is an output torch.export cannot return, and training keeps none), the
+    user's setting put back after."""
+    config = getattr(model, "config", None)
+    cached = getattr(config, "use_cache", None)
+    if cached:
+        config.use_cache = False  # type: ignore[union-attr]
+    try:
+        yield
+    finally:
+        if cached:
+            config.use_cache = cached  # type: ignore[union-attr]
 
 
 @contextlib.contextmanager
