@@ -327,3 +327,20 @@ def test_loading_a_run_or_its_checkpoints_folder_says_it_is_not_a_checkpoint(
     unfinished.mkdir()
     with pytest.raises(CheckpointError, match="never finished"):
         rt.load(unfinished, model=_net(8))
+
+
+def test_a_refusal_names_the_users_class_not_fsdps() -> None:
+    """fully_shard makes a sharded module an instance of a class of its own, named
+    FSDP + the user's ("FSDPMLP"): a checkpoint's refusal named that one."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from scaletrain.checkpoint.layout import user_class
+
+    class MLP(torch.nn.Linear):
+        pass
+
+    sharded = type("FSDPMLP", (FSDPModule, MLP), {})  # as fully_shard makes it
+    module = MLP(2, 2)
+    module.__class__ = sharded
+    assert type(module).__name__ == "FSDPMLP" and user_class(module) == "MLP"
+    assert user_class(torch.nn.Linear(2, 2)) == "Linear"

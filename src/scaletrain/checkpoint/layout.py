@@ -85,6 +85,18 @@ def classname(obj: Any) -> str:
     return type(obj).__name__
 
 
+def user_class(module: Any) -> str:
+    """The class the user wrote: FSDP's fully_shard makes each module it shards an
+    instance of a class of its own ("FSDPMLP", of FSDPModule and MLP), which a message
+    would otherwise name."""
+    from torch.distributed.fsdp import FSDPModule
+
+    cls = type(module)
+    if issubclass(cls, FSDPModule):
+        cls = next((c for c in cls.__mro__ if not issubclass(c, FSDPModule)), cls)
+    return cls.__name__
+
+
 def local_buffers(scope: CheckpointScope, state: State) -> dict[str, dict[str, torch.Tensor]]:
     """Each model's plain (non-DTensor) buffers as THIS rank holds them.
 

@@ -33,6 +33,7 @@ from scaletrain.checkpoint.layout import (
     optim_values_file,
     rng_file,
     split_optimizer,
+    user_class,
     views,
 )
 from scaletrain.checkpoint.manifest import (
@@ -120,7 +121,7 @@ def _check_models(
         if saved.get("fingerprint") == fingerprint(table):
             continue
         saved_as = article(saved.get("class"))
-        what = f"{classname(scope.unwrap(parts.models[name]))} (it saved {saved_as})"
+        what = f"{user_class(scope.unwrap(parts.models[name]))} (it saved {saved_as})"
         raise _model_mismatch(path, name, saved.get("table", {}), table, what)
 
 

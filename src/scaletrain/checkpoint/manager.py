@@ -73,6 +73,19 @@ class CheckpointManager:
         keep: int | None = None,
         async_save: bool = False,
     ) -> None:
+        if isinstance(source, (str, os.PathLike)) or not (
+            isinstance(source, CheckpointScope) or hasattr(source, "checkpoint_scope")
+        ):
+            raise ConfigError(
+                f"CheckpointManager({type(source).__name__}, ...): the first argument is the "
+                "Runtime (st.init's), the second the run's folder. Fix: "
+                "CheckpointManager(rt, 'runs/mine')."
+            )
+        if not isinstance(folder, (str, os.PathLike)):
+            raise ConfigError(
+                f"CheckpointManager(rt, {type(folder).__name__}): the second argument is the "
+                "run's folder, a str or Path. Fix: CheckpointManager(rt, 'runs/mine')."
+            )
         check_keep(keep, "CheckpointManager")
         if every is not None and (
             isinstance(every, bool) or not isinstance(every, int) or every < 1
@@ -91,7 +104,7 @@ class CheckpointManager:
         self.disks = find_disks(self.folder, topo.rank, topo.world_size)
         """Which ranks share the folder's filesystem (see scaletrain.checkpoint.disks)."""
 
-    def resume(self, **state: Any) -> Resumed:
+    def resume(self, *unnamed: Any, **state: Any) -> Resumed:
         """Load the newest checkpoint that loads into `state`; say what was passed over.
 
         A checkpoint that is unfinished, damaged or of a newer format is skipped for the
@@ -100,6 +113,13 @@ class CheckpointManager:
         CheckpointError listing every checkpoint when the folder holds finished ones
         and none of them loads; nothing is deleted.
         """
+        if unnamed:
+            got = ", ".join(type(o).__name__ for o in unnamed)
+            raise ConfigError(
+                f"CheckpointManager.resume({got}): objects are passed by name (a load matches "
+                "them by the names they were saved under). Fix: "
+                "manager.resume(model=model, optimizer=optimizer, loader=loader)."
+            )
         # Without a shared filesystem a model split across ranks is refused here, at
         # the start, rather than at its first save.
         modules = [m for m in views(self.scope, state).values() if isinstance(m, nn.Module)]
@@ -173,6 +193,18 @@ class CheckpointManager:
         last save, a stop) is complete when this returns. Returns the path, the handle
         of an async save, or None when nothing was due.
         """
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ConfigError(
+                f"CheckpointManager.maybe_save(step={step!r}, ...): expected the step, an int "
+                ">= 0 (the checkpoint is named by it). Fix: manager.maybe_save(step, "
+                "model=model, optimizer=optimizer, loader=loader)."
+            )
+        if not state:
+            raise ConfigError(
+                f"CheckpointManager.maybe_save({step}): nothing to save besides the step. Fix: "
+                f"pass the state by name: manager.maybe_save({step}, model=model, "
+                "optimizer=optimizer, loader=loader)."
+            )
         if not (force or self.due(step)):
             return None
         handle = save_with(

@@ -39,6 +39,7 @@ from scaletrain.checkpoint.layout import (
     prepare_dir,
     rng_file,
     split_optimizer,
+    user_class,
     views,
     with_first_replica_buffers,
     write_json,
@@ -190,7 +191,7 @@ def _manifest(
     for name, model in parts.models.items():
         manifest.objects[name] = {
             "kind": "model",
-            "class": classname(scope.unwrap(model)),
+            "class": user_class(scope.unwrap(model)),
             "fingerprint": fingerprint(tables[name]),
             "table": tables[name],
         }
