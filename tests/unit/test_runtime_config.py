@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+from pathlib import Path
 
 import pytest
 import torch
@@ -223,6 +224,10 @@ def test_setup_clip_and_loader_refuse_what_fails_later_inside_torch(
             rt.setup("model")  # type: ignore[call-overload]
         with pytest.raises(st.ConfigError, match=r"the optimizer is a list; expected a torch"):
             rt.setup(torch.nn.Linear(2, 2), [])  # type: ignore[call-overload]
+        other = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+        with pytest.raises(st.ConfigError, match=r"none of the 2 parameter\(s\) the SGD steps "
+                           r"is the Linear's: it was built on another model"):  # fmt: skip
+            rt.setup(torch.nn.Linear(2, 2), other)
         model(torch.ones(2, 4)).sum().backward()
         before = model.weight.grad.clone()
         for kwargs, said in (
@@ -251,6 +256,62 @@ def test_setup_clip_and_loader_refuse_what_fails_later_inside_torch(
             with pytest.raises(st.ConfigError, match=said):
                 rt.loader(dataset, batch_size=4)
         assert len(rt.loader(data, batch_size=4)) == 2 and len(rt.loader([1, 2], 1)) == 2
+
+
+def _needs_two(a: int, b: int) -> int:
+    return a + b
+
+
+def test_wrong_types_and_orders_are_refused_with_the_fix(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Each of these raised a bare TypeError, AttributeError or torch's RuntimeError
+    (st.init(timeout="30"), DDP(bucket_cap_mb="25"), device="gpu", CheckpointManager's
+    arguments swapped, maybe_save("1"), resume(model), st.launch(fn, 2, ...)), wrote a
+    checkpoint of nothing but its step (maybe_save(1)), named an internal function
+    (rt.save(path)), or started every process before failing (a missing argument)."""
+    from scaletrain.testing import launcher_variables
+
+    for var in launcher_variables():
+        monkeypatch.delenv(var)
+    monkeypatch.chdir(tmp_path)
+    cases = [
+        (lambda: st.init(timeout="30", env="local"), r"^timeout='30': expected seconds"),
+        (lambda: DDP(bucket_cap_mb="25"), r"DDP\(bucket_cap_mb='25'\) must be positive"),
+        (lambda: choose_device(0, backend="gloo", device="gpu"),
+         r"^device='gpu': expected a torch device name: 'cpu', 'cuda'"),
+        (lambda: resolve_strategy(st.DDP),
+         r"strategy=DDP is the class; .*Fix: strategy=st.DDP\(\) .*or strategy='ddp'"),
+        (lambda: st.FSDP(mixed_precision="bf16"), r"st.init\(precision='bf16-mixed'\)"),
+        (lambda: st.launch(_needs_two, 2, (1,)),
+         r"st.launch\(fn, 2, \(1,\)\): .*passed by name"),
+        (lambda: st.launch(_needs_two, nproc=2, args=(1,)),
+         r"_needs_two\(a, b\) cannot be called with them \(missing a required "
+         r"argument: 'b'\)"),
+    ]  # fmt: skip
+    if not torch.cuda.is_available():
+        cases.append((lambda: choose_device(0, backend="gloo", device="cuda:0"),
+                      r"0 visible GPU\(s\)\. Fix: device='cpu'"))  # fmt: skip
+    for call, said in cases:
+        with pytest.raises(st.ConfigError, match=said):
+            call()
+    with st.init(strategy="single", env="local") as rt:
+        model = torch.nn.Linear(2, 2)
+        with pytest.raises(st.ConfigError, match=r"^rt.save\(path\): nothing to save"):
+            rt.save("runs/x/checkpoints/step-000001")
+        with pytest.raises(st.ConfigError, match=r"CheckpointManager\(str, ...\): the first "
+                           r"argument is the Runtime .*Fix: CheckpointManager\(rt, 'runs/mine'\)"):  # fmt: skip
+            st.CheckpointManager("runs/x", rt)  # type: ignore[arg-type]
+        with pytest.raises(st.ConfigError, match=r"CheckpointManager\(rt, int\)"):
+            st.CheckpointManager(rt, 3)  # type: ignore[arg-type]
+        manager = st.CheckpointManager(rt, "runs/x")
+        with pytest.raises(st.ConfigError, match=r"maybe_save\(step='1', ...\): expected"):
+            manager.maybe_save("1", model=model)  # type: ignore[arg-type]
+        with pytest.raises(st.ConfigError, match=r"maybe_save\(1\): nothing to save"):
+            manager.maybe_save(1, force=True)
+        with pytest.raises(st.ConfigError, match=r"resume\(Linear\): objects are passed by"):
+            manager.resume(model)
+        assert not (tmp_path / "runs").exists()
 
 
 def test_dir_shows_the_public_names_only() -> None:

@@ -141,10 +141,13 @@ def test_should_stop_in_one_process(sig: str, reason: str) -> None:
         f"before the first should_stop: KeyboardInterrupt\nstopped after step 3 by {reason} True\n"
     ), done.stdout + done.stderr
     if sig == "SIGINT":
+        # A loop of one's own decides whether it saves: the notice promises no save.
+        assert done.stderr.count("scaletrain: Ctrl-C: ") == 1, done.stderr
         assert (
-            "scaletrain: Ctrl-C: stopping after this step or the next (the ranks agree"
-            in done.stderr
-        )
+            "scaletrain: Ctrl-C: rt.should_stop() is True after this step or the next (the "
+            "ranks agree on one) (Ctrl-C again to end at once)." in done.stderr
+        ), done.stderr
+        assert "saving" not in done.stderr, done.stderr
 
 
 def test_shutdown_gives_the_signals_back_when_nothing_stopped_the_loop() -> None:

@@ -45,15 +45,27 @@ def choose_backend(requested: str | None, *, cuda: bool | None = None) -> str:
 def choose_device(local_rank: int, *, backend: str, device: str | None = None) -> torch.device:
     """One GPU per local rank where there are GPUs (the seeds' `cuda:<local_rank>`), else CPU."""
     if device is not None:
-        dev = torch.device(device)
+        try:
+            dev = torch.device(device)
+        except (RuntimeError, TypeError):
+            raise ConfigError(
+                f"device={device!r}: expected a torch device name: 'cpu', 'cuda' (this "
+                "process's GPU) or 'cuda:N'. Fix: e.g. device='cuda', or leave it out (a GPU "
+                "per process where there are GPUs, else the CPU)."
+            ) from None
         if dev.type == "cuda":
             count = torch.cuda.device_count()
             index = dev.index if dev.index is not None else local_rank
             if index >= count:
+                fix = (
+                    f"Start at most {count} processes per node or check CUDA_VISIBLE_DEVICES"
+                    if count
+                    else "Fix: device='cpu', or leave device out (the CPU where there is no "
+                    "GPU), or run on a machine with GPUs (and a CUDA build of torch)"
+                )
                 raise ConfigError(
                     f"device={device!r} (local rank {local_rank}) names GPU {index}, but this "
-                    f"node has {count} visible GPU(s). Start at most {count} processes per node "
-                    "or check CUDA_VISIBLE_DEVICES."
+                    f"node has {count} visible GPU(s). {fix}."
                 )
             return torch.device("cuda", index)
         return dev

@@ -52,8 +52,11 @@ def init_process_group(
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> None:
     """Join the job described by `env`. A no-op at world size 1: no store, no threads."""
-    if timeout_s <= 0:
-        raise ConfigError(f"timeout={timeout_s!r} s must be positive, e.g. 600 for ten minutes.")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
+        raise ConfigError(
+            f"timeout={timeout_s!r}: expected seconds, a positive number. Fix: e.g. "
+            "timeout=600 for ten minutes."
+        )
     if env.world_size == 1:
         return
     set_collective_timeout(_dt.timedelta(seconds=timeout_s))

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import inspect
 import io
 import os
 import pickle
@@ -159,6 +160,25 @@ def _check_args(args: object) -> tuple[Any, ...]:
                 field="args",
             )
     return tuple(args)
+
+
+def _check_call(fn: Callable[..., Any], name: str, args: tuple[Any, ...]) -> None:
+    """`fn(*args)` binds: a missing or extra argument is refused before any process
+    starts, not by every rank after (a function without a signature is let through)."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(*args)
+    except TypeError as exc:
+        raise ConfigError(
+            f"st.launch({name}, args={args!r}): {name}({', '.join(signature.parameters)}) "
+            "cannot be called with "
+            f"them ({exc}). Fix: args=(...) with a value for each of its parameters "
+            "(args=(value,) for one).",
+            field="args",
+        ) from None
 
 
 def _check_nproc(nproc: object) -> int:
@@ -350,7 +370,7 @@ def _rank_error(failures: dict[int, Any], nproc: int, fn_name: str) -> RankError
 
 
 def launch_function(
-    fn: Callable[..., Any], *, nproc: int | None = None, args: Sequence[Any] = ()
+    fn: Callable[..., Any], *unnamed: Any, nproc: int | None = None, args: Sequence[Any] = ()
 ) -> list[Any]:
     """Run `fn(*args)` on `nproc` new processes of this machine; their results in rank order.
 
@@ -366,10 +386,18 @@ def launch_function(
     Ctrl-C once asks the ranks to stop (they get SIGINT) and raises KeyboardInterrupt
     once they have; twice kills them at once.
     """
+    if unnamed:
+        raise ConfigError(
+            f"st.launch(fn, {', '.join(map(repr, unnamed))}): the process count and the "
+            "function's arguments are passed by name. Fix: st.launch(fn, nproc=2, "
+            "args=(...)).",
+            field="nproc",
+        )
     nproc = _check_nproc(nproc)
     _check_function(fn)
     arguments = _check_args(args)
     fn_name = getattr(fn, "__qualname__", None) or type(fn).__name__
+    _check_call(fn, fn_name, arguments)
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError

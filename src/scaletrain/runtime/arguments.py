@@ -1,6 +1,7 @@
 """The Runtime's checks of what a training loop hands it, where torch would fail far
 away or not at all: a loss of more than one number (rt.forward_backward, rt.backward),
-and checkpoint objects not passed by name (rt.save, rt.load)."""
+checkpoint objects not passed by name (rt.save, rt.load), and what rt.setup and
+rt.clip_grad_norm are given."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ import os
 from typing import Any
 
 import torch
+from torch import nn
 
 from scaletrain.errors import ConfigError, article, say
 
-__all__ = ["by_name", "one_number"]
+__all__ = ["by_name", "check_clip", "check_setup", "one_number"]
 
 
 def one_number(loss: Any, loss_fn: Any) -> torch.Tensor:
@@ -55,3 +57,48 @@ def by_name(call: str, path: Any, unnamed: tuple[Any, ...]) -> None:
             f"rt.{call}(path, {got}): objects are passed by name (a load matches them by "
             f"name). Fix: {example}."
         )
+
+
+def check_setup(model: Any, optimizer: Any) -> None:
+    """rt.setup's model and optimizer: a module, an optimizer (or none) that steps some
+    of the model's parameters (one built on another model would train that one)."""
+    if not isinstance(model, nn.Module):
+        raise ConfigError(
+            f"rt.setup(model): got {article(type(model).__name__)}; expected the "
+            "torch.nn.Module to train. Fix: rt.setup(model) or rt.setup(model, optimizer)."
+        )
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(
+            f"rt.setup(model, optimizer): the optimizer is "
+            f"{article(type(optimizer).__name__)}; expected a torch.optim.Optimizer over "
+            "the model's parameters. Fix: e.g. rt.setup(model, torch.optim.AdamW("
+            "model.parameters())), or rt.setup(model) alone."
+        )
+    if optimizer is not None:
+        mine = {id(p) for p in model.parameters()}
+        steps = [p for g in optimizer.param_groups for p in g["params"]]
+        if steps and mine and not any(id(p) in mine for p in steps):
+            raise ConfigError(
+                f"rt.setup(model, optimizer): none of the {len(steps)} parameter(s) the "
+                f"{type(optimizer).__name__} steps is the {type(model).__name__}'s: it was "
+                "built on another model, and would train that one. Fix: build it on this "
+                "model's parameters, e.g. torch.optim.AdamW(model.parameters())."
+            )
+
+
+def check_clip(optimizer: Any, max_norm: Any, norm_type: Any) -> None:
+    """rt.clip_grad_norm's optimizer and norms: a negative max_norm flips the gradients."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(
+            f"rt.clip_grad_norm(model, optimizer, max_norm): the optimizer is "
+            f"{article(type(optimizer).__name__)}; expected the torch.optim.Optimizer "
+            "whose gradients to clip (its parameters' gradients are the ones clipped). "
+            "Fix: rt.clip_grad_norm(model, optimizer, max_norm=1.0)."
+        )
+    for name, value in (("max_norm", max_norm), ("norm_type", norm_type)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ConfigError(
+                f"rt.clip_grad_norm(..., {name}={value!r}): expected a positive number "
+                "(a negative max_norm would flip the gradients' sign). Fix: e.g. "
+                f"{name}={1.0 if name == 'max_norm' else 2.0}."
+            )

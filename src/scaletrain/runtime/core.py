@@ -25,11 +25,11 @@ from scaletrain.data import ShardedLoader, ShardedSampler
 from scaletrain.data.loader import check_dataset
 from scaletrain.dist.topology import Topology
 from scaletrain.env.base import ClusterEnv
-from scaletrain.errors import ConfigError, article
+from scaletrain.errors import ConfigError
 from scaletrain.observe.metrics import phases as _phases
 from scaletrain.observe.metrics.ledger import StepLedger
 from scaletrain.precision import Precision
-from scaletrain.runtime.arguments import by_name, one_number
+from scaletrain.runtime.arguments import by_name, check_clip, check_setup, one_number
 from scaletrain.runtime.collectives import Collectives
 from scaletrain.runtime.signals import StopRequest
 from scaletrain.runtime.stopping import StopAgreement
@@ -100,18 +100,7 @@ class Runtime(Collectives):
     ) -> nn.Module | tuple[nn.Module, torch.optim.Optimizer]:
         """Move the model to this process's device and wrap it for the strategy. Once
         per model: use what it returns (a second setup would wrap the wrapper)."""
-        if not isinstance(model, nn.Module):
-            raise ConfigError(
-                f"rt.setup(model): got {article(type(model).__name__)}; expected the "
-                "torch.nn.Module to train. Fix: rt.setup(model) or rt.setup(model, optimizer)."
-            )
-        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-            raise ConfigError(
-                f"rt.setup(model, optimizer): the optimizer is "
-                f"{article(type(optimizer).__name__)}; expected a torch.optim.Optimizer over "
-                "the model's parameters. Fix: e.g. rt.setup(model, torch.optim.AdamW("
-                "model.parameters())), or rt.setup(model) alone."
-            )
+        check_setup(model, optimizer)
         if model in self._set_up:
             raise ConfigError(
                 f"rt.setup(model): this {type(model).__name__} is already set up (rt.setup "
@@ -237,20 +226,7 @@ class Runtime(Collectives):
         pipeline stages' norms across the stages, so every rank clips with the same
         global norm a single process would compute. Returns that norm.
         """
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise ConfigError(
-                f"rt.clip_grad_norm(model, optimizer, max_norm): the optimizer is "
-                f"{article(type(optimizer).__name__)}; expected the torch.optim.Optimizer "
-                "whose gradients to clip (its parameters' gradients are the ones clipped). "
-                "Fix: rt.clip_grad_norm(model, optimizer, max_norm=1.0)."
-            )
-        for name, value in (("max_norm", max_norm), ("norm_type", norm_type)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ConfigError(
-                    f"rt.clip_grad_norm(..., {name}={value!r}): expected a positive number "
-                    "(a negative max_norm would flip the gradients' sign). Fix: e.g. "
-                    f"{name}={1.0 if name == 'max_norm' else 2.0}."
-                )
+        check_clip(optimizer, max_norm, norm_type)
         self.precision.unscale(optimizer)
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         group = self.strategy.model_parallel_group(self.topology)
@@ -343,7 +319,7 @@ class Runtime(Collectives):
         if self._stop_reason is not None:
             return True
         if self._stopping is None:
-            self._stopping = StopAgreement(self, StopRequest().install(), None)
+            self._stopping = StopAgreement(self, StopRequest(saving=False).install(), None)
         self._stop_reason = self._stopping.after_step(0)
         return self._stop_reason is not None
 
@@ -378,6 +354,11 @@ class Runtime(Collectives):
         from scaletrain.checkpoint import save_checkpoint
 
         by_name("save", path, unnamed)
+        if not state:
+            raise ConfigError(
+                "rt.save(path): nothing to save. Fix: pass the state by name, e.g. "
+                "rt.save(path, model=model, optimizer=optimizer, step=step)."
+            )
         return save_checkpoint(
             self.checkpoint_scope(), path, keep=keep, async_save=async_save, **state
         )

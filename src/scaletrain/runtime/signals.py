@@ -37,7 +37,10 @@ class StopRequest:
     """Installed for the duration of a run (main thread only); `.signal` is the first
     stop signal received, or None."""
 
-    def __init__(self, on_abort: Callable[[], None] | None = None) -> None:
+    def __init__(self, on_abort: Callable[[], None] | None = None, *, saving: bool = True) -> None:
+        self.saving = saving
+        """Whether the stop ends in a save (scaletrain train's), as its notice says; a loop
+        of one's own that asks rt.should_stop() decides that itself."""
         self.signal: int | None = None
         self._last_ctrl_c: float | None = None
         self._previous: dict[int, Any] = {}
@@ -76,7 +79,9 @@ class StopRequest:
             # Ctrl-C a second time: the user means now. No traceback, no save; the
             # checkpoints already written are complete (atomic writes) and stay.
             print(
-                "\nscaletrain: second Ctrl-C: aborting without saving.", file=sys.stderr, flush=True
+                f"\nscaletrain: second Ctrl-C: aborting{' without saving' if self.saving else ''}.",
+                file=sys.stderr,
+                flush=True,
             )
             if self.on_abort is not None:
                 with contextlib.suppress(Exception):
@@ -85,13 +90,14 @@ class StopRequest:
         if self.signal is None:
             self.signal = signum
             if signum == signal.SIGINT and os.environ.get("RANK", "0") == "0":
-                print(
-                    "\nscaletrain: Ctrl-C: stopping after this step or the next (the ranks "
-                    "agree on one), then saving "
-                    "(Ctrl-C again to abort without saving).",
-                    file=sys.stderr,
-                    flush=True,
+                said = (
+                    "stopping after this step or the next (the ranks agree on one), then "
+                    "saving (Ctrl-C again to abort without saving)"
+                    if self.saving
+                    else "rt.should_stop() is True after this step or the next (the ranks "
+                    "agree on one) (Ctrl-C again to end at once)"
                 )
+                print(f"\nscaletrain: Ctrl-C: {said}.", file=sys.stderr, flush=True)
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():

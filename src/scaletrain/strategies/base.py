@@ -349,9 +349,11 @@ def rebind_optimizer(
     """
     if any(optimizer.state.values()):
         raise ConfigError(
-            f"setup() got {article(type(optimizer).__name__)} that already has state (it has "
-            "stepped). The strategy replaces the model's parameters, so that state cannot "
-            "follow. Fix: call rt.setup(model, optimizer) before the first optimizer.step()."
+            f"rt.setup() got {article(type(optimizer).__name__)} that already has state (it "
+            "has stepped, or a checkpoint was loaded into it). The strategy replaces the "
+            "model's parameters, so that state cannot follow. Fix: call rt.setup(model, "
+            "optimizer) before the first optimizer.step() and before loading a checkpoint "
+            "(rt.load, CheckpointManager.resume): the load restores the set-up model's."
         )
     current = dict(module.named_parameters())
     new_groups: list[list[nn.Parameter]] = []
@@ -422,6 +424,14 @@ def resolve_strategy(
         key = spec.strip().lower()
         if key in STRATEGIES:
             strategy = STRATEGIES[key]()
+    elif isinstance(spec, type) and issubclass(spec, Strategy):
+        name = next((k for k, v in STRATEGIES.items() if v is spec), None)
+        raise ConfigError(
+            f"strategy={spec.__name__} is the class; expected a strategy object or a name. "
+            f"Fix: strategy=st.{spec.__name__}() (its options in the parentheses)"
+            + (f", or strategy={name!r}." if name else "."),
+            field="strategy",
+        )
     if strategy is not None:
         if mesh and any(mesh.get(d, 1) > 1 for d in ("tp", "pp")):
             # Here, not at the top: mesh.py builds its composites on this module's Strategy.

@@ -78,11 +78,19 @@ class DDP(Strategy):
                 f"DDP(comm_hook={self.comm_hook!r}) is not a known hook; expected one of "
                 f"{', '.join(COMM_HOOKS)} or None."
             )
-        if self.bucket_cap_mb is not None and self.bucket_cap_mb <= 0:
+        if self.bucket_cap_mb is not None and (
+            isinstance(self.bucket_cap_mb, bool)
+            or not isinstance(self.bucket_cap_mb, (int, float))
+            or self.bucket_cap_mb <= 0
+        ):
             raise ConfigError(
                 f"DDP(bucket_cap_mb={self.bucket_cap_mb!r}) must be positive, e.g. 25 (MiB)."
             )
-        if self.powersgd_rank < 1:
+        if (
+            isinstance(self.powersgd_rank, bool)
+            or not isinstance(self.powersgd_rank, int)
+            or (self.powersgd_rank < 1)
+        ):
             raise ConfigError(f"DDP(powersgd_rank={self.powersgd_rank!r}) must be >= 1.")
         if self.device_map is not None:
             check_device_map(self.device_map, "DDP")

@@ -78,7 +78,9 @@ class FSDP(Strategy):
             if not isinstance(self.mixed_precision, MixedPrecisionPolicy):
                 raise ConfigError(
                     f"FSDP(mixed_precision={self.mixed_precision!r}) must be a "
-                    "torch.distributed.fsdp.MixedPrecisionPolicy or None, e.g. "
+                    "torch.distributed.fsdp.MixedPrecisionPolicy or None. Fix: for a "
+                    "precision by name, st.init(precision='bf16-mixed') (FSDP takes its "
+                    "policy from it), or a policy of your own, e.g. "
                     "MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
                     "reduce_dtype=torch.float32)."
                 )
