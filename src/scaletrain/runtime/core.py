@@ -99,7 +99,12 @@ class Runtime(Collectives):
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
     ) -> nn.Module | tuple[nn.Module, torch.optim.Optimizer]:
         """Move the model to this process's device and wrap it for the strategy. Once
-        per model: use what it returns (a second setup would wrap the wrapper)."""
+        per model: use what it returns (a second setup would wrap the wrapper).
+
+        An optimizer made before it is passed to it: FSDP and tensor parallel replace the
+        model's parameters with sharded ones, and setup moves the optimizer onto them; one
+        left out would step the old tensors, which the model no longer uses. With
+        `rt.setup(model)` alone, make the optimizer after it, from what it returned."""
         check_setup(model, optimizer)
         if model in self._set_up:
             raise ConfigError(
