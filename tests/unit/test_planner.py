@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import re
 from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
@@ -829,6 +830,41 @@ def test_a_step_fake_tensors_cannot_run_is_refused_in_one_line() -> None:
     with pytest.raises(ConfigError, match=r"plan\(\.\.\.\): ResidualMLP has no parameter that "
                        r"requires a gradient: nothing to train.*Fix: leave requires_grad"):  # fmt: skip
         profile_model(partial(_fine_tuned, 4, head=True), example, loss, torch.optim.SGD)
+
+
+class _Tokens(nn.Module):
+    """A model of token ids (an embedding first), as a language model's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(x).mean(1))
+
+
+def test_a_batch_the_model_does_not_take_is_refused_with_what_it_was() -> None:
+    """Float features into a model of token ids: torch's embedding refused them deep in
+    a meta kernel, and the plan ended in that traceback."""
+    example = (torch.randn(2, 8), torch.randint(0, 4, (2,)))
+    batch = "on its example batch (inputs float32 (2, 8), targets int64 (2,))"
+
+    def library() -> nn.Module:  # every frame of its forward torch's
+        return nn.Sequential(nn.Embedding(16, 8), nn.Flatten(), nn.Linear(64, 4))
+
+    with pytest.raises(ConfigError) as info:
+        profile_model(library, example, nn.functional.cross_entropy, torch.optim.SGD)
+    said = str(info.value)
+    assert said.startswith(
+        f"plan(...): Sequential's step failed {batch}: RuntimeError: Expected tensor for "
+        "argument #1 'indices'"
+    ), said
+    assert "Fix: give the model what its forward takes" in said and info.value.field == "model"
+    # A model of the user's own: their line, and the batch it was given.
+    with pytest.raises(ConfigError, match=rf"^plan\(\.\.\.\): _Tokens's step {re.escape(batch)} "
+                       r"raised RuntimeError: Expected tensor"):  # fmt: skip
+        profile_model(_Tokens, example, nn.functional.cross_entropy, torch.optim.SGD)
 
 
 @torch.library.custom_op("scaletrain_test::doubled", mutates_args=())

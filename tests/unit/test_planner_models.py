@@ -518,7 +518,10 @@ def test_a_forward_that_fails_names_the_users_line_once(
     with pytest.raises(ConfigError) as got:
         st.plan(model=f"{path}:build", devices=2, hardware="h100-sxm")
     said = str(got.value)
-    assert said.startswith(f"plan(...): {path}:build's step raised RuntimeError: "), said
+    assert said.startswith(
+        f"plan(...): {path}:build's step on its example batch (inputs float32 (32, 16), "
+        "targets int64 (32,)) raised RuntimeError: "
+    ), said
     assert said.endswith(f"Fix: correct your code at {path}, line 13."), said
     assert f'File "{path}", line 13, in forward' in said and "linear.py" in said, said
     assert (

@@ -399,7 +399,7 @@ def profile_model(
                     loss.backward()
                 flops_all = counter.count()
         except Exception as exc:
-            if (refusal := refused(f"{label}'s step", exc)) is None:
+            if (refusal := refused(f"{label}'s step", exc, example)) is None:
                 raise
             raise refusal from None
         finally:

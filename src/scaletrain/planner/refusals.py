@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import traceback
 from typing import Any
 
 from torch._subclasses.fake_tensor import (
@@ -73,20 +74,49 @@ def _unprofiled(what: str, exc: RuntimeError) -> ConfigError | None:
     )
 
 
-def refused(what: str, exc: Exception) -> ConfigError | None:
+def refused(what: str, exc: Exception, example: Any = None) -> ConfigError | None:
     """The refusal of a step that failed under the profile: one fake tensors cannot run
     (`_unprofiled`), or an error the user's own code raised (their file and line, as a
-    model module's failing factory is shown); None for any other (a library's own, or
-    scaletrain's: its traceback)."""
+    model module's failing factory is shown), or a torch op's check of what the model was
+    given (`example`: the batch, as a model whose data does not fit it fails: float
+    features into an embedding); None for any other (scaletrain's: its traceback)."""
     from scaletrain.train.user_code import raised_in_user_code, user_code_error
 
     if isinstance(exc, ScaletrainError):
         return None
     if isinstance(exc, RuntimeError) and (refusal := _unprofiled(what, exc)):
         return refusal
+    batch = ""
+    if example is not None:
+        inputs, targets = (_shown(t) for t in example)
+        batch = f" on its example batch (inputs {inputs}, targets {targets})"
     if raised_in_user_code(exc):
-        return user_code_error(exc, f"{say(api='plan(...): ', cli='')}{what}", "model")
+        return user_code_error(exc, f"{say(api='plan(...): ', cli='')}{what}{batch}", "model")
+    if batch and isinstance(exc, (RuntimeError, TypeError, IndexError)) and not _ours(exc):
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return ConfigError(
+            f"{say(api='plan(...): ', cli='')}{what} failed{batch}: {type(exc).__name__}: "
+            f"{first}. Fix: give the model what its forward takes: the model module's "
+            "example(batch_size) or datasets(split) (a model of token ids takes int64 ids); "
+            "training would fail the same way.",
+            field="model",
+        )
     return None
+
+
+def _ours(exc: BaseException) -> bool:
+    """Whether scaletrain's own code raised `exc` (its innermost frame): a bug of ours
+    beneath the forward, not what the model was given."""
+    frames = list(traceback.walk_tb(exc.__traceback__))
+    module = str(frames[-1][0].f_globals.get("__name__", "")) if frames else ""
+    return module.startswith("scaletrain.")
+
+
+def _shown(value: Any) -> str:
+    """float32 (1, 8): a tensor as a refusal names it; else its type."""
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        return f"{str(value.dtype).removeprefix('torch.')} {tuple(value.shape)}"
+    return type(value).__name__
 
 
 @contextlib.contextmanager
