@@ -84,6 +84,14 @@ def _job(order_file: str) -> dict[str, Any]:
         except ConfigError as exc:
             refused[case] = f"ConfigError: {exc}"
     res["refused"] = refused
+    # One rank called wrongly: it raises why, every other rank a PeerFailure (they
+    # waited for it until the timeout); a number and a 1-element tensor add up.
+    try:
+        rt.reduce({"a": "x" if r == 1 else 1.0})  # type: ignore[dict-item]
+        res["one_wrong"] = "nothing raised"
+    except Exception as exc:
+        res["one_wrong"] = f"{type(exc).__name__}: {exc}"
+    res["number_and_tensor"] = float(rt.reduce({"a": 1.0 if r else torch.ones(1)})["a"])
     res["mixed"] = rt.reduce({"a": 1 if r == 0 else 1.5, "b": 2})
     res["order"] = rt.reduce({"x": 1.0, "y": 2.0} if r == 0 else {"y": 2.0, "x": 1.0})
     # scaletrain's own group waits as long as st.init(timeout=...) says (torch gives a
@@ -213,9 +221,14 @@ def test_reduce_refuses_names_or_shapes_that_differ_between_ranks(job: Any) -> N
     for r in results:
         for case, said in r["refused"].items():
             assert said.startswith("ConfigError: rt.reduce: the ranks passed different names "
-                                   "or shapes to reduce (this rank: "), (case, said)  # fmt: skip
+                                   "or sizes to reduce (this rank: "), (case, said)  # fmt: skip
             assert "Fix: give every rank every name" in said, said
-        assert "this rank: 'a' [3])" in r["refused"]["shape"] or r["rank"] != 1
+        assert "this rank: 'a' (3 elements))" in r["refused"]["shape"] or r["rank"] != 1
+        assert r["one_wrong"].startswith(
+            "ConfigError: reduce() got a='x'" if r["rank"] == 1
+            else "PeerFailure: rt.reduce: another rank was called wrongly"
+        ), r["one_wrong"]  # fmt: skip
+        assert r["number_and_tensor"] == world_size
         # An int comes back an int only where the result is whole: every rank agrees.
         assert r["mixed"] == {"a": 1 + 1.5 * (world_size - 1), "b": 2 * world_size}
         assert isinstance(r["mixed"]["b"], int)

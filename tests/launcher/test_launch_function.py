@@ -233,11 +233,13 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-@pytest.mark.parametrize("work", ["sleep", "stop"])
-def test_ctrl_c_ends_the_ranks(tmp_path: Path, work: str) -> None:
+@pytest.mark.parametrize(("work", "terminal"), [("sleep", False), ("stop", False), ("stop", True)])
+def test_ctrl_c_ends_the_ranks(tmp_path: Path, work: str, terminal: bool) -> None:
     """A rank asleep ends on the forwarded SIGINT; one that asks rt.should_stop returns.
     A rank that returned waited for torch's agent to read its value, and its shutdown
-    never did: st.launch ended 30 s after the ranks had stopped."""
+    never did: st.launch ended 30 s after the ranks had stopped. `terminal`: Ctrl-C as a
+    terminal sends it, to the whole foreground process group: the ranks, in sessions of
+    their own, hear of it from the launcher alone (twice, it read as a second Ctrl-C)."""
     script = tmp_path / "sleeper.py"
     script.write_text(textwrap.dedent(_SLEEPER))
     pids = tmp_path / "pids"
@@ -261,7 +263,10 @@ def test_ctrl_c_ends_the_ranks(tmp_path: Path, work: str) -> None:
             assert time.monotonic() < deadline, "the ranks did not start"
             time.sleep(0.05)
         ranks = [int(p.name) for p in pids.iterdir()]
-        proc.send_signal(signal.SIGINT)
+        if terminal:
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            proc.send_signal(signal.SIGINT)
         sent = time.monotonic()
         out, err = proc.communicate(timeout=60)
         took = time.monotonic() - sent
@@ -271,7 +276,7 @@ def test_ctrl_c_ends_the_ranks(tmp_path: Path, work: str) -> None:
             proc.communicate()
     assert proc.returncode == 3 and out == "interrupted\n", (out, err)
     assert "st.launch: Ctrl-C: asking the workers to stop" in err, err
-    assert "Traceback" not in err, err
+    assert "Traceback" not in err and "second Ctrl-C" not in err, err
     # The agent's warnings repeated that line, one per worker.
     assert "death signal" not in err and "closing signal" not in err, err
     assert not [pid for pid in ranks if _alive(pid)]

@@ -860,7 +860,8 @@ def test_a_batch_the_model_does_not_take_is_refused_with_what_it_was() -> None:
         f"plan(...): Sequential's step failed {batch}: RuntimeError: Expected tensor for "
         "argument #1 'indices'"
     ), said
-    assert "Fix: give the model what its forward takes" in said and info.value.field == "model"
+    assert "Fix: if that batch is not what the model's forward takes" in said, said
+    assert info.value.field == "model"
     # A model of the user's own: their line, and the batch it was given.
     with pytest.raises(ConfigError, match=rf"^plan\(\.\.\.\): _Tokens's step {re.escape(batch)} "
                        r"raised RuntimeError: Expected tensor"):  # fmt: skip

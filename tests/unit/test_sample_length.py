@@ -1,17 +1,17 @@
-"""A sample longer than the model's learned position table is refused before the first
+"""A batch longer than the model's learned position table is refused before the first
 step, in one line (the first forward would raise an IndexError deep inside
 torch.embedding on every rank, or on a GPU a device-side assert); models whose positions
-take any length, and data that is not token ids, are left alone."""
+take any length, whose table is not surely one (several, a name that only holds "pos",
+a config that says otherwise), and data that is not token ids are left alone."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import IterableDataset, TensorDataset
 
 from scaletrain.errors import ConfigError, use_cli_names
-from scaletrain.train.positions import check_sample_length, longest_sequence, position_table
+from scaletrain.train.positions import check_batch_length, longest_sequence, position_table
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -37,60 +37,65 @@ class _Rotary(nn.Module):
         self.config = type("C", (), {"max_position_embeddings": 8})()
 
 
-def _tokens(n: int, length: int) -> TensorDataset:
+def _tokens(n: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
     x = torch.randint(0, 50, (n, length))
-    return TensorDataset(x, x)
+    return x, x
 
 
-def test_a_sample_longer_than_the_position_table_is_refused_with_the_fix() -> None:
+def test_a_batch_longer_than_the_position_table_is_refused_with_the_fix() -> None:
     model = _Learned(8)
+    table = position_table(model)
+    assert table == ("wpe", 8)
     use_cli_names()
     try:
         with pytest.raises(ConfigError) as info:
-            check_sample_length(model, {"training": _tokens(4, 16)}, "--model m.py:build")
+            check_batch_length(table, _tokens(4, 16), "--model m.py:build")
     finally:
         use_cli_names(False)
     said = str(info.value)
     assert said.startswith(
         "--model m.py:build: its position table wpe has 8 rows (one per position), and the "
-        "training data's samples are 16 tokens long"
+        "data's samples are 16 tokens long"
     ), said
     assert "Fix: samples of at most 8 tokens (--data" in said and info.value.field == "data"
     # What the refusal prevents: the first forward fails inside torch.embedding.
     with pytest.raises(IndexError):
-        model(_tokens(1, 16)[0][0][None])
-
-
-def test_each_split_is_checked_and_samples_within_the_table_pass() -> None:
-    model = _Learned(8)
-    check_sample_length(model, {"training": _tokens(4, 8), "test": _tokens(2, 3)}, "m")
-    with pytest.raises(ConfigError, match="the test data's samples are 9 tokens"):
-        check_sample_length(model, {"training": _tokens(4, 8), "test": _tokens(2, 9)}, "m")
-
-    # A sample's inputs as a mapping of input_ids, as a tokenizer returns them.
-    class Dicts(torch.utils.data.Dataset[tuple[dict[str, torch.Tensor], torch.Tensor]]):
-        def __len__(self) -> int:
-            return 1
-
-        def __getitem__(self, i: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-            return {"input_ids": torch.zeros(12, dtype=torch.long)}, torch.zeros(12)
-
+        model(_tokens(1, 16)[0])
+    check_batch_length(table, _tokens(4, 8), "m")  # within the table
+    # Inputs as a mapping: input_ids are checked; with position_ids of their own
+    # (packed sequences), the model decides.
     with pytest.raises(ConfigError, match="samples are 12 tokens"):
-        check_sample_length(model, {"training": Dicts()}, "m")
+        check_batch_length(table, ({"input_ids": torch.zeros(2, 12, dtype=torch.long)},), "m")
+    given = {"input_ids": torch.zeros(2, 12, dtype=torch.long), "position_ids": None}
+    check_batch_length(table, (given,), "m")
+    check_batch_length(table, (torch.randn(4, 99), torch.zeros(4)), "m")  # features
 
 
-def test_what_cannot_be_read_ahead_or_has_no_table_is_left_to_the_step() -> None:
-    class Stream(IterableDataset[tuple[torch.Tensor, torch.Tensor]]):
-        def __iter__(self):  # type: ignore[no-untyped-def]
-            yield torch.zeros(99, dtype=torch.long), torch.zeros(99, dtype=torch.long)
-
-    floats = TensorDataset(torch.randn(4, 99), torch.randn(4))
-    empty = _tokens(0, 99)
-    check_sample_length(_Learned(8), {"a": Stream(), "b": floats, "c": empty}, "m")
-    check_sample_length(_Rotary(), {"training": _tokens(4, 99)}, "m")
+def test_only_a_table_that_is_surely_the_positions_counts() -> None:
     assert position_table(_Rotary()) is None
     assert longest_sequence(_Rotary()) == ("config.max_position_embeddings", 8)
     assert longest_sequence(_Learned(8)) == ("wpe", 8)
+
+    class TwoTowers(nn.Module):  # CLIP: text and vision tables of their own lengths
+        def __init__(self) -> None:
+            super().__init__()
+            self.text = nn.Module()
+            self.text.position_embedding = nn.Embedding(77, 4)
+            self.vision = nn.Module()
+            self.vision.position_embedding = nn.Embedding(50, 4)
+
+    class Tags(nn.Module):  # a part-of-speech table is no position table
+        def __init__(self) -> None:
+            super().__init__()
+            self.pos_tag_emb = nn.Embedding(18, 4)
+            self.rel_pos_bias = nn.Embedding(32, 4)
+
+    disagreeing = _Learned(8)
+    disagreeing.config = type("C", (), {"n_positions": 1024})()  # type: ignore[assignment]
+    agreeing = _Learned(8)
+    agreeing.config = type("C", (), {"n_positions": 8})()  # type: ignore[assignment]
+    assert position_table(TwoTowers()) is None and position_table(Tags()) is None
+    assert position_table(disagreeing) is None and position_table(agreeing) == ("wpe", 8)
 
 
 def test_the_gpt_recipes_own_table_is_found() -> None:

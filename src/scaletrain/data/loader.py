@@ -221,8 +221,9 @@ def check_dataset(dataset: Any) -> None:
             "(an IterableDataset, a generator) has no indices to shard: load it into one, "
             "or give each rank its own part of the stream with torch's own DataLoader."
         )
-    if isinstance(dataset, dict):
+    if isinstance(dataset, dict) and dataset and 0 not in dataset:
         raise ConfigError(
-            "rt.loader(dataset, ...): got a dict; rt.loader reads samples by index 0, 1, "
+            "rt.loader(dataset, ...): got a dict without the key 0; rt.loader reads samples "
+            "by index 0, 1, "
             "... Fix: a list of samples, or a Dataset (e.g. TensorDataset(inputs, targets))."
         )

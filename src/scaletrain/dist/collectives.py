@@ -79,7 +79,11 @@ def from_rank_zero(text: str) -> str:
 
 
 def reduce_values(
-    values: Mapping[str, Number], op: str = "sum", *, device: torch.device | None = None
+    values: Mapping[str, Number],
+    op: str = "sum",
+    *,
+    device: torch.device | None = None,
+    checked: bool = True,
 ) -> dict[str, Any]:
     """Reduce every value across ranks in ONE collective.
 
@@ -87,35 +91,32 @@ def reduce_values(
     the order of their names, so reducing a dict of metrics costs one all-reduce, not
     one per key. Tensors come back as tensors of their own dtype and device, numbers as
     numbers: an int as an int where the result is whole (a float from another rank can
-    make it not). Every rank must pass the same names with values of the same shapes:
-    one tiny collective on scaletrain's CPU group checks that first (`_same_values`), as
-    a mismatch would add unrelated values or hang the collective.
+    make it not). Every rank must pass the same names, each with as many elements: one
+    tiny collective on scaletrain's CPU group checks that first (`_same_values`), as a
+    mismatch would add unrelated values or hang the collective, and a rank whose values
+    are refused here has every rank raise. `checked=False` skips it, for a dict whose
+    names and sizes the code fixes (a value refused on one rank then leaves the others
+    waiting for it).
     """
-    if op not in REDUCE_OPS:
-        raise ConfigError(f"op={op!r} is not a reduction; expected one of {', '.join(REDUCE_OPS)}.")
-    if not isinstance(values, Mapping):
-        raise ConfigError(
-            f"rt.reduce({values!r}): expected a dict of name -> tensor or number, reduced in "
-            "one collective. Fix: name the value, e.g. rt.reduce({'loss': loss})['loss'], or "
-            "pass every value of the step at once: rt.reduce({'loss': loss, 'count': n})."
-        )
+    problem: ConfigError | None = None
     shapes: list[tuple[str, torch.Size, torch.dtype | None, torch.device | None]] = []
     flat: list[torch.Tensor] = []
-    for key, value in sorted(values.items(), key=lambda kv: str(kv[0])):
+    try:
+        items = _items(values, op)
+    except ConfigError as exc:
+        problem, items = exc, []
+    for key, value in items:
         if isinstance(value, torch.Tensor):
             t = value.detach()
             shapes.append((key, t.shape, t.dtype, t.device))
             flat.append(t.reshape(-1).to(torch.float64).cpu() if device is None else t.reshape(-1))
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        else:
             shapes.append((key, torch.Size([]), None, None))
             flat.append(torch.tensor([float(value)], dtype=torch.float64))
-        else:
-            raise ConfigError(
-                f"reduce() got {key}={value!r} of type {type(value).__name__}; expected tensors "
-                "or numbers (int/float). Convert it, e.g. torch.tensor(x)."
-            )
-    if _active():
-        _same_values([(key, tuple(shape)) for key, shape, _, _ in shapes])
+    if checked and _active():
+        _same_values([(key, shape.numel()) for key, shape, _, _ in shapes], problem)
+    if problem is not None:
+        raise problem
     if not values:
         return {}
     comm_device = device if device is not None else torch.device("cpu")
@@ -149,21 +150,50 @@ def reduce_values(
     return {key: reduced[key] for key in values}
 
 
-def _same_values(layout: list[tuple[str, tuple[int, ...]]]) -> None:
-    """Raise on every rank where the ranks' names and shapes (`layout`, in packing
-    order) differ: one all-reduce (MAX) of this rank's count of elements and a checksum
-    of its layout, beside their negatives (whose MAX is the smallest)."""
-    said = ", ".join(f"{k!r}" + (f" {list(s)}" if s else "") for k, s in layout) or "nothing"
-    size = sum(math.prod(s) for _, s in layout)
+def _items(values: Any, op: str) -> list[tuple[str, Any]]:
+    """The values to reduce in packing order (by name), each a tensor or a number."""
+    if op not in REDUCE_OPS:
+        raise ConfigError(f"op={op!r} is not a reduction; expected one of {', '.join(REDUCE_OPS)}.")
+    if not isinstance(values, Mapping):
+        raise ConfigError(
+            f"rt.reduce({values!r}): expected a dict of name -> tensor or number, reduced in "
+            "one collective. Fix: name the value, e.g. rt.reduce({'loss': loss})['loss'], or "
+            "pass every value of the step at once: rt.reduce({'loss': loss, 'count': n})."
+        )
+    for key, value in values.items():
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not (number or isinstance(value, torch.Tensor)):
+            raise ConfigError(
+                f"reduce() got {key}={value!r} of type {type(value).__name__}; expected tensors "
+                "or numbers (int/float). Convert it, e.g. torch.tensor(x)."
+            )
+    return sorted(values.items(), key=lambda kv: str(kv[0]))
+
+
+def _same_values(layout: list[tuple[str, int]], problem: ConfigError | None) -> None:
+    """Raise on every rank where the ranks' names and sizes (`layout`, in packing order)
+    differ, or where one of them was called wrongly (`problem`: it raises its own): one
+    all-reduce (MAX) of this rank's count of elements and a checksum of its layout,
+    beside their negatives (whose MAX is the smallest), and a failure flag."""
+    said = ", ".join(f"{k!r}" + (f" ({n} elements)" if n != 1 else "") for k, n in layout)
+    size = sum(n for _, n in layout)
     check = zlib.crc32(repr(layout).encode())
-    t = torch.tensor([size, check, -size, -check], dtype=torch.float64)
+    failed = 1.0 if problem is not None else 0.0
+    t = torch.tensor([size, check, -size, -check, failed], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=control_group())
+    if problem is not None:
+        return  # this rank raises its own
+    if t[4] > 0:
+        raise PeerFailure(
+            "rt.reduce: another rank was called wrongly (it raises why); this one's values "
+            "were not reduced."
+        )
     if t[0] != -t[2] or t[1] != -t[3]:
         raise ConfigError(
-            "rt.reduce: the ranks passed different names or shapes to reduce (this rank: "
-            f"{said}); the values are reduced name by name in one collective, so every rank "
-            "passes the same names, each value of the same shape. Fix: give every rank "
-            "every name, with 0 (or zeros) where a rank has nothing to add."
+            "rt.reduce: the ranks passed different names or sizes to reduce (this rank: "
+            f"{said or 'nothing'}); the values are reduced name by name in one collective, "
+            "so every rank passes the same names, each value with as many elements. Fix: "
+            "give every rank every name, with 0 (or zeros) where a rank has nothing to add."
         )
 
 

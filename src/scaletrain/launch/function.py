@@ -165,8 +165,8 @@ def _check_args(args: object) -> tuple[Any, ...]:
 def _check_call(fn: Callable[..., Any], name: str, args: tuple[Any, ...]) -> None:
     """`fn(*args)` binds: a missing or extra argument is refused before any process
     starts, not by every rank after (a function without a signature is let through)."""
-    try:
-        signature = inspect.signature(fn)
+    try:  # the function's own, not what a decorator wraps (it may supply arguments)
+        signature = inspect.signature(fn, follow_wrapped=False)
     except (TypeError, ValueError):
         return
     try:
@@ -238,6 +238,11 @@ def _rank_main(agent: int, fn: Callable[..., Any], *args: Any) -> bytes:
     """What each rank runs: `fn(*args)`; its return value serialised (torch.save: tensors
     as data, not as shared memory that ends with this process); a failure recorded."""
     _die_with(agent)
+    # A session of its own, as `scaletrain launch`'s workers have (torch starts those
+    # so): a terminal's Ctrl-C reaches the launching process alone, which passes it on
+    # once (_Interrupts); reaching the ranks too, the second copy read as a second Ctrl-C.
+    with contextlib.suppress(OSError):
+        os.setsid()
     try:
         value = fn(*args)
         buffer = io.BytesIO()

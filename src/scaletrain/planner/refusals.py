@@ -96,9 +96,10 @@ def refused(what: str, exc: Exception, example: Any = None) -> ConfigError | Non
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         return ConfigError(
             f"{say(api='plan(...): ', cli='')}{what} failed{batch}: {type(exc).__name__}: "
-            f"{first}. Fix: give the model what its forward takes: the model module's "
-            "example(batch_size) or datasets(split) (a model of token ids takes int64 ids); "
-            "training would fail the same way.",
+            f"{first}. Fix: if that batch is not what the model's forward takes, the model "
+            "module's example(batch_size) or datasets(split) (a model of token ids takes "
+            "int64 ids): training would fail the same way; if it is, the op failed under "
+            "the plan's fake tensors: measure instead (train a few steps).",
             field="model",
         )
     return None

@@ -60,8 +60,7 @@ def by_name(call: str, path: Any, unnamed: tuple[Any, ...]) -> None:
 
 
 def check_setup(model: Any, optimizer: Any) -> None:
-    """rt.setup's model and optimizer: a module, an optimizer (or none) that steps some
-    of the model's parameters (one built on another model would train that one)."""
+    """rt.setup's model and optimizer: a module and an optimizer (or none)."""
     if not isinstance(model, nn.Module):
         raise ConfigError(
             f"rt.setup(model): got {article(type(model).__name__)}; expected the "
@@ -74,16 +73,6 @@ def check_setup(model: Any, optimizer: Any) -> None:
             "the model's parameters. Fix: e.g. rt.setup(model, torch.optim.AdamW("
             "model.parameters())), or rt.setup(model) alone."
         )
-    if optimizer is not None:
-        mine = {id(p) for p in model.parameters()}
-        steps = [p for g in optimizer.param_groups for p in g["params"]]
-        if steps and mine and not any(id(p) in mine for p in steps):
-            raise ConfigError(
-                f"rt.setup(model, optimizer): none of the {len(steps)} parameter(s) the "
-                f"{type(optimizer).__name__} steps is the {type(model).__name__}'s: it was "
-                "built on another model, and would train that one. Fix: build it on this "
-                "model's parameters, e.g. torch.optim.AdamW(model.parameters())."
-            )
 
 
 def check_clip(optimizer: Any, max_norm: Any, norm_type: Any) -> None:

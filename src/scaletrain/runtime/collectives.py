@@ -36,10 +36,16 @@ class Collectives(Place):
 
     # -- coordination -------------------------------------------------------------
     def reduce(
-        self, values: Mapping[str, torch.Tensor | float | int], op: str = "sum"
+        self,
+        values: Mapping[str, torch.Tensor | float | int],
+        op: str = "sum",
+        *,
+        checked: bool = True,
     ) -> dict[str, Any]:
         """Reduce a dict of tensors/numbers over all ranks in one collective: the same
-        names on every rank, each value of the same shape.
+        names on every rank, each value with as many elements, which one tiny collective
+        on the CPU group checks first (`checked=False` skips it, for a dict whose names
+        and sizes the code fixes, reduced every step).
 
         Over every rank: under tensor or pipeline parallelism the ranks of one replica
         read the same batch (`rt.loader` shards between replicas), so a sum of per-sample
@@ -48,7 +54,7 @@ class Collectives(Place):
         which counts each sample once."""
         device = self.device if self.backend == "nccl" else None
         with self._phase(_phases.SYNC):
-            return _dist.reduce_values(values, op, device=device)
+            return _dist.reduce_values(values, op, device=device, checked=checked)
 
     def gather(self, data: Any) -> Any:
         """Every rank's tensor, concatenated along dim 0 in rank order: rank 0's rows,
@@ -92,7 +98,7 @@ class Collectives(Place):
                 leaves = [real_rows(t, source, name) for t in leaves]
             except ConfigError as exc:
                 problem = str(exc)
-        if problem is None and not self._replicas_first_rank():
+        if problem is None and source is not None and not self._replicas_first_rank():
             # Tensor-parallel and pipeline peers of a replica hold the same batch and the
             # same outputs: its first rank's rows stand for them all.
             leaves = [t[:0] if t.dim() else t.reshape(1)[:0] for t in leaves]

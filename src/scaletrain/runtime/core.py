@@ -111,7 +111,8 @@ class Runtime(Collectives):
                 f"rt.setup(model): this {type(model).__name__} is already set up (rt.setup "
                 "returned it, or wrapped it): a second setup would wrap it again, and its "
                 "first backward fails. Fix: call rt.setup once per model and use what it "
-                "returned."
+                "returned; a new optimizer is built on the parameters of the model it "
+                "returned (rt.setup(model, optimizer) moves one made before it)."
             )
         model = self.precision.convert_module(model)
         wrapped = self.strategy.setup_module(model, self.topology)

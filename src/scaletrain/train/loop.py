@@ -39,11 +39,13 @@ def seed_everything(seed: int) -> None:
 
 
 class TimedBatches:
-    """An iterator over a loader that adds up the time spent waiting for its batches."""
+    """An iterator over a loader that adds up the time spent waiting for its batches;
+    `first` sees the first batch before the step does (a check of what it holds)."""
 
-    def __init__(self, loader: Any) -> None:
+    def __init__(self, loader: Any, first: Callable[[Any], None] | None = None) -> None:
         self._it: Iterator[Any] = iter(loader)
         self.wait_s = 0.0
+        self._first = first
 
     def __iter__(self) -> TimedBatches:
         return self
@@ -51,9 +53,13 @@ class TimedBatches:
     def __next__(self) -> Any:
         start = time.perf_counter()
         try:
-            return next(self._it)
+            batch = next(self._it)
         finally:
             self.wait_s += time.perf_counter() - start
+        if self._first is not None:
+            check, self._first = self._first, None
+            check(batch)
+        return batch
 
 
 def train_step(
@@ -90,7 +96,7 @@ def train_step(
         local_items = sum(int((y != -100).sum()) for _, y in micro)
         # Tensor/pipeline peers of a replica hold the same batch: counted once each.
         copies = rt.world_size // rt.dp_size
-        num_items = max(int(rt.reduce({"n": local_items}, op="sum")["n"]) // copies, 1)
+        num_items = max(int(rt.reduce({"n": local_items}, checked=False)["n"]) // copies, 1)
         # rt.forward_backward counts each micro-batch 1/accumulate, the gradient
         # all-reduce averages over the data-parallel ranks and a pipeline over its
         # microbatches: a sum over N is what those means must come to.
@@ -199,7 +205,7 @@ def _evaluate(
     batches = len(loader)
     if max_batches is not None:
         batches = min(batches, max_batches)
-    most = int(rt.reduce({"batches": batches}, op="max")["batches"])
+    most = int(rt.reduce({"batches": batches}, op="max", checked=False)["batches"])
     last: tuple[Any, torch.Tensor] | None = None
     for index, (x, y) in enumerate(loader):
         if index == batches:
@@ -218,7 +224,9 @@ def _evaluate(
         if last is not None:
             rt.predict(model, last[0].to(rt.device))
     net.train(was_training)
-    totals = rt.reduce({"loss_sum": loss_sum, "correct": correct, "count": count}, op="sum")
+    totals = rt.reduce(
+        {"loss_sum": loss_sum, "correct": correct, "count": count}, op="sum", checked=False
+    )
     # Tensor/pipeline peers of one replica computed the same numbers on the same
     # shard: the sum over all ranks counts each replica's results that many times.
     copies = rt.world_size // rt.dp_size

@@ -29,7 +29,7 @@ from scaletrain.train.announce import fork_parent, plural, run_info, run_summary
 from scaletrain.train.config import TrainConfig
 from scaletrain.train.length import RunLength
 from scaletrain.train.loop import TimedBatches, evaluate, seed_everything, train_step
-from scaletrain.train.positions import check_sample_length
+from scaletrain.train.positions import check_batch_length, position_table
 from scaletrain.train.recipes import Recipe
 from scaletrain.train.resolved import resolved_config
 from scaletrain.train.resume import (
@@ -124,8 +124,7 @@ class Session:
             self.train_set = recipe.data(cfg.data_dir, "train")
             self.test_set = recipe.data(cfg.data_dir, "test")
         model = recipe.build()
-        named = spell("model", recipe.spec) if recipe.spec else spell("recipe", recipe.name)
-        check_sample_length(model, {"training": self.train_set, "test": self.test_set}, named)
+        self.positions = position_table(model)  # each epoch's first batch is checked
         if self.sync_bn:
             model = sync_batchnorm(model)
         self.global_batch = self.batch_size * rt.dp_size * cfg.accumulate
@@ -318,7 +317,11 @@ class Session:
         # The same epoch keeps a restored mid-epoch position; a new one restarts.
         self.loader.set_epoch(epoch)
         observers.on_epoch_start(epoch, self.epochs, epoch_end - first, done.step - first)
-        batches = TimedBatches(self.loader)
+        spec, name = self.recipe.spec, self.recipe.name
+        named = spell("model", spec) if spec else spell("recipe", name)
+        batches = TimedBatches(
+            self.loader, first=lambda b: check_batch_length(self.positions, b, named)
+        )
         window_loss = torch.zeros((), device=rt.device)
         window_steps = 0
         window_start = epoch_start = time.perf_counter()

@@ -424,15 +424,19 @@ def _no_kv_cache(model: nn.Module) -> Iterator[None]:
     """A Hugging Face model traced without its key-value cache (config.use_cache: its
     DynamicCache is an output torch.export cannot return, and training keeps none), the
     user's setting put back after."""
-    config = getattr(model, "config", None)
-    cached = getattr(config, "use_cache", None)
-    if cached:
-        config.use_cache = False  # type: ignore[union-attr]
+    configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None))}
+    # A composite model's parts have configs of their own (a vision-language model's
+    # text_config), which its language model reads.
+    parts = [getattr(c, "text_config", None) for c in configs.values()]
+    configs.update({id(c): c for c in parts if c is not None})
+    cached = [c for c in configs.values() if getattr(c, "use_cache", None)]
+    for config in cached:
+        config.use_cache = False
     try:
         yield
     finally:
-        if cached:
-            config.use_cache = cached  # type: ignore[union-attr]
+        for config in cached:
+            config.use_cache = True
 
 
 @contextlib.contextmanager
