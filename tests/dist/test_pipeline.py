@@ -324,13 +324,22 @@ def _hf_job() -> dict[str, Any]:
     x = torch.randint(0, 64, (4, 8))
 
     def loss_fn(out: Any, y: torch.Tensor) -> torch.Tensor:
-        return nn.functional.cross_entropy(logits_of(out).flatten(0, 1), y.flatten())
+        # What the model returns under every strategy: its ModelOutput's logits (the
+        # traced last stage returned the bare tensor).
+        return nn.functional.cross_entropy(out.logits.flatten(0, 1), y.flatten())
 
     loss = rt.forward_backward(model, x, x, loss_fn)
-    return {"loss": float(loss), "use_cache": rt.unwrap(model).config.use_cache}
+    predicted = rt.predict(model, x)
+    return {
+        "loss": float(loss),
+        "use_cache": rt.unwrap(model).config.use_cache,
+        "predicted": type(predicted).__name__,
+        "logits": tuple(logits_of(predicted).shape),
+    }
 
 
-def test_a_hugging_face_model_is_traced_without_its_kv_cache() -> None:
+def test_a_hugging_face_model_is_traced_without_its_kv_cache_and_returns_its_output() -> None:
     for res in run_ranks(_hf_job, 2, timeout=200):
         assert 3.0 < res["loss"] < 5.5, res  # about log(64) at random weights
         assert res["use_cache"] is True  # the user's setting, put back after the trace
+        assert res["predicted"] == "CausalLMOutputWithPast" and res["logits"] == (4, 8, 64)

@@ -33,6 +33,8 @@ class _Built:
     microbatch_size: int
     out_meta: Any = None
     """(treespec, [(shape, dtype)]) of the padded outputs, learnt once from the last stage."""
+    out_spec: Any = None
+    """The model's own output structure (`_output_spec`), on the ranks of the last stage."""
 
 
 class PipelineModule(nn.Module):
@@ -78,6 +80,7 @@ class PipelineModule(nn.Module):
         self._local_names: set[str] | None = None
         self._remote_ids: set[int] = set()
         self._loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None
+        self._out_spec: Any = None
         self._watchers: list[tuple[Callable[[nn.Module], None], Callable[[], None]]] = []
         self._mb_losses: list[torch.Tensor] = []
         floats = [p.dtype for p in module.parameters() if p.is_floating_point()]
@@ -202,7 +205,7 @@ class PipelineModule(nn.Module):
                 "cuts targets along dim 0 like the inputs, so they need the same batch size."
             )
         built = self._get(inputs, batch // self.microbatches, train=True)
-        self._loss_fn = loss_fn
+        self._loss_fn, self._out_spec = loss_fn, built.out_spec
         self._mb_losses = []
         args = (to_device(inputs, self.device),) if self.holds_first else ()
         target = targets.to(self.device) if self.holds_last else None
@@ -224,7 +227,7 @@ class PipelineModule(nn.Module):
         # also shrink gradients accumulated by earlier calls (no_sync accumulation).
         # Scaling each microbatch's loss by 1/M gives the batch-mean gradient instead.
         assert self._loss_fn is not None
-        loss = self._loss_fn(output, target)
+        loss = self._loss_fn(_as_model_output(output, self._out_spec), target)
         self._mb_losses.append(loss.detach())
         return loss / self.microbatches
 
@@ -249,7 +252,7 @@ class PipelineModule(nn.Module):
         if built.out_meta is None:
             meta: list[Any] = [None]
             if self.holds_last:
-                leaves, spec = pytree.tree_flatten(out)
+                leaves, spec = pytree.tree_flatten(_as_model_output(out, built.out_spec))
                 meta = [(spec, [(t.shape, t.dtype) for t in leaves])]
             with warnings.catch_warnings():
                 # Unpickling the TreeSpec builds a LeafSpec, which torch 2.13 deprecates
@@ -319,7 +322,34 @@ class PipelineModule(nn.Module):
             schedule = ScheduleGPipe(
                 stages[0], self.microbatches, loss_fn=loss_fn, scale_grads=False
             )
-        return _Built(schedule=schedule, stages=stages, microbatch_size=microbatch_size)
+        out_spec = self._output_spec(to_device(example, self.device)) if self.holds_last else None
+        return _Built(schedule, stages, microbatch_size, out_spec=out_spec)
+
+    def _output_spec(self, example: Any) -> Any:
+        """The model's own output structure (a Hugging Face ModelOutput around its
+        logits), which the traced last stage returns as bare leaves: what one forward on
+        fake tensors returns (no memory, no values), its parameters and buffers fakes too,
+        so that what the forward updates in place (BatchNorm's counts) stays as it was.
+        None where it cannot run there."""
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        module = self.module
+        try:
+            with (
+                FakeTensorMode(allow_non_fake_inputs=True) as mode,
+                _no_kv_cache(module),
+                torch.no_grad(),
+            ):
+                fake = pytree.tree_map(
+                    lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, example
+                )
+                named = [*module.named_parameters(remove_duplicate=False),
+                         *module.named_buffers(remove_duplicate=False)]  # fmt: skip
+                state: dict[str, Any] = {name: mode.from_tensor(t) for name, t in named}
+                out = torch.func.functional_call(module, state, (fake,))
+                return pytree.tree_flatten(out)[1]
+        except Exception:  # the trace ran it; a hook of the user's may not run on fakes
+            return None
 
     def _trace(self, example: Any) -> Any:
         from torch.distributed.pipelining import SplitPoint, pipeline
@@ -417,6 +447,17 @@ class PipelineModule(nn.Module):
                 "rt.predict call (tracing needs an example batch); call one first."
             )
         return self._local_names
+
+
+def _as_model_output(output: Any, spec: Any) -> Any:
+    """The last stage's `output` in the model's own structure `spec` (`_output_spec`):
+    a loss function gets what the model returns under every strategy (`out.logits`)."""
+    if spec is None:
+        return output
+    leaves, own = pytree.tree_flatten(output)
+    if own == spec or len(leaves) != spec.num_leaves:
+        return output
+    return pytree.tree_unflatten(leaves, spec)
 
 
 @contextlib.contextmanager
