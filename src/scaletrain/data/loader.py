@@ -224,6 +224,6 @@ def check_dataset(dataset: Any) -> None:
     if isinstance(dataset, dict) and dataset and 0 not in dataset:
         raise ConfigError(
             "rt.loader(dataset, ...): got a dict without the key 0; rt.loader reads samples "
-            "by index 0, 1, "
-            "... Fix: a list of samples, or a Dataset (e.g. TensorDataset(inputs, targets))."
+            "by index 0, 1, ... Fix: a list of samples, or a Dataset (e.g. "
+            "TensorDataset(inputs, targets))."
         )

@@ -86,11 +86,8 @@ class DDP(Strategy):
             raise ConfigError(
                 f"DDP(bucket_cap_mb={self.bucket_cap_mb!r}) must be positive, e.g. 25 (MiB)."
             )
-        if (
-            isinstance(self.powersgd_rank, bool)
-            or not isinstance(self.powersgd_rank, int)
-            or (self.powersgd_rank < 1)
-        ):
+        rank = self.powersgd_rank
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
             raise ConfigError(f"DDP(powersgd_rank={self.powersgd_rank!r}) must be >= 1.")
         if self.device_map is not None:
             check_device_map(self.device_map, "DDP")

@@ -124,7 +124,9 @@ class Session:
             self.train_set = recipe.data(cfg.data_dir, "train")
             self.test_set = recipe.data(cfg.data_dir, "test")
         model = recipe.build()
-        self.positions = position_table(model)  # each epoch's first batch is checked
+        named = spell("model", recipe.spec) if recipe.spec else spell("recipe", recipe.name)
+        # Each epoch's first batch, against the model's position table.
+        self.check_batch = functools.partial(check_batch_length, position_table(model), owner=named)
         if self.sync_bn:
             model = sync_batchnorm(model)
         self.global_batch = self.batch_size * rt.dp_size * cfg.accumulate
@@ -317,11 +319,7 @@ class Session:
         # The same epoch keeps a restored mid-epoch position; a new one restarts.
         self.loader.set_epoch(epoch)
         observers.on_epoch_start(epoch, self.epochs, epoch_end - first, done.step - first)
-        spec, name = self.recipe.spec, self.recipe.name
-        named = spell("model", spec) if spec else spell("recipe", name)
-        batches = TimedBatches(
-            self.loader, first=lambda b: check_batch_length(self.positions, b, named)
-        )
+        batches = TimedBatches(self.loader, first=self.check_batch)
         window_loss = torch.zeros((), device=rt.device)
         window_steps = 0
         window_start = epoch_start = time.perf_counter()
